@@ -1,0 +1,35 @@
+# The README's commands. Each sets up what it needs on a fresh machine:
+# a virtual environment, torch 2.13.0 (CPU build) unless a torch is already installed,
+# the other dependencies, and the C++ extension (built without build isolation).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS := triton pybind11 ninja pytest pytest-benchmark tqdm matplotlib sacrebleu tokenizers numpy
+
+.PHONY: setup build demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.deps: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet $(DEPS)
+	@touch $@
+
+setup: $(VENV)/.deps
+
+build: setup
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+
+demo: build
+	$(PY) -m fastformer train
+
+test: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-group-by=group -q
+
+clean:
+	rm -rf build *.egg-info fastformer/*.so .pytest_cache .benchmarks

@@ -1,0 +1,10 @@
+"""One torch.autograd.Function per op. Each takes the chosen backend's kernels, runs its
+forward kernel, saves what backward needs (the dropout seed and offset, never a mask)
+and calls the same backend's backward kernel."""
+from .add_layer_norm import AddLayerNormFunction
+from .attention import AttentionFunction
+from .cross_entropy import CrossEntropyFunction, LinearCrossEntropyFunction
+from .feed_forward import FeedForwardFunction
+
+__all__ = ["AttentionFunction", "AddLayerNormFunction", "FeedForwardFunction",
+           "CrossEntropyFunction", "LinearCrossEntropyFunction"]

@@ -1,0 +1,33 @@
+import torch
+
+from .. import philox
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    """``y = LayerNorm(residual + dropout(x))`` on (N, C) rows; also returns h for prenorm."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, dropout_p, prenorm, kernels):
+        seed, offset = philox.next_seed() if dropout_p > 0.0 else (0, 0)
+        y, h, mean, rstd = kernels.add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p,
+                                                      seed, offset)  # (N, C) x2, (N,) x2
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.config = (dropout_p, seed, offset, residual is not None)
+        ctx.prenorm = prenorm
+        ctx.kernels = kernels
+        if prenorm:
+            return y, h
+        ctx.mark_non_differentiable(h)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, mean, rstd = ctx.saved_tensors
+        dropout_p, seed, offset, has_residual = ctx.config
+        dh = dh if ctx.prenorm else None
+        dx, dres, dweight, dbias = ctx.kernels.add_layer_norm_bwd(
+            dy.contiguous(), None if dh is None else dh.contiguous(), h, weight, mean, rstd,
+            dropout_p, seed, offset, has_residual)
+        if has_residual and dres.numel() == 0:
+            dres = dx  # no dropout: the residual's gradient is x's gradient
+        return dx, (dres if has_residual else None), dweight, dbias, None, None, None, None

@@ -1,0 +1,59 @@
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .. import backends
+from ..autograd import AddLayerNormFunction
+from . import _checks, reference
+
+
+def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], eps: float = 1e-5, dropout_p: float = 0.0, *,
+                   prenorm: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Fused dropout + residual add + LayerNorm over the last dimension.
+
+    Post-LN (default): returns ``LayerNorm(residual + dropout(x))``.
+    Pre-LN (``prenorm=True``): returns ``(LayerNorm(h), h)`` with ``h = residual + dropout(x)``,
+    so the block can carry ``h`` on as its next residual without a second pass.
+
+    Args:
+        x: ``(..., C)``, any hidden size C.
+        residual: same shape as x, or None (then ``h = dropout(x)``).
+        weight, bias: ``(C,)`` LayerNorm affine parameters, or None for no affine.
+        eps: added to the variance.
+        dropout_p: dropout probability applied to x before the add (pass 0 in eval).
+
+    Statistics are computed in fp32 for every input dtype; under ``torch.autocast`` the
+    inputs are cast to the autocast dtype.
+    """
+    _checks.tensor("x", x, min_ndim=1, floating=True)
+    C = x.shape[-1]
+    if residual is not None:
+        _checks.tensor("residual", residual, floating=True)
+        _checks.shape("residual", residual, x.shape, "the shape of x")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            _checks.tensor(name, p, ndim=1, floating=True)
+            _checks.shape(name, p, (C,), "(C,) with C = x.shape[-1]")
+    _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
+    dropout_p = _checks.probability("dropout_p", dropout_p)
+    eps = _checks.positive("eps", eps)
+
+    lowp = _checks.autocast_dtype(x.device)
+    x, residual = _checks.cast(x, lowp), _checks.cast(residual, lowp)
+    _checks.same_dtype(x=x, residual=residual)
+
+    kernels = backends.select("add_layer_norm", x.device, x.dtype)
+    if kernels is None:
+        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm)
+    shape = x.shape
+    x2 = x.reshape(-1, C).contiguous()  # (N, C)
+    r2 = residual.reshape(-1, C).contiguous() if residual is not None else None
+    w = weight if weight is not None else torch.ones(C, dtype=x.dtype, device=x.device)
+    b = bias if bias is not None else torch.zeros(C, dtype=x.dtype, device=x.device)
+    w, b = w.to(x.dtype), b.to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        y, h = AddLayerNormFunction.apply(x2, r2, w, b, eps, dropout_p, bool(prenorm), kernels)
+    if prenorm:
+        return y.reshape(shape), h.reshape(shape)
+    return y.reshape(shape)

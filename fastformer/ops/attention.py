@@ -1,0 +1,93 @@
+import math
+from typing import Optional
+
+import torch
+
+from .. import backends
+from ..autograd import AttentionFunction
+from . import _checks, reference
+
+MAX_HEAD_DIM = 256
+
+
+def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tensor:
+    """A bool or float mask broadcastable to (B, H, Sq, Sk) -> fp32 additive 4-D view (no copy of T x T)."""
+    m = attn_mask
+    if m.dtype == torch.bool:
+        m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(m, float("-inf"))
+    else:
+        m = m.float()
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m.expand(B, H, Sq, Sk)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              key_padding_mask: Optional[torch.Tensor] = None,
+              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+              scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Fused scaled-dot-product attention: ``softmax(q k^T * scale + mask) v``.
+
+    Args:
+        q: queries ``(B, H, Sq, D)``.
+        k, v: keys and values ``(B, H, Sk, D)``; ``Sk`` may differ from ``Sq``; any ``D <= 256``.
+        key_padding_mask: ``(B, Sk)`` bool, True marks a padded key that no query may see.
+        attn_mask: bool (True = masked out) or float (added to the scores), broadcastable
+            to ``(B, H, Sq, Sk)``.
+        is_causal: query ``i`` sees key ``j`` iff ``j <= i + Sk - Sq`` (bottom-right aligned,
+            as incremental decoding needs).
+        scale: score scale, default ``1 / sqrt(D)``.
+        dropout_p: dropout probability on the attention probabilities (pass 0 in eval).
+
+    Returns:
+        ``(B, H, Sq, D)`` in q's dtype. A query row with no visible key outputs zeros and
+        receives zero gradient. Kernels never store the ``Sq x Sk`` matrix for backward:
+        they keep the per-row log-sum-exp and recompute. A float ``attn_mask`` that
+        requires grad is differentiated by the reference implementation.
+    """
+    _checks.tensor("q", q, ndim=4, floating=True)
+    _checks.tensor("k", k, ndim=4, floating=True)
+    _checks.tensor("v", v, ndim=4, floating=True)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    _checks.shape("k", k, (B, H, Sk, D), "(B, H, Sk, D) with q's B, H and D")
+    _checks.shape("v", v, (B, H, Sk, D), "(B, H, Sk, D) matching k")
+    _checks.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+    if key_padding_mask is not None:
+        _checks.tensor("key_padding_mask", key_padding_mask, ndim=2)
+        _checks.shape("key_padding_mask", key_padding_mask, (B, Sk), "(B, Sk)")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = padded), got {key_padding_mask.dtype}")
+    if attn_mask is not None:
+        _checks.tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (B, H, Sq, Sk))
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"(B, H, Sq, Sk) = {(B, H, Sq, Sk)}") from None
+        if attn_mask.dim() > 4:
+            raise ValueError(f"attn_mask must have at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
+    dropout_p = _checks.probability("dropout_p", dropout_p)
+    scale = 1.0 / math.sqrt(D) if scale is None else _checks.positive("scale", scale)
+
+    lowp = _checks.autocast_dtype(q.device)
+    q, k, v = (_checks.cast(t, lowp) for t in (q, k, v))
+    _checks.same_dtype(q=q, k=k, v=v)
+
+    limitation = None
+    if D > MAX_HEAD_DIM:
+        limitation = f"head dim {D} is larger than the kernels' maximum {MAX_HEAD_DIM}"
+    elif attn_mask is not None and attn_mask.requires_grad:
+        limitation = "attn_mask requires grad, and only the reference differentiates the mask"
+    kernels = backends.select("attention", q.device, q.dtype, limitation)
+    if kernels is None:
+        return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                   is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
+    am = _attn_mask_as_additive(attn_mask, B, H, Sq, Sk) if attn_mask is not None else None
+    with torch.autocast(q.device.type, enabled=False):
+        return AttentionFunction.apply(q, k, v, kpm, am, bool(is_causal), float(scale), dropout_p, kernels)

@@ -1,0 +1,58 @@
+from typing import Optional
+
+import torch
+
+from .. import backends
+from ..autograd import FeedForwardFunction
+from . import _checks, reference
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                 b2: Optional[torch.Tensor], *, activation: str = "relu",
+                 dropout_p: float = 0.0) -> torch.Tensor:
+    """The position-wise FFN ``linear(dropout(act(linear(x, w1, b1))), w2, b2)``.
+
+    Args:
+        x: ``(..., E)``.
+        w1: ``(F, E)`` and b1 ``(F,)`` or None: the first ``nn.Linear``'s weight and bias.
+        w2: ``(E, F)`` and b2 ``(E,)`` or None: the second ``nn.Linear``'s weight and bias.
+        activation: ``"relu"`` or ``"gelu"`` (the exact erf form, as ``F.gelu``).
+        dropout_p: dropout probability after the activation (pass 0 in eval).
+
+    Bias, activation and dropout are fused into one pass after the first GEMM (CPU) or
+    into its epilogue (Triton); backward regenerates the dropout mask and only the
+    ``(..., F)`` pre-activation is kept between forward and backward.
+    """
+    _checks.tensor("x", x, min_ndim=1, floating=True)
+    _checks.tensor("w1", w1, ndim=2, floating=True)
+    _checks.tensor("w2", w2, ndim=2, floating=True)
+    E = x.shape[-1]
+    F_ = w1.shape[0]
+    _checks.shape("w1", w1, (F_, E), "(dim_feedforward, E) with E = x.shape[-1]")
+    _checks.shape("w2", w2, (E, F_), "(E, dim_feedforward), the transpose of w1's shape")
+    if b1 is not None:
+        _checks.tensor("b1", b1, ndim=1, floating=True)
+        _checks.shape("b1", b1, (F_,), "(dim_feedforward,)")
+    if b2 is not None:
+        _checks.tensor("b2", b2, ndim=1, floating=True)
+        _checks.shape("b2", b2, (E,), "(E,)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _checks.same_device(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    dropout_p = _checks.probability("dropout_p", dropout_p)
+
+    lowp = _checks.autocast_dtype(x.device)
+    x, w1, b1, w2, b2 = (_checks.cast(t, lowp) for t in (x, w1, b1, w2, b2))
+    _checks.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+
+    kernels = backends.select("feed_forward", x.device, x.dtype)
+    if kernels is None:
+        return reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
+    shape = x.shape
+    x2 = x.reshape(-1, E).contiguous()  # (N, E)
+    with torch.autocast(x.device.type, enabled=False):
+        out = FeedForwardFunction.apply(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation,
+                                        dropout_p, kernels)
+    return out.reshape(shape)

@@ -1,0 +1,170 @@
+"""The pure-PyTorch definitions of fastformer's ops: the test oracle and the last fallback.
+
+Every kernel backend is checked against these functions. They are written out
+explicitly (no ``F.scaled_dot_product_attention``, ``F.layer_norm`` or
+``F.cross_entropy`` inside) so the tests can check them, in turn, against those
+independent torch implementations.
+
+Low-precision inputs keep statistics and softmax in fp32, as the kernels do.
+Dropout uses the shared Philox mask (:mod:`fastformer.philox`): pass the
+``rng=(seed, offset)`` a kernel used and the reference drops exactly the same
+elements; leave it ``None`` and a fresh pair is drawn from torch's generator.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from .. import philox
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _rng(dropout_p: float, rng: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+    if dropout_p > 0.0 and rng is None:
+        return philox.next_seed()
+    return rng if rng is not None else (0, 0)
+
+
+def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False, scale=None,
+              dropout_p=0.0, rng=None):
+    """``softmax(q k^T * scale + mask) v`` with q ``(B, H, Sq, D)``, k/v ``(B, H, Sk, D)``.
+
+    ``key_padding_mask`` ``(B, Sk)`` bool, True = padded key. ``attn_mask`` bool (True =
+    masked out) or float (added), broadcastable to ``(B, H, Sq, Sk)``. ``is_causal``:
+    query i sees key j iff ``j <= i + Sk - Sq`` (bottom-right aligned). Dropout acts on
+    the probabilities. A query row with no visible key outputs 0 and gets zero gradient.
+    """
+    B, H, Sq, D = q.shape
+    Sk = k.shape[-2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # (B, H, Sq, Sk)
+    hidden = torch.zeros((1, 1, Sq, Sk), dtype=torch.bool, device=q.device)
+    if is_causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        hidden = hidden | (j > i + (Sk - Sq))
+    if key_padding_mask is not None:
+        hidden = hidden | key_padding_mask.bool()[:, None, None, :]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            hidden = hidden | attn_mask
+        else:
+            s = s + attn_mask.float()
+    s = s.masked_fill(hidden, float("-inf"))
+    row_visible = (s > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    s = torch.where(row_visible, s, torch.zeros_like(s))
+    s = s - s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s)
+    p = e / e.sum(dim=-1, keepdim=True) * row_visible
+    if dropout_p > 0.0:
+        seed, offset = _rng(dropout_p, rng)
+        p = philox.dropout(p, dropout_p, seed, offset)
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenorm=False, rng=None):
+    """Post-LN ``LayerNorm(residual + dropout(x))`` over the last dimension.
+
+    ``residual`` may be None (then ``h = dropout(x)``); ``weight``/``bias`` may be None
+    (no affine). With ``prenorm=True`` returns ``(LayerNorm(h), h)`` with
+    ``h = residual + dropout(x)``, so a pre-LN block can reuse ``h`` as its next residual.
+    """
+    h = x
+    if dropout_p > 0.0:
+        seed, offset = _rng(dropout_p, rng)
+        h = philox.dropout(h, dropout_p, seed, offset)
+    if residual is not None:
+        h = h + residual
+    hf = h.float()
+    mean = hf.mean(dim=-1, keepdim=True)
+    var = ((hf - mean) ** 2).mean(dim=-1, keepdim=True)
+    y = (hf - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return (y, h) if prenorm else y
+
+
+def _activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
+    pf = pre.float()
+    if activation == "relu":
+        a = torch.clamp_min(pf, 0.0)
+    elif activation == "gelu":
+        a = 0.5 * pf * (1.0 + torch.erf(pf * (1.0 / math.sqrt(2.0))))
+    else:
+        raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+    return a.to(pre.dtype)
+
+
+def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, rng=None):
+    """``linear(dropout(act(linear(x, w1, b1))), w2, b2)``, weights in ``nn.Linear`` layout."""
+    pre = torch.matmul(x, w1.t())  # (..., F)
+    if b1 is not None:
+        pre = pre + b1
+    a = _activation(pre, activation)
+    if dropout_p > 0.0:
+        seed, offset = _rng(dropout_p, rng)
+        a = philox.dropout(a, dropout_p, seed, offset)
+    out = torch.matmul(a, w2.t())  # (..., E)
+    if b2 is not None:
+        out = out + b2
+    return out
+
+
+def _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index):
+    """Per-row smoothed loss (fp32, 0 for ignored rows) and the valid-row mask."""
+    lf = logits2d.float()
+    m = lf.amax(dim=-1, keepdim=True)
+    lse = m + torch.log(torch.exp(lf - m).sum(dim=-1, keepdim=True))
+    logp = lf - lse  # (N, V)
+    valid = target1d != ignore_index
+    safe_target = torch.where(valid, target1d, torch.zeros_like(target1d))
+    nll = -logp.gather(1, safe_target[:, None]).squeeze(1)
+    loss = nll
+    if label_smoothing > 0.0:
+        smooth = -logp.mean(dim=-1)
+        loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return torch.where(valid, loss, torch.zeros_like(loss)), valid
+
+
+def _reduce(loss_rows, valid, reduction, shape, dtype):
+    if reduction == "none":
+        return loss_rows.reshape(shape).to(dtype)
+    if reduction == "sum":
+        return loss_rows.sum().to(dtype)
+    return (loss_rows.sum() / valid.sum()).to(dtype)
+
+
+def _class_last(logits, target):
+    """F.cross_entropy layouts -> (M, C) logits and (M,) targets, plus the per-element shape."""
+    if logits.dim() == 1:
+        return logits[None, :], target.reshape(1), target.shape
+    if logits.dim() > 2:
+        C = logits.shape[1]
+        return logits.movedim(1, -1).reshape(-1, C), target.reshape(-1), target.shape
+    return logits, target, target.shape
+
+
+def cross_entropy(logits, target, *, label_smoothing=0.0, ignore_index=-100, reduction="mean"):
+    """``F.cross_entropy(logits, target, ...)`` semantics: class dim 1, smoothing, ignore_index."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    logits2d, target1d, shape = _class_last(logits, target)
+    rows, valid = _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index)
+    return _reduce(rows, valid, reduction, shape, logits.dtype)
+
+
+def linear_cross_entropy(hidden, weight, bias, target, *, label_smoothing=0.0, ignore_index=-100,
+                         reduction="mean"):
+    """``cross_entropy(linear(hidden, weight, bias), target)`` with hidden ``(..., D)``."""
+    logits = torch.matmul(hidden, weight.t())
+    if bias is not None:
+        logits = logits + bias
+    logits2d = logits.reshape(-1, weight.shape[0])
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    rows, valid = _cross_entropy_rows(logits2d, target.reshape(-1), label_smoothing, ignore_index)
+    return _reduce(rows, valid, reduction, target.shape, hidden.dtype)
