@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional
@@ -75,7 +76,14 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def _triton_missing() -> Optional[str]:
-    if importlib.util.find_spec("triton") is None:
+    """Why triton cannot be imported, found without importing it (import fastformer stays light)."""
+    if "triton" in sys.modules and sys.modules["triton"] is None:  # import blocked on purpose
+        return "the triton package is not installed (pip install triton)"
+    try:
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
         return "the triton package is not installed (pip install triton)"
     return None
 
