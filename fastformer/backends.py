@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -165,6 +165,27 @@ def _cannot_run(name: str, op: str, device: torch.device, dtype: torch.dtype,
     return None
 
 
+def _choose(requested: str, op: str, device_type: str, dtype: torch.dtype,
+            limitation: Optional[str]) -> Tuple[str, str]:
+    """(backend name, "") for the backend that runs the call, or ("", error) for a forced one
+    that cannot. Pure in its arguments, so torch.compile evaluates it once while tracing."""
+    device = torch.device(device_type)
+    if requested != "auto":
+        why = _cannot_run(requested, op, device, dtype, limitation)
+        if why is not None:
+            return "", f"fastformer backend {requested!r} was forced but cannot run {op}: {why}"
+        return requested, ""
+    for candidate in AUTO_ORDER.get(device_type, ("reference",)):
+        if _cannot_run(candidate, op, device, dtype, limitation) is None:
+            return candidate, ""
+    return "reference", ""
+
+
+# What torch.compiler.assume_constant_result(_choose) does, written out: that call would import
+# torch._dynamo (and with it triton) at `import fastformer` time.
+_choose._dynamo_marked_constant = True
+
+
 def select(op: str, device: torch.device, dtype: torch.dtype,
            limitation: Optional[str] = None) -> Optional[Kernels]:
     """The kernels that run this call of ``op``, or None for the reference implementation.
@@ -172,16 +193,10 @@ def select(op: str, device: torch.device, dtype: torch.dtype,
     ``limitation``: why no kernel backend can take this particular call (e.g. a mask
     that requires grad), or None. Forced backends raise ``RuntimeError`` with the reason.
     """
-    name = get_backend()
-    if name != "auto":
-        why = _cannot_run(name, op, device, dtype, limitation)
-        if why is not None:
-            raise RuntimeError(f"fastformer backend {name!r} was forced but cannot run {op}: {why}")
-        return None if name == "reference" else _KERNELS[name]
-    for candidate in AUTO_ORDER.get(device.type, ("reference",)):
-        if _cannot_run(candidate, op, device, dtype, limitation) is None:
-            return None if candidate == "reference" else _KERNELS[candidate]
-    return None
+    name, error = _choose(get_backend(), op, device.type, dtype, limitation)
+    if error:
+        raise RuntimeError(error)
+    return None if name == "reference" else _KERNELS[name]
 
 
 def resolve(op: str, device: torch.device, dtype: torch.dtype, limitation: Optional[str] = None) -> str:

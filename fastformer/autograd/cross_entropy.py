@@ -4,8 +4,14 @@ _REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 
 
 def _scale_rows(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
-    """The stored d(loss)/d(input) times the upstream gradient (a scalar, or one per row)."""
+    """The stored d(loss)/d(input) times the upstream gradient (a scalar, or one per row).
+
+    An upstream gradient of exactly 1 (``loss.backward()`` on CPU, outside torch.compile)
+    returns the stored gradient itself: no (N, V) multiply and no new (N, V) allocation."""
     if grad_loss.dim() == 0:
+        if (grad_loss.device.type == "cpu" and not torch.compiler.is_compiling()
+                and grad_loss.item() == 1.0):
+            return grad
         return grad * grad_loss.to(grad.dtype)
     return grad * grad_loss.reshape(-1, 1).to(grad.dtype)
 
@@ -54,8 +60,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if ctx.in_forward:
             dh, dw, db = ctx.saved_tensors
-            dh, dw = _scale_rows(dh, grad_loss), dw * grad_loss.to(dw.dtype)
-            db = db * grad_loss.to(db.dtype) if db is not None else None
+            dh, dw = _scale_rows(dh, grad_loss), _scale_rows(dw, grad_loss)
+            db = _scale_rows(db, grad_loss) if db is not None else None
         else:
             hidden, weight, bias, target = ctx.saved_tensors
             dh, dw, db = ctx.kernels.linear_cross_entropy_bwd(

@@ -1,0 +1,338 @@
+"""Fused dropout + residual add + LayerNorm in Triton (the C++ schemas of csrc/ops.cpp).
+
+Forward: one program per row, the whole row in registers (``BLOCK_C`` = next power of two of
+C, masked past C), statistics in fp32 over the real C columns only.
+Backward: ``_add_layer_norm_bwd`` computes dx (and the residual's gradient) row by row; each
+program also sums ``dy * xhat`` and ``dy`` over its block of rows into one fp32 row of a
+``(G, C)`` partials buffer, and ``_add_layer_norm_bwd_dwdb`` reduces those G rows into
+dweight / dbias: two stages, no atomics, so the result is deterministic.
+Dropout regenerates the forward's Philox mask from ``(seed, offset)``: element ``row * C + col``
+uses counter ``offset + row * C + col``.
+"""
+import functools
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import dropout_keep, dropout_threshold, next_power_of_2
+
+MAX_C = 16384  # the widest row one program keeps in registers
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DWDB_BLOCK_G = 32  # partial rows summed per step of the dweight/dbias reduction
+_DWDB_BLOCK_N = 128  # columns per program of the dweight/dbias reduction
+
+
+@triton.jit
+def _add_layer_norm_fwd(
+    X,  # (N, C) input, dropped out before the add
+    R,  # (N, C) residual (not read without HAS_RESIDUAL)
+    W,  # (C,) LayerNorm weight
+    B,  # (C,) LayerNorm bias
+    Y,  # (N, C) output: LayerNorm(h)
+    H,  # (N, C) output: h = residual + dropout(x)
+    Mean,  # (N,) fp32 output: mean of each row of h
+    Rstd,  # (N,) fp32 output: 1 / sqrt(var + eps) of each row of h
+    C,  # hidden size (= row stride, rows are contiguous)
+    eps,  # added to the variance
+    seed,  # Philox key of the dropout mask
+    offset,  # Philox counter of element (0, 0)
+    drop_threshold,  # round(dropout_p * 2**24): keep iff (bits >> 8) >= drop_threshold
+    drop_scale,  # 1 / (1 - dropout_p)
+    HAS_RESIDUAL: tl.constexpr,  # add R
+    HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    BLOCK_C: tl.constexpr,  # next power of two >= C
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+    mask = cols < C
+    idx = row * C + cols  # row-major element index (int64)
+    h = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, offset + idx, drop_threshold)
+        h = tl.where(keep, h * drop_scale, 0.0)
+    if HAS_RESIDUAL:
+        h += tl.load(R + idx, mask=mask, other=0.0).to(tl.float32)
+    h_out = h.to(H.dtype.element_ty)
+    tl.store(H + idx, h_out, mask=mask)
+    h = h_out.to(tl.float32)  # the statistics of the h that is stored (and that backward sees)
+    mean = tl.sum(h, axis=0) / C
+    diff = tl.where(mask, h - mean, 0.0)
+    var = tl.sum(diff * diff, axis=0) / C
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    y = diff * rstd * w + b
+    tl.store(Y + idx, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+
+@triton.jit
+def _add_layer_norm_bwd(
+    DY,  # (N, C) gradient of y
+    DHIn,  # (N, C) extra gradient of h (prenorm's second output); not read without HAS_DH
+    H,  # (N, C) h saved by the forward
+    W,  # (C,) LayerNorm weight
+    Mean,  # (N,) fp32
+    Rstd,  # (N,) fp32
+    DX,  # (N, C) output: gradient of x
+    DRes,  # (N, C) output: gradient of the residual (= of h); written only with STORE_DRES
+    DWPart,  # (G, C) fp32 output: this program's sum of dy * xhat over its rows
+    DBPart,  # (G, C) fp32 output: this program's sum of dy over its rows
+    N,  # number of rows
+    C,  # hidden size (= row stride)
+    rows_per_program,  # rows [pid * rows_per_program, (pid + 1) * rows_per_program) are ours
+    seed,  # Philox key of the dropout mask
+    offset,  # Philox counter of element (0, 0)
+    drop_threshold,  # round(dropout_p * 2**24)
+    drop_scale,  # 1 / (1 - dropout_p)
+    HAS_DH: tl.constexpr,  # add DHIn to the gradient of h
+    HAS_DROPOUT: tl.constexpr,  # dx = dropout'(gradient of h)
+    STORE_DRES: tl.constexpr,  # write the gradient of h to DRes
+    BLOCK_C: tl.constexpr,  # next power of two >= C
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+    mask = cols < C
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    for row in range(row_start, row_end):
+        idx = tl.cast(row, tl.int64) * C + cols
+        h = tl.load(H + idx, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + idx, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + row)
+        rstd = tl.load(Rstd + row)
+        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        wdy = w * dy
+        c1 = tl.sum(xhat * wdy, axis=0) / C
+        c2 = tl.sum(wdy, axis=0) / C
+        dh = (wdy - (xhat * c1 + c2)) * rstd
+        if HAS_DH:
+            dh += tl.load(DHIn + idx, mask=mask, other=0.0).to(tl.float32)
+        if STORE_DRES:
+            tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
+        dx = dh
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, offset + idx, drop_threshold)
+            dx = tl.where(keep, dh * drop_scale, 0.0)
+        tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+        db_acc += dy
+    part = pid.to(tl.int64) * C + cols
+    tl.store(DWPart + part, dw_acc, mask=mask)
+    tl.store(DBPart + part, db_acc, mask=mask)
+
+
+@triton.jit
+def _add_layer_norm_bwd_dwdb(
+    DWPart,  # (G, C) fp32 per-program partial sums of dy * xhat
+    DBPart,  # (G, C) fp32 per-program partial sums of dy
+    DW,  # (C,) output: dweight, in the weight's dtype
+    DB,  # (C,) output: dbias, in the weight's dtype
+    G,  # number of partial rows
+    C,  # hidden size
+    BLOCK_G: tl.constexpr,  # partial rows per step
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    cmask = cols < C
+    dw = tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        rows = g0 + tl.arange(0, BLOCK_G)  # (BLOCK_G,)
+        m = (rows < G)[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]  # (BLOCK_G, BLOCK_N)
+        dw += tl.load(DWPart + offs, mask=m, other=0.0)
+        db += tl.load(DBPart + offs, mask=m, other=0.0)
+    tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=cmask)
+    tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=cmask)
+
+
+def _num_warps(block_c: int) -> int:
+    """Warps per row program: 8 columns per thread (4 warps at least, 32 at most), so the
+    backward's row vectors and its two accumulators fit in registers without spilling."""
+    return max(4, min(32, block_c // 256))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _partial_rows(n: int, device: torch.device) -> Tuple[int, int]:
+    """(rows_per_program, G) for the backward: about 4 programs per SM on a GPU, 4 programs
+    in the interpreter; G = cdiv(n, rows_per_program) so no program is empty."""
+    target = 4
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = 4 * _sm_count(index)
+    rows_per_program = triton.cdiv(n, min(n, target))
+    return rows_per_program, triton.cdiv(n, rows_per_program)
+
+
+def _check_rows(name: str, t: torch.Tensor, shape, dtype=None) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_x(x: torch.Tensor, name: str = "x") -> Tuple[int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (N, C), got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be fp16, bf16 or fp32 for the triton backend, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    N, C = x.shape
+    if C > MAX_C:
+        raise ValueError(f"the triton add_layer_norm keeps a row in registers and supports hidden "
+                         f"sizes up to {MAX_C}, got C = {C}")
+    return N, C
+
+
+def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    has_dropout = dropout_p > 0.0
+    return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
+
+
+def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                             bias: torch.Tensor, eps: float, dropout_p: float, seed: int,
+                             offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, C = _check_x(x)
+    if residual is not None:
+        _check_rows("residual", residual, (N, C), x.dtype)
+    _check_rows("weight", weight, (C,))
+    _check_rows("bias", bias, (C,))
+    y = torch.empty_like(x)  # (N, C)
+    h = torch.empty_like(x)  # (N, C)
+    mean = torch.empty(N, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x.device)
+    if N == 0:
+        return y, h, mean, rstd
+    has_dropout, threshold, scale = _dropout_args(dropout_p)
+    block_c = next_power_of_2(C)
+    torch.library.wrap_triton(_add_layer_norm_fwd)[(N,)](
+        x, residual if residual is not None else x, weight, bias, y, h, mean, rstd,
+        C, eps, seed, offset, threshold, scale,
+        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=has_dropout, BLOCK_C=block_c,
+        num_warps=_num_warps(block_c), num_stages=1)
+    return y, h, mean, rstd
+
+
+def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
+                             weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                             dropout_p: float, seed: int, offset: int,
+                             has_residual: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, C = _check_x(h, "h")
+    _check_rows("dy", dy, (N, C), h.dtype)
+    if dh is not None:
+        _check_rows("dh", dh, (N, C), h.dtype)
+    _check_rows("weight", weight, (C,))
+    _check_rows("mean", mean, (N,), torch.float32)
+    _check_rows("rstd", rstd, (N,), torch.float32)
+    has_dropout, threshold, scale = _dropout_args(dropout_p)
+    store_dres = has_residual and has_dropout
+    dx = torch.empty_like(h)  # (N, C)
+    dres = torch.empty_like(h) if store_dres else h.new_empty(0)  # empty: the residual's grad is dx
+    dweight = torch.empty_like(weight)  # (C,)
+    dbias = torch.empty_like(weight)  # (C,)
+    if N == 0:
+        return dx, dres, dweight.zero_(), dbias.zero_()
+    rows_per_program, G = _partial_rows(N, h.device)
+    dw_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
+    db_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
+    block_c = next_power_of_2(C)
+    torch.library.wrap_triton(_add_layer_norm_bwd)[(G,)](
+        dy, dh if dh is not None else dy, h, weight, mean, rstd, dx, dres if store_dres else dx,
+        dw_part, db_part, N, C, rows_per_program, seed, offset, threshold, scale,
+        HAS_DH=dh is not None, HAS_DROPOUT=has_dropout, STORE_DRES=store_dres, BLOCK_C=block_c,
+        num_warps=_num_warps(block_c), num_stages=1)
+    torch.library.wrap_triton(_add_layer_norm_bwd_dwdb)[(triton.cdiv(C, _DWDB_BLOCK_N),)](
+        dw_part, db_part, dweight, dbias, G, C, BLOCK_G=_DWDB_BLOCK_G, BLOCK_N=_DWDB_BLOCK_N,
+        num_warps=4, num_stages=1)
+    return dx, dres, dweight, dbias
+
+
+def _fwd_fake(x, residual, weight, bias, eps, dropout_p, seed, offset):
+    N = x.shape[0]
+    return (torch.empty_like(x), torch.empty_like(x), x.new_empty(N, dtype=torch.float32),
+            x.new_empty(N, dtype=torch.float32))
+
+
+def _bwd_fake(dy, dh, h, weight, mean, rstd, dropout_p, seed, offset, has_residual):
+    dres = torch.empty_like(h) if (has_residual and dropout_p > 0.0) else h.new_empty(0)
+    return torch.empty_like(h), dres, torch.empty_like(weight), torch.empty_like(weight)
+
+
+def _register(name: str, impl, fake):
+    """``torch.library.triton_op`` (torch.compile sees the kernels) when the kernels are
+    compiled. Under TRITON_INTERPRET=1 ``wrap_triton`` cannot trace interpreted kernels with
+    fake tensors, so there the op is a ``custom_op`` with an explicit fake implementation."""
+    qualname = f"fastformer_triton::{name}"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        op = torch.library.custom_op(qualname, impl, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(qualname, impl, mutates_args=())
+
+
+# x, residual (N, C); weight, bias (C,) -> y (N, C), h (N, C), mean (N,) fp32, rstd (N,) fp32
+add_layer_norm_fwd = _register("add_layer_norm_fwd", _add_layer_norm_fwd_impl, _fwd_fake)
+# -> dx (N, C), dresidual (N, C) or empty (it equals dx), dweight (C,), dbias (C,)
+add_layer_norm_bwd = _register("add_layer_norm_bwd", _add_layer_norm_bwd_impl, _bwd_fake)
+
+
+def aot_specs() -> List[dict]:
+    """Every kernel specialisation the host code launches, for ahead-of-time compilation:
+    each dtype, BLOCK_C 1024 / 2048 / 4096 / 8192 / 16384 (MAX_C) with the num_warps the host
+    picks for it (4 / 8 / 16 / 32 / 32), the flag combination with the most code (residual, dropout, dh, dres) and the
+    dweight/dbias reduction. Pointers (fresh torch allocations) and C (a multiple of 16, as
+    hidden sizes are) carry Triton's divisible-by-16 specialisation, as the launcher gives them."""
+    specs = []
+    for dtype, t in _TL_DTYPE.items():
+        for block_c in (1024, 2048, 4096, 8192, MAX_C):
+            warps = _num_warps(block_c)
+            specs.append(dict(
+                name=f"_add_layer_norm_fwd_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_fwd,
+                signature={"X": f"*{t}", "R": f"*{t}", "W": f"*{t}", "B": f"*{t}", "Y": f"*{t}",
+                           "H": f"*{t}", "Mean": "*fp32", "Rstd": "*fp32", "C": "i32", "eps": "fp32",
+                           "seed": "i64", "offset": "i64", "drop_threshold": "i32",
+                           "drop_scale": "fp32", "HAS_RESIDUAL": "constexpr",
+                           "HAS_DROPOUT": "constexpr", "BLOCK_C": "constexpr"},
+                constexprs={"HAS_RESIDUAL": True, "HAS_DROPOUT": True, "BLOCK_C": block_c},
+                divisible_by_16=("X", "R", "W", "B", "Y", "H", "Mean", "Rstd", "C"),
+                num_warps=warps, num_stages=1))
+            specs.append(dict(
+                name=f"_add_layer_norm_bwd_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_bwd,
+                signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
+                           "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
+                           "DWPart": "*fp32", "DBPart": "*fp32", "N": "i32", "C": "i32",
+                           "rows_per_program": "i32", "seed": "i64", "offset": "i64",
+                           "drop_threshold": "i32", "drop_scale": "fp32", "HAS_DH": "constexpr",
+                           "HAS_DROPOUT": "constexpr", "STORE_DRES": "constexpr",
+                           "BLOCK_C": "constexpr"},
+                constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True,
+                            "BLOCK_C": block_c},
+                divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "DWPart",
+                                 "DBPart", "C"),
+                num_warps=warps, num_stages=1))
+        specs.append(dict(
+            name=f"_add_layer_norm_bwd_dwdb_{t}", fn=_add_layer_norm_bwd_dwdb,
+            signature={"DWPart": "*fp32", "DBPart": "*fp32", "DW": f"*{t}", "DB": f"*{t}",
+                       "G": "i32", "C": "i32", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr"},
+            constexprs={"BLOCK_G": _DWDB_BLOCK_G, "BLOCK_N": _DWDB_BLOCK_N},
+            divisible_by_16=("DWPart", "DBPart", "DW", "DB", "C"),
+            num_warps=4, num_stages=1))
+    return specs
