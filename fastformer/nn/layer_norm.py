@@ -1,0 +1,34 @@
+"""``fastformer.nn.LayerNorm``: ``torch.nn.LayerNorm`` computed by ``fastformer.ops.add_layer_norm``."""
+import math
+
+import torch
+
+from .. import ops
+from ._twin import share_state, twin_of
+
+
+@twin_of(torch.nn.LayerNorm)
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in twin of :class:`torch.nn.LayerNorm` (same arguments, parameters and state_dict).
+
+    ``normalized_shape`` may span several trailing dimensions, as torch's; they are
+    flattened into one for the fused op.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        shape = tuple(self.normalized_shape)
+        n = len(shape)
+        if tuple(input.shape[input.dim() - n:]) != shape:
+            raise ValueError(f"LayerNorm expects input ending in normalized_shape {shape}, "
+                             f"got input of shape {tuple(input.shape)}")
+        C = math.prod(shape)
+        weight = self.weight.reshape(C) if self.weight is not None else None  # (C,)
+        bias = self.bias.reshape(C) if self.bias is not None else None
+        x = input.reshape(*input.shape[:input.dim() - n], C)  # (..., C)
+        y = ops.add_layer_norm(x, None, weight, bias, self.eps)
+        return y.reshape(input.shape)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.LayerNorm) -> "LayerNorm":
+        """The twin of ``module``, sharing its parameter objects (see :func:`fastformer.convert`)."""
+        return share_state(cls, module)
