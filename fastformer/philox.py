@@ -43,7 +43,7 @@ def philox_bits(n: int, seed: int, offset: int, device=None) -> torch.Tensor:
 
 def drop_threshold(p: float) -> int:
     """The 24-bit threshold: an element is kept iff ``(bits >> 8) >= drop_threshold(p)``."""
-    return int(round(p * (1 << 24)))
+    return int(p * (1 << 24) + 0.5)  # round half up, as llround in csrc/cpu/philox.h
 
 
 def keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, device=None) -> torch.Tensor:

@@ -13,7 +13,7 @@ def dropout_keep(seed, offsets, threshold):
 
 
 def dropout_threshold(p: float) -> int:
-    return int(round(p * (1 << 24)))
+    return int(p * (1 << 24) + 0.5)  # round half up, as fastformer/philox.py and philox.h
 
 
 def next_power_of_2(n: int) -> int:

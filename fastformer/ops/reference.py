@@ -38,7 +38,8 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     B, H, Sq, D = q.shape
     Sk = k.shape[-2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    s = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # (B, H, Sq, Sk)
+    stat_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 statistics, fp64 stays fp64
+    s = torch.matmul(q, k.transpose(-2, -1)).to(stat_dtype) * scale  # (B, H, Sq, Sk)
     hidden = torch.zeros((1, 1, Sq, Sk), dtype=torch.bool, device=q.device)
     if is_causal:
         i = torch.arange(Sq, device=q.device)[:, None]
@@ -50,7 +51,7 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
         if attn_mask.dtype == torch.bool:
             hidden = hidden | attn_mask
         else:
-            s = s + attn_mask.float()
+            s = s + attn_mask.to(stat_dtype)
     s = s.masked_fill(hidden, float("-inf"))
     row_visible = (s > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Sq, 1)
     s = torch.where(row_visible, s, torch.zeros_like(s))
