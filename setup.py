@@ -7,6 +7,7 @@ The CUDA sources in csrc/cuda/ are added only when the installed torch has CUDA.
 import glob
 import os
 import platform
+import subprocess
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -16,17 +17,30 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _compiler_defines(march):
+    """The macros the C++ compiler predefines for -march=<march> (empty if it cannot say)."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout if out.returncode == 0 else ""
+
+
 def cpu_flags():
-    """Compiler flags for the CPU kernels: OpenMP, -O3 and the widest vector ISA at::vec knows."""
+    """Compiler flags for the CPU kernels: OpenMP, -O3 and the widest vector ISA at::vec knows.
+
+    FASTFORMER_CPU_ARCH picks -march (default native; "generic" adds none)."""
     flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
     arch = os.environ.get("FASTFORMER_CPU_ARCH", "native")
     if platform.machine() in ("x86_64", "AMD64") and arch != "generic":
         flags.append(f"-march={arch}")
-        cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-        if arch != "native" or " avx512f " in cpuinfo and " avx512bw " in cpuinfo:
-            # at::vec::Vectorized picks its width from CPU_CAPABILITY_*, not from -march.
+        defines = _compiler_defines(arch)
+        # at::vec::Vectorized picks its width from CPU_CAPABILITY_*, not from -march.
+        if "__AVX512F__" in defines and "__AVX512BW__" in defines:
             flags += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-        elif " avx2 " in cpuinfo:
+        elif "__AVX2__" in defines:
             flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
 

@@ -15,6 +15,7 @@ class AddLayerNormFunction(torch.autograd.Function):
         ctx.config = (dropout_p, seed, offset, residual is not None)
         ctx.prenorm = prenorm
         ctx.kernels = kernels
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros
         if prenorm:
             return y, h
         ctx.mark_non_differentiable(h)
@@ -25,6 +26,8 @@ class AddLayerNormFunction(torch.autograd.Function):
         h, weight, mean, rstd = ctx.saved_tensors
         dropout_p, seed, offset, has_residual = ctx.config
         dh = dh if ctx.prenorm else None
+        if dy is None:  # prenorm with only h used
+            dy = torch.zeros_like(h)
         dx, dres, dweight, dbias = ctx.kernels.add_layer_norm_bwd(
             dy.contiguous(), None if dh is None else dh.contiguous(), h, weight, mean, rstd,
             dropout_p, seed, offset, has_residual)

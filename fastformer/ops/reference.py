@@ -77,22 +77,22 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenor
         h = philox.dropout(h, dropout_p, seed, offset)
     if residual is not None:
         h = h + residual
-    hf = h.float()
+    hf = h.to(torch.promote_types(h.dtype, torch.float32))
     mean = hf.mean(dim=-1, keepdim=True)
     var = ((hf - mean) ** 2).mean(dim=-1, keepdim=True)
     y = (hf - mean) * torch.rsqrt(var + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(hf.dtype)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(hf.dtype)
     y = y.to(x.dtype)
     return (y, h) if prenorm else y
 
 
 def _activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
-    pf = pre.float()
+    pf = pre.to(torch.promote_types(pre.dtype, torch.float32))
     if activation == "relu":
-        a = torch.clamp_min(pf, 0.0)
+        a = torch.relu(pf)
     elif activation == "gelu":
         a = 0.5 * pf * (1.0 + torch.erf(pf * (1.0 / math.sqrt(2.0))))
     else:
@@ -117,7 +117,7 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, rng=Non
 
 def _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index):
     """Per-row smoothed loss (fp32, 0 for ignored rows) and the valid-row mask."""
-    lf = logits2d.float()
+    lf = logits2d.to(torch.promote_types(logits2d.dtype, torch.float32))
     m = lf.amax(dim=-1, keepdim=True)
     lse = m + torch.log(torch.exp(lf - m).sum(dim=-1, keepdim=True))
     logp = lf - lse  # (N, V)

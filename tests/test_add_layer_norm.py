@@ -1,0 +1,378 @@
+"""add_layer_norm: the reference against torch, then every kernel backend against the reference
+(forward and every gradient), dropout exactness and statistics, gradcheck, opcheck, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastformer
+from fastformer import _ext, backends, philox
+from fastformer.ops import add_layer_norm, reference
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+
+BACKENDS = kernel_backends("cpu", "triton")
+CPU = kernel_backends("cpu")
+
+# Shapes (..., C): hidden sizes 64, 1023, 256, 7; row counts 1, odd, round; leading dims.
+SHAPES = [(1, 64), (7, 1023), (203, 256), (5, 7), (3, 7, 256), (1, 1, 1023), (64, 256)]
+# The Triton interpreter is slow: a subset keeps its part of this file short.
+TRITON_SHAPES = [(5, 7), (3, 7, 256), (1, 1, 1023)]
+
+# fp32 tolerances per backend: (atol, rtol) for outputs and for gradients.
+FP32_TOL = {
+    "cpu": {"out": (2e-5, 1e-5), "grad": (1e-4, 1e-5)},
+    "triton": {"out": (2e-5, 1e-5), "grad": (1e-4, 1e-5)},
+    "cuda": {"out": (2e-5, 1e-5), "grad": (1e-4, 1e-5)},
+}
+# bf16: FlashAttention's rule, kernel error <= LOWP_FACTOR x the bf16 reference's error (+ atol).
+# Triton's interpreter (no GPU) converts fp32 -> bf16 by truncation, not round-to-nearest as the
+# hardware does: up to a whole bf16 ulp instead of half, so it gets twice the factor there.
+LOWP_FACTOR = {"cpu": 2.0, "triton": 2.0 if torch.cuda.is_available() else 4.0, "cuda": 2.0}
+
+# name: (has residual, weight, bias, prenorm, which outputs get a gradient, dropout_p)
+CONFIGS = {
+    "post": (True, True, True, False, "y", 0.0),
+    "post_dropout": (True, True, True, False, "y", 0.3),
+    "no_residual_dropout": (False, True, True, False, "y", 0.2),
+    "no_affine": (True, False, False, False, "y", 0.0),
+    "weight_only_dropout": (True, True, False, False, "y", 0.1),
+    "prenorm_grad_y_only": (True, True, True, True, "y", 0.1),
+    "prenorm_grad_both": (True, True, True, True, "yh", 0.0),
+    "prenorm_grad_both_dropout": (True, True, True, True, "yh", 0.25),
+    "prenorm_grad_h_only_dropout": (True, True, True, True, "h", 0.2),
+}
+INPUT_NAMES = ("x", "residual", "weight", "bias")
+
+
+def _shapes(backend):
+    return TRITON_SHAPES if backend == "triton" else SHAPES
+
+
+def _cases():
+    for backend in BACKENDS:
+        for shape in SHAPES:
+            if shape not in _shapes(backend.values[0]):
+                continue
+            for config in CONFIGS:
+                yield pytest.param(backend.values[0], shape, config, marks=backend.marks,
+                                   id=f"{backend.id}-{'x'.join(map(str, shape))}-{config}")
+
+
+def _make_inputs(shape, config, device):
+    has_res, has_w, has_b, _, _, _ = CONFIGS[config]
+    C = shape[-1]
+    x = torch.randn(shape, device=device)
+    residual = torch.randn(shape, device=device) if has_res else None
+    weight = 1.0 + 0.5 * torch.randn(C, device=device) if has_w else None
+    bias = 0.5 * torch.randn(C, device=device) if has_b else None
+    return x, residual, weight, bias
+
+
+def _forward_backward(fn, inputs, upstream):
+    """fn's outputs and the gradient of every given input, for upstream gradients (None = unused)."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    used = [(o, g) for o, g in zip(outs, upstream) if g is not None]
+    present = [leaf for leaf in leaves if leaf is not None]
+    grads = iter(torch.autograd.grad([o for o, _ in used], present, [g for _, g in used],
+                                     allow_unused=True, materialize_grads=True))
+    named = {n: next(grads) for n, leaf in zip(INPUT_NAMES, leaves) if leaf is not None}
+    return [o.detach() for o in outs], named
+
+
+def _run_case(backend, shape, config, dtype, inputs):
+    """(kernel, reference in dtype, reference in fp32) outputs and gradients, same dropout mask."""
+    _, _, _, prenorm, grad_of, p = CONFIGS[config]
+    device = inputs[0].device
+    gy = torch.randn(shape, device=device) if "y" in grad_of else None
+    gh = torch.randn(shape, device=device) if "h" in grad_of else None
+    upstream = (gy, gh) if prenorm else (gy,)
+    torch.manual_seed(1234)
+    rng = philox.next_seed()
+
+    def kernel(x, r, w, b):
+        torch.manual_seed(1234)  # the Function draws the same (seed, offset) as rng
+        with fastformer.use_backend(backend):
+            return add_layer_norm(x, r, w, b, 1e-5, p, prenorm=prenorm)
+
+    def ref(x, r, w, b):
+        return reference.add_layer_norm(x, r, w, b, 1e-5, p, prenorm=prenorm, rng=rng)
+
+    cast = [None if t is None else t.to(dtype) for t in inputs]
+    up_cast = [None if g is None else g.to(dtype) for g in upstream]
+    out = _forward_backward(kernel, cast, up_cast)
+    ref_lowp = _forward_backward(ref, cast, up_cast)
+    ref_fp32 = _forward_backward(ref, [None if t is None else t.float() for t in cast],
+                                 [None if g is None else g.float() for g in up_cast])
+    return out, ref_lowp, ref_fp32
+
+
+# ---------------------------------------------------------------- the reference against torch
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("shape", [(5, 7), (3, 7, 256), (2, 1023)])
+def test_reference_matches_torch_layer_norm(shape, p):
+    C = shape[-1]
+    inputs = (torch.randn(shape), torch.randn(shape), 1 + torch.randn(C), torch.randn(C))
+    upstream = (torch.randn(shape),)
+    rng = (987, 3)
+
+    def torch_version(x, r, w, b):
+        if p > 0:  # the shared Philox mask, applied by hand
+            x = x * philox.keep_mask(x.shape, p, *rng).to(x.dtype) / (1 - p)
+        return F.layer_norm(r + x, (C,), w, b, 1e-5)
+
+    def ref(x, r, w, b):
+        return reference.add_layer_norm(x, r, w, b, 1e-5, p, rng=rng)
+
+    (y_ref,), g_ref = _forward_backward(ref, inputs, upstream)
+    (y_torch,), g_torch = _forward_backward(torch_version, inputs, upstream)
+    assert_close("y", y_ref, y_torch, atol=1e-5, rtol=1e-5)
+    for name in INPUT_NAMES:
+        assert_close(f"d{name}", g_ref[name], g_torch[name], atol=1e-4, rtol=1e-5)
+
+
+def test_reference_prenorm_and_no_residual_no_affine():
+    x, r = torch.randn(4, 33), torch.randn(4, 33)
+    y, h = reference.add_layer_norm(x, r, None, None, 1e-5, prenorm=True)
+    assert_close("h", h, x + r, atol=0, rtol=0)
+    assert_close("y", y, F.layer_norm(x + r, (33,), eps=1e-5), atol=1e-5, rtol=1e-5)
+    assert_close("y (no residual)", reference.add_layer_norm(x, None, None, None),
+                 F.layer_norm(x, (33,), eps=1e-5), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- kernels against the reference
+
+
+@pytest.mark.parametrize("backend,shape,config", list(_cases()))
+def test_fp32_forward_and_every_gradient(backend, shape, config):
+    inputs = _make_inputs(shape, config, device_for(backend))
+    (outs, grads), _, (ref_outs, ref_grads) = _run_case(backend, shape, config, torch.float32, inputs)
+    atol, rtol = FP32_TOL[backend]["out"]
+    for name, o, r in zip(("y", "h"), outs, ref_outs):
+        assert_close(name, o, r, atol=atol, rtol=rtol)
+    atol, rtol = FP32_TOL[backend]["grad"]
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert_close(f"d{name}", grads[name], ref_grads[name], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend,shape,config", list(_cases()))
+def test_bf16_forward_and_every_gradient(backend, shape, config):
+    inputs = _make_inputs(shape, config, device_for(backend))
+    (outs, grads), (lp_outs, lp_grads), (ref_outs, ref_grads) = _run_case(
+        backend, shape, config, torch.bfloat16, inputs)
+    factor = LOWP_FACTOR[backend]
+    for name, o, lp, r in zip(("y", "h"), outs, lp_outs, ref_outs):
+        assert o.dtype == torch.bfloat16
+        assert_close_lowp(name, o, r, lp, factor=factor)
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert grads[name].dtype == torch.bfloat16
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name], factor=factor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_is_exactly_the_reference_mask(backend):
+    """Same (seed, offset) as the reference: identical h (no rounding in x * scale + 0)."""
+    device = device_for(backend)
+    x = torch.randn(6, 300, device=device)
+    w, b = torch.ones(300, device=device), torch.zeros(300, device=device)
+    kern = backends.Kernels(backend)
+    for seed, offset in ((5, 0), (2**40 + 3, 17)):
+        _, h, _, _ = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.4, seed, offset)
+        _, h_ref = reference.add_layer_norm(x, None, None, None, 1e-5, 0.4, prenorm=True,
+                                            rng=(seed, offset))
+        assert torch.equal(h, h_ref)
+
+
+# ---------------------------------------------------------------- dropout statistics
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_statistics_and_backward_mask(backend, p):
+    device = device_for(backend)
+    N, C = (64, 257) if backend == "triton" else (256, 1000)
+    kern = backends.Kernels(backend)
+    x = torch.ones(N, C, device=device)
+    w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 0)
+    kept = h != 0
+    n = kept.numel()
+    rate = kept.double().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), f"keep rate {rate} for p={p}"
+    assert torch.equal(h[kept], torch.full_like(h[kept], 1.0 / (1.0 - p)))
+    assert torch.equal(kept, philox.keep_mask((N, C), p, 11, 0, device=device))
+    # same seed: same mask; another seed or offset: another mask
+    assert torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 0)[1], h)
+    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 12, 0)[1] != 0, kept)
+    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 1)[1] != 0, kept)
+    # backward regenerates the same mask: with dy = 0 and dh = 1, dx is exactly keep * scale
+    dx, dres, dw, db = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean,
+                                               rstd, p, 11, 0, True)
+    assert torch.equal(dx, h)
+    assert torch.equal(dres, torch.ones_like(h))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_counters_past_32_bits(backend):
+    """Counters offset + i whose low word wraps use the high word as philox.py defines."""
+    device = device_for(backend)
+    x = torch.ones(3, 50, device=device)
+    w, b = torch.ones(50, device=device), torch.zeros(50, device=device)
+    offset = 2**32 - 70  # the wrap falls inside the second row
+    _, h, _, _ = backends.Kernels(backend).add_layer_norm_fwd(x, None, w, b, 1e-5, 0.5, 9, offset)
+    assert torch.equal(h != 0, philox.keep_mask((3, 50), 0.5, 9, offset, device=device))
+
+
+def test_functional_op_draws_seed_from_torch_generator():
+    """torch.manual_seed makes the op repeatable; the reference with the recovered rng agrees."""
+    x, r = torch.randn(4, 64), torch.randn(4, 64)
+    torch.manual_seed(3)
+    y1 = add_layer_norm(x, r, None, None, dropout_p=0.5)
+    torch.manual_seed(3)
+    y2 = add_layer_norm(x, r, None, None, dropout_p=0.5)
+    torch.manual_seed(3)
+    rng = philox.next_seed()
+    assert torch.equal(y1, y2)
+    assert_close("y", y1, reference.add_layer_norm(x, r, None, None, dropout_p=0.5, rng=rng),
+                 atol=2e-5, rtol=1e-5)
+    assert not torch.equal(add_layer_norm(x, r, None, None, dropout_p=0.5), y1)
+
+
+# ---------------------------------------------------------------- gradcheck, opcheck, edge cases
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("has_residual", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("backend", CPU)
+def test_gradcheck_float64(backend, p, has_residual, prenorm):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    x, w, b = make(3, 2, 7), make(7), make(7)
+    r = make(3, 2, 7) if has_residual else None
+
+    def fn(x, r, w, b):
+        torch.manual_seed(42)  # the same dropout mask on every evaluation
+        with fastformer.use_backend(backend):
+            return add_layer_norm(x, r, w, b, 1e-5, p, prenorm=prenorm)
+
+    assert torch.autograd.gradcheck(fn, (x, r, w, b), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU)
+def test_opcheck(backend, dtype):
+    assert _ext.load_error() is None
+    ops = torch.ops.fastformer
+    x, r = torch.randn(5, 37, dtype=dtype), torch.randn(5, 37, dtype=dtype)
+    w, b = torch.randn(37, dtype=dtype), torch.randn(37, dtype=dtype)
+    for residual, p in ((r, 0.2), (None, 0.0), (r, 0.0)):
+        torch.library.opcheck(ops.add_layer_norm_fwd.default, (x, residual, w, b, 1e-5, p, 7, 3))
+        _, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, 7, 3)
+        for dh in (None, torch.randn_like(x)):
+            args = (torch.randn_like(x), dh, h, w, mean, rstd, p, 7, 3, residual is not None)
+            torch.library.opcheck(ops.add_layer_norm_bwd.default, args)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_backward_returns_empty_dresidual_unless_it_differs_from_dx(backend):
+    kern = backends.Kernels(backend)
+    x, r, w, b = torch.randn(4, 9), torch.randn(4, 9), torch.randn(9), torch.randn(9)
+    dy = torch.randn(4, 9)
+    for p, has_res, separate in ((0.0, True, False), (0.3, False, False), (0.3, True, True)):
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, r if has_res else None, w, b, 1e-5, p, 1, 0)
+        dx, dres, _, _ = kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, 1, 0, has_res)
+        assert dres.numel() == (dx.numel() if separate else 0)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_any_thread_count(backend, threads):
+    """Rows split over 1 or 3 threads (per-thread dweight / dbias partial sums) give the same answer."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        shape, config = (203, 256), "prenorm_grad_both_dropout"
+        inputs = _make_inputs(shape, config, "cpu")
+        (outs, grads), _, (ref_outs, ref_grads) = _run_case(backend, shape, config, torch.float32,
+                                                            inputs)
+    finally:
+        torch.set_num_threads(previous)
+    for name, o, r in zip(("y", "h"), outs, ref_outs):
+        assert_close(name, o, r, *FP32_TOL[backend]["out"])
+    for name in ref_grads:
+        assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_zero_rows(backend):
+    x = torch.randn(0, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    with fastformer.use_backend(backend):
+        y = add_layer_norm(x, None, w, None, dropout_p=0.1)
+    y.sum().backward()
+    assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_clear_errors(backend):
+    device = device_for(backend)
+    x, r = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+    w = torch.randn(8, device=device)
+    with fastformer.use_backend(backend):
+        with pytest.raises(ValueError, match="residual must have shape"):
+            add_layer_norm(x, torch.randn(4, 9, device=device), w, None)
+        with pytest.raises(ValueError, match="weight must have shape"):
+            add_layer_norm(x, r, torch.randn(7, device=device), None)
+        with pytest.raises(ValueError, match="bias must have 1 dimensions"):
+            add_layer_norm(x, r, w, torch.randn(1, 8, device=device))
+        with pytest.raises(TypeError, match="residual has dtype"):
+            add_layer_norm(x, r.to(torch.bfloat16), w, None)
+        with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+            add_layer_norm(x.long(), None, None, None)
+        for p in (1.0, -0.1, 1.5):
+            with pytest.raises(ValueError, match="dropout_p must be a number in"):
+                add_layer_norm(x, r, w, None, dropout_p=p)
+        with pytest.raises(ValueError, match="eps must be a positive number"):
+            add_layer_norm(x, r, w, None, eps=0.0)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, 0, 0)
+    fwd_cases = [
+        ((torch.randn(32), None, w, b, 1e-5, 0.0, 0, 0), "x must be 2-D"),
+        ((x.long(), None, w, b, 1e-5, 0.0, 0, 0), "x must be float32, float64 or bfloat16"),
+        ((torch.randn(8, 4).t(), None, w, b, 1e-5, 0.0, 0, 0), "x must be contiguous"),
+        ((x, torch.randn(4, 7), w, b, 1e-5, 0.0, 0, 0), "residual must have the shape of x"),
+        ((x, x.double(), w, b, 1e-5, 0.0, 0, 0), "residual must have the dtype of x"),
+        ((x, None, torch.randn(7), b, 1e-5, 0.0, 0, 0), r"weight must have shape \(8,\)"),
+        ((x, None, w, b.double(), 1e-5, 0.0, 0, 0), "bias must have the dtype of x"),
+        ((x, None, w, b, 0.0, 0.0, 0, 0), "eps must be > 0"),
+        ((x, None, w, b, 1e-5, 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
+        ((x, None, w, b, 1e-5, 0.1, -1, 0), "seed must be >= 0"),
+    ]
+    for args, message in fwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.add_layer_norm_fwd(*args)
+    bwd_cases = [
+        ((torch.randn(4, 7), None, h, w, mean, rstd, 0.0, 0, 0, False), "dy must have the shape of h"),
+        ((x, torch.randn(3, 8), h, w, mean, rstd, 0.0, 0, 0, False), "dh must have the shape of h"),
+        ((x, None, h, w, mean.double(), rstd, 0.0, 0, 0, False), "mean must be float32"),
+        ((x, None, h, w, mean, rstd[:3], 0.0, 0, 0, False), r"rstd must have shape \(4,\)"),
+        ((x, None, h, w, mean, rstd, -0.5, 0, 0, False), r"dropout_p must be in \[0, 1\)"),
+    ]
+    for args, message in bwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.add_layer_norm_bwd(*args)

@@ -1,0 +1,348 @@
+"""feed_forward: the reference against torch, then every kernel backend against the reference
+(forward and every gradient), dropout exactness and statistics, gradcheck, opcheck, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastformer
+from fastformer import _ext, backends, philox
+from fastformer.ops import feed_forward, reference
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+
+BACKENDS = kernel_backends("cpu", "triton")
+CPU = kernel_backends("cpu")
+
+# (x shape (..., E), F = dim_feedforward): E in 64, 1023, 256, 7; row counts 1, odd, round.
+SHAPES = [((1, 64), 256), ((7, 1023), 129), ((203, 256), 512), ((5, 7), 29),
+          ((3, 7, 256), 1024), ((1, 1, 1023), 64), ((64, 256), 1023)]
+# The Triton interpreter is slow: a subset keeps its part of this file short.
+TRITON_SHAPES = [((5, 7), 29), ((3, 7, 256), 72), ((1, 1, 1023), 64)]
+
+# fp32 tolerances per backend: (atol, rtol) for the output and for gradients. Triton on a GPU may
+# run fp32 dots in tf32, hence its looser numbers there.
+_TF32 = torch.cuda.is_available()
+FP32_TOL = {
+    "cpu": {"out": (1e-4, 1e-4), "grad": (2e-4, 1e-4)},
+    "triton": {"out": (2e-2, 1e-2), "grad": (5e-2, 1e-2)} if _TF32 else
+              {"out": (1e-4, 1e-4), "grad": (2e-4, 1e-4)},
+    "cuda": {"out": (1e-4, 1e-4), "grad": (2e-4, 1e-4)},
+}
+# bf16: FlashAttention's rule, kernel error <= LOWP_FACTOR x the bf16 reference's error (+ atol).
+# (Triton's interpreter truncates fp32 -> bf16; the feed-forward kernels round to nearest even
+# there as the hardware does, so Triton keeps the factor 2 without a GPU too.)
+LOWP_FACTOR = {"cpu": 2.0, "triton": 2.0, "cuda": 2.0}
+
+# name: (has b1, has b2, activation, dropout_p)
+CONFIGS = {
+    "relu": (True, True, "relu", 0.0),
+    "gelu": (True, True, "gelu", 0.0),
+    "relu_dropout": (True, True, "relu", 0.3),
+    "gelu_dropout": (True, True, "gelu", 0.1),
+    "no_biases_relu_dropout": (False, False, "relu", 0.2),
+    "no_b1_gelu": (False, True, "gelu", 0.0),
+    "no_b2_relu_dropout": (True, False, "relu", 0.5),
+}
+INPUT_NAMES = ("x", "w1", "b1", "w2", "b2")
+
+
+def _cases():
+    for backend in BACKENDS:
+        name = backend.values[0]
+        for shape, F_ in (TRITON_SHAPES if name == "triton" else SHAPES):
+            for config in CONFIGS:
+                yield pytest.param(name, shape, F_, config, marks=backend.marks,
+                                   id=f"{backend.id}-{'x'.join(map(str, shape))}-F{F_}-{config}")
+
+
+def _make_inputs(shape, F_, has_b1, has_b2, device, dtype=torch.float32):
+    E = shape[-1]
+    x = torch.randn(shape, device=device, dtype=dtype)
+    w1 = torch.randn(F_, E, device=device, dtype=dtype) / math.sqrt(E)
+    b1 = 0.5 * torch.randn(F_, device=device, dtype=dtype) if has_b1 else None
+    w2 = torch.randn(E, F_, device=device, dtype=dtype) / math.sqrt(F_)
+    b2 = 0.5 * torch.randn(E, device=device, dtype=dtype) if has_b2 else None
+    return x, w1, b1, w2, b2
+
+
+def _forward_backward(fn, inputs, upstream):
+    """fn's output and the gradient of every given input for the upstream gradient."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    present = [leaf for leaf in leaves if leaf is not None]
+    grads = iter(torch.autograd.grad(out, present, upstream))
+    named = {n: next(grads) for n, leaf in zip(INPUT_NAMES, leaves) if leaf is not None}
+    return out.detach(), named
+
+
+def _run_case(backend, shape, F_, config, dtype):
+    """(kernel, reference in dtype, reference in fp32) output and gradients, same dropout mask."""
+    has_b1, has_b2, activation, p = CONFIGS[config]
+    inputs = _make_inputs(shape, F_, has_b1, has_b2, device_for(backend))
+    upstream = torch.randn(shape, device=inputs[0].device)
+    torch.manual_seed(1234)
+    rng = philox.next_seed()
+
+    def kernel(*args):
+        torch.manual_seed(1234)  # the Function draws the same (seed, offset) as rng
+        with fastformer.use_backend(backend):
+            return feed_forward(*args, activation=activation, dropout_p=p)
+
+    def ref(*args):
+        return reference.feed_forward(*args, activation=activation, dropout_p=p, rng=rng)
+
+    cast = [None if t is None else t.to(dtype) for t in inputs]
+    out = _forward_backward(kernel, cast, upstream.to(dtype))
+    ref_lowp = _forward_backward(ref, cast, upstream.to(dtype))
+    ref_fp32 = _forward_backward(ref, [None if t is None else t.float() for t in cast],
+                                 upstream.to(dtype).float())
+    return out, ref_lowp, ref_fp32
+
+
+# ---------------------------------------------------------------- the reference against torch
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("shape,F_", [((5, 7), 29), ((3, 7, 64), 256)])
+def test_reference_matches_torch_linear_composition(shape, F_, activation, p):
+    inputs = _make_inputs(shape, F_, True, True, "cpu")
+    upstream = torch.randn(shape)
+    rng = (321, 5)
+    act = F.relu if activation == "relu" else F.gelu
+
+    def torch_version(x, w1, b1, w2, b2):
+        a = act(F.linear(x, w1, b1))
+        if p > 0:  # the shared Philox mask, applied by hand
+            a = a * philox.keep_mask(a.shape, p, *rng).to(a.dtype) / (1 - p)
+        return F.linear(a, w2, b2)
+
+    def ref(*args):
+        return reference.feed_forward(*args, activation=activation, dropout_p=p, rng=rng)
+
+    out_ref, g_ref = _forward_backward(ref, inputs, upstream)
+    out_torch, g_torch = _forward_backward(torch_version, inputs, upstream)
+    assert_close("out", out_ref, out_torch, atol=1e-5, rtol=1e-5)
+    for name in INPUT_NAMES:
+        assert_close(f"d{name}", g_ref[name], g_torch[name], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- kernels against the reference
+
+
+@pytest.mark.parametrize("backend,shape,F_,config", list(_cases()))
+def test_fp32_forward_and_every_gradient(backend, shape, F_, config):
+    (out, grads), _, (ref, ref_grads) = _run_case(backend, shape, F_, config, torch.float32)
+    atol, rtol = FP32_TOL[backend]["out"]
+    assert_close("out", out, ref, atol=atol, rtol=rtol)
+    atol, rtol = FP32_TOL[backend]["grad"]
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert_close(f"d{name}", grads[name], ref_grads[name], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend,shape,F_,config", list(_cases()))
+def test_bf16_forward_and_every_gradient(backend, shape, F_, config):
+    (out, grads), (lp, lp_grads), (ref, ref_grads) = _run_case(backend, shape, F_, config,
+                                                               torch.bfloat16)
+    factor = LOWP_FACTOR[backend]
+    assert out.dtype == torch.bfloat16
+    assert_close_lowp("out", out, ref, lp, factor=factor)
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert grads[name].dtype == torch.bfloat16
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name], factor=factor)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_returns_the_pre_activation(backend, activation):
+    device = device_for(backend)
+    x, w1, b1, w2, b2 = _make_inputs((9, 40), 72, True, True, device)
+    out, pre = backends.Kernels(backend).feed_forward_fwd(x, w1, b1, w2, b2, activation, 0.2, 4, 0)
+    tol = FP32_TOL[backend]["out"]
+    assert_close("pre", pre, x @ w1.t() + b1, atol=tol[0], rtol=tol[1])
+    ref = reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=0.2, rng=(4, 0))
+    assert_close("out", out, ref, atol=tol[0], rtol=tol[1])
+
+
+# ---------------------------------------------------------------- dropout statistics
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_statistics_and_backward_mask(backend, p):
+    """Identity weights expose the mask: out = keep * scale, and dx = the same in backward."""
+    device = device_for(backend)
+    N, C = (32, 64) if backend == "triton" else (256, 512)
+    kern = backends.Kernels(backend)
+    x = torch.ones(N, C, device=device)
+    eye = torch.eye(C, device=device)
+    out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 0)
+    kept = out != 0
+    n = kept.numel()
+    rate = kept.double().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), f"keep rate {rate} for p={p}"
+    assert torch.equal(kept, philox.keep_mask((N, C), p, 11, 0, device=device))
+    assert_close("kept values", out[kept], torch.full_like(out[kept], 1 / (1 - p)), atol=0, rtol=1e-3)
+    # same seed: same mask; another seed or offset: another mask
+    assert torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 0)[0], out)
+    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 12, 0)[0] != 0, kept)
+    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 1)[0] != 0, kept)
+    # backward regenerates the same mask: dout = 1, w2 = I -> dpre = keep * scale -> dx = dpre
+    dx, dw1, db1, dw2, db2 = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False,
+                                                   "relu", p, 11, 0)
+    assert torch.equal(dx != 0, kept)
+    assert_close("dx", dx, out, atol=0, rtol=1e-3)
+    assert db1.numel() == 0 and db2.numel() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_counters_past_32_bits(backend):
+    """Counters offset + i whose low word wraps use the high word as philox.py defines."""
+    device = device_for(backend)
+    x, eye = torch.ones(3, 48, device=device), torch.eye(48, device=device)
+    offset = 2**32 - 70  # the wrap falls inside the second row
+    out, _ = backends.Kernels(backend).feed_forward_fwd(x, eye, None, eye, None, "relu", 0.5, 9, offset)
+    assert torch.equal(out != 0, philox.keep_mask((3, 48), 0.5, 9, offset, device=device))
+
+
+def test_functional_op_draws_seed_from_torch_generator():
+    x, w1, b1, w2, b2 = _make_inputs((4, 16), 24, True, True, "cpu")
+    torch.manual_seed(3)
+    y1 = feed_forward(x, w1, b1, w2, b2, dropout_p=0.5)
+    torch.manual_seed(3)
+    y2 = feed_forward(x, w1, b1, w2, b2, dropout_p=0.5)
+    torch.manual_seed(3)
+    rng = philox.next_seed()
+    assert torch.equal(y1, y2)
+    assert_close("out", y1, reference.feed_forward(x, w1, b1, w2, b2, dropout_p=0.5, rng=rng),
+                 atol=1e-5, rtol=1e-5)
+    assert not torch.equal(feed_forward(x, w1, b1, w2, b2, dropout_p=0.5), y1)
+
+
+# ---------------------------------------------------------------- gradcheck, opcheck, edge cases
+
+
+@pytest.mark.parametrize("biases", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("backend", CPU)
+def test_gradcheck_float64(backend, activation, p, biases):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    x, w1, w2 = make(3, 2, 5), make(7, 5), make(5, 7)
+    b1, b2 = (make(7), make(5)) if biases else (None, None)
+
+    def fn(x, w1, b1, w2, b2):
+        torch.manual_seed(42)  # the same dropout mask on every evaluation
+        with fastformer.use_backend(backend):
+            return feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=p)
+
+    assert torch.autograd.gradcheck(fn, (x, w1, b1, w2, b2), eps=1e-6, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU)
+def test_opcheck(backend, dtype):
+    assert _ext.load_error() is None
+    ops = torch.ops.fastformer
+    x, w1, b1, w2, b2 = _make_inputs((6, 24), 40, True, True, "cpu", dtype)
+    for activation, p, biases in (("relu", 0.2, True), ("gelu", 0.0, False), ("gelu", 0.3, True)):
+        bb1, bb2 = (b1, b2) if biases else (None, None)
+        torch.library.opcheck(ops.feed_forward_fwd.default, (x, w1, bb1, w2, bb2, activation, p, 5, 2))
+        _, pre = ops.feed_forward_fwd(x, w1, bb1, w2, bb2, activation, p, 5, 2)
+        args = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, 5, 2)
+        torch.library.opcheck(ops.feed_forward_bwd.default, args)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_any_thread_count(backend, threads):
+    """Rows split over 1 or 3 threads (per-thread db1 / db2 partial sums) give the same answer."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (out, grads), _, (ref, ref_grads) = _run_case(backend, (203, 256), 512, "gelu_dropout",
+                                                      torch.float32)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close("out", out, ref, *FP32_TOL[backend]["out"])
+    for name in ref_grads:
+        assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_zero_rows(backend):
+    x = torch.randn(0, 8, requires_grad=True)
+    w1, b1 = torch.randn(16, 8, requires_grad=True), torch.randn(16, requires_grad=True)
+    w2, b2 = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+    with fastformer.use_backend(backend):
+        out = feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=0.1)
+    out.sum().backward()
+    assert out.shape == (0, 8)
+    for t in (w1, b1, w2, b2):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_clear_errors(backend):
+    device = device_for(backend)
+    x, w1, b1, w2, b2 = _make_inputs((4, 8), 16, True, True, device)
+    with fastformer.use_backend(backend):
+        with pytest.raises(ValueError, match="w1 must have shape"):
+            feed_forward(x, torch.randn(16, 9, device=device), b1, w2, b2)
+        with pytest.raises(ValueError, match="w2 must have shape"):
+            feed_forward(x, w1, b1, torch.randn(16, 8, device=device), b2)
+        with pytest.raises(ValueError, match="b1 must have shape"):
+            feed_forward(x, w1, torch.randn(8, device=device), w2, b2)
+        with pytest.raises(ValueError, match="b2 must have shape"):
+            feed_forward(x, w1, b1, w2, torch.randn(16, device=device))
+        with pytest.raises(ValueError, match="w1 must have 2 dimensions"):
+            feed_forward(x, torch.randn(16, device=device), b1, w2, b2)
+        with pytest.raises(TypeError, match="w1 has dtype"):
+            feed_forward(x, w1.to(torch.bfloat16), b1, w2, b2)
+        with pytest.raises(ValueError, match="activation must be one of"):
+            feed_forward(x, w1, b1, w2, b2, activation="tanh")
+        for p in (1.0, -0.1, 2):
+            with pytest.raises(ValueError, match="dropout_p must be a number in"):
+                feed_forward(x, w1, b1, w2, b2, dropout_p=p)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    x, w1, b1, w2, b2 = _make_inputs((4, 8), 16, True, True, "cpu")
+    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, 0, 0)
+    fwd_cases = [
+        ((torch.randn(8), w1, b1, w2, b2, "relu", 0.0, 0, 0), "x must be 2-D"),
+        ((x.double(), w1, b1, w2, b2, "relu", 0.0, 0, 0), "w1 must have the dtype of x"),
+        ((x.half(), w1.half(), None, w2.half(), None, "relu", 0.0, 0, 0),
+         "x must be float32, float64 or bfloat16"),
+        ((x, torch.randn(16, 7), b1, w2, b2, "relu", 0.0, 0, 0), r"w1 must have shape \(F, E\)"),
+        ((x, w1, b1, torch.randn(8, 15), b2, "relu", 0.0, 0, 0), r"w2 must have shape \(E, F\)"),
+        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, 0, 0), "w1 must be contiguous"),
+        ((x, w1, torch.randn(15), w2, b2, "relu", 0.0, 0, 0), r"b1 must have shape \(16,\)"),
+        ((x, w1, b1, w2, b2.double(), "relu", 0.0, 0, 0), "b2 must have the dtype of x"),
+        ((x, w1, b1, w2, b2, "tanh", 0.0, 0, 0), "activation must be \"relu\" or \"gelu\""),
+        ((x, w1, b1, w2, b2, "relu", 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, 0, -3), "offset must be >= 0"),
+    ]
+    for args, message in fwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.feed_forward_fwd(*args)
+    dout = torch.randn(4, 8)
+    bwd_cases = [
+        ((torch.randn(4, 9), x, w1, w2, pre, True, True, "relu", 0.0, 0, 0), r"dout must have shape \(N, E\)"),
+        ((dout, x, w1, w2, pre[:, :5], True, True, "relu", 0.0, 0, 0), r"pre must have shape \(N, F\)"),
+        ((dout, x, w1, w2, pre.double(), True, True, "relu", 0.0, 0, 0), "pre must have the dtype of x"),
+        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, 0, 0), "activation must be"),
+        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, 0, 0), r"dropout_p must be in \[0, 1\)"),
+    ]
+    for args, message in bwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.feed_forward_bwd(*args)
