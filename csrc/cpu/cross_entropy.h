@@ -1,0 +1,45 @@
+// The fused cross-entropy row kernel, shared by cross_entropy_fwd (csrc/cpu/cross_entropy.cpp)
+// and the chunked linear_cross_entropy ops (csrc/cpu/linear_cross_entropy.cpp).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace fastformer {
+
+// The per-row gradient scale: row_scale[i] when given, else `scale`; ignored rows get 0.
+struct RowScale {
+  double scale = 1.0;
+  const double* row_scale = nullptr;  // (n,) or nullptr
+};
+
+// For every row i of x = logits (n, V) (+ bias (V,) when defined), contiguous, fp32 / fp64 / bf16:
+//   loss_rows[i] = lse_i - (1 - eps) * x_i[t_i] - eps * mean_c(x_i[c])   (0 if t_i == ignore_index)
+// and, when grad is defined (it may alias logits), in the same kernel
+//   grad_i = (softmax(x_i) - (1 - eps) * onehot(t_i) - eps / V) * scale_i.
+// One pass over each row gives max, log-sum-exp and the logit sum (online, per block of
+// vectors); the gradient pass re-reads the row while it is still in cache. Rows run in
+// parallel; target values must already be checked. grad_colsum, when defined with grad, is a
+// zeroed-or-accumulating (at::get_num_threads(), V) tensor in the math type (fp32 for bf16):
+// each thread adds the gradient rows it writes into its own row (the bias gradient, unrounded).
+void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias, const int64_t* target,
+                        double label_smoothing, int64_t ignore_index, RowScale scale,
+                        const at::Tensor& grad, double* loss_rows,
+                        const at::Tensor& grad_colsum = at::Tensor());
+
+// TORCH_CHECKs shared by the ops: `what` names the op in the messages.
+void check_reduction(const char* what, int64_t reduction);
+void check_label_smoothing(const char* what, double label_smoothing);
+// target: CPU int64 (n,) contiguous, values in [0, num_classes) or == ignore_index.
+// Returns the number of rows whose target is not ignore_index.
+int64_t check_target(const char* what, const at::Tensor& target, int64_t n, int64_t num_classes,
+                     int64_t ignore_index);
+// A CPU, contiguous, fp32 / fp64 / bf16 tensor with `ndim` dimensions.
+void check_float_input(const char* what, const char* name, const at::Tensor& t, int64_t ndim);
+
+// sum (reduction 2) or mean over `num_valid` rows (reduction 1) of loss_rows, summed in a
+// fixed order (deterministic); reduction 0 returns the rows. In `dtype`.
+at::Tensor reduce_loss_rows(const double* loss_rows, int64_t n, int64_t num_valid, int64_t reduction,
+                            at::ScalarType dtype);
+
+}  // namespace fastformer

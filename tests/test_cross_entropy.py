@@ -1,0 +1,344 @@
+"""cross_entropy: the reference against F.cross_entropy, then every kernel backend against the
+reference (loss and gradient, every reduction, smoothing, ignore_index), gradcheck, opcheck,
+determinism, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastformer
+from fastformer import _ext, backends
+from fastformer.ops import cross_entropy, reference
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+
+BACKENDS = kernel_backends("cpu", "triton")
+CPU = kernel_backends("cpu")
+REDUCTIONS = ("none", "mean", "sum")
+REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
+SMOOTHING = (0.0, 0.1, 1.0)
+
+# (N, V): rows 1, 7, 113, round; classes 1, 7, 1023, 8000 (odd, not powers of two).
+SHAPES = [(1, 1), (7, 7), (113, 1023), (7, 8000), (1, 8000), (113, 1), (64, 256)]
+# The Triton interpreter is slow: a subset keeps its part of this file short.
+TRITON_SHAPES = [(7, 7), (113, 1023), (1, 8000)]
+
+# fp32 (atol, rtol) per backend for the loss and for the gradient.
+FP32_TOL = {
+    "cpu": {"loss": (1e-5, 1e-5), "grad": (1e-6, 1e-4)},
+    "triton": {"loss": (1e-5, 1e-5), "grad": (1e-6, 1e-4)},
+    "cuda": {"loss": (1e-5, 1e-5), "grad": (1e-6, 1e-4)},
+}
+# bf16: kernel error <= factor x the bf16 reference's error (FlashAttention's rule). The saved
+# bf16 gradient times a non-unit upstream gradient is rounded twice (the reference rounds once),
+# and Triton's interpreter truncates fp32 -> bf16 instead of rounding: both get a factor 3.
+LOWP_FACTOR = {"cpu": 3.0, "triton": 3.0 if torch.cuda.is_available() else 4.0, "cuda": 3.0}
+
+
+def _cases():
+    for backend in BACKENDS:
+        name = backend.values[0]
+        for N, V in (TRITON_SHAPES if name == "triton" else SHAPES):
+            for eps in SMOOTHING:
+                for reduction in REDUCTIONS:
+                    yield pytest.param(name, N, V, eps, reduction, marks=backend.marks,
+                                       id=f"{name}-{N}x{V}-ls{eps}-{reduction}")
+
+
+def _inputs(N, V, device, ignore_index=-100):
+    """Logits with a wide range and targets with every third row ignored."""
+    gen = torch.Generator().manual_seed(N * 10007 + V)
+    x = 3.0 * torch.randn(N, V, generator=gen)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[1::3] = ignore_index
+    return x.to(device), t.to(device)
+
+
+def _upstream(reduction, N, device):
+    """A non-uniform per-row gradient for none; 1 (loss.backward()) for mean; 0.37 for sum."""
+    if reduction == "none":
+        return torch.randn(N, generator=torch.Generator().manual_seed(7)).to(device)
+    return torch.tensor(1.0 if reduction == "mean" else 0.37, device=device)
+
+
+def _loss_and_grad(fn, x, upstream):
+    leaf = x.detach().clone().requires_grad_()
+    loss = fn(leaf)
+    (grad,) = torch.autograd.grad(loss, leaf, upstream.to(loss.dtype))
+    return loss.detach(), grad
+
+
+# ---------------------------------------------------------------- the reference against torch
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("eps", SMOOTHING)
+@pytest.mark.parametrize("shape", [(9, 13), (13,), (4, 13, 5), (3, 13, 2, 3)])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_reference_matches_torch(shape, eps, reduction, ignore_index):
+    """(N, C), (C,) and (N, C, d...) layouts; ignore_index outside and inside [0, C)."""
+    x = 2.0 * torch.randn(shape, dtype=torch.float64)
+    t_shape = (shape[0],) + shape[2:] if len(shape) > 1 else ()
+    t = torch.randint(0, shape[1] if len(shape) > 1 else shape[0], t_shape)
+    if t.dim() > 0:
+        t.view(-1)[::4] = ignore_index
+    kwargs = dict(label_smoothing=eps, ignore_index=ignore_index, reduction=reduction)
+    up = torch.randn(t_shape, dtype=torch.float64) if reduction == "none" else torch.tensor(0.7, dtype=torch.float64)
+    ref_loss, ref_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, **kwargs), x, up)
+    torch_loss, torch_grad = _loss_and_grad(lambda a: F.cross_entropy(a, t, **kwargs), x, up)
+    assert_close("loss", ref_loss, torch_loss, atol=1e-6, rtol=1e-6)  # the reference works in fp32
+    assert_close("grad", ref_grad, torch_grad, atol=1e-6, rtol=1e-5)
+
+
+def test_reference_all_rows_ignored_is_torch():
+    x, t = torch.randn(5, 7), torch.full((5,), -100)
+    for eps in (0.0, 0.1):
+        for reduction in REDUCTIONS:
+            kwargs = dict(label_smoothing=eps, reduction=reduction)
+            ref = reference.cross_entropy(x, t, **kwargs)
+            want = F.cross_entropy(x, t, **kwargs)
+            assert torch.equal(ref.isnan(), want.isnan())
+            assert_close("loss", ref.nan_to_num(), want.nan_to_num(), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- kernels against the reference
+
+
+@pytest.mark.parametrize("backend,N,V,eps,reduction", list(_cases()))
+def test_fp32_loss_and_gradient(backend, N, V, eps, reduction):
+    device = device_for(backend)
+    x, t = _inputs(N, V, device)
+    up = _upstream(reduction, N, device)
+    kwargs = dict(label_smoothing=eps, reduction=reduction)
+
+    def kernel(a):
+        with fastformer.use_backend(backend):
+            return cross_entropy(a, t, **kwargs)
+
+    loss, grad = _loss_and_grad(kernel, x, up)
+    ref_loss, ref_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, **kwargs), x, up)
+    assert loss.dtype == torch.float32 and grad.dtype == torch.float32
+    assert_close("loss", loss, ref_loss, *FP32_TOL[backend]["loss"])
+    assert_close("grad", grad, ref_grad, *FP32_TOL[backend]["grad"])
+    assert torch.equal(grad[1::3], torch.zeros_like(grad[1::3])), "ignored rows get no gradient"
+
+
+@pytest.mark.parametrize("backend,N,V,eps,reduction", list(_cases()))
+def test_bf16_loss_and_gradient(backend, N, V, eps, reduction):
+    device = device_for(backend)
+    x, t = _inputs(N, V, device)
+    x = x.to(torch.bfloat16)
+    up = _upstream(reduction, N, device)
+    kwargs = dict(label_smoothing=eps, reduction=reduction)
+
+    def kernel(a):
+        with fastformer.use_backend(backend):
+            return cross_entropy(a, t, **kwargs)
+
+    def ref(a):
+        return reference.cross_entropy(a, t, **kwargs)
+
+    loss, grad = _loss_and_grad(kernel, x, up)
+    lp_loss, lp_grad = _loss_and_grad(ref, x, up)
+    ref_loss, ref_grad = _loss_and_grad(ref, x.float(), up)
+    assert loss.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16
+    factor = LOWP_FACTOR[backend]
+    assert_close_lowp("loss", loss, ref_loss, lp_loss, factor=factor)
+    assert_close_lowp("grad", grad, ref_grad, lp_grad, factor=factor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(13,), (4, 13, 5), (2, 13, 3, 2)])
+def test_class_dim_layouts_match_torch(backend, shape):
+    """(C,) and (N, C, d...) go through the kernels as (M, C) rows, then back to torch's shape."""
+    device = device_for(backend)
+    x = 2.0 * torch.randn(shape, device=device)
+    t_shape = (shape[0],) + shape[2:] if len(shape) > 1 else ()
+    t = torch.randint(0, 13, t_shape, device=device)
+    for reduction in REDUCTIONS:
+        kwargs = dict(label_smoothing=0.1, reduction=reduction)
+        up = torch.randn(t_shape, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
+
+        def kernel(a):
+            with fastformer.use_backend(backend):
+                return cross_entropy(a, t, **kwargs)
+
+        loss, grad = _loss_and_grad(kernel, x, up)
+        want_loss, want_grad = _loss_and_grad(lambda a: F.cross_entropy(a, t, **kwargs), x, up)
+        assert loss.shape == want_loss.shape
+        assert_close("loss", loss, want_loss, atol=1e-5, rtol=1e-5)
+        assert_close("grad", grad, want_grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ignore_index_inside_the_class_range(backend):
+    device = device_for(backend)
+    x = torch.randn(10, 6, device=device)
+    t = torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 2, 1], device=device)
+    for reduction in REDUCTIONS:
+        kwargs = dict(label_smoothing=0.1, ignore_index=0, reduction=reduction)
+        up = torch.ones(10, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
+
+        def kernel(a):
+            with fastformer.use_backend(backend):
+                return cross_entropy(a, t, **kwargs)
+
+        loss, grad = _loss_and_grad(kernel, x, up)
+        want_loss, want_grad = _loss_and_grad(lambda a: F.cross_entropy(a, t, **kwargs), x, up)
+        assert_close("loss", loss, want_loss, atol=1e-5, rtol=1e-5)
+        assert_close("grad", grad, want_grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_rows_ignored_gives_what_torch_gives(backend):
+    """mean over no rows is nan (0 / 0) as in torch; sum is 0; the gradient is 0, never nan."""
+    device = device_for(backend)
+    x, t = torch.randn(4, 9, device=device), torch.full((4,), -100, device=device)
+    for eps in (0.0, 0.1):
+        for reduction in REDUCTIONS:
+            kwargs = dict(label_smoothing=eps, reduction=reduction)
+            up = torch.ones(4, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
+
+            def kernel(a):
+                with fastformer.use_backend(backend):
+                    return cross_entropy(a, t, **kwargs)
+
+            loss, grad = _loss_and_grad(kernel, x, up)
+            want = F.cross_entropy(x, t, **kwargs)
+            assert torch.equal(loss.isnan(), want.isnan()), f"{reduction}: {loss} vs torch {want}"
+            assert torch.equal(loss.nan_to_num(), want.nan_to_num())
+            assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_logits_stay_finite(backend):
+    device = device_for(backend)
+    x = torch.tensor([[1e4, -1e4, 0.0, 3.0], [-1e4, -1e4, -1e4, -1e4 + 1]], device=device)
+    t = torch.tensor([1, 3], device=device)
+    with fastformer.use_backend(backend):
+        loss = cross_entropy(x, t, label_smoothing=0.1, reduction="none")
+    assert_close("loss", loss, F.cross_entropy(x, t, label_smoothing=0.1, reduction="none"),
+                 atol=1e-3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_gradient_computed_without_requires_grad(backend):
+    device = device_for(backend)
+    x, t = _inputs(7, 33, device)
+    loss, grad = backends.Kernels(backend).cross_entropy_fwd(x, t, 0.1, -100, 1, False)
+    assert grad.numel() == 0
+    assert_close("loss", loss, reference.cross_entropy(x, t, label_smoothing=0.1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_unit_upstream_gradient_and_retained_graph(backend):
+    """loss.backward() hands out the stored gradient; a second backward through a retained
+    graph still sees it unchanged, and a scaled upstream gradient scales it."""
+    x, t = _inputs(9, 50, "cpu")
+    x.requires_grad_()
+    want = torch.autograd.grad(F.cross_entropy(x, t, label_smoothing=0.1), x)[0]
+    with fastformer.use_backend(backend):
+        loss = cross_entropy(x, t, label_smoothing=0.1)
+    loss.backward(retain_graph=True)
+    assert_close("grad", x.grad, want, atol=1e-6, rtol=1e-4)
+    loss.backward(retain_graph=True)
+    assert_close("grad x2", x.grad, 2 * want, atol=1e-6, rtol=1e-4)
+    (3 * loss).backward()
+    assert_close("grad x5", x.grad, 5 * want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_reduction_is_deterministic_across_thread_counts(backend):
+    x, t = _inputs(513, 1000, "cpu")
+    kern = backends.Kernels(backend)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [kern.cross_entropy_fwd(x, t, 0.1, -100, r, True) for r in (1, 2)]
+        torch.set_num_threads(max(2, threads))
+        many = [kern.cross_entropy_fwd(x, t, 0.1, -100, r, True) for r in (1, 2)]
+    finally:
+        torch.set_num_threads(threads)
+    for (l1, g1), (l2, g2) in zip(one, many):
+        assert torch.equal(l1, l2) and torch.equal(g1, g2)
+
+
+# ---------------------------------------------------------------- gradcheck, opcheck
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("eps", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("backend", CPU)
+def test_gradcheck_float64(backend, eps, reduction):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    x3 = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([0, 6, -100, 3, 3, 1])
+    t3 = torch.tensor([[0, 4, -100], [2, 2, 1]])
+
+    def fn(a, b):
+        with fastformer.use_backend(backend):
+            kwargs = dict(label_smoothing=eps, reduction=reduction)
+            return cross_entropy(a, t, **kwargs), cross_entropy(b, t3, **kwargs)
+
+    assert torch.autograd.gradcheck(fn, (x, x3), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("backend", CPU)
+def test_opcheck(backend, dtype):
+    assert _ext.load_error() is None
+    x, t = _inputs(11, 37, "cpu")
+    x = x.to(dtype)
+    for reduction in (0, 1, 2):
+        for compute_grad in (False, True):
+            torch.library.opcheck(torch.ops.fastformer.cross_entropy_fwd.default,
+                                  (x, t, 0.1, -100, reduction, compute_grad))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_clear_errors(backend):
+    device = device_for(backend)
+    x, t = torch.randn(4, 8, device=device), torch.tensor([0, 1, 7, -100], device=device)
+    with fastformer.use_backend(backend):
+        with pytest.raises(ValueError, match=r"target values must be in \[0, 8\)"):
+            cross_entropy(x, torch.tensor([0, 1, 8, 2], device=device))
+        with pytest.raises(ValueError, match=r"target values must be in \[0, 8\)"):
+            cross_entropy(x, torch.tensor([0, -1, 2, 2], device=device))
+        with pytest.raises(TypeError, match="target must hold class indices as int64"):
+            cross_entropy(x, t.int())
+        with pytest.raises(ValueError, match=r"target must have shape \(4,\)"):
+            cross_entropy(x, t[:3])
+        with pytest.raises(ValueError, match="reduction must be one of"):
+            cross_entropy(x, t, reduction="avg")
+        for eps in (-0.1, 1.5):
+            with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\]"):
+                cross_entropy(x, t, label_smoothing=eps)
+        with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
+            cross_entropy(x.long(), t)
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            cross_entropy(x, t, ignore_index=1.5)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    x, t = torch.randn(4, 8), torch.tensor([0, 1, 7, -100])
+    cases = [
+        ((torch.randn(32), t, 0.0, -100, 1, False), "logits must have 2 dimensions"),
+        ((x.long(), t, 0.0, -100, 1, False), "logits must be float32, float64 or bfloat16"),
+        ((x.half(), t, 0.0, -100, 1, False), "logits must be float32, float64 or bfloat16"),
+        ((torch.randn(8, 4).t(), t, 0.0, -100, 1, False), "logits must be contiguous"),
+        ((torch.randn(4, 0), t, 0.0, -100, 1, False), "logits must have at least one class"),
+        ((x, t.int(), 0.0, -100, 1, False), "target must be int64"),
+        ((x, t[:3], 0.0, -100, 1, False), r"target must have shape \(4,\)"),
+        ((x, torch.tensor([0, 1, 8, 2]), 0.0, -100, 1, False), r"target\[2\] = 8 is out of range"),
+        ((x, torch.tensor([0, -5, 1, 2]), 0.0, -100, 1, False), r"target\[1\] = -5 is out of range"),
+        ((x, t, 0.0, -100, 3, False), "reduction must be 0 \\(none\\), 1 \\(mean\\) or 2 \\(sum\\)"),
+        ((x, t, 1.5, -100, 1, False), r"label_smoothing must be in \[0, 1\]"),
+        ((x, t, -0.5, -100, 1, False), r"label_smoothing must be in \[0, 1\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.cross_entropy_fwd(*args)

@@ -1,0 +1,304 @@
+"""linear_cross_entropy: the reference against F.cross_entropy(F.linear(...)), then every kernel
+backend against the reference (loss and the gradients of hidden, weight and bias; every
+reduction, smoothing, ignore_index, bias None, several chunks), gradcheck, opcheck, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastformer
+from fastformer import _ext, backends
+from fastformer.ops import linear_cross_entropy, reference
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+
+BACKENDS = kernel_backends("cpu", "triton")
+CPU = kernel_backends("cpu")
+REDUCTIONS = ("none", "mean", "sum")
+SMOOTHING = (0.0, 0.1, 1.0)
+INPUT_NAMES = ("hidden", "weight", "bias")
+
+# (N, D, V): rows 1, 7, 113; hidden 16..64; classes 1, 7, 1023, 8000. (1100, 16, 8000) spans
+# several 16 MB row chunks of the CPU kernel (3 in fp32, 2 in bf16), the last one partial.
+SHAPES = [(1, 16, 1), (7, 32, 7), (113, 64, 1023), (7, 40, 8000), (1100, 16, 8000)]
+# The Triton interpreter is slow: a subset keeps its part of this file short.
+TRITON_SHAPES = [(7, 32, 7), (113, 64, 1023)]
+
+# fp32 (atol, rtol) per backend for the loss and the gradients.
+FP32_TOL = {
+    "cpu": {"loss": (1e-5, 1e-5), "grad": (1e-5, 1e-4)},
+    "triton": {"loss": (1e-5, 1e-5), "grad": (1e-5, 1e-4)},
+    "cuda": {"loss": (1e-5, 1e-5), "grad": (1e-5, 1e-4)},
+}
+# bf16: kernel error <= factor x the bf16 reference's error (FlashAttention's rule). The GPU
+# kernels may round the bf16 gradients twice (kernel output, then a non-unit upstream gradient)
+# where the reference rounds once, and Triton's interpreter truncates fp32 -> bf16 instead of
+# rounding: they get a larger factor.
+LOWP_FACTOR = {"cpu": 2.0, "triton": 3.0 if torch.cuda.is_available() else 4.0, "cuda": 3.0}
+
+
+def _cases():
+    for backend in BACKENDS:
+        name = backend.values[0]
+        for N, D, V in (TRITON_SHAPES if name == "triton" else SHAPES):
+            for eps in SMOOTHING:
+                for reduction in REDUCTIONS:
+                    for has_bias in (True, False):
+                        if (name == "triton" or N > 1000) and eps == 1.0:
+                            continue
+                        if N > 1000 and eps == 0.0 and reduction != "mean":
+                            continue
+                        if name == "triton" and not has_bias and reduction != "mean":
+                            continue
+                        yield pytest.param(
+                            name, (N, D, V), eps, reduction, has_bias, marks=backend.marks,
+                            id=f"{name}-{N}x{D}x{V}-ls{eps}-{reduction}-{'bias' if has_bias else 'nobias'}")
+
+
+def _inputs(N, D, V, has_bias, device, lead=None):
+    """hidden (lead or N, D), weight (V, D), bias (V,) scaled so logits are O(1..3); every third
+    target ignored."""
+    gen = torch.Generator().manual_seed(N * 7919 + D * 31 + V)
+    shape = lead if lead is not None else (N,)
+    hidden = torch.randn(*shape, D, generator=gen)
+    weight = 2.0 * torch.randn(V, D, generator=gen) / D ** 0.5
+    bias = torch.randn(V, generator=gen) if has_bias else None
+    target = torch.randint(0, V, shape, generator=gen)
+    target.view(-1)[1::3] = -100
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(hidden), move(weight), move(bias), move(target)
+
+
+def _upstream(reduction, shape, device):
+    """A non-uniform per-row gradient for none; 1 (loss.backward()) for mean; 0.37 for sum."""
+    if reduction == "none":
+        return torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(device)
+    return torch.tensor(1.0 if reduction == "mean" else 0.37, device=device)
+
+
+def _loss_and_grads(fn, inputs, upstream):
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    loss = fn(*leaves)
+    present = [leaf for leaf in leaves if leaf is not None]
+    grads = iter(torch.autograd.grad(loss, present, upstream.to(loss.dtype)))
+    named = {n: next(grads) for n, leaf in zip(INPUT_NAMES, leaves) if leaf is not None}
+    return loss.detach(), named
+
+
+def _kernel_fn(backend, target, **kwargs):
+    def fn(h, w, b):
+        with fastformer.use_backend(backend):
+            return linear_cross_entropy(h, w, b, target, **kwargs)
+    return fn
+
+
+def _reference_fn(target, **kwargs):
+    return lambda h, w, b: reference.linear_cross_entropy(h, w, b, target, **kwargs)
+
+
+# ---------------------------------------------------------------- the reference against torch
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("eps", SMOOTHING)
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("lead", [(9,), (2, 5), ()])
+def test_reference_matches_torch(lead, has_bias, eps, reduction):
+    h, w, b, t = _inputs(9, 12, 17, has_bias, "cpu", lead=lead)
+    h, w, b = (None if a is None else a.double() for a in (h, w, b))
+    kwargs = dict(label_smoothing=eps, reduction=reduction)
+    up = _upstream(reduction, t.shape, "cpu").double()
+
+    def torch_version(h, w, b):
+        logits = F.linear(h, w, b)  # (..., V)
+        return F.cross_entropy(logits.reshape(-1, w.shape[0]), t.reshape(-1), **kwargs).reshape(
+            t.shape if reduction == "none" else ())
+
+    ref_loss, ref_grads = _loss_and_grads(_reference_fn(t, **kwargs), (h, w, b), up)
+    want_loss, want_grads = _loss_and_grads(torch_version, (h, w, b), up)
+    assert_close("loss", ref_loss, want_loss, atol=1e-6, rtol=1e-6)  # the reference works in fp32
+    for name in want_grads:
+        assert_close(f"d{name}", ref_grads[name], want_grads[name], atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- kernels against the reference
+
+
+@pytest.mark.parametrize("backend,shape,eps,reduction,has_bias", list(_cases()))
+def test_fp32_loss_and_every_gradient(backend, shape, eps, reduction, has_bias):
+    device = device_for(backend)
+    h, w, b, t = _inputs(*shape, has_bias, device)
+    up = _upstream(reduction, t.shape, device)
+    kwargs = dict(label_smoothing=eps, reduction=reduction)
+    loss, grads = _loss_and_grads(_kernel_fn(backend, t, **kwargs), (h, w, b), up)
+    ref_loss, ref_grads = _loss_and_grads(_reference_fn(t, **kwargs), (h, w, b), up)
+    assert loss.dtype == torch.float32
+    assert_close("loss", loss, ref_loss, *FP32_TOL[backend]["loss"])
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert grads[name].dtype == torch.float32
+        assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.parametrize("backend,shape,eps,reduction,has_bias", list(_cases()))
+def test_bf16_loss_and_every_gradient(backend, shape, eps, reduction, has_bias):
+    device = device_for(backend)
+    inputs = [None if a is None else a.to(torch.bfloat16) for a in _inputs(*shape, has_bias, device)[:3]]
+    t = _inputs(*shape, has_bias, device)[3]
+    up = _upstream(reduction, t.shape, device)
+    kwargs = dict(label_smoothing=eps, reduction=reduction)
+    loss, grads = _loss_and_grads(_kernel_fn(backend, t, **kwargs), inputs, up)
+    lp_loss, lp_grads = _loss_and_grads(_reference_fn(t, **kwargs), inputs, up)
+    ref_loss, ref_grads = _loss_and_grads(_reference_fn(t, **kwargs),
+                                          [None if a is None else a.float() for a in inputs], up)
+    factor = LOWP_FACTOR[backend]
+    assert loss.dtype == torch.bfloat16
+    assert_close_lowp("loss", loss, ref_loss, lp_loss, factor=factor)
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert grads[name].dtype == torch.bfloat16
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name], factor=factor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_only_some_inputs_requiring_grad(backend):
+    device = device_for(backend)
+    h, w, b, t = _inputs(6, 16, 30, True, device, lead=(2, 3))
+    for reduction in REDUCTIONS:
+        kwargs = dict(label_smoothing=0.1, reduction=reduction)
+        w_leaf = w.clone().requires_grad_()
+        with fastformer.use_backend(backend):
+            loss = linear_cross_entropy(h, w_leaf, b, t, **kwargs)
+        ref = reference.linear_cross_entropy(h, w, b, t, **kwargs)
+        assert loss.shape == ref.shape == (t.shape if reduction == "none" else ())
+        assert_close("loss", loss.detach(), ref, atol=1e-5, rtol=1e-5)
+        up = _upstream(reduction, t.shape, device)
+        (dw,) = torch.autograd.grad(loss, w_leaf, up)
+        w_ref = w.clone().requires_grad_()
+        (dw_ref,) = torch.autograd.grad(reference.linear_cross_entropy(h, w_ref, b, t, **kwargs), w_ref, up)
+        assert_close("dweight", dw, dw_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_rows_ignored_gives_what_torch_gives(backend):
+    device = device_for(backend)
+    h, w, b, _ = _inputs(5, 8, 11, True, device)
+    t = torch.full((5,), -100, device=device)
+    for reduction in REDUCTIONS:
+        leaves = [a.clone().requires_grad_() for a in (h, w, b)]
+        with fastformer.use_backend(backend):
+            loss = linear_cross_entropy(*leaves, t, label_smoothing=0.1, reduction=reduction)
+        want = F.cross_entropy(F.linear(h, w, b), t, label_smoothing=0.1, reduction=reduction)
+        assert torch.equal(loss.isnan(), want.isnan()) and torch.equal(loss.nan_to_num(), want.nan_to_num())
+        up = torch.ones_like(loss)
+        for name, g in zip(INPUT_NAMES, torch.autograd.grad(loss, leaves, up)):
+            assert torch.equal(g, torch.zeros_like(g)), f"d{name} must be 0"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_returns_empty_gradients_without_compute_grad(backend):
+    device = device_for(backend)
+    h, w, b, t = _inputs(7, 16, 20, True, device)
+    loss, dh, dw, db = backends.Kernels(backend).linear_cross_entropy_fwd(h, w, b, t, 0.1, -100, 1, False)
+    assert dh.numel() == dw.numel() == db.numel() == 0
+    assert_close("loss", loss, reference.linear_cross_entropy(h, w, b, t, label_smoothing=0.1),
+                 atol=1e-5, rtol=1e-5)
+    _, _, _, db = backends.Kernels(backend).linear_cross_entropy_fwd(h, w, None, t, 0.1, -100, 2, True)
+    assert db.numel() == 0
+
+
+# ---------------------------------------------------------------- gradcheck, opcheck
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("backend", CPU)
+def test_gradcheck_float64(backend, eps, has_bias, reduction):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    h, w = make(6, 5), make(9, 5)
+    b = make(9) if has_bias else None
+    t = torch.tensor([0, 8, -100, 3, 3, 1])
+
+    def fn(h, w, b):
+        with fastformer.use_backend(backend):
+            return linear_cross_entropy(h, w, b, t, label_smoothing=eps, reduction=reduction)
+
+    assert torch.autograd.gradcheck(fn, (h, w, b), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("backend", CPU)
+def test_opcheck(backend, dtype):
+    assert _ext.load_error() is None
+    ops = torch.ops.fastformer
+    h, w, b, t = (a if a.dtype == torch.int64 else a.to(dtype) for a in _inputs(11, 8, 37, True, "cpu"))
+    for bias in (b, None):
+        for reduction, compute_grad in ((0, False), (1, False), (1, True), (2, True)):
+            torch.library.opcheck(ops.linear_cross_entropy_fwd.default,
+                                  (h, w, bias, t, 0.1, -100, reduction, compute_grad))
+        grad_loss = torch.randn(11)
+        torch.library.opcheck(ops.linear_cross_entropy_bwd.default, (grad_loss, h, w, bias, t, 0.1, -100))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_clear_errors(backend):
+    device = device_for(backend)
+    h, w, b, t = _inputs(4, 8, 10, True, device)
+    t = torch.tensor([0, 1, 9, -100], device=device)
+    with fastformer.use_backend(backend):
+        with pytest.raises(ValueError, match=r"target values must be in \[0, 10\)"):
+            linear_cross_entropy(h, w, b, torch.tensor([0, 10, 1, 2], device=device))
+        with pytest.raises(TypeError, match="target must hold class indices as int64"):
+            linear_cross_entropy(h, w, b, t.int())
+        with pytest.raises(ValueError, match=r"target must have shape \(4,\)"):
+            linear_cross_entropy(h, w, b, t[:2])
+        with pytest.raises(ValueError, match="hidden's last dimension must equal weight.shape"):
+            linear_cross_entropy(h[:, :7], w, b, t)
+        with pytest.raises(ValueError, match=r"bias must have shape \(10,\)"):
+            linear_cross_entropy(h, w, b[:9], t)
+        with pytest.raises(TypeError, match="weight has dtype"):
+            linear_cross_entropy(h, w.double(), None, t)
+        with pytest.raises(ValueError, match="reduction must be one of"):
+            linear_cross_entropy(h, w, b, t, reduction="batchmean")
+        with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\]"):
+            linear_cross_entropy(h, w, b, t, label_smoothing=2.0)
+        with pytest.raises(ValueError, match="weight must have 2 dimensions"):
+            linear_cross_entropy(h, w[0], b, t)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    h, w, b, t = _inputs(4, 8, 10, True, "cpu")
+    t = torch.tensor([0, 1, 9, -100])
+    fwd_cases = [
+        ((h[0], w, b, t, 0.0, -100, 1, False), "hidden must have 2 dimensions"),
+        ((h.long(), w, b, t, 0.0, -100, 1, False), "hidden must be float32, float64 or bfloat16"),
+        ((torch.randn(8, 4).t(), w, b, t, 0.0, -100, 1, False), "hidden must be contiguous"),
+        ((h, w.double(), b, t, 0.0, -100, 1, False), "weight has dtype"),
+        ((h, w[:, :7].contiguous(), b, t, 0.0, -100, 1, False), r"weight must have shape \(V, 8\)"),
+        ((h, w, b[:9], t, 0.0, -100, 1, False), r"bias must have shape \(10,\)"),
+        ((h, w, b.double(), t, 0.0, -100, 1, False), "bias has dtype"),
+        ((h, w, b, t[:3], 0.0, -100, 1, False), r"target must have shape \(4,\)"),
+        ((h, w, b, t.int(), 0.0, -100, 1, False), "target must be int64"),
+        ((h, w, b, torch.tensor([0, 1, 10, 2]), 0.0, -100, 1, False), r"target\[2\] = 10 is out of range"),
+        ((h, w, b, t, 0.0, -100, 7, False), r"reduction must be 0 \(none\), 1 \(mean\) or 2 \(sum\)"),
+        ((h, w, b, t, 1.01, -100, 1, False), r"label_smoothing must be in \[0, 1\]"),
+        ((h, w, b, t, 0.0, -100, 0, True), "compute_grad needs reduction mean"),
+    ]
+    for args, message in fwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.linear_cross_entropy_fwd(*args)
+    g = torch.randn(4)
+    bwd_cases = [
+        ((g[:3], h, w, b, t, 0.0, -100), r"grad_loss must have shape \(4,\)"),
+        ((g.long(), h, w, b, t, 0.0, -100), "grad_loss must be a floating-point tensor"),
+        ((g, h, w, b, torch.tensor([0, 1, 10, 2]), 0.0, -100), r"target\[2\] = 10 is out of range"),
+        ((g, h, w[:, :7].contiguous(), b, t, 0.0, -100), r"weight must have shape \(V, 8\)"),
+    ]
+    for args, message in bwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.linear_cross_entropy_bwd(*args)

@@ -1,0 +1,187 @@
+"""The shared dropout RNG: the Python Philox 4x32-10 against the published known-answer vectors,
+the C++ op and Triton's tl.randint against the Python definition, keep rates, seeding."""
+import math
+
+import pytest
+import torch
+
+from fastformer import _ext, philox
+from utils import kernel_backends
+
+try:  # conftest sets TRITON_INTERPRET=1 before this import when there is no GPU
+    import triton
+    import triton.language as tl
+
+    from triton_kernels.utils import dropout_keep
+except ImportError:  # the triton tests are skipped (kernel_backends says why)
+    triton = None
+
+CPU = kernel_backends("cpu")
+TRITON = kernel_backends("triton")
+M32 = 0xFFFFFFFF
+
+# Random123's known-answer tests for philox4x32 with 10 rounds (kat_vectors):
+# (counter c0..c3, key k0 k1) -> output words 0..3.
+KAT = [
+    ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),
+     (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF),
+     (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def _philox4x32_10(counter, key):
+    """All four output words of Philox 4x32-10, built on fastformer.philox's round pieces
+    (the same multiply-hi/lo and constants philox.philox_bits uses)."""
+    c0, c1, c2, c3 = (torch.tensor([w], dtype=torch.int64) for w in counter)
+    k0, k1 = key
+    for _ in range(10):
+        hi_b, lo_b = philox._mulhilo(philox._ROUND_B, c2)
+        hi_a, lo_a = philox._mulhilo(philox._ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + philox._KEY_A) & M32, (k1 + philox._KEY_B) & M32
+    return tuple(int(w) for w in (c0, c1, c2, c3))
+
+
+# ---------------------------------------------------------------- the Python definition
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_round_function_matches_random123_known_answers(counter, key, expected):
+    assert _philox4x32_10(counter, key) == expected
+
+
+def test_philox_bits_is_the_first_word_with_counter_and_key_from_offset_and_seed():
+    # counter (0, 0, 0, 0), key (0, 0): the first published word
+    assert int(philox.philox_bits(1, 0, 0)[0]) == KAT[0][2][0]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        seed = int(torch.randint(0, 2**62, (), generator=gen))
+        counter = int(torch.randint(0, 2**62, (), generator=gen))
+        want = _philox4x32_10((counter & M32, counter >> 32, 0, 0), (seed & M32, seed >> 32))[0]
+        assert int(philox.philox_bits(1, seed, counter)[0]) == want
+    bits = philox.philox_bits(1000, 123, 2**32 - 500)
+    assert bits.dtype == torch.int64 and bits.shape == (1000,)
+    assert int(bits.min()) >= 0 and int(bits.max()) <= M32
+
+
+def test_philox_bits_of_a_range_is_the_bits_of_each_counter():
+    bits = philox.philox_bits(64, 77, 2**32 - 30)  # crosses the low word's wrap
+    singles = torch.cat([philox.philox_bits(1, 77, 2**32 - 30 + i) for i in range(64)])
+    assert torch.equal(bits, singles)
+    assert len(set(bits.tolist())) == 64
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
+def test_keep_rate_within_binomial_bound(p):
+    n = 200_000
+    keep = philox.keep_mask((n,), p, 2024, 3)
+    want = 1.0 - philox.drop_threshold(p) / 2**24  # the exact keep probability of the 24-bit test
+    assert abs(want - (1.0 - p)) < 2**-24
+    rate = keep.double().mean().item()
+    assert abs(rate - want) < 5 * math.sqrt(want * (1 - want) / n), f"keep rate {rate} for p={p}"
+
+
+def test_bits_look_uniform():
+    top = (philox.philox_bits(65536, 9, 0) >> 24).bincount(minlength=256).double()  # top byte
+    chi2 = ((top - 256.0) ** 2 / 256.0).sum().item()
+    assert chi2 < 255 + 6 * math.sqrt(2 * 255), f"chi-square {chi2} over 255 degrees of freedom"
+
+
+def test_dropout_scales_kept_values():
+    x = torch.randn(8, 300)
+    y = philox.dropout(x, 0.25, 3, 0)
+    keep = philox.keep_mask(x.shape, 0.25, 3, 0)
+    assert torch.equal(y[~keep], torch.zeros_like(y[~keep]))
+    assert torch.allclose(y[keep], x[keep] / 0.75)
+    assert philox.dropout(x, 0.0, 3, 0) is x
+
+
+def test_next_seed_repeatable_under_manual_seed():
+    torch.manual_seed(11)
+    a = [philox.next_seed() for _ in range(3)]
+    torch.manual_seed(11)
+    b = [philox.next_seed() for _ in range(3)]
+    assert a == b
+    assert len({s for s, _ in a}) == 3
+    assert all(0 <= s < 2**62 and off == 0 for s, off in a)
+    torch.manual_seed(12)
+    assert philox.next_seed() != a[0]
+
+
+# ---------------------------------------------------------------- C++ against Python
+
+
+@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("n,seed,offset", [
+    (1, 0, 0), (1000, 0, 0), (4097, 42, 7), (300, 2**32 + 5, 2**32 - 150),  # crosses 2**32
+    (257, 2**62 - 1, 2**40 + 3), (0, 1, 1), (50, 2**32 - 1, 2**33 - 25)])
+def test_cpp_philox_bits_match_python(backend, n, seed, offset):
+    assert _ext.load_error() is None
+    got = torch.ops.fastformer.philox_bits(n, seed, offset)
+    assert got.dtype == torch.int64 and got.shape == (n,)
+    assert torch.equal(got, philox.philox_bits(n, seed, offset))
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_cpp_philox_bits_rejects_negative_arguments(backend):
+    assert _ext.load_error() is None
+    for args, name in (((-1, 0, 0), "n"), ((4, -2, 0), "seed"), ((4, 0, -3), "offset")):
+        with pytest.raises(RuntimeError, match=f"philox_bits: {name} must be >= 0"):
+            torch.ops.fastformer.philox_bits(*args)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_opcheck_philox_bits(backend):
+    assert _ext.load_error() is None
+    for args in ((16, 3, 0), (100, 2**40, 2**32 - 10)):
+        torch.library.opcheck(torch.ops.fastformer.philox_bits.default, args)
+
+
+# ---------------------------------------------------------------- Triton against Python
+
+if triton is not None:
+
+    @triton.jit
+    def _randint_kernel(
+        out_ptr,  # (n,) int64: the uint32 bits
+        seed,  # the Philox key, as philox.py takes it
+        offset,  # the first counter
+        n,  # how many counters
+        BLOCK: tl.constexpr,  # counters per program
+    ):
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        bits = tl.randint(seed, offset + idx.to(tl.int64))
+        tl.store(out_ptr + idx, bits.to(tl.int64), mask=idx < n)
+
+    @triton.jit
+    def _keep_kernel(
+        out_ptr,  # (n,) int8: 1 where kept
+        seed,  # the Philox key
+        offset,  # the first counter
+        threshold,  # round(p * 2**24)
+        n,  # how many counters
+        BLOCK: tl.constexpr,  # counters per program
+    ):
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = dropout_keep(seed, offset + idx.to(tl.int64), threshold)
+        tl.store(out_ptr + idx, keep.to(tl.int8), mask=idx < n)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("n,seed,offset", [(300, 0, 0), (200, 2**32 + 9, 2**32 - 100), (64, 5, 2**40)])
+def test_triton_randint_matches_python(backend, n, seed, offset):
+    out = torch.empty(n, dtype=torch.int64)
+    block = 128
+    _randint_kernel[(triton.cdiv(n, block),)](out, seed, offset, n, BLOCK=block)
+    assert torch.equal(out, philox.philox_bits(n, seed, offset))
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_dropout_keep_matches_python_mask(backend):
+    n, p, seed, offset = 500, 0.3, 77, 2**32 - 200
+    out = torch.empty(n, dtype=torch.int8)
+    _keep_kernel[(triton.cdiv(n, 128),)](out, seed, offset, philox.drop_threshold(p), n, BLOCK=128)
+    assert torch.equal(out.bool(), philox.keep_mask((n,), p, seed, offset))
