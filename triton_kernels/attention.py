@@ -1,0 +1,600 @@
+"""Flash-attention-2 style Triton kernels for ``fastformer.ops.attention``: the forward kernel,
+the tile helpers the backward kernels share (triton_kernels/attention_backward.py), the host
+functions with the C++ schema's semantics (csrc/ops.cpp), their registration as
+``torch.library`` ops and the ahead-of-time compile specs.
+
+Semantics (the contract, ``fastformer.ops.reference.attention`` is the definition):
+``out = dropout(softmax(q k^T * scale + attn_mask, masked)) v`` with q ``(B, H, Sq, D)`` and
+k/v ``(B, H, Sk, D)``; key ``j`` is hidden from query ``i`` when it is padded, when
+``is_causal`` and ``j > i + Sk - Sq`` (bottom-right aligned), or when ``attn_mask`` is -inf.
+A query row with no visible key outputs 0, its lse is +inf and it gets zero gradient.
+Dropout element ``((b*H + h)*Sq + i)*Sk + j`` uses Philox counter ``offset`` + that index.
+
+Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
+the saved lse is the natural log-sum-exp.
+"""
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import dropout_keep, dropout_threshold, next_power_of_2
+
+MAX_HEAD_DIM = 256
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# Additive-mask values below this are finite but would overflow to -inf once turned into log2
+# units; they are clamped to -FLT_MAX (still finite, so the key stays "visible" as in the reference).
+MASK_FLOOR = tl.constexpr(-3.4028234663852886e38 / 1.4426950408889634)
+# The interpreter's tl.dot multiplies bf16 storage as integers: widen bf16 operands there.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_WIDEN_DOT = tl.constexpr(INTERPRET)  # see _dot and _cast
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile helpers shared with the backward kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b`` with fp32 accumulation. fp32 operands are multiplied in full fp32 ("ieee":
+    no tf32 rounding, as torch's default matmul); fp16 / bf16 go to the tensor cores."""
+    if _WIDEN_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even, as the GPU converts fp32 -> bf16. The interpreter
+    truncates instead (a whole bf16 ulp, always towards zero: P just below 1 became 0.996 and
+    dV, a sum of such P, drifted), so there the rounding is done on the fp32 bits first."""
+    if _WIDEN_DOT:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _load_rows(base, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr):
+    """Rows ``rows`` (R,) of a (n_rows, D) matrix -> (R, BLOCK_D) tile, zero outside."""
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    if EVEN_D:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(base, tile, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr):
+    """Store a (R, BLOCK_D) tile into rows ``rows`` of a (n_rows, D) matrix."""
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    if EVEN_D:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed (BN, BM)
+                   qi,  # query indices, broadcastable to qk's shape
+                   kj,  # key indices, broadcastable to qk's shape
+                   kpm_base,  # key padding mask row of this batch (u8, 1 = padded)
+                   stride_kpm_n,  # its key stride
+                   am_base,  # additive mask of this (b, h), fp32
+                   stride_am_m,  # its query stride (0 when broadcast)
+                   stride_am_n,  # its key stride (0 when broadcast)
+                   Sq,  # number of queries
+                   Sk,  # number of keys
+                   qk_scale,  # scale * log2(e)
+                   MASK_EDGE: tl.constexpr,  # apply the causal and key-bound masks (edge tiles)
+                   HAS_KPM: tl.constexpr,  # apply the key padding mask
+                   HAS_MASK: tl.constexpr,  # add the additive mask
+                   IS_CAUSAL: tl.constexpr):  # bottom-right causal masking
+    """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
+    s = qk * qk_scale
+    if HAS_MASK:
+        am = tl.load(am_base + qi * stride_am_m + kj * stride_am_n, mask=(qi < Sq) & (kj < Sk), other=0.0)
+        s += tl.where(am == float("-inf"), am, tl.maximum(am, MASK_FLOOR) * LOG2E)
+    if MASK_EDGE:
+        visible = kj < Sk
+        if IS_CAUSAL:
+            visible = visible & (kj <= qi + (Sk - Sq))
+        s = tl.where(visible, s, float("-inf"))
+    if HAS_KPM:
+        padded = tl.load(kpm_base + kj * stride_kpm_n, mask=kj < Sk, other=1)
+        s = tl.where(padded == 0, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _dropout_keep_tile(seed, rng_base, qi, kj, Sk, threshold):
+    """Keep-mask of the tile: element index ``rng_base + i * Sk + j`` (64-bit), where
+    ``rng_base = offset + (b*H + h) * Sq * Sk``."""
+    return dropout_keep(seed, rng_base + qi.to(tl.int64) * Sk + kj, threshold)
+
+
+@triton.jit
+def _causal_key_bounds(start_m, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr):
+    """For the query tile starting at ``start_m``: (full_hi, hi) such that key tiles in
+    [0, full_hi) are entirely visible to every query of the tile (no causal or bound mask)
+    and keys >= hi are hidden from all of them (whole tiles skipped)."""
+    if IS_CAUSAL:
+        hi = tl.minimum(Sk, start_m + BLOCK_M + Sk - Sq)
+        full_hi = tl.maximum(tl.minimum(start_m + Sk - Sq + 1, Sk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Sk
+        full_hi = Sk // BLOCK_N * BLOCK_N
+    return full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
+                        k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
+                        am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
+                        seed, rng_base, drop_threshold, drop_scale,
+                        MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
+                        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """One key tile of the online softmax: returns the updated (acc, l_i, m_i)."""
+    kn = start_n + offs_n
+    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
+    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
+    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
+    s = _masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
+                       stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
+                       IS_CAUSAL)
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible so far
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # (BM, BN)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        keep = _dropout_keep_tile(seed, rng_base, offs_m[:, None], kn[None, :], Sk, drop_threshold)
+        p = tl.where(keep, p * drop_scale, 0.0)
+    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+def _attention_fwd(
+    Q,  # (B, H, Sq, D) queries, last dim contiguous
+    K,  # (B, H, Sk, D) keys, last dim contiguous
+    V,  # (B, H, Sk, D) values, last dim contiguous
+    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
+    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
+    Out,  # (B, H, Sq, D) output
+    Lse,  # (B, H, Sq) fp32 contiguous natural log-sum-exp, +inf for rows with no visible key
+    stride_qb,  # q batch stride
+    stride_qh,  # q head stride
+    stride_qm,  # q row stride
+    stride_kb,  # k batch stride
+    stride_kh,  # k head stride
+    stride_kn,  # k row stride
+    stride_vb,  # v batch stride
+    stride_vh,  # v head stride
+    stride_vn,  # v row stride
+    stride_ob,  # out batch stride
+    stride_oh,  # out head stride
+    stride_om,  # out row stride
+    stride_kpm_b,  # key padding mask batch stride
+    stride_kpm_n,  # key padding mask key stride
+    stride_am_b,  # additive mask batch stride (0 when broadcast)
+    stride_am_h,  # additive mask head stride (0 when broadcast)
+    stride_am_m,  # additive mask query stride (0 when broadcast)
+    stride_am_n,  # additive mask key stride (0 when broadcast)
+    H,  # number of heads
+    Sq,  # number of queries
+    Sk,  # number of keys
+    D,  # head dim (<= BLOCK_D)
+    scale,  # fp32 score scale
+    seed,  # i64 dropout Philox seed
+    rng_offset,  # i64 dropout Philox counter of element 0
+    drop_threshold,  # i32 round(dropout_p * 2**24)
+    drop_scale,  # fp32 1 / (1 - dropout_p)
+    TUNE_SQ,  # autotune key only: Sq bucket (power of two)
+    TUNE_SK,  # autotune key only: Sk bucket (power of two)
+    BLOCK_M: tl.constexpr,  # queries per program
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two >= 16
+    EVEN_D: tl.constexpr,  # D == BLOCK_D (no head-dim masking)
+    HAS_KPM: tl.constexpr,  # a key padding mask is given
+    HAS_MASK: tl.constexpr,  # an additive mask is given
+    IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
+    HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    kpm_base = KPM + b64 * stride_kpm_b
+    am_base = AM + b64 * stride_am_b + h64 * stride_am_h
+    rng_base = rng_offset + (b64 * H + h) * Sq * Sk
+    qk_scale = scale * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_hi, hi = _causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
+        acc, l_i, m_i = _attention_fwd_tile(
+            acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
+            rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
+            HAS_DROPOUT)
+    for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
+        acc, l_i, m_i = _attention_fwd_tile(
+            acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
+            rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
+            HAS_DROPOUT)
+
+    empty = l_i == 0.0  # no visible key: output 0, lse +inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
+    _store_rows(Out + b64 * stride_ob + h64 * stride_oh, _cast(out, Out.dtype.element_ty), offs_m,
+                stride_om, offs_d, Sq, D, EVEN_D)
+    tl.store(Lse + (b64 * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configurations
+# ----------------------------------------------------------------------------------------------
+# The interpreter runs one fixed, small configuration (tests monkeypatch it to force more tiles).
+INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
+SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory per block (opt-in maximum)
+PREPROCESS_BLOCK_M = 64
+BLOCK_D_BUCKETS = (32, 64, 128, 256)
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and BLOCK_D bucket, best guess first.
+# fwd / dq: BLOCK_M queries kept per program, BLOCK_N keys streamed; dkdv: BLOCK_N keys kept,
+# BLOCK_M queries streamed. "heavy" launches (dropout or an additive mask) get smaller score
+# tiles: the per-element Philox state and the fp32 mask tile would otherwise spill registers.
+# fp32 (rare on a GPU; full-precision FMA dots, which want small tiles and 8 warps) runs one
+# config. Every entry was compiled for sm_80 and sm_90 with all features of its class on
+# (python -m triton_kernels.aot --module attention): all fit shared memory (at most 110592 bytes
+# on sm_80, 131072 on sm_90), no spills but <= 108 bytes in four sm_90 fp16/bf16 alternates.
+_CONFIGS_LOWP = {
+    "fwd": {
+        32: {"light": [(128, 64, 4, 3), (64, 64, 4, 3)], "heavy": [(128, 32, 8, 3), (64, 32, 4, 3)]},
+        64: {"light": [(128, 64, 4, 3), (64, 64, 4, 4)], "heavy": [(64, 64, 8, 3), (128, 32, 8, 3)]},
+        128: {"light": [(64, 64, 4, 3), (128, 32, 8, 3)], "heavy": [(64, 64, 8, 2), (128, 32, 8, 2)]},
+        256: {"light": [(64, 32, 8, 2), (32, 64, 8, 2)], "heavy": [(32, 64, 8, 2), (64, 32, 8, 2)]},
+    },
+    "dkdv": {
+        32: {"light": [(32, 128, 8, 3), (32, 64, 4, 3)], "heavy": [(32, 64, 8, 3), (16, 64, 4, 3)]},
+        64: {"light": [(32, 128, 8, 3), (32, 64, 4, 3)], "heavy": [(32, 64, 8, 3), (16, 64, 4, 3)]},
+        128: {"light": [(32, 64, 8, 3), (64, 64, 8, 2)], "heavy": [(32, 32, 8, 2), (16, 64, 8, 3)]},
+        256: {"light": [(16, 32, 8, 2), (32, 32, 8, 2)], "heavy": [(16, 32, 8, 2), (32, 32, 8, 2)]},
+    },
+    "dq": {
+        32: {"light": [(128, 64, 8, 3), (64, 64, 4, 3)], "heavy": [(64, 64, 8, 3), (64, 32, 4, 3)]},
+        64: {"light": [(64, 64, 8, 3), (128, 32, 8, 3)], "heavy": [(64, 32, 8, 3), (32, 64, 4, 3)]},
+        128: {"light": [(64, 64, 8, 3), (128, 32, 8, 2)], "heavy": [(64, 32, 8, 2), (32, 64, 8, 2)]},
+        256: {"light": [(32, 64, 8, 2), (16, 64, 4, 2)], "heavy": [(32, 64, 8, 2), (16, 64, 4, 2)]},
+    },
+}
+_CONFIGS_FP32 = {
+    "fwd": {32: (64, 32, 8, 3), 64: (64, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
+    "dkdv": {32: (16, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
+    "dq": {32: (32, 32, 4, 3), 64: (32, 32, 4, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
+}
+
+
+def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: int, elt: int,
+                   has_mask: bool) -> int:
+    """Shared memory (bytes) a configuration needs: the software pipeliner keeps ``stages - 1``
+    copies of every tile the loop streams (the fp32 additive-mask tile too), plus the tiles kept
+    for the whole loop as dot operands, a P / dS staging tile and the small per-row vectors.
+    Matches ``triton.compile`` for sm_80 within those vectors (sm_90 adds up to ~60 KiB for its
+    wgmma operands, still inside its larger limit: see aot_specs())."""
+    mask = 4 * block_m * block_n if has_mask else 0
+    staging = elt * block_m * block_n
+    if kind == "fwd":  # q kept; k, v streamed
+        kept, streamed = block_m * block_d * elt, 2 * block_n * block_d * elt
+    elif kind == "dkdv":  # k, v kept; q, dO (and lse, delta) streamed
+        kept, streamed = 2 * block_n * block_d * elt, 2 * block_m * block_d * elt + 8 * block_m
+    else:  # dq: q, dO kept; k, v streamed
+        kept, streamed = 2 * block_m * block_d * elt, 2 * block_n * block_d * elt
+    return max(stages - 1, 1) * (streamed + mask) + kept + staging + 1024
+
+
+def _configs(kind: str, block_d: int, elt: int, heavy: bool) -> List[triton.Config]:
+    """Autotune configs for one kernel, BLOCK_D bucket, element size and feature class
+    (heavy = dropout or an additive mask), pruned to fit sm_80's shared memory: a config that
+    would not fit loses pipeline stages first, and is dropped if even one stage is too much."""
+    if elt == 4:
+        candidates = [_CONFIGS_FP32[kind][block_d]]
+    else:
+        candidates = _CONFIGS_LOWP[kind][block_d]["heavy" if heavy else "light"]
+    keep = []
+    for bm, bn, warps, stages in candidates:
+        while stages > 1 and _smem_estimate(kind, bm, bn, block_d, stages, elt, heavy) > SMEM_LIMIT[80]:
+            stages -= 1
+        if _smem_estimate(kind, bm, bn, block_d, stages, elt, heavy) <= SMEM_LIMIT[80]:
+            keep.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    if not keep:  # the smallest tile fits everything
+        keep.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
+    return keep
+
+
+_TUNERS = {}
+
+
+def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool):
+    """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class),
+    keyed on the sequence-length buckets and the head dim."""
+    key = (kind, block_d, elt, heavy)
+    if key not in _TUNERS:
+        _TUNERS[key] = triton.autotune(configs=_configs(kind, block_d, elt, heavy),
+                                       key=["TUNE_SQ", "TUNE_SK", "D"])(fn)
+    return _TUNERS[key]
+
+
+def _tune_bucket(n) -> int:
+    """The autotune key of a sequence length: its power-of-two bucket (a symbolic length under
+    torch.compile's dynamic shapes is passed through rather than specialised)."""
+    return max(16, next_power_of_2(n)) if isinstance(n, int) else n
+
+
+def _block_d(D: int) -> int:
+    """The BLOCK_D bucket of head dim D: the next power of two, at least the smallest bucket."""
+    return max(BLOCK_D_BUCKETS[0], next_power_of_2(D))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host functions (the C++ schema's semantics)
+# ----------------------------------------------------------------------------------------------
+def _check_inputs(q, k, v, key_padding_mask, attn_mask):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention: q, k, v must be 4-D (B, H, S, D), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    if tuple(k.shape) != (B, H, Sk, D) or tuple(v.shape) != (B, H, Sk, D):
+        raise ValueError(f"attention: k and v must have shape (B, H, Sk, D) = (B, H, Sk, {D}) with q's B, H; "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"attention: head dim {D} is larger than the Triton kernels' maximum {MAX_HEAD_DIM}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"attention: q, k, v must share one dtype of fp16/bf16/fp32, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"attention: {name} must have a contiguous last dimension, got strides {t.stride()}")
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                         or tuple(key_padding_mask.shape) != (B, Sk)):
+        raise ValueError(f"attention: key_padding_mask must be a (B, Sk) = {(B, Sk)} bool tensor, got "
+                         f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}")
+    if attn_mask is not None and attn_mask.dtype != torch.float32:
+        raise TypeError(f"attention: attn_mask must be an fp32 additive mask, got {attn_mask.dtype}")
+
+
+def _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk):
+    """(kpm tensor, its 2 strides, am tensor, its 4 strides): real masks or 1-element dummies."""
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.view(torch.uint8)  # (B, Sk)
+        kpm_strides = (kpm.stride(0), kpm.stride(1))
+    else:
+        kpm = torch.empty(1, dtype=torch.uint8, device=q.device)
+        kpm_strides = (0, 0)
+    if attn_mask is not None:
+        am = attn_mask.expand(B, H, Sq, Sk)  # a view: broadcast dims get stride 0
+        am_strides = tuple(am.stride())
+    else:
+        am = torch.empty(1, dtype=torch.float32, device=q.device)
+        am_strides = (0, 0, 0, 0)
+    return kpm, kpm_strides, am, am_strides
+
+
+def _dropout_args(dropout_p: float):
+    """(HAS_DROPOUT, threshold, scale) for the keep-test ``(bits >> 8) >= threshold``."""
+    if dropout_p <= 0.0:
+        return False, 0, 1.0
+    return True, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0)
+
+
+def _launch(kind, fn, grid_of, block_d, elt, args, meta):
+    """Launch ``fn`` (autotuned on a GPU, the fixed interpreter blocks on CPU) through
+    ``wrap_triton`` so torch.compile captures the kernel inside the registered op."""
+    wrap = torch.library.wrap_triton
+    if INTERPRET:
+        blocks = dict(INTERPRET_BLOCKS)
+        wrap(fn)[grid_of(blocks)](*args, **meta, **blocks)
+    else:
+        heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
+        wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
+
+
+def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+                        is_causal: bool, scale: float, dropout_p: float, seed: int,
+                        offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out, lse
+    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
+    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    block_d = _block_d(D)
+    args = (q, k, v, kpm, am, out, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            *kpm_strides, *am_strides, H, Sq, Sk, D, float(scale), seed, offset, threshold, drop_scale,
+            _tune_bucket(Sq), _tune_bucket(Sk))
+    meta = dict(BLOCK_D=block_d, EVEN_D=D == block_d, HAS_KPM=key_padding_mask is not None,
+                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout)
+    _launch("fwd", _attention_fwd, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
+            q.element_size(), args, meta)
+    return out, lse
+
+
+def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                        attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
+                        dropout_p: float, seed: int,
+                        offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import attention_backward as kernels
+
+    _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
+        raise ValueError(f"attention_bwd: dout and out must have q's shape {tuple(q.shape)} and lse "
+                         f"{(B, H, Sq)}; got {tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
+    if dout.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("attention_bwd: dout and out must have a contiguous last dimension")
+    if lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError("attention_bwd: lse must be a contiguous fp32 (B, H, Sq) tensor")
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, Sk, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, H, Sk, D), dtype=v.dtype, device=v.device)
+    if B * H == 0 or D == 0:
+        return dq, dk, dv
+    if Sq == 0:
+        return dq, dk.zero_(), dv.zero_()
+    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
+    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    block_d = _block_d(D)
+    even_d = D == block_d
+    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    pre_block = INTERPRET_BLOCKS["BLOCK_M"] if INTERPRET else PREPROCESS_BLOCK_M
+    torch.library.wrap_triton(kernels._attention_bwd_preprocess)[(triton.cdiv(Sq, pre_block), H, B)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), H, Sq, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=even_d)
+
+    common = (q, k, v, dout, lse, delta, kpm, am)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+               *kpm_strides, *am_strides)
+    scalars = (H, Sq, Sk, D, float(scale), seed, offset, threshold, drop_scale,
+               _tune_bucket(Sq), _tune_bucket(Sk))
+    meta = dict(BLOCK_D=block_d, EVEN_D=even_d, HAS_KPM=key_padding_mask is not None,
+                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout)
+    elt = q.element_size()
+    if Sk > 0:
+        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), H, B),
+                block_d, elt, (*common, dk, dv, *strides, dk.stride(0), dk.stride(1), dk.stride(2), *scalars),
+                meta)
+    _launch("dq", kernels._attention_bwd_dq, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B),
+            block_d, elt, (*common, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars), meta)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration: torch.compile sees one op per call, never a graph break
+# ----------------------------------------------------------------------------------------------
+def _attention_fwd_fake(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, seed, offset):
+    B, H, Sq, D = q.shape
+    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causal, scale,
+                        dropout_p, seed, offset):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+if INTERPRET:
+    # Under TRITON_INTERPRET=1 wrap_triton hands back the interpreted kernel unchanged, which can
+    # run real CPU tensors but not trace fake ones: register a custom op with a fake instead.
+    attention_fwd = torch.library.custom_op("fastformer_triton::attention_fwd", _attention_fwd_host,
+                                            mutates_args=())
+    attention_fwd.register_fake(_attention_fwd_fake)
+    attention_bwd = torch.library.custom_op("fastformer_triton::attention_bwd", _attention_bwd_host,
+                                            mutates_args=())
+    attention_bwd.register_fake(_attention_bwd_fake)
+else:
+    attention_fwd = torch.library.triton_op("fastformer_triton::attention_fwd", _attention_fwd_host,
+                                            mutates_args=())
+    attention_bwd = torch.library.triton_op("fastformer_triton::attention_bwd", _attention_bwd_host,
+                                            mutates_args=())
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time compile specs
+# ----------------------------------------------------------------------------------------------
+_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+
+
+def _signature(fn, types: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        else:  # strides, sizes and the autotune buckets
+            sig[name] = "i32"
+    return sig
+
+
+def _divisible_by_16(fn, signature: dict) -> List[str]:
+    """The arguments the JIT specialises for typical inputs: 16-byte aligned pointers and tensor
+    strides (and D, with EVEN_D) that are multiples of 16. Without these hints loads are not
+    vectorised and the software pipeliner does not run: not the code a GPU launch compiles."""
+    return [name for name in fn.arg_names
+            if signature[name].startswith("*")
+            or (name.startswith("stride_") and not name.startswith(("stride_kpm", "stride_am")))
+            or name == "D"]
+
+
+def _spec(name: str, fn, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    signature = _signature(fn, types, constexprs)
+    return {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs, "num_warps": num_warps,
+            "num_stages": num_stages, "divisible_by_16": _divisible_by_16(fn, signature)}
+
+
+def aot_specs() -> List[dict]:
+    """One spec per kernel specialisation the host code launches on a GPU: each dtype, each
+    BLOCK_D bucket, each feature class with each of its autotune configs. A class is compiled
+    with all of its features on, its largest code and register footprint: "light" = padding
+    mask + causal, "heavy" = those + additive mask + dropout. The preprocess kernel runs at its
+    one fixed block."""
+    from . import attention_backward as kernels
+
+    specs = []
+    kinds = {"fwd": _attention_fwd, "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
+    for dtype, ptr in _PTR.items():
+        elt = torch.empty((), dtype=dtype).element_size()
+        types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
+        types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32",
+                      "KPM": "*u8", "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32"})
+        for block_d in BLOCK_D_BUCKETS:
+            for heavy in (False, True):
+                features = dict(BLOCK_D=block_d, EVEN_D=True, HAS_KPM=True, HAS_MASK=heavy, IS_CAUSAL=True,
+                                HAS_DROPOUT=heavy)
+                for kind, fn in kinds.items():
+                    for cfg in _configs(kind, block_d, elt, heavy):
+                        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+                        name = (f"attention_{kind}_{ptr[1:]}_d{block_d}_{'heavy' if heavy else 'light'}_m{bm}_n{bn}"
+                                f"_w{cfg.num_warps}_s{cfg.num_stages}")
+                        specs.append(_spec(name, fn, types, {**features, **cfg.kwargs}, cfg.num_warps,
+                                           cfg.num_stages))
+            specs.append(_spec(f"attention_bwd_preprocess_{ptr[1:]}_d{block_d}", kernels._attention_bwd_preprocess,
+                               types, {"BLOCK_M": PREPROCESS_BLOCK_M, "BLOCK_D": block_d, "EVEN_D": True}, 4, 1))
+    return specs

@@ -1,0 +1,302 @@
+"""Backward kernels of the flash attention in triton_kernels/attention.py (FlashAttention-2).
+
+With P = softmax(S) recomputed from the saved lse, Z the dropout keep-mask scaled by
+1 / (1 - p), and O = (P * Z) V:
+
+    delta = rowsum(dO * O)                      (_attention_bwd_preprocess)
+    dV = (P * Z)^T dO,  dP = (dO V^T) * Z,  dS = P * (dP - delta)
+    dK = scale * dS^T Q                         (_attention_bwd_dkdv, one program per key tile)
+    dQ = scale * dS K                           (_attention_bwd_dq,   one program per query tile)
+
+The masks (padding, bottom-right causal, additive, dropout) are regenerated exactly as the
+forward made them; rows with lse = +inf (nothing visible) get P = 0, hence zero gradients.
+"""
+import triton
+import triton.language as tl
+
+from .attention import (FLT_MAX, LOG2E, _cast, _causal_key_bounds, _dot, _dropout_keep_tile, _load_rows,
+                        _masked_scores, _store_rows)
+
+
+@triton.jit
+def _attention_bwd_preprocess(
+    Out,  # (B, H, Sq, D) forward output
+    DO,  # (B, H, Sq, D) gradient of the output
+    Delta,  # (B, H, Sq) fp32 contiguous: rowsum(dO * O)
+    stride_ob,  # out batch stride
+    stride_oh,  # out head stride
+    stride_om,  # out row stride
+    stride_dob,  # dout batch stride
+    stride_doh,  # dout head stride
+    stride_dom,  # dout row stride
+    H,  # number of heads
+    Sq,  # number of queries
+    D,  # head dim
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two
+    EVEN_D: tl.constexpr,  # D == BLOCK_D
+):
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, offs_d, Sq, D, EVEN_D)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BM,)
+    tl.store(Delta + (b * H + h) * Sq + offs_m, delta, mask=offs_m < Sq)
+
+
+@triton.jit
+def _load_row_stats(lse_row, delta_row, rows, Sq):
+    """lse in log2 units (+inf outside the rows, so they contribute nothing) and delta."""
+    lse = tl.load(lse_row + rows, mask=rows < Sq, other=float("inf"))
+    # a huge negative lse (an all-masked row with a large finite additive mask) stays finite
+    lse2 = tl.maximum(lse * LOG2E, -FLT_MAX)
+    delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, offs_m, offs_n, offs_d,
+                             q_base, stride_qm, do_base, stride_dom, lse_row, delta_row,
+                             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n,
+                             Sq, Sk, D, qk_scale, seed, rng_base, drop_threshold, drop_scale,
+                             MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
+                             HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                             HAS_DROPOUT: tl.constexpr):
+    """Accumulate one query tile's contribution to this key tile's dK and dV."""
+    qm = start_m + offs_m
+    q = _load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D)  # (BM, BD)
+    do = _load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D)  # (BM, BD)
+    lse2, delta = _load_row_stats(lse_row, delta_row, qm, Sq)  # (BM,)
+    qk_t = _dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32))  # (BN, BM)
+    s_t = _masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
+                         stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
+                         IS_CAUSAL)
+    p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
+    dp_t = _dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32))  # (BN, BM)
+    if HAS_DROPOUT:
+        keep = _dropout_keep_tile(seed, rng_base, qm[None, :], offs_n[:, None], Sk, drop_threshold)
+        dv = _dot(_cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv)
+        dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
+    else:
+        dv = _dot(_cast(p_t, do.dtype), do, dv)
+    ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
+    dk = _dot(_cast(ds_t, q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+def _attention_bwd_dkdv(
+    Q,  # (B, H, Sq, D) queries
+    K,  # (B, H, Sk, D) keys
+    V,  # (B, H, Sk, D) values
+    DO,  # (B, H, Sq, D) gradient of the output
+    Lse,  # (B, H, Sq) fp32 contiguous forward log-sum-exp
+    Delta,  # (B, H, Sq) fp32 contiguous rowsum(dO * O)
+    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
+    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
+    DK,  # (B, H, Sk, D) gradient of k
+    DV,  # (B, H, Sk, D) gradient of v
+    stride_qb,  # q batch stride
+    stride_qh,  # q head stride
+    stride_qm,  # q row stride
+    stride_kb,  # k batch stride
+    stride_kh,  # k head stride
+    stride_kn,  # k row stride
+    stride_vb,  # v batch stride
+    stride_vh,  # v head stride
+    stride_vn,  # v row stride
+    stride_dob,  # dout batch stride
+    stride_doh,  # dout head stride
+    stride_dom,  # dout row stride
+    stride_kpm_b,  # key padding mask batch stride
+    stride_kpm_n,  # key padding mask key stride
+    stride_am_b,  # additive mask batch stride (0 when broadcast)
+    stride_am_h,  # additive mask head stride (0 when broadcast)
+    stride_am_m,  # additive mask query stride (0 when broadcast)
+    stride_am_n,  # additive mask key stride (0 when broadcast)
+    stride_dkb,  # dk / dv batch stride
+    stride_dkh,  # dk / dv head stride
+    stride_dkn,  # dk / dv row stride
+    H,  # number of heads
+    Sq,  # number of queries
+    Sk,  # number of keys
+    D,  # head dim (<= BLOCK_D)
+    scale,  # fp32 score scale
+    seed,  # i64 dropout Philox seed
+    rng_offset,  # i64 dropout Philox counter of element 0
+    drop_threshold,  # i32 round(dropout_p * 2**24)
+    drop_scale,  # fp32 1 / (1 - dropout_p)
+    TUNE_SQ,  # autotune key only: Sq bucket (power of two)
+    TUNE_SK,  # autotune key only: Sk bucket (power of two)
+    BLOCK_M: tl.constexpr,  # queries per loop step
+    BLOCK_N: tl.constexpr,  # keys per program
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two >= 16
+    EVEN_D: tl.constexpr,  # D == BLOCK_D (no head-dim masking)
+    HAS_KPM: tl.constexpr,  # a key padding mask is given
+    HAS_MASK: tl.constexpr,  # an additive mask is given
+    IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
+    HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, stride_kn, offs_d, Sk, D, EVEN_D)
+    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, stride_vn, offs_d, Sk, D, EVEN_D)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    do_base = DO + b64 * stride_dob + h64 * stride_doh
+    lse_row = Lse + (b64 * H + h) * Sq
+    delta_row = Delta + (b64 * H + h) * Sq
+    kpm_base = KPM + b64 * stride_kpm_b
+    am_base = AM + b64 * stride_am_b + h64 * stride_am_h
+    rng_base = rng_offset + (b64 * H + h) * Sq * Sk
+    qk_scale = scale * LOG2E
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if IS_CAUSAL:
+        # query i sees key j iff i >= j - (Sk - Sq): earlier query tiles are skipped whole, and
+        # from full_lo on every query of a tile sees every key of this tile
+        lo = tl.maximum(start_n + Sq - Sk, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N - 1 + Sq - Sk, BLOCK_M) * BLOCK_M, lo)
+        for start_m in range(lo, tl.minimum(full_lo, Sq), BLOCK_M):
+            dk, dv = _attention_bwd_dkdv_tile(
+                dk, dv, k, v, start_m, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
+                lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
+                qk_scale, seed, rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK,
+                IS_CAUSAL, HAS_DROPOUT)
+    else:
+        full_lo = 0
+    # query rows past Sq have lse = +inf (P = 0) and keys past Sk are never stored: no edge mask
+    for start_m in range(full_lo, Sq, BLOCK_M):
+        dk, dv = _attention_bwd_dkdv_tile(
+            dk, dv, k, v, start_m, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
+            lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
+            qk_scale, seed, rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK,
+            IS_CAUSAL, HAS_DROPOUT)
+
+    dk = dk * scale
+    _store_rows(DK + b64 * stride_dkb + h64 * stride_dkh, _cast(dk, DK.dtype.element_ty), offs_n, stride_dkn,
+                offs_d, Sk, D, EVEN_D)
+    _store_rows(DV + b64 * stride_dkb + h64 * stride_dkh, _cast(dv, DV.dtype.element_ty), offs_n, stride_dkn,
+                offs_d, Sk, D, EVEN_D)
+
+
+@triton.jit
+def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d,
+                           k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
+                           am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
+                           seed, rng_base, drop_threshold, drop_scale,
+                           MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
+                           HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """Accumulate one key tile's contribution to this query tile's dQ."""
+    kn = start_n + offs_n
+    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
+    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
+    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
+    s = _masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
+                       stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
+                       IS_CAUSAL)
+    p = tl.exp2(s - lse2[:, None])  # (BM, BN)
+    dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
+    if HAS_DROPOUT:
+        keep = _dropout_keep_tile(seed, rng_base, offs_m[:, None], kn[None, :], Sk, drop_threshold)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    ds = p * (dp - delta[:, None])  # (BM, BN)
+    return _dot(_cast(ds, k.dtype), k, dq)
+
+
+@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+def _attention_bwd_dq(
+    Q,  # (B, H, Sq, D) queries
+    K,  # (B, H, Sk, D) keys
+    V,  # (B, H, Sk, D) values
+    DO,  # (B, H, Sq, D) gradient of the output
+    Lse,  # (B, H, Sq) fp32 contiguous forward log-sum-exp
+    Delta,  # (B, H, Sq) fp32 contiguous rowsum(dO * O)
+    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
+    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
+    DQ,  # (B, H, Sq, D) gradient of q
+    stride_qb,  # q batch stride
+    stride_qh,  # q head stride
+    stride_qm,  # q row stride
+    stride_kb,  # k batch stride
+    stride_kh,  # k head stride
+    stride_kn,  # k row stride
+    stride_vb,  # v batch stride
+    stride_vh,  # v head stride
+    stride_vn,  # v row stride
+    stride_dob,  # dout batch stride
+    stride_doh,  # dout head stride
+    stride_dom,  # dout row stride
+    stride_kpm_b,  # key padding mask batch stride
+    stride_kpm_n,  # key padding mask key stride
+    stride_am_b,  # additive mask batch stride (0 when broadcast)
+    stride_am_h,  # additive mask head stride (0 when broadcast)
+    stride_am_m,  # additive mask query stride (0 when broadcast)
+    stride_am_n,  # additive mask key stride (0 when broadcast)
+    stride_dqb,  # dq batch stride
+    stride_dqh,  # dq head stride
+    stride_dqm,  # dq row stride
+    H,  # number of heads
+    Sq,  # number of queries
+    Sk,  # number of keys
+    D,  # head dim (<= BLOCK_D)
+    scale,  # fp32 score scale
+    seed,  # i64 dropout Philox seed
+    rng_offset,  # i64 dropout Philox counter of element 0
+    drop_threshold,  # i32 round(dropout_p * 2**24)
+    drop_scale,  # fp32 1 / (1 - dropout_p)
+    TUNE_SQ,  # autotune key only: Sq bucket (power of two)
+    TUNE_SK,  # autotune key only: Sk bucket (power of two)
+    BLOCK_M: tl.constexpr,  # queries per program
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two >= 16
+    EVEN_D: tl.constexpr,  # D == BLOCK_D (no head-dim masking)
+    HAS_KPM: tl.constexpr,  # a key padding mask is given
+    HAS_MASK: tl.constexpr,  # an additive mask is given
+    IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
+    HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D)
+    lse2, delta = _load_row_stats(Lse + (b64 * H + h) * Sq, Delta + (b64 * H + h) * Sq, offs_m, Sq)
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    kpm_base = KPM + b64 * stride_kpm_b
+    am_base = AM + b64 * stride_am_b + h64 * stride_am_h
+    rng_base = rng_offset + (b64 * H + h) * Sq * Sk
+    qk_scale = scale * LOG2E
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_hi, hi = _causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
+        dq = _attention_bwd_dq_tile(
+            dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
+            rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT)
+    for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
+        dq = _attention_bwd_dq_tile(
+            dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
+            rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT)
+
+    dq = dq * scale
+    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, _cast(dq, DQ.dtype.element_ty), offs_m, stride_dqm,
+                offs_d, Sq, D, EVEN_D)
