@@ -1,0 +1,230 @@
+"""``python -m fastformer bench``: every op (forward, backward, forward+backward) and the
+end-to-end training step, for every provider that can run here, over a sweep of shapes.
+
+Providers (see :mod:`fastformer.bench.providers`): the fastformer backends that
+``fastformer.available_backends()`` allows on the device (triton only on a GPU), eager PyTorch
+(the composition ``torch.nn`` runs) and ``torch.compile`` of that composition, plus
+``F.scaled_dot_product_attention`` kernels on CUDA. Each case is timed to a median and an
+inter-quartile range after warm-up; throughput is TFLOP/s (matmul-bound ops) or GB/s of
+minimum memory traffic (memory-bound ops), with tokens/s, peak memory, and the speed-up over
+eager PyTorch measured in the same run.
+
+``--quick`` runs two shapes per op and a smaller training batch, with few samples, and leaves
+out ``torch.compile`` (tens of seconds of compilation per graph on a CPU) and the slow
+``reference`` backend unless ``--providers`` names them; the full sweep runs every provider.
+
+Output: a Markdown table on stdout (also ``results.md``), ``results.json`` (with the machine
+record) and one PNG per op in ``benchmarks/results/<device-name>/`` (or ``--out DIR``); a rerun
+with a subset of ``--ops`` replaces only those ops' records in ``results.json``.
+"""
+import argparse
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from . import report, train_step
+from .ops import MODES, OPS
+from .providers import REGISTRY, build_case, default_dtypes, providers_for
+from .timing import measure, peak_memory_bytes
+
+ALL_OPS = list(OPS) + ["train_step"]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# (warmup calls, min samples, max samples, min seconds) per sweep size
+TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "full": (3, 10, 200, 0.5)}
+STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "full": (2, 10, 30, 2.0)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="a short sweep and few samples (under 2 minutes on CPU; torch.compile is left out "
+                        "unless named in --providers)")
+    p.add_argument("--ops", nargs="+", choices=ALL_OPS, default=None, metavar="OP",
+                   help=f"ops to run (default all): {' '.join(ALL_OPS)}")
+    p.add_argument("--providers", nargs="+", default=None, metavar="NAME",
+                   help=f"providers to run (default: all that can run here): {' '.join(REGISTRY)}")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="op modes (default all)")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), default=None,
+                   help="op dtypes (default fp32 on CPU, bf16 on CUDA); the training step always runs "
+                        "fp32 and bf16 autocast")
+    p.add_argument("--sweep", choices=sorted(TIMING), default=None,
+                   help="shape sweep and sample counts (default: quick with --quick, else full)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core, or 1 when the load average already "
+                        "exceeds the core count; recorded with the results)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output directory (default benchmarks/results/<device-name>)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def _default_providers(size: str, device: torch.device, explicit: Optional[List[str]]) -> Optional[List[str]]:
+    if explicit:
+        return explicit
+    names = list(REGISTRY)
+    if size in ("quick", "smoke"):
+        # no compile (tens of seconds per graph on CPU) and no slow reference in short runs
+        names = [n for n in names if "compile" not in REGISTRY[n].tags and "slow" not in REGISTRY[n].tags]
+    return names
+
+
+def _record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: str, status: str) -> Dict:
+    return {"op": op, "provider": provider, "shape": shape, "label": label, "mode": mode, "dtype": dtype,
+            "status": status, "median_ms": None, "q25_ms": None, "q75_ms": None, "iqr_ms": None, "reps": 0,
+            "first_call_ms": None, "throughput": None, "unit": OPS[op].unit if op in OPS else None,
+            "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None}
+
+
+def _fill(rec: Dict, fn, reset, timing_cfg, device: torch.device) -> None:
+    warmup, min_reps, max_reps, min_time = timing_cfg
+    t = measure(fn, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+    peak = peak_memory_bytes(fn, device, reset=reset)
+    rec.update(status="ok", median_ms=t.median_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms, iqr_ms=t.iqr_ms,
+               reps=t.reps, first_call_ms=t.first_call_ms,
+               peak_mem_mb=peak / 2**20 if peak is not None else None)
+
+
+def _error(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"error: {type(e).__name__}: {msg[:160]}"
+
+
+def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
+             providers: Optional[List[str]], modes: List[str], log=None) -> List[Dict]:
+    """Records for every (shape, dtype, provider, mode) of ``op``."""
+    spec = OPS[op]
+    records = []
+    for dtype in dtypes:
+        dname = _DTYPE_NAMES[dtype]
+        for provider, reason in providers_for(op, device, dtype, providers):
+            if reason is not None:
+                if log and providers is not None and provider.name in providers:
+                    log(f"  {op}: {provider.name} skipped: {reason}")
+                continue
+            for shape in spec.sweep(device.type, size):
+                if not provider.supports(spec, shape):
+                    continue
+                label = spec.label(shape)
+                t0 = time.perf_counter()
+                try:  # inputs, and one forward pass (for bwd): a compiling provider compiles here
+                    case = build_case(op, provider.name, shape, device, dtype, modes)
+                except Exception as e:  # a provider that cannot take this shape: say so, go on
+                    records += [_record(op, provider.name, shape, label, m, dname, _error(e)) for m in modes]
+                    continue
+                setup_ms = (time.perf_counter() - t0) * 1e3
+                for mode in modes:
+                    rec = _record(op, provider.name, shape, label, mode, dname, "")
+                    rec["setup_ms"] = setup_ms
+                    try:
+                        _fill(rec, case.calls[mode], case.reset, TIMING[size], device)
+                        seconds = rec["median_ms"] / 1e3
+                        elem = torch.finfo(dtype).bits // 8
+                        rec["throughput"] = spec.throughput(shape, mode, seconds, elem)
+                        rec["tokens_per_s"] = spec.tokens(shape) / seconds
+                    except Exception as e:
+                        rec["status"] = _error(e)
+                    records.append(rec)
+                    if log:
+                        log(f"  {op} {label} {dname} {mode} {provider.name}: "
+                            + (f"{rec['median_ms']:.3f} ms" if rec["status"] == "ok" else rec["status"]))
+                del case
+    return records
+
+
+def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None) -> List[Dict]:
+    """Records of the training step for each provider and dtype (fp32, bf16 autocast)."""
+    names = providers or train_step.providers_for(device)
+    if providers is None and size in ("quick", "smoke"):
+        names = [n for n in names if n not in ("torch-compile", "fastformer-reference")]
+    names = [n for n in names if n in train_step.providers_for(device)]
+    records = []
+    for shape in train_step.sweep(device.type, size):
+        label = train_step.label(shape)
+        for provider in names:
+            reason = train_step.why_not(provider, device)
+            if reason is not None:
+                continue
+            for dtype in train_step.DTYPES:
+                rec = _record("train_step", provider, shape, label, "step", dtype, "")
+                rec["unit"] = None
+                try:
+                    step = train_step.build_step(provider, shape, device, dtype)
+                    _fill(rec, step.run, step.reset, STEP_TIMING[size], device)
+                    rec["tokens_per_s"] = step.tokens / (rec["median_ms"] / 1e3)
+                except Exception as e:
+                    rec["status"] = _error(e)
+                records.append(rec)
+                if log:
+                    log(f"  train_step {dtype} {provider}: "
+                        + (f"{rec['median_ms']:.1f} ms" if rec["status"] == "ok" else rec["status"]))
+    return records
+
+
+def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, quick: bool = False,
+        size: Optional[str] = None, modes: Optional[List[str]] = None, dtypes: Optional[List[str]] = None,
+        device: str = "auto", out: Optional[str] = None, plots: bool = True, verbose: bool = True,
+        threads: Optional[int] = None) -> Dict:
+    """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
+    from ..train import pick_threads
+
+    dev = _device(device)
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
+    chosen_threads = pick_threads(threads)
+    if threads is None and chosen_threads != torch.get_num_threads() and log:
+        log(f"the machine is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+            f"timing with {chosen_threads} thread instead of {torch.get_num_threads()} (--threads overrides)")
+    torch.set_num_threads(chosen_threads)
+    size = size or ("quick" if quick else "full")
+    ops = ops or ALL_OPS
+    modes = modes or list(MODES)
+    torch_dtypes = [_DTYPES[d] for d in dtypes] if dtypes else default_dtypes(dev)
+    chosen = _default_providers(size, dev, providers)
+    out = out or os.path.join("benchmarks", "results", report.device_name(dev))
+    machine = report.machine_info(dev)
+    warning = report.busy_warning() if dev.type == "cpu" else None
+    if warning and log:
+        log(warning)
+    started = time.perf_counter()
+    records: List[Dict] = []
+    for op in ops:
+        if log:
+            log(f"bench {op} ({size} sweep on {dev})")
+        if op == "train_step":
+            records += bench_train_step(dev, size, providers, log)
+        else:
+            records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log)
+    report.add_speedups(records)
+    os.makedirs(out, exist_ok=True)
+    settings = {"sweep": size, "ops": ops, "providers": chosen, "modes": modes,
+                "dtypes": [_DTYPE_NAMES[d] for d in torch_dtypes], "seconds": time.perf_counter() - started}
+    doc = report.write_json(os.path.join(out, "results.json"), machine, settings, records)
+    table = report.markdown(records)
+    header = (f"fastformer bench ({size}) on {machine['gpu'] or machine['cpu']}, {machine['torch_threads']} threads, "
+              f"torch {machine['torch']}, triton {machine['triton']}, load average {machine['load_average']}\n\n"
+              + (f"{warning}\n\n" if warning else ""))
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(header + table)
+    if plots:
+        for op in ops:
+            report.plot_op(os.path.join(out, f"{op}.png"), op, records,
+                           title_suffix=f" - {machine['gpu'] or machine['cpu']}")
+    print(header + table)
+    print(f"wrote {os.path.join(out, 'results.json')}" + (f" and {len(ops)} PNG plots" if plots else "")
+          + f" in {settings['seconds']:.0f}s")
+    return doc
+
+
+def run_from_args(args: argparse.Namespace) -> Dict:
+    return run(ops=args.ops, providers=args.providers, quick=args.quick, size=args.sweep, modes=args.modes,
+               dtypes=args.dtypes, device=args.device, out=args.out, plots=args.plots, threads=args.threads)

@@ -1,0 +1,252 @@
+"""What each op benchmark runs: its inputs, its eager-PyTorch composition, the fastformer call,
+its shape sweep and its work (FLOPs or bytes) for throughput units.
+
+The eager compositions are what the ``torch.nn`` modules do in training:
+
+* attention: ``nn.MultiheadAttention``'s path -- the causal and key-padding masks merged into
+  one additive float mask, then ``F.scaled_dot_product_attention`` with dropout;
+* add_layer_norm: ``F.dropout`` + add + ``F.layer_norm`` (post-LN residual block);
+* feed_forward: ``linear -> relu -> dropout -> linear``;
+* cross_entropy: ``F.cross_entropy`` with label smoothing;
+* linear_cross_entropy: ``F.linear`` then ``F.cross_entropy`` (the full logits materialised).
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import fastformer
+
+DROPOUT = 0.1
+SMOOTHING = 0.1
+MODES = ("fwd", "bwd", "fwd_bwd")
+Inputs = Dict[str, torch.Tensor]
+
+
+@dataclass
+class OpSpec:
+    """One benchmarked op."""
+    name: str
+    make_inputs: Callable[[Dict, torch.device, torch.dtype], Inputs]
+    eager: Callable[[Inputs, Dict], torch.Tensor]
+    fastformer: Callable[[Inputs, Dict], torch.Tensor]
+    sweep: Callable[[str, str], List[Dict]]  # (device type, "quick"|"full"|"smoke") -> shapes
+    label: Callable[[Dict], str]
+    tokens: Callable[[Dict], int]
+    flops: Optional[Callable[[Dict, str], float]] = None  # (shape, mode) -> FLOPs
+    bytes: Optional[Callable[[Dict, str, int], float]] = None  # (shape, mode, element size) -> bytes
+    leaves: List[str] = field(default_factory=list)  # inputs that require grad
+
+    @property
+    def unit(self) -> str:
+        return "TFLOP/s" if self.flops is not None else "GB/s"
+
+    def throughput(self, shape: Dict, mode: str, seconds: float, element_size: int) -> float:
+        if self.flops is not None:
+            return self.flops(shape, mode) / seconds / 1e12
+        return self.bytes(shape, mode, element_size) / seconds / 1e9
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+_MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 2.5 x forward (FlashAttention)
+
+
+# -- attention ----------------------------------------------------------------------------------
+def _attention_inputs(s: Dict, device, dtype) -> Inputs:
+    B, H, S, D = s["B"], s["H"], s["S"], s["D"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (_leaf(torch.randn(B, H, S, D, generator=g).to(device, dtype)) for _ in range(3))
+    lengths = torch.full((B,), S)
+    if s.get("pad", True):
+        lengths[B // 2:] = max(1, int(S * 0.8))  # half the batch carries ~20% padding
+    key_padding_mask = (torch.arange(S)[None, :] >= lengths[:, None]).to(device)  # (B, S), True = pad
+    return {"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask}
+
+
+def _attention_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    q, k, v, kpm = x["q"], x["k"], x["v"], x["key_padding_mask"]
+    S = q.shape[2]
+    causal = torch.triu(torch.full((S, S), float("-inf"), device=q.device, dtype=q.dtype), diagonal=1)
+    pad = torch.zeros(kpm.shape, device=q.device, dtype=q.dtype).masked_fill(kpm, float("-inf"))
+    mask = causal[None, None, :, :] + pad[:, None, None, :]  # (B, 1, S, S) merged as MHA does
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=DROPOUT)
+
+
+def _attention_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return fastformer.ops.attention(x["q"], x["k"], x["v"], key_padding_mask=x["key_padding_mask"],
+                                    is_causal=True, dropout_p=DROPOUT)
+
+
+def _attention_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(B=2, H=2, S=16, D=32)]
+    if device == "cuda":
+        lengths = [512, 1024, 2048] if size == "quick" else [512, 1024, 2048, 4096, 8192]
+        return [dict(B=max(1, 16384 // S), H=16, S=S, D=64, pad=pad) for pad in (True, False) for S in lengths]
+    lengths = [64, 128] if size == "quick" else [64, 128, 256, 512]
+    return [dict(B=8, H=8, S=S, D=64) for S in lengths]
+
+
+def _attention_flops(s: Dict, mode: str) -> float:
+    return 4.0 * s["B"] * s["H"] * s["S"] * s["S"] * s["D"] * 0.5 * _MODE_FACTOR[mode]  # causal: half
+
+
+ATTENTION = OpSpec(
+    name="attention", make_inputs=_attention_inputs, eager=_attention_eager, fastformer=_attention_fastformer,
+    sweep=_attention_sweep, tokens=lambda s: s["B"] * s["S"], flops=_attention_flops, leaves=["q", "k", "v"],
+    label=lambda s: f"B{s['B']} H{s['H']} S{s['S']} D{s['D']}" + ("" if s.get("pad", True) else " nopad"))
+
+
+# -- add_layer_norm -----------------------------------------------------------------------------
+def _aln_inputs(s: Dict, device, dtype) -> Inputs:
+    N, C = s["N"], s["C"]
+    g = torch.Generator().manual_seed(0)
+    return {"x": _leaf(torch.randn(N, C, generator=g).to(device, dtype)),
+            "residual": _leaf(torch.randn(N, C, generator=g).to(device, dtype)),
+            "weight": _leaf((1 + 0.1 * torch.randn(C, generator=g)).to(device, dtype)),
+            "bias": _leaf((0.1 * torch.randn(C, generator=g)).to(device, dtype))}
+
+
+def _aln_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    h = x["residual"] + F.dropout(x["x"], DROPOUT, training=True)
+    return F.layer_norm(h, (x["x"].shape[-1],), x["weight"], x["bias"], 1e-5)
+
+
+def _aln_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return fastformer.ops.add_layer_norm(x["x"], x["residual"], x["weight"], x["bias"], 1e-5, DROPOUT)
+
+
+def _aln_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(N=64, C=96)]
+    if device == "cuda":
+        return [dict(N=32768, C=C) for C in ([512, 1024, 4096] if size == "quick" else [512, 1023, 1024, 2048, 4096, 8192])]
+    return [dict(N=4096, C=C) for C in ([512, 1023] if size == "quick" else [256, 512, 1023, 1024, 2048])]
+
+
+def _aln_bytes(s: Dict, mode: str, elem: int) -> float:
+    # minimum traffic: fwd reads x, residual and writes y; bwd reads dy, x, h, writes dx, dresidual
+    per = {"fwd": 3, "bwd": 5, "fwd_bwd": 8}[mode]
+    return per * s["N"] * s["C"] * elem
+
+
+ADD_LAYER_NORM = OpSpec(
+    name="add_layer_norm", make_inputs=_aln_inputs, eager=_aln_eager, fastformer=_aln_fastformer,
+    sweep=_aln_sweep, tokens=lambda s: s["N"], bytes=_aln_bytes, leaves=["x", "residual", "weight", "bias"],
+    label=lambda s: f"N{s['N']} C{s['C']}")
+
+
+# -- feed_forward -------------------------------------------------------------------------------
+def _ffn_inputs(s: Dict, device, dtype) -> Inputs:
+    N, E, Fh = s["N"], s["E"], s["F"]
+    g = torch.Generator().manual_seed(0)
+    return {"x": _leaf(torch.randn(N, E, generator=g).to(device, dtype)),
+            "w1": _leaf((torch.randn(Fh, E, generator=g) / math.sqrt(E)).to(device, dtype)),
+            "b1": _leaf((0.1 * torch.randn(Fh, generator=g)).to(device, dtype)),
+            "w2": _leaf((torch.randn(E, Fh, generator=g) / math.sqrt(Fh)).to(device, dtype)),
+            "b2": _leaf((0.1 * torch.randn(E, generator=g)).to(device, dtype))}
+
+
+def _ffn_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    h = F.dropout(F.relu(F.linear(x["x"], x["w1"], x["b1"])), DROPOUT, training=True)
+    return F.linear(h, x["w2"], x["b2"])
+
+
+def _ffn_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return fastformer.ops.feed_forward(x["x"], x["w1"], x["b1"], x["w2"], x["b2"], activation="relu",
+                                       dropout_p=DROPOUT)
+
+
+def _ffn_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(N=32, E=64, F=128)]
+    if device == "cuda":
+        return [dict(N=N, E=1024, F=4096) for N in ([4096, 16384] if size == "quick" else [2048, 4096, 8192, 16384, 32768])]
+    return [dict(N=N, E=512, F=2048) for N in ([256, 1024] if size == "quick" else [256, 512, 1024, 2048])]
+
+
+FEED_FORWARD = OpSpec(
+    name="feed_forward", make_inputs=_ffn_inputs, eager=_ffn_eager, fastformer=_ffn_fastformer,
+    sweep=_ffn_sweep, tokens=lambda s: s["N"], leaves=["x", "w1", "b1", "w2", "b2"],
+    flops=lambda s, mode: 4.0 * s["N"] * s["E"] * s["F"] * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode],
+    label=lambda s: f"N{s['N']} E{s['E']} F{s['F']}")
+
+
+# -- cross_entropy ------------------------------------------------------------------------------
+def _targets(N: int, V: int, g: torch.Generator, device) -> torch.Tensor:
+    target = torch.randint(0, V, (N,), generator=g)
+    target[torch.rand(N, generator=g) < 0.1] = -100  # ~10% padding rows are ignored
+    return target.to(device)
+
+
+def _ce_inputs(s: Dict, device, dtype) -> Inputs:
+    g = torch.Generator().manual_seed(0)
+    return {"logits": _leaf((2 * torch.randn(s["N"], s["V"], generator=g)).to(device, dtype)),
+            "target": _targets(s["N"], s["V"], g, device)}
+
+
+def _ce_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    return F.cross_entropy(x["logits"], x["target"], label_smoothing=SMOOTHING, ignore_index=-100)
+
+
+def _ce_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return fastformer.ops.cross_entropy(x["logits"], x["target"], label_smoothing=SMOOTHING, ignore_index=-100)
+
+
+def _ce_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(N=16, V=100)]
+    if device == "cuda":
+        return [dict(N=N, V=32000) for N in ([4096, 16384] if size == "quick" else [2048, 4096, 8192, 16384])]
+    return [dict(N=N, V=8000) for N in ([512, 2048] if size == "quick" else [512, 1024, 2048, 4096])]
+
+
+CROSS_ENTROPY = OpSpec(
+    name="cross_entropy", make_inputs=_ce_inputs, eager=_ce_eager, fastformer=_ce_fastformer,
+    sweep=_ce_sweep, tokens=lambda s: s["N"], leaves=["logits"],
+    bytes=lambda s, mode, elem: {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode] * s["N"] * s["V"] * elem,
+    label=lambda s: f"N{s['N']} V{s['V']}")
+
+
+# -- linear_cross_entropy -----------------------------------------------------------------------
+def _lce_inputs(s: Dict, device, dtype) -> Inputs:
+    N, D, V = s["N"], s["D"], s["V"]
+    g = torch.Generator().manual_seed(0)
+    return {"hidden": _leaf(torch.randn(N, D, generator=g).to(device, dtype)),
+            "weight": _leaf((torch.randn(V, D, generator=g) / math.sqrt(D)).to(device, dtype)),
+            "bias": _leaf((0.1 * torch.randn(V, generator=g)).to(device, dtype)),
+            "target": _targets(N, V, g, device)}
+
+
+def _lce_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    logits = F.linear(x["hidden"], x["weight"], x["bias"])
+    return F.cross_entropy(logits, x["target"], label_smoothing=SMOOTHING, ignore_index=-100)
+
+
+def _lce_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return fastformer.ops.linear_cross_entropy(x["hidden"], x["weight"], x["bias"], x["target"],
+                                               label_smoothing=SMOOTHING, ignore_index=-100)
+
+
+def _lce_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(N=16, D=32, V=100)]
+    if device == "cuda":
+        return [dict(N=N, D=1024, V=32000) for N in ([4096, 16384] if size == "quick" else [2048, 4096, 8192, 16384])]
+    return [dict(N=N, D=256, V=8000) for N in ([256, 1024] if size == "quick" else [512, 1024, 2048, 4096])]
+
+
+LINEAR_CROSS_ENTROPY = OpSpec(
+    name="linear_cross_entropy", make_inputs=_lce_inputs, eager=_lce_eager, fastformer=_lce_fastformer,
+    sweep=_lce_sweep, tokens=lambda s: s["N"], leaves=["hidden", "weight", "bias"],
+    flops=lambda s, mode: 2.0 * s["N"] * s["D"] * s["V"] * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode],
+    label=lambda s: f"N{s['N']} D{s['D']} V{s['V']}")
+
+
+OPS: Dict[str, OpSpec] = {spec.name: spec for spec in
+                          (ATTENTION, ADD_LAYER_NORM, FEED_FORWARD, CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)}

@@ -1,0 +1,213 @@
+"""The provider registry: provider name -> factory of the forward function it times.
+
+A :class:`Provider` turns an op (:class:`~fastformer.bench.ops.OpSpec`) into a forward callable
+``f(inputs, shape) -> output``, and says whether it can run an op on a device (and why not).
+``fastformer bench`` and the pytest-benchmark suite in ``benchmarks/`` both draw from
+:func:`providers_for` and :func:`build_case`, so they time the very same code. New providers
+(another GPU library, a different SDPA kernel) slot in with :func:`register`.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import fastformer
+from fastformer import backends
+
+from .ops import DROPOUT, MODES, OPS, Inputs, OpSpec
+from .timing import synchronized
+
+Forward = Callable[[Inputs, Dict], torch.Tensor]
+
+
+@dataclass
+class Provider:
+    """A way of running an op: ``factory(spec)`` returns the forward callable to time.
+
+    ``why_not(spec, device, dtype)`` returns None when the provider can run the op there, else
+    the reason it cannot; ``supports(spec, shape)`` filters shapes it does not apply to.
+    """
+    name: str
+    factory: Callable[[OpSpec], Forward]
+    why_not: Callable[[OpSpec, torch.device, torch.dtype], Optional[str]] = lambda spec, device, dtype: None
+    supports: Callable[[OpSpec, Dict], bool] = lambda spec, shape: True
+    baseline: bool = False  # the provider speed-ups are measured against
+    tags: List[str] = field(default_factory=list)
+    devices: Tuple[str, ...] = ("cpu", "cuda")  # device types it is a timing provider for
+
+
+REGISTRY: Dict[str, Provider] = {}
+
+
+def register(provider: Provider) -> Provider:
+    REGISTRY[provider.name] = provider
+    return provider
+
+
+# -- eager PyTorch and torch.compile --------------------------------------------------------------
+register(Provider("torch-eager", factory=lambda spec: spec.eager, baseline=True, tags=["torch"]))
+
+_COMPILED: Dict[str, Forward] = {}
+
+
+def _compiled(spec: OpSpec) -> Forward:
+    if spec.name not in _COMPILED:
+        import torch._dynamo
+
+        # every shape of a sweep (and its no-grad variant) is its own graph: keep them all cached
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED[spec.name] = torch.compile(spec.eager, dynamic=False)
+    return _COMPILED[spec.name]
+
+
+def _compile_why_not(spec, device, dtype) -> Optional[str]:
+    try:
+        import torch._inductor  # noqa: F401
+    except ImportError as e:  # pragma: no cover - a torch without inductor
+        return f"torch.compile unavailable: {e}"
+    return None
+
+
+register(Provider("torch-compile", factory=_compiled, why_not=_compile_why_not, tags=["torch", "compile"]))
+
+
+# -- fastformer backends --------------------------------------------------------------------------
+def _fastformer_factory(backend: str) -> Callable[[OpSpec], Forward]:
+    def factory(spec: OpSpec) -> Forward:
+        def forward(x: Inputs, shape: Dict) -> torch.Tensor:
+            with fastformer.use_backend(backend):
+                return spec.fastformer(x, shape)
+        return forward
+    return factory
+
+
+def _fastformer_why_not(backend: str):
+    def why_not(spec: OpSpec, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        if backend == "triton" and device.type != "cuda":
+            return "triton runs CPU tensors only in its interpreter, which is not a timing provider"
+        avail = backends.availability(backend, device.type)
+        if not avail:
+            return avail.reason
+        try:
+            with fastformer.use_backend(backend):
+                backends.select(spec.name, device, dtype)
+        except RuntimeError as e:
+            return str(e)
+        return None
+    return why_not
+
+
+for _name in backends.NAMES:
+    register(Provider(f"fastformer-{_name}", factory=_fastformer_factory(_name), why_not=_fastformer_why_not(_name),
+                      tags=["fastformer"] + (["slow"] if _name == "reference" else []),
+                      devices={"cpu": ("cpu",), "reference": ("cpu", "cuda")}.get(_name, ("cuda",))))
+
+
+# -- CUDA-only SDPA kernels (attention) -----------------------------------------------------------
+def _sdpa_why_not(kernel: Optional[str]):
+    def why_not(spec, device, dtype) -> Optional[str]:
+        if spec.name != "attention":
+            return "an attention kernel"
+        if device.type != "cuda":
+            return "a CUDA kernel (no GPU here)" if kernel else "a CUDA provider (on CPU it is torch-eager)"
+        if kernel == "flash" and dtype == torch.float32:
+            return "FlashAttention kernels take fp16/bf16 only"
+        return None
+    return why_not
+
+
+def _sdpa_factory(kernel: Optional[str]) -> Callable[[OpSpec], Forward]:
+    def factory(spec: OpSpec) -> Forward:
+        import torch.nn.functional as F
+
+        def forward(x: Inputs, shape: Dict) -> torch.Tensor:
+            q, k, v, kpm = x["q"], x["k"], x["v"], x["key_padding_mask"]
+            if kernel == "flash":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)
+            if not shape.get("pad", True):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)
+            S = q.shape[2]
+            hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)[None, None] | kpm[:, None, None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, dropout_p=DROPOUT)
+        return forward
+    return factory
+
+
+register(Provider("sdpa", factory=_sdpa_factory(None), why_not=_sdpa_why_not(None), tags=["torch", "cuda", "attention"],
+                  devices=("cuda",)))
+register(Provider("sdpa-flash", factory=_sdpa_factory("flash"), why_not=_sdpa_why_not("flash"),
+                  supports=lambda spec, shape: not shape.get("pad", True), tags=["torch", "cuda", "attention"],
+                  devices=("cuda",)))
+
+
+# -- selection and cases --------------------------------------------------------------------------
+def default_dtypes(device: torch.device) -> List[torch.dtype]:
+    return [torch.bfloat16] if device.type == "cuda" else [torch.float32]
+
+
+def providers_for(op: str, device: torch.device, dtype: torch.dtype,
+                  names: Optional[List[str]] = None) -> List[Tuple[Provider, Optional[str]]]:
+    """``(provider, reason_it_cannot_run_or_None)`` for ``names`` (default: every registered one),
+    leaving out providers that are not timing providers on this device type (triton and cuda
+    on CPU) or not for this op (the SDPA kernels outside attention)."""
+    spec = OPS[op]
+    out = []
+    for name in names or list(REGISTRY):
+        if name not in REGISTRY:
+            raise ValueError(f"unknown provider {name!r}; registered: {sorted(REGISTRY)}")
+        provider = REGISTRY[name]
+        if device.type not in provider.devices or ("attention" in provider.tags and op != "attention"):
+            continue
+        out.append((provider, provider.why_not(spec, device, dtype)))
+    return out
+
+
+@dataclass
+class Case:
+    """One (op, provider, shape, dtype) workload, with a synchronising callable per mode."""
+    op: str
+    provider: str
+    shape: Dict
+    dtype: torch.dtype
+    device: torch.device
+    calls: Dict[str, Callable[[], object]]
+    reset: Callable[[], None]  # drops the gradients the previous call left (before memory measurement)
+
+    @property
+    def label(self) -> str:
+        return OPS[self.op].label(self.shape)
+
+
+def build_case(op: str, provider: str, shape: Dict, device: torch.device, dtype: torch.dtype,
+               modes=MODES) -> Case:
+    """Inputs on ``device`` and the callables for each mode (``fwd``, ``bwd``: backward only,
+    through a graph kept with ``retain_graph``, and ``fwd_bwd``)."""
+    spec = OPS[op]
+    forward = REGISTRY[provider].factory(spec)
+    x = spec.make_inputs(shape, device, dtype)
+    leaves = [x[name] for name in spec.leaves]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    calls: Dict[str, Callable[[], object]] = {}
+    if "fwd" in modes:
+        calls["fwd"] = synchronized(lambda: forward(x, shape), device)
+    if "bwd" in modes or "fwd_bwd" in modes:
+        out = forward(x, shape)
+        grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+        if "bwd" in modes:
+            def bwd():
+                clear()
+                out.backward(grad, retain_graph=True)
+            calls["bwd"] = synchronized(bwd, device)
+        if "fwd_bwd" in modes:
+            def fwd_bwd():
+                clear()
+                forward(x, shape).backward(grad)
+            calls["fwd_bwd"] = synchronized(fwd_bwd, device)
+    return Case(op, provider, shape, dtype, device, calls, clear)

@@ -1,0 +1,184 @@
+"""The end-to-end training step benchmark.
+
+One step = zero_grad, forward, label-smoothed loss, backward, Adam update, for
+
+* ``fastformer-<backend>``: ``fastformer.models.Seq2SeqTransformer`` with that backend forced;
+* ``torch-eager``: the same architecture from ``torch.nn.Transformer`` + embeddings (scaled by
+  sqrt(d_model)) + sinusoidal positions + tied output projection + ``nn.CrossEntropyLoss``;
+* ``torch-compile``: that torch model's forward + loss under ``torch.compile``;
+
+each in fp32 and under ``torch.autocast(<device>, torch.bfloat16)``. The default shape is the
+base benchmark: d_model 256, 4 heads, 3+3 layers, FFN 1024, vocabulary 8000, batch 32 x 64
+tokens with padding, dropout 0.1, label smoothing 0.1.
+"""
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+import fastformer
+from fastformer import backends
+
+from .timing import synchronized
+
+PAD, BOS, EOS = 0, 1, 2
+DTYPES = ("fp32", "bf16")
+PROVIDERS = ["fastformer-" + name for name in backends.NAMES] + ["torch-eager", "torch-compile"]
+
+
+def sweep(device: str, size: str) -> List[Dict]:
+    base = dict(d_model=256, heads=4, layers=3, ffn=1024, vocab=8000, dropout=0.1, smoothing=0.1)
+    if size == "smoke":
+        return [dict(base, d_model=32, heads=2, layers=1, ffn=64, vocab=100, B=2, S=8)]
+    if size == "quick" and device != "cuda":
+        return [dict(base, B=8, S=32)]
+    return [dict(base, B=32, S=64)]
+
+
+def label(shape: Dict) -> str:
+    return (f"d{shape['d_model']} h{shape['heads']} L{shape['layers']}+{shape['layers']} ffn{shape['ffn']} "
+            f"V{shape['vocab']} B{shape['B']}x{shape['S']}")
+
+
+def make_batch(shape: Dict, device: torch.device, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """src ``(B, S)`` and tgt ``(B, S + 1)`` token ids, each row padded after a random length."""
+    B, S, V = shape["B"], shape["S"], shape["vocab"]
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, V, (B, S), generator=g)
+    tgt = torch.randint(3, V, (B, S + 1), generator=g)
+    tgt[:, 0] = BOS
+    for row in range(B):
+        ls = int(torch.randint(S // 2, S + 1, (), generator=g))
+        lt = int(torch.randint(S // 2, S + 1, (), generator=g))
+        src[row, ls - 1] = EOS
+        src[row, ls:] = PAD
+        tgt[row, lt] = EOS
+        tgt[row, lt + 1:] = PAD
+    return src.to(device), tgt.to(device)
+
+
+def _sinusoid(max_len: int, d: int) -> torch.Tensor:
+    pos = torch.arange(max_len, dtype=torch.float32)[:, None]
+    div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    pe = torch.zeros(max_len, d)
+    pe[:, 0::2] = torch.sin(pos * div)
+    pe[:, 1::2] = torch.cos(pos * div)
+    return pe
+
+
+class TorchSeq2Seq(nn.Module):
+    """The baseline: the same model built from stock ``torch.nn`` parts."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, ffn: int, dropout: float,
+                 smoothing: float, max_len: int = 1024):
+        super().__init__()
+        self.d_model = d_model
+        self.src_embed = nn.Embedding(vocab, d_model)
+        self.tgt_embed = nn.Embedding(vocab, d_model)
+        self.register_buffer("pe", _sinusoid(max_len, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+        self.transformer = nn.Transformer(d_model, heads, layers, layers, ffn, dropout, batch_first=True)
+        self.generator = nn.Linear(d_model, vocab, bias=False)  # as fastformer's: no bias, tied
+        self.generator.weight = self.tgt_embed.weight
+        self.criterion = nn.CrossEntropyLoss(ignore_index=PAD, label_smoothing=smoothing)
+
+    def _embed(self, embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        return self.dropout(embed(ids) * math.sqrt(self.d_model) + self.pe[: ids.shape[1]])  # (B, S, d)
+
+    def loss(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+        St = tgt_in.shape[1]
+        causal = torch.ones(St, St, dtype=torch.bool, device=src.device).triu(1)  # True = masked
+        src_pad, tgt_pad = src == PAD, tgt_in == PAD
+        h = self.transformer(self._embed(self.src_embed, src), self._embed(self.tgt_embed, tgt_in),
+                             tgt_mask=causal, src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                             memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        logits = self.generator(h)  # (B, St, V)
+        return self.criterion(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1))
+
+
+def providers_for(device: torch.device) -> List[str]:
+    """The training-step providers that are timing providers on ``device`` (the cpu backend on a
+    CPU, triton and cuda on a GPU, the others on both)."""
+    only = {"fastformer-cpu": "cpu", "fastformer-triton": "cuda", "fastformer-cuda": "cuda"}
+    return [p for p in PROVIDERS if only.get(p, device.type) == device.type]
+
+
+def why_not(provider: str, device: torch.device) -> Optional[str]:
+    """None if ``provider`` can run the training step on ``device``, else why not."""
+    if provider in ("torch-eager", "torch-compile"):
+        return None
+    if not provider.startswith("fastformer-") or provider[len("fastformer-"):] not in backends.NAMES:
+        return f"unknown training-step provider {provider!r} (known: {PROVIDERS})"
+    backend = provider[len("fastformer-"):]
+    if backend == "triton" and device.type != "cuda":
+        return "triton runs CPU tensors only in its interpreter, which is not a timing provider"
+    avail = backends.availability(backend, device.type)
+    if not avail:
+        return avail.reason
+    try:
+        import fastformer.models  # noqa: F401
+    except ImportError as e:
+        return f"fastformer.models is not importable: {e}"
+    dtype = torch.float32
+    for op in ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy"):
+        try:
+            with fastformer.use_backend(backend):
+                backends.select(op, device, dtype)
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+@dataclass
+class Step:
+    """One benchmarked training step."""
+    run: Callable[[], object]  # one step (synchronising on CUDA)
+    tokens: int  # non-pad source + target tokens per step
+    reset: Callable[[], None]  # frees the gradients (before a memory measurement)
+
+
+def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> Step:
+    """The training step of ``provider`` on one fixed padded batch of ``shape``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    torch.manual_seed(0)
+    kw = dict(d_model=shape["d_model"], heads=shape["heads"], layers=shape["layers"], ffn=shape["ffn"],
+              dropout=shape["dropout"])
+    if provider.startswith("fastformer-"):
+        from fastformer.models import Seq2SeqTransformer
+
+        model = Seq2SeqTransformer(shape["vocab"], shape["vocab"], d_model=kw["d_model"], nhead=kw["heads"],
+                                   num_encoder_layers=kw["layers"], num_decoder_layers=kw["layers"],
+                                   dim_feedforward=kw["ffn"], dropout=kw["dropout"],
+                                   pad_idx=PAD, bos_idx=BOS, eos_idx=EOS).to(device)
+        backend = provider[len("fastformer-"):]
+
+        def loss_fn(src, tgt):
+            return model.loss(src, tgt, label_smoothing=shape["smoothing"])
+    else:
+        backend = None
+        model = TorchSeq2Seq(shape["vocab"], smoothing=shape["smoothing"], **kw).to(device)
+        loss_fn = model.loss
+        if provider == "torch-compile":
+            loss_fn = torch.compile(model.loss, dynamic=False)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    src, tgt = make_batch(shape, device)
+    tokens = int((src != PAD).sum() + (tgt != PAD).sum())
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def step() -> float:
+        ctx = fastformer.use_backend(backend) if backend else contextlib.nullcontext()
+        with ctx:
+            optimizer.zero_grad(set_to_none=True)
+            with amp:
+                loss = loss_fn(src, tgt)
+            loss.backward()
+            optimizer.step()
+        return loss
+
+    return Step(synchronized(step, device), tokens, lambda: optimizer.zero_grad(set_to_none=True))

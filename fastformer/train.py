@@ -1,0 +1,453 @@
+"""``python -m fastformer train``: train a Seq2SeqTransformer, checkpoint it, and score it.
+
+With no options it learns the built-in ``dates`` task (English dates in many surface forms ->
+ISO dates, generated on the fly) with a character tokenizer, then prints exact-match accuracy,
+BLEU and example translations on a held-out split whose dates never occur in training.
+
+Determinism: the data (task and split), the tokenizers, the batch order of every epoch, the
+model initialisation and every dropout mask follow from ``--seed``. A checkpoint stores the
+model, optimizer, scheduler, RNG states and the data position ``(epoch, batch)``, so
+``--resume`` continues with exactly the batches and random numbers an uninterrupted run
+would have used, and gives the same loss curve.
+"""
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import (TokenBatches, Tokenizer, collate, encode_pairs, load_corpus, make_task, pad_batch,
+                   split_pairs, train_tokenizer)
+from .data.batching import example_size
+
+PRESETS: Dict[str, Dict[str, int]] = {
+    "tiny": dict(d_model=128, heads=4, layers=2, ffn=512),
+    "small": dict(d_model=256, heads=4, layers=3, ffn=1024),
+    "base": dict(d_model=512, heads=8, layers=6, ffn=2048),  # the paper's base model
+}
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that defines a training run (saved in its checkpoints)."""
+    # data
+    task: str = "dates"
+    task_train: int = 60000
+    task_test: int = 1000
+    data: Optional[str] = None
+    data_tgt: Optional[str] = None
+    test_fraction: float = 0.05
+    tokenizer: str = "auto"  # char for the built-in tasks, bpe for --data
+    vocab_size: int = 8000
+    max_len: int = 256
+    # model
+    preset: str = "tiny"
+    d_model: Optional[int] = None
+    heads: Optional[int] = None
+    layers: Optional[int] = None
+    ffn: Optional[int] = None
+    dropout: Optional[float] = None  # 0 for the built-in tasks, the paper's 0.1 for --data
+    norm_first: bool = False
+    # optimisation
+    batch_tokens: int = 1024
+    warmup: int = 200
+    lr_factor: float = 0.3
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0
+    epochs: Optional[int] = None
+    steps: Optional[int] = None
+    # execution
+    backend: str = "auto"
+    dtype: str = "fp32"
+    device: str = "auto"
+    threads: Optional[int] = None  # torch intra-op threads (default: see pick_threads)
+    seed: int = 0
+    out: str = "runs/fastformer"
+    save_every: int = 500
+    # evaluation
+    beam: int = 1
+    eval_batch: int = 250
+    examples: int = 5
+    progress: bool = True
+
+    def model_dims(self) -> Dict[str, int]:
+        """d_model / heads / layers / ffn: the preset, with explicit options taking precedence."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        dims = dict(PRESETS[self.preset])
+        for key in dims:
+            value = getattr(self, key)
+            if value is not None:
+                dims[key] = value
+        if dims["d_model"] % dims["heads"]:
+            raise ValueError(f"d_model ({dims['d_model']}) must be divisible by heads ({dims['heads']})")
+        return dims
+
+    def dropout_p(self) -> float:
+        """The dropout probability: as given, else 0.0 for a built-in task (a short run over
+        ~1.5 epochs of fresh pairs underfits; dropout only slows it) and 0.1 for ``--data``."""
+        if self.dropout is not None:
+            return self.dropout
+        return 0.1 if self.data else 0.0
+
+    def tokenizer_kind(self) -> str:
+        if self.tokenizer == "auto":
+            return "bpe" if self.data else "char"
+        return self.tokenizer
+
+
+# Options a resumed run may change; every other one must match the checkpoint's.
+RESUMABLE = {"steps", "epochs", "backend", "device", "threads", "out", "save_every", "beam", "eval_batch",
+             "examples", "progress"}
+DEFAULT_STEPS = 2000  # built-in task, when neither --steps nor --epochs is given
+DEFAULT_EPOCHS = 10  # --data, when neither --steps nor --epochs is given
+
+
+def resolve_config(options: Dict[str, Any], saved: Optional[Dict[str, Any]] = None) -> TrainConfig:
+    """The config of a run from the options the user gave (and the checkpoint's, on resume)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(options) - names
+    if unknown:
+        raise ValueError(f"unknown training options: {sorted(unknown)}")
+    if saved is None:
+        return TrainConfig(**options)
+    merged = dict(saved)
+    for key, value in options.items():
+        if key in RESUMABLE:
+            merged[key] = value
+        elif saved.get(key) != value:
+            raise ValueError(f"--{key.replace('_', '-')} is {value!r} but the checkpoint was trained with "
+                             f"{saved.get(key)!r}; a resumed run keeps it (drop the option)")
+    return TrainConfig(**{k: v for k, v in merged.items() if k in names})
+
+
+def pick_threads(threads: Optional[int]) -> int:
+    """The CPU threads to train with: ``threads`` if given; else torch's default, except on a
+    machine that is already busy (1-minute load average at or above its core count), where
+    extra OpenMP threads would mostly wait on each other and one thread runs fastest."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        return threads
+    default = torch.get_num_threads()
+    try:
+        busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except OSError:
+        busy = False
+    return 1 if busy and default > 1 else default
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def backend_context(name: str):
+    """``fastformer.use_backend(name)``, or nothing for ``"auto"`` (so ``FASTFORMER_BACKEND`` and
+    ``fastformer.set_backend`` still apply)."""
+    import fastformer
+
+    return contextlib.nullcontext() if name == "auto" else fastformer.use_backend(name)
+
+
+def autocast(cfg: TrainConfig, device: torch.device):
+    """bf16 autocast on the run's device when ``--dtype bf16``, else a no-op context."""
+    if cfg.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {cfg.dtype!r}")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+
+
+def build_model(cfg: TrainConfig, src_vocab: int, tgt_vocab: int):
+    """The Seq2SeqTransformer a config describes (pad/bos/eos = the tokenizers' 0/1/2)."""
+    from .models import Seq2SeqTransformer
+
+    dims = cfg.model_dims()
+    return Seq2SeqTransformer(src_vocab, tgt_vocab, d_model=dims["d_model"], nhead=dims["heads"],
+                              num_encoder_layers=dims["layers"], num_decoder_layers=dims["layers"],
+                              dim_feedforward=dims["ffn"], dropout=cfg.dropout_p(), norm_first=cfg.norm_first,
+                              max_len=cfg.max_len + 64)
+
+
+def load_data(cfg: TrainConfig) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
+    """``(train_pairs, test_pairs)``: from ``--data`` (a held-out split) or the built-in task."""
+    if cfg.data is not None:
+        pairs = load_corpus(cfg.data, cfg.data_tgt)
+        return split_pairs(pairs, cfg.test_fraction, cfg.seed)
+    if cfg.data_tgt is not None:
+        raise ValueError("--data-tgt needs --data SRC_FILE")
+    return make_task(cfg.task, cfg.task_train, cfg.task_test, cfg.seed)
+
+
+class _InterruptFlag:
+    """Turns the first SIGINT (Ctrl-C) into a flag the loop checks between steps, so the
+    checkpoint it then writes is consistent; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+class Trainer:
+    """One training run: data, tokenizers, model, optimizer, schedule, and their checkpoints."""
+
+    def __init__(self, cfg: TrainConfig, state: Optional[Dict[str, Any]] = None):
+        from .optim import NoamScheduler, make_optimizer
+
+        self.cfg = cfg
+        self.threads = pick_threads(cfg.threads)
+        torch.set_num_threads(self.threads)
+        self.device = pick_device(cfg.device)
+        autocast(cfg, self.device)  # validates --dtype before any work
+        dims = cfg.model_dims()
+        self.train_pairs, self.test_pairs = load_data(cfg)
+        if state is None:
+            kind = cfg.tokenizer_kind()
+            self.src_tok = train_tokenizer(kind, (s for s, _ in self.train_pairs), cfg.vocab_size)
+            self.tgt_tok = train_tokenizer(kind, (t for _, t in self.train_pairs), cfg.vocab_size)
+        else:
+            self.src_tok = Tokenizer.from_dict(state["src_tokenizer"])
+            self.tgt_tok = Tokenizer.from_dict(state["tgt_tokenizer"])
+        self.examples = encode_pairs(self.train_pairs, self.src_tok, self.tgt_tok, cfg.max_len)
+        self.batches = TokenBatches([example_size(e) for e in self.examples], cfg.batch_tokens, seed=cfg.seed)
+
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg, self.src_tok.vocab_size, self.tgt_tok.vocab_size).to(self.device)
+        self.optimizer = make_optimizer(self.model)
+        self.scheduler = NoamScheduler(self.optimizer, dims["d_model"], cfg.warmup, factor=cfg.lr_factor)
+        self.step, self.epoch, self.batch = 0, 0, 0
+        self._updating = False
+        self.history: List[float] = []
+        self.rng = ckpt.rng_state()
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step = state["step"]
+            self.epoch, self.batch = state["data_position"]
+            self.history = list(state["history"])
+            self.rng = state["rng"]
+            ckpt.set_rng_state(self.rng)
+        if cfg.steps is not None:
+            self.total_steps = cfg.steps
+        else:
+            epochs = cfg.epochs if cfg.epochs is not None else (DEFAULT_EPOCHS if cfg.data else None)
+            self.total_steps = epochs * len(self.batches) if epochs is not None else DEFAULT_STEPS
+        self.path = ckpt.checkpoint_path(cfg.out)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "format": ckpt.FORMAT_VERSION,
+            "config": dataclasses.asdict(self.cfg),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": self.rng,
+            "step": self.step,
+            "data_position": (self.epoch, self.batch),
+            "history": list(self.history),
+            "src_tokenizer": self.src_tok.to_dict(),
+            "tgt_tokenizer": self.tgt_tok.to_dict(),
+        }
+
+    def save(self) -> str:
+        return ckpt.save(self.state_dict(), self.path)
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(self, src: torch.Tensor, tgt: torch.Tensor) -> float:
+        """One optimizer update on a batch; returns its loss."""
+        with autocast(self.cfg, self.device):
+            loss = self.model.loss(src, tgt, label_smoothing=self.cfg.label_smoothing)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.clip_norm and self.cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_norm)
+        self._updating = True  # until fit() has recorded the step: parameters and position disagree
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(loss.detach())
+
+    def fit(self, on_step=None) -> List[float]:
+        """Train up to ``total_steps``; returns the loss history (one value per step).
+
+        The first Ctrl-C finishes the current step, saves a checkpoint and raises
+        ``KeyboardInterrupt``. ``on_step(trainer)``, if given, runs after every step.
+        """
+        from tqdm import tqdm
+
+        if self.step >= self.total_steps:
+            return self.history
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not self.cfg.progress, mininterval=0.5, file=sys.stderr)
+        tokens, t0, smooth = 0, time.perf_counter(), None
+        stream = self.batches.iterate(self.epoch, self.batch)
+        self._updating = False
+        try:
+            with backend_context(self.cfg.backend), _InterruptFlag() as interrupt:
+                while self.step < self.total_steps:
+                    epoch, b, indices = next(stream)
+                    src, tgt = collate(self.examples, indices)
+                    ntok = int((src != 0).sum() + (tgt != 0).sum())
+                    src, tgt = src.to(self.device), tgt.to(self.device)
+                    loss = self.train_step(src, tgt)
+                    self.step += 1
+                    self.epoch, self.batch = epoch, b + 1
+                    self.history.append(loss)
+                    self.rng = ckpt.rng_state()
+                    self._updating = False
+                    if not math.isfinite(loss):  # the last saved checkpoint (before this) is kept
+                        raise FloatingPointError(f"the loss is {loss} at step {self.step}; try a lower "
+                                                 "--lr-factor, a longer --warmup or --clip-norm")
+                    tokens += ntok
+                    smooth = loss if smooth is None else 0.95 * smooth + 0.05 * loss
+                    elapsed = time.perf_counter() - t0
+                    bar.set_postfix(loss=f"{smooth:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):,.0f}",
+                                    lr=f"{self.scheduler.get_last_lr()[0]:.2e}", refresh=False)
+                    bar.update(1)
+                    if on_step is not None:
+                        on_step(self)
+                    if interrupt.requested:
+                        raise KeyboardInterrupt
+                    if self.cfg.save_every and self.step % self.cfg.save_every == 0:
+                        self.save()
+        except KeyboardInterrupt:
+            bar.close()
+            if not self._updating:  # the state of the last completed step is intact
+                path = self.save()
+                print(f"\ninterrupted: checkpoint of step {self.step} saved to {path} "
+                      f"(continue with --resume --out {self.cfg.out})", file=sys.stderr)
+            else:
+                print("\ninterrupted during a parameter update; the last saved checkpoint is kept",
+                      file=sys.stderr)
+            raise
+        bar.close()
+        self.save()
+        return self.history
+
+    # -- evaluation --------------------------------------------------------------------------
+    def translate(self, sources: Sequence[str], beam: int = 1) -> List[str]:
+        return translate_lines(self.model, self.src_tok, self.tgt_tok, sources, beam=beam,
+                               batch_size=self.cfg.eval_batch, max_len=self.cfg.max_len, device=self.device,
+                               backend=self.cfg.backend)
+
+    def evaluate(self) -> Dict[str, Any]:
+        """Exact match (%) and BLEU of the held-out split, with a few example translations."""
+        import sacrebleu
+
+        sources = [s for s, _ in self.test_pairs]
+        refs = [t for _, t in self.test_pairs]
+        t0 = time.perf_counter()
+        hyps = self.translate(sources, beam=self.cfg.beam)
+        seconds = time.perf_counter() - t0
+        exact = sum(h.strip() == r.strip() for h, r in zip(hyps, refs)) / len(refs)
+        bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
+        shown = [{"source": s, "hypothesis": h, "reference": r}
+                 for s, h, r in list(zip(sources, hyps, refs))[: self.cfg.examples]]
+        return {"exact_match": 100.0 * exact, "bleu": bleu, "n_test": len(refs),
+                "translate_seconds": seconds, "examples": shown}
+
+
+def translate_lines(model, src_tok: Tokenizer, tgt_tok: Tokenizer, sources: Sequence[str], *, beam: int = 1,
+                    batch_size: int = 250, max_len: int = 256, max_output_len: Optional[int] = None, device=None,
+                    backend: str = "auto") -> List[str]:
+    """Translate ``sources`` in length-sorted batches; returns them in the original order.
+
+    Sources are cut to ``max_len`` tokens. Outputs hold at most ``max_output_len`` tokens
+    (counting the leading ``<s>``), by default the source's own length + 50 (what
+    ``generate`` does for a lone sentence), so a translation never depends on its batch mates.
+    """
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: List[str] = [""] * len(sources)
+    encoded = [src_tok.encode(s)[: max_len - 1] + [src_tok.eos_id] for s in sources]
+    order = sorted(range(len(sources)), key=lambda i: len(encoded[i]))
+    try:
+        with torch.no_grad(), backend_context(backend):
+            for start in range(0, len(order), batch_size):
+                chunk = order[start:start + batch_size]
+                src = pad_batch([encoded[i] for i in chunk]).to(device)
+                limit = max_output_len or src.shape[1] + 50
+                ids = model.generate(src, max_len=limit, beam_size=beam)
+                for row, i in enumerate(chunk):
+                    own = max_output_len or len(encoded[i]) + 50
+                    out[i] = tgt_tok.decode(ids[row, :own].tolist())
+    finally:
+        model.train(was_training)
+    return out
+
+
+def run(options: Dict[str, Any], resume: bool = False) -> Dict[str, Any]:
+    """Train (or resume) with ``options`` (TrainConfig field -> value, only those the user set),
+    evaluate, write ``results.json`` next to the checkpoint and print the summary."""
+    out = options.get("out", TrainConfig.out)
+    state = None
+    if resume:
+        state = ckpt.load(out)
+        cfg = resolve_config(options, state["config"])
+    else:
+        cfg = resolve_config(options)
+    started = time.perf_counter()
+    trainer = Trainer(cfg, state)
+    setup_seconds = time.perf_counter() - started
+    dims = cfg.model_dims()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    what = f"--data {cfg.data}" if cfg.data else f"task {cfg.task!r}"
+    print(f"fastformer train: {what}: {len(trainer.train_pairs)} training pairs, {len(trainer.test_pairs)} "
+          f"held out; {cfg.tokenizer_kind()} tokenizer (vocab {trainer.src_tok.vocab_size} src / "
+          f"{trainer.tgt_tok.vocab_size} tgt); model d={dims['d_model']} h={dims['heads']} "
+          f"L={dims['layers']}+{dims['layers']} ffn={dims['ffn']} dropout={cfg.dropout_p()} "
+          f"({n_params / 1e6:.2f}M params); "
+          f"{trainer.total_steps} steps on {trainer.device} ({cfg.dtype}, backend {cfg.backend}, "
+          f"{trainer.threads} threads)"
+          + (f"; resuming at step {trainer.step}" if state is not None else ""))
+    sys.stdout.flush()
+    history = trainer.fit()
+    train_seconds = time.perf_counter() - started - setup_seconds
+    metrics = trainer.evaluate()
+    metrics.update(steps=trainer.step, final_loss=history[-1] if history else None, setup_seconds=setup_seconds,
+                   train_seconds=train_seconds, total_seconds=time.perf_counter() - started,
+                   checkpoint=trainer.path)
+    _write_json(os.path.join(os.path.dirname(trainer.path), "results.json"), metrics)
+    print(f"held-out exact match {metrics['exact_match']:.1f}% | BLEU {metrics['bleu']:.1f} | "
+          f"{metrics['n_test']} pairs | {trainer.step} steps | data+setup {setup_seconds:.0f}s, training "
+          f"{train_seconds:.0f}s, evaluation {metrics['translate_seconds']:.0f}s, total "
+          f"{metrics['total_seconds']:.0f}s | checkpoint {trainer.path}")
+    for ex in metrics["examples"]:
+        mark = "ok " if ex["hypothesis"].strip() == ex["reference"].strip() else "BAD"
+        print(f"  [{mark}] {ex['source']!r} -> {ex['hypothesis']!r} (reference {ex['reference']!r})")
+    return metrics
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)

@@ -1,0 +1,119 @@
+"""The benchmark tooling cannot rot: the timing helpers, one smallest-shape case of every
+benchmark file, and ``bench --quick`` writing its JSON, table and plots."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastformer.__main__ import main
+from fastformer.bench import ops as bench_ops
+from fastformer.bench import providers as registry
+from fastformer.bench.timing import measure, peak_memory_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_FILES = ["bench_attention.py", "bench_add_layer_norm.py", "bench_feed_forward.py",
+               "bench_cross_entropy.py", "bench_train_step.py"]
+
+
+def test_measure_reports_median_and_spread():
+    calls = []
+
+    def sleepy():
+        calls.append(1)
+        time.sleep(0.002)
+
+    t = measure(sleepy, warmup=2, min_reps=7, max_reps=50, min_time=0.0)
+    assert len(calls) == 1 + 2 + t.reps and t.reps >= 7
+    assert t.q25_ms <= t.median_ms <= t.q75_ms and t.iqr_ms >= 0
+    assert t.median_ms >= 2.0  # time.sleep never returns early
+
+
+def test_cpu_peak_memory_sees_torch_allocations():
+    def allocate():
+        a = torch.ones(1024, 1024)  # 4 MiB
+        b = a * 2  # another 4 MiB while a is alive
+        return float(b.sum())
+
+    peak = peak_memory_bytes(allocate, torch.device("cpu"))
+    assert peak is not None and 8 * 2**20 <= peak < 64 * 2**20
+
+
+def test_every_op_case_runs_each_mode():
+    for op, spec in bench_ops.OPS.items():
+        shape = spec.sweep("cpu", "smoke")[0]
+        case = registry.build_case(op, "torch-eager", shape, torch.device("cpu"), torch.float32)
+        assert set(case.calls) == {"fwd", "bwd", "fwd_bwd"}
+        for call in case.calls.values():
+            call()
+        assert spec.throughput(shape, "fwd", 1e-3, 4) > 0 and spec.tokens(shape) > 0
+
+
+def test_providers_listed_for_cpu():
+    names = {p.name for p, _ in registry.providers_for("attention", torch.device("cpu"), torch.float32)}
+    assert {"torch-eager", "torch-compile", "fastformer-reference", "fastformer-cpu"} <= names
+    assert not names & {"fastformer-triton", "fastformer-cuda", "sdpa", "sdpa-flash"}  # not CPU timing providers
+    with pytest.raises(ValueError, match="unknown provider"):
+        registry.providers_for("attention", torch.device("cpu"), torch.float32, ["nope"])
+
+
+def test_torch_compile_provider_runs_the_composition():
+    spec = bench_ops.OPS["add_layer_norm"]
+    shape = spec.sweep("cpu", "smoke")[0]
+    x = {k: v.detach() for k, v in spec.make_inputs(shape, torch.device("cpu"), torch.float32).items()}
+    out = registry.REGISTRY["torch-compile"].factory(spec)(x, shape)  # (N, C)
+    assert out.shape == x["x"].shape and torch.isfinite(out).all()
+    # whatever dropout mask the compiled RNG drew, each row is LayerNorm-ed: (out - b) / w is standardised
+    z = (out - x["bias"]) / x["weight"]
+    torch.testing.assert_close(z.mean(-1), torch.zeros(shape["N"]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(z.var(-1, unbiased=False), torch.ones(shape["N"]), atol=1e-3, rtol=0)
+
+
+def test_benchmark_suite_smallest_case_of_every_file():
+    # one mode (forward+backward; fp32 for the training step) of the smallest shape, per provider
+    env = dict(os.environ, FASTFORMER_BENCH_SWEEP="smoke", FASTFORMER_BENCH_PROVIDERS="torch-eager,fastformer-cpu",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *[os.path.join("benchmarks", f) for f in BENCH_FILES],
+         "--benchmark-disable", "-v", "-p", "no:cacheprovider", "-rs", "-k", "fwd_bwd or fp32"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    passed = [line.split("::")[0] for line in proc.stdout.splitlines() if line.endswith("]") and " PASSED " in line]
+    for name in BENCH_FILES:
+        assert f"benchmarks/{name}" in passed, f"no case of {name} ran:\n{proc.stdout[-3000:]}"
+    ids = [line.split(" ")[0] for line in proc.stdout.splitlines() if " PASSED " in line]
+    assert len(ids) == len(set(ids)), "a benchmark case was collected twice"
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: no thread start-up and no contention on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_quick_writes_json_table_and_plots(tmp_path, capsys, one_thread):
+    out = tmp_path / "results"
+    code = main(["bench", "--quick", "--sweep", "smoke", "--ops", "add_layer_norm", "train_step",
+                 "--providers", "torch-eager", "fastformer-cpu", "fastformer-reference", "--out", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "### add_layer_norm" in table and "| torch-eager |" in table and "GB/s" in table
+    doc = json.load(open(out / "results.json"))
+    assert doc["machine"]["torch"] == torch.__version__ and doc["machine"]["cpu"]
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    assert {r["op"] for r in ok} == {"add_layer_norm", "train_step"}
+    for r in ok:
+        assert r["median_ms"] > 0 and r["q25_ms"] <= r["median_ms"] <= r["q75_ms"]
+        assert r["tokens_per_s"] > 0
+    eager = [r for r in ok if r["provider"] == "torch-eager" and r["op"] != "train_step"]
+    assert {r["mode"] for r in eager} == {"fwd", "bwd", "fwd_bwd"}
+    assert all(r["speedup_vs_eager"] == pytest.approx(1.0) and r["throughput"] > 0 for r in eager)
+    assert {r["dtype"] for r in ok if r["op"] == "train_step"} == {"fp32", "bf16"}
+    for op in ("add_layer_norm", "train_step"):
+        with open(out / f"{op}.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,82 @@
+"""Every Triton kernel compiles ahead of time for sm_80 (A100) and sm_90 (H100), no GPU needed.
+
+Runs ``python -m triton_kernels.aot --cc 80 --cc 90`` in a subprocess with TRITON_INTERPRET
+removed (the interpreter replaces @triton.jit functions by numpy emulations), then checks its
+report: every module of ``triton_kernels.MODULES`` contributes ``aot_specs()``, every spec
+compiles for both targets, and no kernel needs more shared memory than the target gives one
+block. The table of registers, spills and shared memory per kernel prints with ``pytest -s`` and
+is attached to every failure message.
+"""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.slow,
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CCS = (80, 90)
+# A guard against hangs, not a budget: a cold build is one triton.compile per spec and target
+# (seconds each on two cores); a rerun reuses Triton's cache and takes well under a minute.
+TIMEOUT_S = 3600
+
+
+@pytest.fixture(scope="module")
+def aot(tmp_path_factory):
+    path = tmp_path_factory.mktemp("aot") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cmd = [sys.executable, "-m", "triton_kernels.aot", "--json", str(path), "--jobs", "2"]
+    for cc in CCS:
+        cmd += ["--cc", str(cc)]
+    # Its own session, so that a timeout ends the compile workers too, not only their parent.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S} s; its progress:\n{stderr[-5000:]}")
+    print(stdout)
+    assert path.exists(), (f"{' '.join(cmd)} wrote no report (exit {proc.returncode}):\n"
+                           f"{stdout}\n{stderr[-5000:]}")
+    with open(path) as f:
+        report = json.load(f)
+    return report, f"\n{stdout}"
+
+
+def test_every_module_contributes_specs(aot):
+    report, table = aot
+    from triton_kernels import MODULES
+    assert set(report["modules"]) == set(MODULES), table
+    for name, info in report["modules"].items():
+        assert info["error"] is None, f"module {name}: {info['error']}{table}"
+        assert info["specs"] > 0, f"module {name} has no aot_specs(){table}"
+
+
+def test_every_spec_compiles_for_both_targets(aot):
+    report, table = aot
+    compiled = {(r["module"], r["index"], r["cc"]) for r in report["kernels"] if "error" not in r}
+    missing = [(name, i, cc) for name, info in report["modules"].items() for i in range(info["specs"])
+               for cc in CCS if (name, i, cc) not in compiled]
+    errors = [f"{r['name']} sm_{r['cc']}:\n{r.get('traceback', r['error'])[-3000:]}"
+              for r in report["kernels"] if "error" in r]
+    assert not missing and not errors, (f"{len(missing)} of {len(report['kernels'])} compiles failed:\n"
+                                        + "\n".join(errors[:5]) + table)
+    for r in report["kernels"]:
+        assert 0 < r["registers"] <= 255, f"{r['name']} sm_{r['cc']}: {r['registers']} registers{table}"
+
+
+def test_shared_memory_fits_each_target(aot):
+    report, table = aot
+    over = [f"{r['name']} sm_{r['cc']}: {r['shared'] + r['static_shared']} B > {r['smem_limit']} B"
+            for r in report["kernels"] if "error" not in r and not r["fits"]]
+    assert not over, "\n".join(over) + table

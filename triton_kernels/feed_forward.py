@@ -1,0 +1,194 @@
+"""Triton feed-forward: ``linear(dropout(act(linear(x, w1, b1))), w2, b2)`` as fused GEMMs.
+
+The host functions keep the C++ schemas (csrc/ops.cpp) and are registered as the torch ops
+``fastformer_triton::feed_forward_fwd`` / ``_bwd`` so that torch.compile traces them without a
+graph break (``torch.library.triton_op`` + ``wrap_triton`` on a GPU; under ``TRITON_INTERPRET=1``
+a ``custom_op`` with a fake, because triton_op traces its body into the graph and the
+interpreter cannot run on fake tensors).
+
+Forward, x (N, E), w1 (F, E), w2 (E, F):
+    pre = x @ w1^T + b1, a = dropout(act(pre))   one GEMM, bias/activation/dropout in its epilogue
+    out = a @ w2^T + b2                           one GEMM, bias in its epilogue
+Backward, dout (N, E):
+    dpre = (dout @ w2) * keep * scale * act'(pre), a recomputed   one GEMM, epilogue regenerates
+                                                                 the dropout mask from (seed, offset)
+    dw2 = dout^T @ a,  db2 = dout.sum(0)       one GEMM; its first column block's programs also
+                                               sum their dout^T rows into db2
+    dw1 = dpre^T @ x,  db1 = dpre.sum(0)       one GEMM, likewise
+    dx  = dpre @ w1                            one GEMM
+Only ``pre`` (N, F) is kept between forward and backward.
+"""
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+
+from . import matmul
+
+ACTIVATIONS = ("relu", "gelu")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p, offset):
+    if x.dim() != 2:
+        raise ValueError(f"feed_forward: x must be (N, E), got shape {tuple(x.shape)}")
+    N, E = x.shape
+    if w1.dim() != 2 or w1.shape[1] != E:
+        raise ValueError(f"feed_forward: w1 must be (F, E) with E = {E}, got shape {tuple(w1.shape)}")
+    F = w1.shape[0]
+    if tuple(w2.shape) != (E, F):
+        raise ValueError(f"feed_forward: w2 must be (E, F) = {(E, F)}, got shape {tuple(w2.shape)}")
+    if b1 is not None and tuple(b1.shape) != (F,):
+        raise ValueError(f"feed_forward: b1 must be ({F},), got shape {tuple(b1.shape)}")
+    if b2 is not None and tuple(b2.shape) != (E,):
+        raise ValueError(f"feed_forward: b2 must be ({E},), got shape {tuple(b2.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"feed_forward: x must be float32, float16 or bfloat16, got {x.dtype}")
+    for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise TypeError(f"feed_forward: {name} is {t.dtype} on {t.device}, x is {x.dtype} on "
+                            f"{x.device}; they must match")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"feed_forward: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"feed_forward: dropout_p must be in [0, 1), got {dropout_p}")
+    if offset < 0:
+        raise ValueError(f"feed_forward: the dropout offset must be >= 0, got {offset}")
+
+
+def _feed_forward_fwd(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                      b2: Optional[torch.Tensor], activation: str, dropout_p: float, seed: int,
+                      offset: int, wrap=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(x, w1, b1, w2, b2, activation, dropout_p, offset)
+    N, E = x.shape
+    F = w1.shape[0]
+    b1 = b1.contiguous() if b1 is not None else None
+    b2 = b2.contiguous() if b2 is not None else None
+    pre = x.new_empty((N, F))
+    a = x.new_empty((N, F))  # dropout(act(pre)): the second GEMM's input, freed on return
+    out = x.new_empty((N, E))
+    with _device_guard(x):
+        matmul.launch(x, w1.t(), pre, d=a, bias=b1, epilogue="act_fwd", activation=activation,
+                      dropout_p=dropout_p, seed=seed, offset=offset, wrap=wrap)
+        matmul.launch(a, w2.t(), out, bias=b2, wrap=wrap)
+    return out, pre
+
+
+def _feed_forward_bwd(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      pre: torch.Tensor, has_b1: bool, has_b2: bool, activation: str, dropout_p: float,
+                      seed: int, offset: int, wrap=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor, torch.Tensor]:
+    _check_inputs(x, w1, None, w2, None, activation, dropout_p, offset)
+    N, E = x.shape
+    F = w1.shape[0]
+    if tuple(dout.shape) != (N, E) or dout.dtype != x.dtype:
+        raise ValueError(f"feed_forward_bwd: dout must be {x.dtype} of shape {(N, E)}, got "
+                         f"{dout.dtype} {tuple(dout.shape)}")
+    if tuple(pre.shape) != (N, F) or pre.dtype != x.dtype:
+        raise ValueError(f"feed_forward_bwd: pre must be {x.dtype} of shape {(N, F)}, got "
+                         f"{pre.dtype} {tuple(pre.shape)}")
+    pre = pre.contiguous()
+    dpre = x.new_empty((N, F))
+    a = x.new_empty((N, F))  # dropout(act(pre)) recomputed for dw2
+    dx = x.new_empty((N, E))
+    dw1 = w1.new_empty((F, E))
+    dw2 = w2.new_empty((E, F))
+    db1 = w1.new_empty((F,) if has_b1 else (0,))
+    db2 = w2.new_empty((E,) if has_b2 else (0,))
+    with _device_guard(x):
+        matmul.launch(dout, w2, dpre, d=a, pre=pre, epilogue="act_bwd", activation=activation,
+                      dropout_p=dropout_p, seed=seed, offset=offset, wrap=wrap)
+        matmul.launch(dout.t(), a, dw2, rowsum=db2 if has_b2 else None, wrap=wrap)
+        matmul.launch(dpre.t(), x, dw1, rowsum=db1 if has_b1 else None, wrap=wrap)
+        matmul.launch(dpre, w1, dx, wrap=wrap)
+    return dx, dw1, db1, dw2, db2
+
+
+# ---------------------------------------------------------------------------------------------
+# torch op registration
+# ---------------------------------------------------------------------------------------------
+_NAMESPACE = "fastformer_triton"
+
+
+def _register(name, fn, fake):
+    qualname = f"{_NAMESPACE}::{name}"
+    if matmul.INTERPRET:
+        op = torch.library.custom_op(qualname, mutates_args=())(fn)
+        op.register_fake(fake)
+    else:
+        op = torch.library.triton_op(qualname, mutates_args=())(fn)
+    return op
+
+
+def _fwd_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+            b2: Optional[torch.Tensor], activation: str, dropout_p: float, seed: int,
+            offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    wrap = None if matmul.INTERPRET else torch.library.wrap_triton
+    return _feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, offset, wrap=wrap)
+
+
+def _fwd_fake(x, w1, b1, w2, b2, activation, dropout_p, seed, offset):
+    return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0], w1.shape[0]))
+
+
+def _bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
+            has_b1: bool, has_b2: bool, activation: str, dropout_p: float, seed: int,
+            offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    wrap = None if matmul.INTERPRET else torch.library.wrap_triton
+    return _feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, seed, offset,
+                             wrap=wrap)
+
+
+def _bwd_fake(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, seed, offset):
+    F = w1.shape[0]
+    E = w2.shape[0]
+    return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty((F,) if has_b1 else (0,)),
+            torch.empty_like(w2), w2.new_empty((E,) if has_b2 else (0,)))
+
+
+feed_forward_fwd = _register("feed_forward_fwd", _fwd_op, _fwd_fake)
+feed_forward_bwd = _register("feed_forward_bwd", _bwd_op, _bwd_fake)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time specialisations
+# ---------------------------------------------------------------------------------------------
+def aot_specs():
+    """The kernel specialisations these host functions launch on a GPU (triton_kernels.aot).
+
+    The four kernels that differ in code: the first linear with its activation/dropout epilogue
+    (gelu, bias and dropout: the most code), the activation-gradient GEMM (gelu, dropout), the
+    second linear (bias) and the weight-gradient GEMM with the fused bias gradient, at every
+    autotune config of bf16 and fp32; plus the input-gradient GEMM (both operands row-major) per
+    dtype and the relu epilogues in bf16, at the first config. fp16 compiles to the bf16 code
+    but for its conversions (same registers and shared memory), so it is built at the largest
+    config only. Launches without bias or dropout only drop code from these.
+    """
+    specs = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        configs = matmul.CONFIGS_32BIT if dtype == torch.float32 else matmul.CONFIGS_16BIT
+        if dtype == torch.float16:
+            configs = configs[:1]
+        for i, config in enumerate(configs):
+            specs += [
+                matmul.aot_spec("feed_forward_fwd.linear1_gelu", dtype, "nt", config, epilogue="act_fwd",
+                                activation="gelu", has_bias=True, dropout=True),
+                matmul.aot_spec("feed_forward_bwd.dpre_gelu", dtype, "nn", config, epilogue="act_bwd",
+                                activation="gelu", dropout=True),
+                matmul.aot_spec("feed_forward_fwd.linear2", dtype, "nt", config, has_bias=True),
+                matmul.aot_spec("feed_forward_bwd.dweight_dbias", dtype, "tn", config, row_sum_a=True),
+            ]
+            if i == 0:
+                specs.append(matmul.aot_spec("feed_forward_bwd.dx", dtype, "nn", config))
+            if i == 0 and dtype == torch.bfloat16:
+                specs += [
+                    matmul.aot_spec("feed_forward_fwd.linear1_relu", dtype, "nt", config,
+                                    epilogue="act_fwd", activation="relu", has_bias=True, dropout=True),
+                    matmul.aot_spec("feed_forward_bwd.dpre_relu", dtype, "nn", config,
+                                    epilogue="act_bwd", activation="relu", dropout=True),
+                ]
+    return specs
