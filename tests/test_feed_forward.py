@@ -167,6 +167,26 @@ def test_forward_returns_the_pre_activation(backend, activation):
     assert_close("out", out, ref, atol=tol[0], rtol=tol[1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_relu_gradient_is_zero_at_exactly_zero(backend):
+    """F.relu's rule: a pre-activation of exactly 0 passes no gradient (kernels and reference agree)."""
+    device = device_for(backend)
+    x, w1, b1, w2, b2 = _make_inputs((6, 16), 24, True, True, device)
+    with torch.no_grad():
+        x[2].zero_()  # row 2's pre-activation is b1 ...
+        b1.zero_()    # ... which is exactly 0 everywhere
+    grads = {}
+    for name in ("reference", backend):
+        ts = [t.detach().clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
+        with fastformer.use_backend(name):
+            feed_forward(*ts, activation="relu").sum().backward()
+        grads[name] = [t.grad for t in ts]
+    assert grads["reference"][0][2].abs().max() == 0  # the oracle itself follows F.relu
+    for i, name in enumerate(("x", "w1", "b1", "w2", "b2")):
+        tol = FP32_TOL[backend]["out"]
+        assert_close(f"d{name}", grads[backend][i], grads["reference"][i], atol=tol[0], rtol=tol[1])
+
+
 # ---------------------------------------------------------------- dropout statistics
 
 

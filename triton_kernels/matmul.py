@@ -75,9 +75,9 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _activation_grad(x, ACTIVATION: tl.constexpr):
-    """d act / dx for fp32 x. relu: 1 where x >= 0 (torch.clamp_min's rule, as the reference)."""
+    """d act / dx for fp32 x. relu: 1 where x > 0, 0 at and below 0 (F.relu's rule, as the reference)."""
     if ACTIVATION == "relu":
-        return tl.where(x >= 0.0, 1.0, 0.0)
+        return tl.where(x > 0.0, 1.0, 0.0)
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
         return cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
