@@ -288,7 +288,7 @@ def test_linear_cross_entropy_chunk_policy_never_builds_the_full_logits():
     vocabulary the (N, V) logits are never built."""
     N, D, V = 8192, 512, 32000
     rows = ce._chunk_rows(N, D, V)
-    assert 1 <= rows < N and rows * V <= max(N * D, ce._CHUNK_ELEMENTS)
+    assert rows >= 1 and rows < N and rows * V <= max(N * D, ce._CHUNK_ELEMENTS)
     assert ce._chunk_rows(5, 8, 11) == 5  # small problems: one chunk
     assert ce._chunk_rows(3, 4, 2**25) == 1  # even one row's logits over budget: one row
 

@@ -66,7 +66,3 @@ def cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[to
     if t is None or dtype is None or t.dtype == dtype:
         return t
     return t.to(dtype)
-
-
-def dropout_in_effect(p: float, training: bool = True) -> float:
-    return p if training else 0.0
