@@ -72,16 +72,30 @@ const c10::OperatorHandle* onednn_linear() {
   return op ? &*op : nullptr;
 }
 
+// Whether oneDNN runs bf16 on this CPU (it needs AVX-512 or AVX2-VNNI-2; on an AVX2-only CPU its
+// bf16 linear throws "could not create a primitive descriptor"). Asked once, of torch's own check.
+bool onednn_bf16_supported() {
+  static const bool supported = []() {
+    auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
+    if (!handle) return false;
+    torch::jit::Stack stack;
+    handle->callBoxed(stack);
+    return !stack.empty() && stack.at(0).isBool() && stack.at(0).toBool();
+  }();
+  return supported;
+}
+
 // a (M, K) times b (N, K) transposed, plus bias (N,) when given: (M, N) in a's dtype; a and b may
 // be transposed views. oneDNN's linear takes fp32 (on CPUs where MKL's sgemm does not take its
-// AVX-512 path, AMD's, it is about twice as fast) and bf16 with a bias (fused, where at::addmm adds
-// it in a second pass); bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty
+// AVX-512 path, AMD's, it is about twice as fast) and bf16 with a bias where oneDNN supports bf16
+// on this CPU (fused, where at::addmm adds it in a second pass); bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty
 // products and a torch without oneDNN go to at::addmm / at::mm.
 at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
   const c10::OperatorHandle* op = onednn_linear();
   const auto dt = a.scalar_type();
-  if (op && (dt == at::kFloat || (dt == at::kBFloat16 && has_bias)) && a.numel() > 0 && b.numel() > 0) {
+  const bool bf16_ok = dt == at::kBFloat16 && has_bias && onednn_bf16_supported();
+  if (op && (dt == at::kFloat || bf16_ok) && a.numel() > 0 && b.numel() > 0) {
     torch::jit::Stack stack{a, b, has_bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
                             c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
     op->callBoxed(stack);
