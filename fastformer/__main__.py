@@ -1,4 +1,4 @@
-"""The command line: ``python -m fastformer train | translate | bench`` (console script ``fastformer``)."""
+"""The command line: ``python -m fastformer train | translate | bench | check`` (console script ``fastformer``)."""
 import argparse
 import sys
 from typing import List, Optional
@@ -83,13 +83,24 @@ def _bench_parser(sub) -> None:
     add_arguments(p)
 
 
+def _check_parser(sub) -> None:
+    from .check import add_arguments
+
+    p = sub.add_parser("check", help="check every op on every kernel backend here against the reference",
+                       description="List the backends (and why any is unavailable), then run every op forward "
+                                   "and backward on each kernel backend that can run here, in fp32 and bf16 "
+                                   "(and fp16 on CUDA), against fastformer.ops.reference. Exits 1 on any failure.")
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastformer", description="fastformer: fused-kernel Transformer training")
-    sub = parser.add_subparsers(dest="command", metavar="{train,translate,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,translate,bench,check}")
     sub.required = True
     _train_parser(sub)
     _translate_parser(sub)
     _bench_parser(sub)
+    _check_parser(sub)
     return parser
 
 
@@ -109,6 +120,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             translate.run(options["checkpoint"], beam=options["beam"], batch_size=options["batch_size"],
                           device=options["device"], backend=options["backend"], max_output_len=options["max_len"])
+        elif command == "check":
+            from . import check
+
+            return 1 if check.run(options["backends"], options["ops"]) else 0
         else:
             from . import bench
 
