@@ -103,8 +103,11 @@ def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed 
     """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
     s = qk * qk_scale
     if HAS_MASK:
-        am = tl.load(am_base + qi * stride_am_m + kj * stride_am_n, mask=(qi < Sq) & (kj < Sk), other=0.0)
-        s += tl.where(am == float("-inf"), am, tl.maximum(am, MASK_FLOOR) * LOG2E)
+        # -inf hides the key whatever its score (also a NaN score: NaN + -inf would stay NaN); tile
+        # rows and columns past Sq / Sk read -inf, so a NaN key never leaks into a padding row's P
+        am = tl.load(am_base + qi * stride_am_m + kj * stride_am_n, mask=(qi < Sq) & (kj < Sk),
+                     other=float("-inf"))
+        s = tl.where(am == float("-inf"), float("-inf"), s + tl.maximum(am, MASK_FLOOR) * LOG2E)
     if MASK_EDGE:
         visible = kj < Sk
         if IS_CAUSAL:

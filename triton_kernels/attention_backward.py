@@ -50,8 +50,9 @@ def _attention_bwd_preprocess(
 def _load_row_stats(lse_row, delta_row, rows, Sq):
     """lse in log2 units (+inf outside the rows, so they contribute nothing) and delta."""
     lse = tl.load(lse_row + rows, mask=rows < Sq, other=float("inf"))
-    # a huge negative lse (an all-masked row with a large finite additive mask) stays finite
-    lse2 = tl.maximum(lse * LOG2E, -FLT_MAX)
+    # a huge negative lse (an all-masked row with a large finite additive mask) stays finite; a NaN
+    # lse (a NaN score in the forward) stays NaN, so the row's gradients are NaN as the reference's
+    lse2 = tl.maximum(lse * LOG2E, -FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
     delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
     return lse2, delta
 

@@ -162,23 +162,31 @@ void scale_row(T* x, int64_t n, T a) {
 }
 
 // s[c] += a[c * stride] for c < n (any n); a is fp32.
+// s += a, except that a -inf in the mask hides the key whatever its score: s = -inf there, also
+// where the score is NaN (as the reference's masked_fill; NaN + -inf would be NaN).
+template <typename T>
+inline T add_mask(T s, float a) {
+  return a == neg_inf<float>() ? neg_inf<T>() : s + static_cast<T>(a);
+}
+
 template <typename T>
 void add_mask_row(T* s, const float* a, int64_t stride, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     if (stride == 1) {
+      const Vec<float> hidden(neg_inf<float>());
       int64_t c = 0;
       for (; c + Vec<float>::size() <= n; c += Vec<float>::size()) {
-        (Vec<float>::loadu(s + c) + Vec<float>::loadu(a + c)).store(s + c);
+        const Vec<float> av = Vec<float>::loadu(a + c);
+        Vec<float>::blendv(Vec<float>::loadu(s + c) + av, hidden, av == hidden).store(s + c);
       }
-      for (; c < n; ++c) s[c] += a[c];
+      for (; c < n; ++c) s[c] = add_mask(s[c], a[c]);
       return;
     }
   }
   if (stride == 0) {
-    const T x = static_cast<T>(a[0]);
-    for (int64_t c = 0; c < n; ++c) s[c] += x;
+    for (int64_t c = 0; c < n; ++c) s[c] = add_mask(s[c], a[0]);
   } else {
-    for (int64_t c = 0; c < n; ++c) s[c] += static_cast<T>(a[c * stride]);
+    for (int64_t c = 0; c < n; ++c) s[c] = add_mask(s[c], a[c * stride]);
   }
 }
 
@@ -197,6 +205,17 @@ void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, i
     for (int64_t c = first_hidden; c < n; ++c) s[c] = neg_inf<T>();
   }
   for (int64_t c = n; c < n_pad; ++c) s[c] = neg_inf<T>();
+}
+
+template <typename T>
+constexpr T nan_of() { return std::numeric_limits<T>::quiet_NaN(); }
+
+// A softmax row that is NaN (a NaN or +inf score): NaN in its n columns, 0 in the padding up to
+// npad (the padding takes part in padded GEMMs, where 0 * NaN would spread to other rows).
+template <typename T>
+void poison_row(T* s, int64_t n, int64_t npad) {
+  std::fill(s, s + n, nan_of<T>());
+  std::fill(s + n, s + npad, T(0));
 }
 
 template <typename T>
@@ -354,9 +373,18 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
           const int64_t i = i0 + r;
           acc_t* s = S.data() + r * kBlockK;
           scale_mask_row(p.mask, p.scale, b, h, i, j0, nk, npad, s);
-          const acc_t m_new = std::max(m[r], row_max(s, npad));
+          const acc_t tile_max = row_max(s, npad);  // NaN if a score is NaN
+          const acc_t m_new = std::isnan(m[r]) || std::isnan(tile_max) ? nan_of<acc_t>()
+                                                                       : std::max(m[r], tile_max);
           if (m_new == neg_inf<acc_t>()) {
             std::fill(s, s + npad, acc_t(0));  // nothing visible yet: P = 0
+            continue;
+          }
+          if (std::isnan(m_new) || m_new == -neg_inf<acc_t>()) {
+            // a NaN or +inf score: the reference's softmax row is NaN, so P, the output and the
+            // lse are NaN too (vexp would clamp exp(NaN) to a finite number)
+            poison_row(s, nk, npad);
+            m[r] = l[r] = nan_of<acc_t>();
             continue;
           }
           // online softmax: rescale what was accumulated under the old max
@@ -467,6 +495,8 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     const float row_lse = g.lse[head + i];
     if (row_lse == std::numeric_limits<float>::infinity()) {
       std::fill(s, s + npad, acc_t(0));  // no visible key
+    } else if (std::isnan(row_lse)) {
+      poison_row(s, nk, npad);  // the forward's row was NaN: so are its gradients
     } else {
       exp_sub(s, npad, static_cast<acc_t>(row_lse));
     }
