@@ -374,3 +374,24 @@ def test_cpu_kernel_checks_name_the_argument(backend):
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
             kern.cross_entropy_fwd(*args)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton"))
+def test_scalar_upstream_gradient_scales_the_stored_gradient_in_place(backend):
+    """A scalar upstream gradient scales the forward's stored gradient in place (the gradient
+    handed out is that very buffer), and a second backward through the retained graph leaves the
+    first result untouched."""
+    device = device_for(backend)
+    x, t = _inputs(9, 50, device)
+    x.requires_grad_()
+    want = torch.autograd.grad(F.cross_entropy(x, t, label_smoothing=0.1), x)[0]
+    with fastformer.use_backend(backend):
+        loss = cross_entropy(x, t, label_smoothing=0.1)
+    stored = loss.grad_fn.saved_tensors[0]
+    first = torch.autograd.grad(2.5 * loss, x, retain_graph=True)[0]
+    assert first.data_ptr() == stored.data_ptr(), "the stored gradient was copied, not scaled in place"
+    assert_close("2.5 x grad", first, 2.5 * want, atol=1e-6, rtol=1e-4)
+    second = torch.autograd.grad(-4.0 * loss, x)[0]
+    assert second.data_ptr() != first.data_ptr()
+    assert_close("-4 x grad", second, -4.0 * want, atol=1e-6, rtol=1e-4)
+    assert_close("first result kept", first, 2.5 * want, atol=1e-6, rtol=1e-4)
