@@ -7,7 +7,9 @@ One step = zero_grad, forward, label-smoothed loss, backward, Adam update, for
   sqrt(d_model)) + sinusoidal positions + tied output projection + ``nn.CrossEntropyLoss``;
 * ``torch-compile``: that torch model's forward + loss under ``torch.compile``;
 
-each in fp32 and under ``torch.autocast(<device>, torch.bfloat16)``. The default shape is the
+The fastformer step updates with ``fastformer.optim.make_optimizer`` (torch's fused Adam where
+the device has it), as ``python -m fastformer train`` does; the torch providers with
+``torch.optim.Adam``'s defaults, as a torch user writes them. Each in fp32 and under ``torch.autocast(<device>, torch.bfloat16)``. The default shape is the
 base benchmark: d_model 256, 4 heads, 3+3 layers, FFN 1024, vocabulary 8000, batch 32 x 64
 tokens with padding, dropout 0.1, label smoothing 0.1.
 """
@@ -166,7 +168,12 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
         if provider == "torch-compile":
             loss_fn = torch.compile(model.loss, dynamic=False)
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    if backend:  # what `python -m fastformer train` runs: fastformer.optim (torch's fused Adam here)
+        from fastformer.optim import make_optimizer
+
+        optimizer = make_optimizer(model, lr=1e-4)
+    else:  # what a torch user writes
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     src, tgt = make_batch(shape, device)
     tokens = int((src != PAD).sum() + (tgt != PAD).sum())
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
