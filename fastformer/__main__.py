@@ -48,7 +48,8 @@ def _train_parser(sub) -> None:
     x = p.add_argument_group("execution")
     x.add_argument("--backend", choices=["auto", "reference", "cpu", "triton", "cuda"],
                    help="fastformer kernel backend (default auto)")
-    x.add_argument("--dtype", choices=["fp32", "bf16"], help="bf16 = torch.autocast to bfloat16 (default fp32)")
+    x.add_argument("--dtype", choices=["auto", "fp32", "bf16"],
+                   help="bf16 = torch.autocast to bfloat16; auto (default) = bf16 on a CUDA GPU, fp32 on a CPU")
     x.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda if available")
     x.add_argument("--threads", type=int, help="torch CPU threads (default: one per core, or 1 when the load "
                                                "average already exceeds the core count)")

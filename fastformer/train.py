@@ -66,7 +66,7 @@ class TrainConfig:
     steps: Optional[int] = None
     # execution
     backend: str = "auto"
-    dtype: str = "fp32"
+    dtype: str = "auto"  # auto: bf16 autocast on a CUDA GPU with bf16, fp32 elsewhere
     device: str = "auto"
     threads: Optional[int] = None  # torch intra-op threads (default: see pick_threads)
     seed: int = 0
@@ -161,11 +161,23 @@ def backend_context(name: str):
     return contextlib.nullcontext() if name == "auto" else fastformer.use_backend(name)
 
 
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``--dtype``: ``auto`` is bf16 autocast on a CUDA GPU that has bf16 (tensor-core speed,
+    fp32 statistics and master weights) and fp32 elsewhere (a CPU without native bf16 GEMMs
+    gains little from it); ``fp32`` and ``bf16`` are taken as given."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {name!r}")
+    if name != "auto":
+        return name
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
 def autocast(cfg: TrainConfig, device: torch.device):
-    """bf16 autocast on the run's device when ``--dtype bf16``, else a no-op context."""
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {cfg.dtype!r}")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    """bf16 autocast on the run's device when the run's dtype resolves to bf16, else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_dtype(cfg.dtype, device) == "bf16")
 
 
 def build_model(cfg: TrainConfig, src_vocab: int, tgt_vocab: int):
@@ -223,7 +235,8 @@ class Trainer:
         self.threads = pick_threads(cfg.threads)
         torch.set_num_threads(self.threads)
         self.device = pick_device(cfg.device)
-        autocast(cfg, self.device)  # validates --dtype before any work
+        # validates --dtype before any work; the run (and its checkpoints) record the resolved one
+        self.cfg = cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, self.device))
         dims = cfg.model_dims()
         self.train_pairs, self.test_pairs = load_data(cfg)
         if state is None:
@@ -425,7 +438,7 @@ def run(options: Dict[str, Any], resume: bool = False) -> Dict[str, Any]:
           f"{trainer.tgt_tok.vocab_size} tgt); model d={dims['d_model']} h={dims['heads']} "
           f"L={dims['layers']}+{dims['layers']} ffn={dims['ffn']} dropout={cfg.dropout_p()} "
           f"({n_params / 1e6:.2f}M params); "
-          f"{trainer.total_steps} steps on {trainer.device} ({cfg.dtype}, backend {cfg.backend}, "
+          f"{trainer.total_steps} steps on {trainer.device} ({trainer.cfg.dtype}, backend {cfg.backend}, "
           f"{trainer.threads} threads)"
           + (f"; resuming at step {trainer.step}" if state is not None else ""))
     sys.stdout.flush()
