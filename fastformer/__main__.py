@@ -1,5 +1,6 @@
 """The command line: ``python -m fastformer train | translate | bench | check`` (console script ``fastformer``)."""
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -57,6 +58,10 @@ def _train_parser(sub) -> None:
     x.add_argument("--out", metavar="DIR", help=f"checkpoint directory (default {C.out})")
     x.add_argument("--save-every", type=int, metavar="STEPS", help=f"checkpoint period (default {C.save_every})")
     x.add_argument("--resume", action="store_true", default=False, help="continue from DIR's last checkpoint")
+    x.add_argument("--nproc", type=int, metavar="N",
+                   help="train with N processes on this machine (DistributedDataParallel: gloo on CPU, nccl "
+                        "on GPUs): launches `torchrun --standalone --nproc_per_node N -m fastformer train ...`. "
+                        "Under torchrun itself, leave it out")
     x.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
     e = p.add_argument_group("evaluation")
     e.add_argument("--beam", type=int, help="beam size for the held-out translations (default 1 = greedy)")
@@ -105,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _without_nproc(argv: List[str]) -> List[str]:
+    """``argv`` without its ``--nproc N`` / ``--nproc=N``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -115,6 +133,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             from . import train
 
             resume = options.pop("resume")
+            nproc = options.pop("nproc", None)
+            if nproc is not None and "WORLD_SIZE" not in os.environ:
+                from . import distributed
+
+                rest = _without_nproc(list(sys.argv[1:] if argv is None else argv))
+                rest.remove("train")  # the subcommand: torchrun's command line names it itself
+                return distributed.launch(nproc, rest)
+            if nproc is not None and int(os.environ["WORLD_SIZE"]) != nproc:
+                raise ValueError(f"--nproc {nproc} under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}: "
+                                 "leave --nproc out under torchrun")
             train.run(options, resume=resume)
         elif command == "translate":
             from . import translate
