@@ -28,7 +28,7 @@ import torch
 from . import report, train_step
 from .ops import MODES, OPS
 from .providers import REGISTRY, build_case, default_dtypes, providers_for
-from .timing import measure, measure_interleaved, peak_memory_bytes
+from .timing import measure_interleaved, peak_memory_bytes
 
 ALL_OPS = list(OPS) + ["train_step"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,15 +86,6 @@ def _record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: s
             "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None}
 
 
-def _fill(rec: Dict, fn, reset, timing_cfg, device: torch.device) -> None:
-    warmup, min_reps, max_reps, min_time = timing_cfg
-    t = measure(fn, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
-    peak = peak_memory_bytes(fn, device, reset=reset)
-    rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms, iqr_ms=t.iqr_ms,
-               reps=t.reps, first_call_ms=t.first_call_ms,
-               peak_mem_mb=peak / 2**20 if peak is not None else None)
-
-
 def _error(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"error: {type(e).__name__}: {msg[:160]}"
@@ -102,43 +93,59 @@ def _error(e: BaseException) -> str:
 
 def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
              providers: Optional[List[str]], modes: List[str], log=None) -> List[Dict]:
-    """Records for every (shape, dtype, provider, mode) of ``op``."""
+    """Records for every (shape, dtype, provider, mode) of ``op``; the providers of one (shape,
+    dtype, mode) are timed interleaved within each repetition."""
     spec = OPS[op]
+    warmup, min_reps, max_reps, min_time = TIMING[size]
     records = []
     for dtype in dtypes:
         dname = _DTYPE_NAMES[dtype]
+        runnable = []
         for provider, reason in providers_for(op, device, dtype, providers):
-            if reason is not None:
-                if log and providers is not None and provider.name in providers:
-                    log(f"  {op}: {provider.name} skipped: {reason}")
-                continue
-            for shape in spec.sweep(device.type, size):
+            if reason is None:
+                runnable.append(provider)
+            elif log and providers is not None and provider.name in providers:
+                log(f"  {op}: {provider.name} skipped: {reason}")
+        for shape in spec.sweep(device.type, size):
+            label = spec.label(shape)
+            cases, setup = {}, {}
+            for provider in runnable:
                 if not provider.supports(spec, shape):
                     continue
-                label = spec.label(shape)
                 t0 = time.perf_counter()
                 try:  # inputs, and one forward pass (for bwd): a compiling provider compiles here
-                    case = build_case(op, provider.name, shape, device, dtype, modes)
+                    cases[provider.name] = build_case(op, provider.name, shape, device, dtype, modes)
+                    setup[provider.name] = (time.perf_counter() - t0) * 1e3
                 except Exception as e:  # a provider that cannot take this shape: say so, go on
                     records += [_record(op, provider.name, shape, label, m, dname, _error(e)) for m in modes]
-                    continue
-                setup_ms = (time.perf_counter() - t0) * 1e3
-                for mode in modes:
-                    rec = _record(op, provider.name, shape, label, mode, dname, "")
-                    rec["setup_ms"] = setup_ms
+            for mode in modes:
+                recs = {name: _record(op, name, shape, label, mode, dname, "") for name in cases}
+                try:
+                    timings = measure_interleaved({n: c.calls[mode] for n, c in cases.items()}, warmup=warmup,
+                                                  min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+                except Exception as e:
+                    timings = {}
+                    for rec in recs.values():
+                        rec["status"] = _error(e)
+                for name, t in timings.items():
+                    rec = recs[name]
                     try:
-                        _fill(rec, case.calls[mode], case.reset, TIMING[size], device)
-                        seconds = rec["median_ms"] / 1e3
-                        elem = torch.finfo(dtype).bits // 8
-                        rec["throughput"] = spec.throughput(shape, mode, seconds, elem)
-                        rec["tokens_per_s"] = spec.tokens(shape) / seconds
+                        peak = peak_memory_bytes(cases[name].calls[mode], device, reset=cases[name].reset)
+                        seconds = t.min_ms / 1e3
+                        rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms,
+                                   q75_ms=t.q75_ms, iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms,
+                                   setup_ms=setup[name], peak_mem_mb=peak / 2**20 if peak is not None else None,
+                                   throughput=spec.throughput(shape, mode, seconds, torch.finfo(dtype).bits // 8),
+                                   tokens_per_s=spec.tokens(shape) / seconds)
                     except Exception as e:
                         rec["status"] = _error(e)
+                for rec in recs.values():
                     records.append(rec)
                     if log:
-                        log(f"  {op} {label} {dname} {mode} {provider.name}: "
-                            + (f"{rec['median_ms']:.3f} ms" if rec["status"] == "ok" else rec["status"]))
-                del case
+                        log(f"  {op} {label} {dname} {mode} {rec['provider']}: "
+                            + (f"median {rec['median_ms']:.3f} ms, min {rec['min_ms']:.3f} ms"
+                               if rec["status"] == "ok" else rec["status"]))
+            del cases
     return records
 
 
