@@ -36,6 +36,7 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
             _checks.tensor(name, p, ndim=1, floating=True)
             _checks.shape(name, p, (C,), "(C,) with C = x.shape[-1]")
     _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
+    prenorm = _checks.flag("prenorm", prenorm)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     eps = _checks.positive("eps", eps)
 
