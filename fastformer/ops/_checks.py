@@ -1,5 +1,6 @@
 """Input validation shared by the functional ops: errors that name the argument."""
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -61,7 +62,7 @@ def positive(name: str, x) -> float:
 
 def positive_int(name: str, x, *, minimum: int = 1) -> int:
     """``x`` as an int >= ``minimum`` (module sizes, counts); TypeError for a non-int."""
-    if isinstance(x, bool) or not isinstance(x, int):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
     if x < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {x}")
