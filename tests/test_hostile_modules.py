@@ -260,3 +260,31 @@ def test_layers_empty_batch(backend, batch_first):
     assert memory.shape == shape and out.shape == shape and attn.shape == shape
     assert weights.shape == (0, 5, 5)
     assert src.grad.shape == shape
+
+
+# ------------------------------------------------------------- the rest of the top-level API
+def _enter(ctx):
+    with ctx:
+        pass
+
+
+def _noam(d_model, warmup, factor=1.0):
+    opt = fastformer.optim.make_optimizer(torch.nn.Linear(2, 2))
+    return fastformer.optim.NoamScheduler(opt, d_model, warmup, factor=factor)
+
+
+TOP_LEVEL = {
+    "set_backend": (lambda: fastformer.set_backend("gpu"), ValueError, "backend must be 'auto' or one of"),
+    "use_backend": (lambda: _enter(fastformer.use_backend("opencl")), ValueError, "backend must be"),
+    "convert_not_a_module": (lambda: fastformer.convert("model"), TypeError, "model"),
+    "noam_d_model": (lambda: _noam(0, 10), ValueError, "d_model must be a positive int"),
+    "noam_warmup": (lambda: _noam(8, 0), ValueError, "warmup must be a positive int"),
+    "noam_factor": (lambda: _noam(8, 10, factor=float("nan")), ValueError, "factor must be positive"),
+}
+
+
+@pytest.mark.parametrize("call, exc, match", [pytest.param(*v, id=k) for k, v in TOP_LEVEL.items()])
+def test_bad_top_level_call_is_rejected(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+    assert fastformer.get_backend() == "auto", "a rejected backend name must not stick"
