@@ -121,3 +121,19 @@ def test_linear_cross_entropy_empty(backend, reduction, lead):
     def ref(h, w, b):
         return reference.linear_cross_entropy(h, w, b, target, reduction=reduction)
     _same(backend, fn, ref, leaves)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_feed_forward_without_hidden_units(backend):
+    """dim_feedforward F = 0: the FFN adds nothing but b2, and b2 gets the whole gradient."""
+    leaves = _leaves((3, 6), (0, 6), (0,), (6, 0), (6,))
+
+    def fn(x, w1, b1, w2, b2):
+        return ops.feed_forward(x, w1, b1, w2, b2)
+
+    def ref(x, w1, b1, w2, b2):
+        return reference.feed_forward(x, w1, b1, w2, b2)
+    _same(backend, fn, ref, leaves)
+    out, grads = _run(backend, fn, leaves)
+    torch.testing.assert_close(out, leaves[4].detach().expand(3, 6))
+    torch.testing.assert_close(grads[4], torch.full((6,), 3.0))

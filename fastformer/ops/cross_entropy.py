@@ -84,6 +84,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     """
     _checks.tensor("hidden", hidden, min_ndim=1, floating=True)
     _checks.tensor("weight", weight, ndim=2, floating=True)
+    _checks.nonempty_dim("hidden", hidden, -1, "the hidden size D")
     V, D = weight.shape
     if hidden.shape[-1] != D:
         raise ValueError(f"hidden's last dimension must equal weight.shape[1] = {D}, got shape "
