@@ -95,3 +95,25 @@ def test_argparse_rejects_wrong_types_and_choices(capsys, argv, flag):
         main(argv)
     assert info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all", b"PK\x03\x04 truncated zip"],
+                         ids=["empty", "text", "truncated_zip"])
+def test_translate_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys, content):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(content)
+    code = main(["translate", "--checkpoint", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "is not a fastformer checkpoint" in err and "bad.pt" in err, err
+
+
+def test_train_resume_from_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    from fastformer import checkpoint as ckpt
+
+    open(ckpt.checkpoint_path(str(out)), "wb").write(b"garbage")
+    code = main(["train", "--resume", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not a fastformer checkpoint" in err, err
