@@ -27,6 +27,10 @@ class LayerNorm(torch.nn.LayerNorm):
         _checks.positive("eps", eps)
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
+    def _check_twin(self) -> None:
+        """A converted torch module's configuration (torch does not check eps)."""
+        _checks.positive("eps", self.eps)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         _checks.tensor("input", input, floating=True)
         shape = tuple(self.normalized_shape)

@@ -86,6 +86,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device, dtype)
 
+    def _check_twin(self) -> None:
+        """A converted torch module's configuration (torch does not check the dropout)."""
+        _validate.attention_config(self.embed_dim, self.num_heads, self.dropout)
+
     # ----------------------------------------------------------------------------- pieces
     def _in_projection(self, query, key, value):
         """Input projections in the inputs' own layout: (..., E) each, one GEMM for self-attention."""
