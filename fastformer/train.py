@@ -79,6 +79,61 @@ class TrainConfig:
     examples: int = 5
     progress: bool = True
 
+    def validate(self) -> "TrainConfig":
+        """Every option in its range, checked before any work; a ValueError names the flag."""
+        from .data.tasks import TASKS
+
+        def flag(name: str) -> str:
+            return "--" + name.replace("_", "-")
+
+        def at_least(name: str, minimum: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{flag(name)} must be an integer >= {minimum}, got {value!r}")
+
+        def in_range(name: str, lo: float, hi: float, hi_open: bool, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value and (
+                value < hi if hi_open else value <= hi)
+            if not ok:
+                raise ValueError(f"{flag(name)} must be a number in [{lo:g}, {hi:g}{')' if hi_open else ']'}, "
+                                 f"got {value!r}")
+
+        def one_of(name: str, choices) -> None:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag(name)} must be one of {sorted(choices)}, got {getattr(self, name)!r}")
+
+        one_of("task", TASKS)
+        one_of("tokenizer", ("auto", "char", "bpe"))
+        one_of("preset", PRESETS)
+        one_of("backend", ("auto", "reference", "cpu", "triton", "cuda"))
+        one_of("dtype", ("fp32", "bf16"))
+        one_of("device", ("auto", "cpu", "cuda"))
+        for name in ("task_train", "task_test", "batch_tokens", "warmup", "beam", "eval_batch"):
+            at_least(name, 1)
+        at_least("vocab_size", 4)  # BPE needs its specials and at least one symbol
+        at_least("max_len", 2)  # a token and eos
+        for name in ("d_model", "heads", "layers", "ffn", "epochs", "threads"):
+            at_least(name, 1, optional=True)
+        for name in ("steps", "save_every", "examples"):  # --steps 0 evaluates only, --save-every 0 = at the end
+            at_least(name, 0, optional=name == "steps")
+        at_least("seed", 0)
+        in_range("test_fraction", 0.0, 1.0, hi_open=True)
+        if self.data is not None and self.test_fraction <= 0.0:
+            raise ValueError(f"--test-fraction must be > 0 (a held-out split), got {self.test_fraction!r}")
+        in_range("dropout", 0.0, 1.0, hi_open=True, optional=True)
+        in_range("label_smoothing", 0.0, 1.0, hi_open=False)
+        in_range("lr_factor", 0.0, float("inf"), hi_open=True)
+        if self.lr_factor <= 0.0:
+            raise ValueError(f"--lr-factor must be > 0, got {self.lr_factor!r}")
+        in_range("clip_norm", 0.0, float("inf"), hi_open=True)
+        self.model_dims()  # d_model divisible by heads
+        return self
+
     def model_dims(self) -> Dict[str, int]:
         """d_model / heads / layers / ffn: the preset, with explicit options taking precedence."""
         if self.preset not in PRESETS:
@@ -89,7 +144,7 @@ class TrainConfig:
             if value is not None:
                 dims[key] = value
         if dims["d_model"] % dims["heads"]:
-            raise ValueError(f"d_model ({dims['d_model']}) must be divisible by heads ({dims['heads']})")
+            raise ValueError(f"--d-model ({dims['d_model']}) must be divisible by --heads ({dims['heads']})")
         return dims
 
     def dropout_p(self) -> float:
@@ -119,7 +174,7 @@ def resolve_config(options: Dict[str, Any], saved: Optional[Dict[str, Any]] = No
     if unknown:
         raise ValueError(f"unknown training options: {sorted(unknown)}")
     if saved is None:
-        return TrainConfig(**options)
+        return TrainConfig(**options).validate()
     merged = dict(saved)
     for key, value in options.items():
         if key in RESUMABLE:
@@ -127,7 +182,7 @@ def resolve_config(options: Dict[str, Any], saved: Optional[Dict[str, Any]] = No
         elif saved.get(key) != value:
             raise ValueError(f"--{key.replace('_', '-')} is {value!r} but the checkpoint was trained with "
                              f"{saved.get(key)!r}; a resumed run keeps it (drop the option)")
-    return TrainConfig(**{k: v for k, v in merged.items() if k in names})
+    return TrainConfig(**{k: v for k, v in merged.items() if k in names}).validate()
 
 
 def pick_threads(threads: Optional[int], processes_here: int = 1) -> int:
@@ -137,7 +192,7 @@ def pick_threads(threads: Optional[int], processes_here: int = 1) -> int:
     mostly wait on each other and one thread runs fastest."""
     if threads is not None:
         if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+            raise ValueError(f"--threads must be at least 1, got {threads}")
         return threads
     default = max(1, torch.get_num_threads() // max(1, processes_here))
     try:

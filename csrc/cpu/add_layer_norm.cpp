@@ -231,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
   if (has_res) check_like(*residual, "residual", x, "x", op);
   check_param(weight, "weight", x, op);
   check_param(bias, "bias", x, op);
-  TORCH_CHECK(eps > 0.0, op, ": eps must be > 0, got ", eps);
+  TORCH_CHECK(eps > 0.0 && std::isfinite(eps), op, ": eps must be > 0 and finite, got ", eps);
   check_dropout(dropout_p, seed, offset, op);
   const int64_t N = x.size(0), C = x.size(1);
   at::Tensor y = at::empty_like(x), h = at::empty_like(x);

@@ -216,6 +216,10 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
     """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
     from ..train import pick_threads
 
+    unknown = [p for p in providers or [] if p not in REGISTRY and p not in train_step.PROVIDERS]
+    if unknown:
+        raise ValueError(f"--providers: unknown provider(s) {unknown}; known: "
+                         f"{sorted(set(REGISTRY) | set(train_step.PROVIDERS))}")
     dev = _device(device)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
     chosen_threads = pick_threads(threads)

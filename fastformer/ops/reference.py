@@ -61,7 +61,8 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     visible = ~hidden
     row_visible = visible.any(dim=-1, keepdim=True).expand(B, H, Sq, 1)  # (B, H, Sq, 1)
     s = torch.where(row_visible, s, torch.zeros_like(s))
-    s = s - s.amax(dim=-1, keepdim=True)
+    if Sk > 0:  # no key at all: every row sees nothing, and amax has nothing to reduce
+        s = s - s.amax(dim=-1, keepdim=True)
     e = torch.exp(s)
     p = e / e.sum(dim=-1, keepdim=True) * row_visible
     if dropout_p > 0.0:
