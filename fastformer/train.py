@@ -111,7 +111,7 @@ class TrainConfig:
         one_of("tokenizer", ("auto", "char", "bpe"))
         one_of("preset", PRESETS)
         one_of("backend", ("auto", "reference", "cpu", "triton", "cuda"))
-        one_of("dtype", ("fp32", "bf16"))
+        one_of("dtype", DTYPES)
         one_of("device", ("auto", "cpu", "cuda"))
         for name in ("task_train", "task_test", "batch_tokens", "warmup", "beam", "eval_batch"):
             at_least(name, 1)
