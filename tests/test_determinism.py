@@ -193,3 +193,58 @@ def test_training_run_is_bit_identical(tmp_path, backend, threads, deterministic
     for name in params_a:
         assert torch.equal(params_a[name], params_b[name]), f"{name} differs between two runs"
     assert losses_a[-1] != losses_a[0], "the run must train for the comparison to mean anything"
+
+
+# -- the GPU launch path, without a GPU: deterministic mode fixes the Triton tile configs ---------------
+class _RecordLaunch:
+    """Stands in for ``torch.library.wrap_triton``: records which kernel runs with which arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, kernel):
+        def index(grid):
+            return lambda *args, **kwargs: self.calls.append((kernel, grid, kwargs))
+        return type("Launcher", (), {"__getitem__": lambda _, grid: index(grid)})()
+
+
+@pytest.mark.parametrize("deterministic_mode", [False, True], ids=["autotuned", "deterministic"])
+def test_triton_attention_on_gpu_runs_a_fixed_config_under_deterministic_mode(monkeypatch, deterministic_mode,
+                                                                              request):
+    pytest.importorskip("triton", reason="the Triton kernels need triton")
+    from triton_kernels import attention as tk
+
+    if deterministic_mode:
+        request.getfixturevalue("deterministic")
+    record = _RecordLaunch()
+    monkeypatch.setattr(tk, "INTERPRET", False)  # take the GPU branch of the launcher
+    monkeypatch.setattr(torch.library, "wrap_triton", record)
+    monkeypatch.setattr(tk, "_tuned", lambda kind, fn, *rest: ("autotuner", kind, fn))
+    kernel = object()
+    tk._launch("fwd", kernel, lambda meta: (meta["BLOCK_M"], 1, 1), 64, 2, ("arg",),
+               {"HAS_MASK": True, "HAS_DROPOUT": True})
+    (launched, grid, kwargs), = record.calls
+    if not deterministic_mode:
+        assert launched == ("autotuner", "fwd", kernel)
+        return
+    first = tk._configs("fwd", 64, 2, True)[0]
+    assert launched is kernel, "deterministic mode must not autotune"
+    assert grid == (first.kwargs["BLOCK_M"], 1, 1)
+    assert kwargs == dict(first.kwargs, HAS_MASK=True, HAS_DROPOUT=True, num_warps=first.num_warps,
+                          num_stages=first.num_stages)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matmul_on_gpu_runs_a_fixed_config_under_deterministic_mode(monkeypatch, deterministic, dtype):
+    pytest.importorskip("triton", reason="the Triton kernels need triton")
+    from triton_kernels import matmul
+
+    record = _RecordLaunch()
+    monkeypatch.setattr(matmul, "INTERPRET", False)
+    a, b = torch.ones(5, 3, dtype=dtype), torch.ones(3, 4, dtype=dtype)
+    matmul.launch(a, b, torch.empty(5, 4, dtype=dtype), wrap=record)
+    (launched, grid, kwargs), = record.calls
+    first = matmul.kernel_for(dtype).configs[0]  # the autotuner's first candidate (interpreter configs here)
+    assert launched is matmul._matmul, "deterministic mode must not autotune"
+    assert {k: kwargs[k] for k in first.kwargs} == first.kwargs
+    assert (kwargs["num_warps"], kwargs["num_stages"]) == (first.num_warps, first.num_stages)
