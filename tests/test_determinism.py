@@ -3,11 +3,14 @@ backend, and a whole training run, are bit-identical from run to run, also under
 ``torch.use_deterministic_algorithms(True)``.
 
 No fastformer kernel has a reduction whose order depends on thread scheduling: the C++ kernels
-split work by thread index (at::parallel_for is static) and add per-block partial sums in block
-order, the Triton kernels use no atomics. What can change from process to process is the Triton
-autotuner's pick of tile sizes on a GPU (a tile size changes the summation order); under
-deterministic mode the kernels skip autotuning and run their first listed config.
+split work by thread index (at::parallel_for hands thread i a fixed range) and add per-block
+partial sums in block order, the Triton kernels use no atomics, so none needs another path.
+What can change from process to process is the Triton autotuner's pick of tile sizes on a GPU
+(a tile size changes the summation order); under deterministic mode the kernels skip autotuning
+and run their first listed config. Results depend on the thread count (the C++ kernels' partial
+sums), as torch's own CPU reductions do.
 """
+import os
 import subprocess
 import sys
 
@@ -39,10 +42,13 @@ def set_threads():
 
 
 @pytest.fixture
-def deterministic():
+def deterministic(monkeypatch):
     """``torch.use_deterministic_algorithms(True)`` for one test (which also fills every
     ``torch.empty`` with NaN, so a kernel reading memory it never wrote shows up as NaN)."""
-    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if torch.cuda.is_available():  # torch refuses cuBLAS GEMMs in deterministic mode without it
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
     torch.use_deterministic_algorithms(True)
     assert torch.utils.deterministic.fill_uninitialized_memory
     yield
