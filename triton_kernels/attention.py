@@ -419,15 +419,23 @@ def _dropout_args(dropout_p: float):
 
 
 def _launch(kind, fn, grid_of, block_d, elt, args, meta):
-    """Launch ``fn`` (autotuned on a GPU, the fixed interpreter blocks on CPU) through
-    ``wrap_triton`` so torch.compile captures the kernel inside the registered op."""
+    """Launch ``fn`` through ``wrap_triton`` so torch.compile captures the kernel inside the
+    registered op: autotuned on a GPU (its first config under
+    ``torch.use_deterministic_algorithms(True)``), the fixed interpreter blocks on CPU."""
     wrap = torch.library.wrap_triton
     if INTERPRET:
         blocks = dict(INTERPRET_BLOCKS)
         wrap(fn)[grid_of(blocks)](*args, **meta, **blocks)
     else:
         heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
-        wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
+        if torch.are_deterministic_algorithms_enabled():
+            # the autotuner's pick may differ between processes and a tile size changes the
+            # summation order: run the first (best-guess) config, the same in every process
+            cfg = _configs(kind, block_d, elt, heavy)[0]
+            wrap(fn)[grid_of(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
+                                          num_stages=cfg.num_stages)
+        else:
+            wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
 
 
 def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -232,7 +232,8 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
 
     ``wrap``: ``torch.library.wrap_triton`` when called from a ``triton_op`` (so torch.compile
     sees the kernel), else None. ``config``: a ``triton.Config`` to run instead of autotuning
-    (tests and benchmarks of single configs).
+    (tests and benchmarks of single configs); under ``torch.use_deterministic_algorithms(True)``
+    the first autotune candidate is run instead of autotuning.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -243,6 +244,10 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
     assert c.stride(1) == 1 and c.shape == (M, N)
     for name, t in (("d", d), ("pre", pre)):
         assert t is None or (t.shape == c.shape and t.stride() == c.stride()), name
+    if config is None and not INTERPRET and torch.are_deterministic_algorithms_enabled():
+        # the autotuner's pick may differ between processes and BLOCK_K changes the summation
+        # order: run the first listed config, the same in every process
+        config = kernel_for(a.dtype).configs[0]
     kernel = kernel_for(a.dtype) if config is None else _matmul
     if wrap is not None:
         kernel = wrap(kernel)
