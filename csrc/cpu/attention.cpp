@@ -41,9 +41,9 @@
 #include <utility>
 #include <vector>
 
-#include "attention_dropout.h"
 #include "attention_gemm.h"
 #include "attention_transpose.h"
+#include "dropout_scales.h"
 #include "philox.h"
 
 namespace fastformer {
@@ -51,7 +51,7 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;    // query rows per tile
 constexpr int64_t kBlockK = 128;   // keys per tile; a multiple of kPad
-constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors / Philox lanes
+constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors
 constexpr int64_t kMaxHeadDim = 256;
 
 template <typename T>
@@ -133,9 +133,14 @@ struct Problem {
   int64_t query_begin(int64_t j0) const {
     return mask.causal ? std::clamp<int64_t>(j0 - mask.shift, 0, Sq) : 0;
   }
-  // Philox counter of dropout element (b, h, i, j) of the (B, H, Sq, Sk) probabilities.
-  uint64_t counter(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return offset + static_cast<uint64_t>(((b * H + h) * Sq + i) * Sk + j);
+  // out[0, npad) = the dropout multipliers (value or 0) of keys [j0, j0 + nk) of query (b, h, i),
+  // then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
+  template <typename A>
+  void dropout_row(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t nk, int64_t npad, A value,
+                   A* out) const {
+    dropout_scales(out, j0, nk, seed, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk),
+                   threshold, value);
+    std::fill(out + nk, out + npad, A(0));
   }
 };
 
@@ -396,8 +401,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
           l[r] += exp_sub_sum(s, npad, m_new);
           m[r] = m_new;
           if (dropout) {
-            attn::dropout_multipliers(p.seed, p.counter(b, h, i, j0), nk, p.threshold, acc_t(1),
-                                      keep.data());
+            p.dropout_row(b, h, i, j0, nk, npad, acc_t(1), keep.data());
             mul_row(s, keep.data(), npad);
           }
         }
@@ -502,7 +506,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     }
     if (dropout) {
       acc_t* z = w.keep.data() + r * kBlockK;
-      attn::dropout_multipliers(p.seed, p.counter(b, h, i, j0), nk, p.threshold, keep_value, z);
+      p.dropout_row(b, h, i, j0, nk, npad, keep_value, z);
       mul_into(w.PZ.data() + r * kBlockK, s, z, npad);
     }
   }
