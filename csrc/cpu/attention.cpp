@@ -133,13 +133,12 @@ struct Problem {
   int64_t query_begin(int64_t j0) const {
     return mask.causal ? std::clamp<int64_t>(j0 - mask.shift, 0, Sq) : 0;
   }
-  // out[0, npad) = the dropout multipliers (value or 0) of keys [j0, j0 + nk) of query (b, h, i),
-  // then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
+  // out[0, npad) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
+  // (b, h, i), then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
   template <typename A>
-  void dropout_row(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t nk, int64_t npad, A value,
-                   A* out) const {
-    dropout_scales(out, j0, nk, seed, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk),
-                   threshold, value);
+  void dropout_row(const DropoutScales<A>& drop, int64_t b, int64_t h, int64_t i, int64_t j0,
+                   int64_t nk, int64_t npad, A* out) const {
+    drop.fill(out, j0, nk, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
     std::fill(out + nk, out + npad, A(0));
   }
 };
@@ -358,6 +357,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kBlockK);
+    const DropoutScales<acc_t> drop(p.seed, p.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
@@ -401,7 +401,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
           l[r] += exp_sub_sum(s, npad, m_new);
           m[r] = m_new;
           if (dropout) {
-            p.dropout_row(b, h, i, j0, nk, npad, acc_t(1), keep.data());
+            p.dropout_row(drop, b, h, i, j0, nk, npad, keep.data());
             mul_row(s, keep.data(), npad);
           }
         }
@@ -485,7 +485,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), head = (b * p.H + h) * p.Sq;
   const bool dropout = p.dropout_p > 0.0;
-  const acc_t keep_value = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const DropoutScales<acc_t> drop(p.seed, p.threshold, static_cast<acc_t>(1.0 / (1.0 - p.dropout_p)));
   int64_t ldq, lddo;
   const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
@@ -506,7 +506,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     }
     if (dropout) {
       acc_t* z = w.keep.data() + r * kBlockK;
-      p.dropout_row(b, h, i, j0, nk, npad, keep_value, z);
+      p.dropout_row(drop, b, h, i, j0, nk, npad, z);
       mul_into(w.PZ.data() + r * kBlockK, s, z, npad);
     }
   }

@@ -164,12 +164,12 @@ void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, d
   at::parallel_for(0, total, 8 * kChunk, [&](int64_t begin, int64_t end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? kChunk : 0]);
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
       const int64_t len = std::min(kChunk, end - c0);
       for (int64_t e = c0; keep && e < c0 + len;) {  // the chunk's pieces of rows
         const int64_t row = e / F, col = e % F, n = std::min(F - col, c0 + len - e);
-        dropout_scales(keep + (e - c0), col, n, seed, dropout_row_counter(offset, row, F), threshold,
-                       scale);
+        dropout.fill(keep + (e - c0), col, n, dropout_row_counter(offset, row, F));
         e += n;
       }
       const T* const p = pre + c0;
@@ -233,12 +233,13 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? F : 0]);
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const db1_sum = F1 ? partial + block * (F1 + E2) : nullptr;
       A* const db2_sum = E2 ? partial + block * (F1 + E2) + F1 : nullptr;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
-        if (keep) dropout_scales(keep, 0, F, seed, dropout_row_counter(offset, row, F), threshold, scale);
+        if (keep) dropout.fill(keep, 0, F, dropout_row_counter(offset, row, F));
         act_dropout_bwd_row<T>(pre + row * F, da_dpre + row * F, a + row * F, keep, dout + row * E,
                                db1_sum, db2_sum, F, E, act);
       }
