@@ -53,6 +53,20 @@ def test_round_function_matches_random123_known_answers(counter, key, expected):
     assert _philox4x32_10(counter, key) == expected
 
 
+def test_philox4x32_gives_all_four_known_answer_words():
+    # counter (0, 0, 0, 0), key (0, 0): Random123's first vector, all four words
+    assert philox.philox4x32(1, 0, 0)[0].tolist() == list(KAT[0][2])
+    # counter (n, 0, 0) for n = offset .. offset + 2 (the low word wraps), other keys
+    gen = torch.Generator().manual_seed(6)
+    for seed, offset in ((2**40 + 7, 2**32 - 2), (int(torch.randint(0, 2**62, (), generator=gen)), 2**62 + 5)):
+        words = philox.philox4x32(3, seed, offset)
+        assert words.dtype == torch.int64 and words.shape == (3, 4)
+        for i in range(3):
+            n = offset + i
+            want = _philox4x32_10((n & M32, n >> 32, 0, 0), (seed & M32, seed >> 32))
+            assert tuple(words[i].tolist()) == want
+
+
 def test_philox_bits_is_the_first_word_with_counter_and_key_from_offset_and_seed():
     # counter (0, 0, 0, 0), key (0, 0): the first published word
     assert int(philox.philox_bits(1, 0, 0)[0]) == KAT[0][2][0]
@@ -74,14 +88,87 @@ def test_philox_bits_of_a_range_is_the_bits_of_each_counter():
     assert len(set(bits.tolist())) == 64
 
 
-@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
+def _random16_by_hand(shape, seed, offset):
+    """Every element's 16 bits computed on its own from the KAT-checked round function: row r,
+    column c -> group n = offset + r * ceil(C / 8) + c // 8 -> word c % 8 // 2, half c % 2."""
+    C = shape[-1]
+    G = (C + 7) // 8
+    rows = math.prod(shape[:-1])
+    words = {}
+    out = []
+    for r in range(rows):
+        for c in range(C):
+            n = offset + r * G + c // 8
+            if n not in words:
+                words[n] = _philox4x32_10((n & M32, (n >> 32) & M32, 0, 0), (seed & M32, seed >> 32))
+            j = c % 8
+            out.append((words[n][j // 2] >> (16 * (j % 2))) & 0xFFFF)
+    return torch.tensor(out, dtype=torch.int64).reshape(shape)
+
+
+@pytest.mark.parametrize("shape,seed,offset", [
+    ((3, 5), 7, 0), ((2, 8), 2**33 + 1, 3), ((4, 9), 11, 2**32 - 3),  # the low word wraps in row 1
+    ((2, 3, 17), 2**62 - 1, 2**40), ((1, 1), 0, 0), ((2, 2, 1), 5, 2**32 - 1), ((65,), 9, 12)])
+def test_random16_layout_matches_a_per_element_computation(shape, seed, offset):
+    got = philox.random16(shape, seed, offset)
+    assert got.shape == shape and got.dtype == torch.int64
+    assert torch.equal(got, _random16_by_hand(shape, seed, offset))
+
+
+def test_random16_rows_are_independent_of_the_other_dimensions():
+    """Only the flattened row index and the column matter: (2, 3, C) is (6, C); the group counter
+    restarts at a multiple of G = ceil(C / 8) each row, so rows never share a Philox call."""
+    a = philox.random16((2, 3, 13), 4, 100)
+    assert torch.equal(a.reshape(6, 13), philox.random16((6, 13), 4, 100))
+    # row r of (6, 13) is row 0 of a one-row tensor at offset + r * 2
+    for r in range(6):
+        assert torch.equal(a.reshape(6, 13)[r], philox.random16((13,), 4, 100 + 2 * r))
+
+
+def test_random16_is_the_four_words_little_endian():
+    words = philox.philox4x32(3, 8, 2**32 - 1)  # (3, 4): a row of 24 columns = 3 groups
+    u = philox.random16((24,), 8, 2**32 - 1)
+    for g in range(3):
+        for j in range(8):
+            assert int(u[8 * g + j]) == (int(words[g, j // 2]) >> (16 * (j % 2))) & 0xFFFF
+
+
+@pytest.mark.parametrize("shape,want", [((10, 16), 20), ((10, 17), 30), ((5, 1), 5), ((2, 3, 8), 6),
+                                        ((1023,), 128), ((0, 9), 0), ((), 1)])
+def test_counters_used(shape, want):
+    assert philox.counters_used(shape) == want
+
+
+def test_drop_threshold_is_p_times_65536_rounded_half_up():
+    assert [philox.drop_threshold(p) for p in (0.0, 0.5, 0.1, 0.9, 2**-17, 3 * 2**-17)] == [
+        0, 32768, 6554, 58982, 1, 2]  # 6553.6 -> 6554, 58982.4 -> 58982, halves go up
+    gen = torch.Generator().manual_seed(8)
+    for p in torch.rand(1000, generator=gen, dtype=torch.float64).tolist() + [1 - 2**-20, 0.99999]:
+        t = philox.drop_threshold(p)
+        assert isinstance(t, int) and 0 <= t <= 65536
+        assert abs(t / 65536 - p) <= 2**-17 < 2**-16, f"threshold {t} for p={p}"
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_rate_within_binomial_bound(p):
-    n = 200_000
-    keep = philox.keep_mask((n,), p, 2024, 3)
-    want = 1.0 - philox.drop_threshold(p) / 2**24  # the exact keep probability of the 24-bit test
-    assert abs(want - (1.0 - p)) < 2**-24
+    shape = (500, 400)  # 200k elements, rows not a multiple of 64 columns
+    keep = philox.keep_mask(shape, p, 2024, 3)
+    want = 1.0 - philox.drop_threshold(p) / 2**16  # the exact keep probability of the 16-bit test
+    assert abs(want - (1.0 - p)) < 2**-16
+    n = keep.numel()
     rate = keep.double().mean().item()
     assert abs(rate - want) < 5 * math.sqrt(want * (1 - want) / n), f"keep rate {rate} for p={p}"
+    # every column position of a group keeps at that rate too (the 16-bit halves are all used)
+    per_j = keep.reshape(500, 50, 8).double().mean(dim=(0, 1))
+    bound = 5 * math.sqrt(want * (1 - want) / (n / 8))
+    assert ((per_j - want).abs() < bound).all(), f"per-column keep rates {per_j.tolist()} for p={p}"
+
+
+def test_random16_looks_uniform():
+    top = (philox.random16((512, 1024), 9, 0) >> 8).flatten().bincount(minlength=256).double()  # top byte
+    expected = 512 * 1024 / 256
+    chi2 = ((top - expected) ** 2 / expected).sum().item()
+    assert chi2 < 255 + 6 * math.sqrt(2 * 255), f"chi-square {chi2} over 255 degrees of freedom"
 
 
 def test_bits_look_uniform():
@@ -94,6 +181,7 @@ def test_dropout_scales_kept_values():
     x = torch.randn(8, 300)
     y = philox.dropout(x, 0.25, 3, 0)
     keep = philox.keep_mask(x.shape, 0.25, 3, 0)
+    assert torch.equal(keep, philox.random16(x.shape, 3, 0) >= 16384)
     assert torch.equal(y[~keep], torch.zeros_like(y[~keep]))
     assert torch.allclose(y[keep], x[keep] / 0.75)
     assert philox.dropout(x, 0.0, 3, 0) is x

@@ -41,9 +41,9 @@
 #include <utility>
 #include <vector>
 
-#include "attention_dropout.h"
 #include "attention_gemm.h"
 #include "attention_transpose.h"
+#include "dropout_scales.h"
 #include "philox.h"
 
 namespace fastformer {
@@ -51,7 +51,7 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;    // query rows per tile
 constexpr int64_t kBlockK = 128;   // keys per tile; a multiple of kPad
-constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors / Philox lanes
+constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors
 constexpr int64_t kMaxHeadDim = 256;
 
 template <typename T>
@@ -133,9 +133,13 @@ struct Problem {
   int64_t query_begin(int64_t j0) const {
     return mask.causal ? std::clamp<int64_t>(j0 - mask.shift, 0, Sq) : 0;
   }
-  // Philox counter of dropout element (b, h, i, j) of the (B, H, Sq, Sk) probabilities.
-  uint64_t counter(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return offset + static_cast<uint64_t>(((b * H + h) * Sq + i) * Sk + j);
+  // out[0, npad) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
+  // (b, h, i), then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
+  template <typename A>
+  void dropout_row(const DropoutScales<A>& drop, int64_t b, int64_t h, int64_t i, int64_t j0,
+                   int64_t nk, int64_t npad, A* out) const {
+    drop.fill(out, j0, nk, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
+    std::fill(out + nk, out + npad, A(0));
   }
 };
 
@@ -353,6 +357,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kBlockK);
+    const DropoutScales<acc_t> drop(p.seed, p.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
@@ -396,8 +401,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
           l[r] += exp_sub_sum(s, npad, m_new);
           m[r] = m_new;
           if (dropout) {
-            attn::dropout_multipliers(p.seed, p.counter(b, h, i, j0), nk, p.threshold, acc_t(1),
-                                      keep.data());
+            p.dropout_row(drop, b, h, i, j0, nk, npad, keep.data());
             mul_row(s, keep.data(), npad);
           }
         }
@@ -481,7 +485,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), head = (b * p.H + h) * p.Sq;
   const bool dropout = p.dropout_p > 0.0;
-  const acc_t keep_value = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const DropoutScales<acc_t> drop(p.seed, p.threshold, static_cast<acc_t>(1.0 / (1.0 - p.dropout_p)));
   int64_t ldq, lddo;
   const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
@@ -502,7 +506,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     }
     if (dropout) {
       acc_t* z = w.keep.data() + r * kBlockK;
-      attn::dropout_multipliers(p.seed, p.counter(b, h, i, j0), nk, p.threshold, keep_value, z);
+      p.dropout_row(drop, b, h, i, j0, nk, npad, z);
       mul_into(w.PZ.data() + r * kBlockK, s, z, npad);
     }
   }

@@ -148,23 +148,30 @@ void check_bias(const at::Tensor& b, const char* name, int64_t size, const char*
   TORCH_CHECK(b.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// a = dropout(act(pre)) over the flat (N * F) element range: element i uses counter offset + i.
+// a = dropout(act(pre)) over the flat (N * F) element range, in chunks that may span rows: the
+// dropout factors of element e are those of column e % F of row e / F.
 template <typename T>
-void act_dropout_fwd(const T* pre, T* a, int64_t total, Activation act, double dropout_p,
+void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, double dropout_p,
                      uint64_t seed, uint64_t offset) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
   constexpr int64_t kChunk = 2048;  // elements per dropout-factor buffer (8 KiB of fp32)
+  const int64_t total = N * F;
   const bool drop = dropout_p > 0.0;
   const uint32_t threshold = dropout_threshold(dropout_p);
   const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
   at::parallel_for(0, total, 8 * kChunk, [&](int64_t begin, int64_t end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? kChunk : 0]);
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
       const int64_t len = std::min(kChunk, end - c0);
-      if (keep) dropout_scales(keep, len, seed, offset + static_cast<uint64_t>(c0), threshold, scale);
+      for (int64_t e = c0; keep && e < c0 + len;) {  // the chunk's pieces of rows
+        const int64_t row = e / F, col = e % F, n = std::min(F - col, c0 + len - e);
+        dropout.fill(keep + (e - c0), col, n, dropout_row_counter(offset, row, F));
+        e += n;
+      }
       const T* const p = pre + c0;
       T* const out = a + c0;
       vec_loop<W>(len, [&](int64_t j, int64_t n) {
@@ -226,12 +233,13 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? F : 0]);
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const db1_sum = F1 ? partial + block * (F1 + E2) : nullptr;
       A* const db2_sum = E2 ? partial + block * (F1 + E2) + F1 : nullptr;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
-        if (keep) dropout_scales(keep, F, seed, offset + static_cast<uint64_t>(row * F), threshold, scale);
+        if (keep) dropout.fill(keep, 0, F, dropout_row_counter(offset, row, F));
         act_dropout_bwd_row<T>(pre + row * F, da_dpre + row * F, a + row * F, keep, dout + row * E,
                                db1_sum, db2_sum, F, E, act);
       }
@@ -271,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
   at::Tensor pre = matmul_nt(x, w1, b1).contiguous();  // (N, F)
   at::Tensor a = at::empty_like(pre);                                         // (N, F)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "feed_forward_fwd", [&] {
-    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), N * F, act,
+    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), N, F, act,
                               dropout_p, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
   });
   at::Tensor out = matmul_nt(a, w2, b2);  // (N, E)
