@@ -314,6 +314,7 @@ def test_aot_specs_cover_every_launch():
         for arg, typ in s["signature"].items():
             assert (typ == "constexpr") == (arg in s["constexprs"]), (s["name"], arg)
         assert set(s["divisible_by_16"]) <= set(fn.arg_names)
+    assert A.INTERPRET_BLOCKS["BLOCK_N"] % 8 == 0
     for D in (1, 16, 33, 64, 65, 128, 200, 256):
         assert A._block_d(D) in A.BLOCK_D_BUCKETS and A._block_d(D) >= D
     for dtype, ptr in A._PTR.items():
@@ -324,6 +325,7 @@ def test_aot_specs_cover_every_launch():
                     for cfg in A._configs(kind, block_d, elt, heavy):
                         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
                         assert min(bm, bn, block_d) >= 16  # tl.dot's minimum on sm_80 / sm_90
+                        assert bn % 8 == 0  # key tiles hold whole dropout groups of 8 columns
                         est = A._smem_estimate(kind, bm, bn, block_d, cfg.num_stages, elt, heavy)
                         assert est <= A.SMEM_LIMIT[80]
                         name = (f"attention_{kind}_{ptr[1:]}_d{block_d}_{'heavy' if heavy else 'light'}_m{bm}_n{bn}"

@@ -282,7 +282,8 @@ BLOCK_D_BUCKETS = (32, 64, 128, 256)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and BLOCK_D bucket, best guess first.
 # fwd / dq: BLOCK_M queries kept per program, BLOCK_N keys streamed; dkdv: BLOCK_N keys kept,
 # BLOCK_M queries streamed. "heavy" launches (dropout or an additive mask) get smaller score
-# tiles: the per-element Philox state and the fp32 mask tile would otherwise spill registers.
+# tiles: the Philox state (one call per 8 scores) and the fp32 mask tile would otherwise spill
+# registers.
 # fp32 (rare on a GPU; full-precision FMA dots, which want small tiles and 8 warps) runs one
 # config. Every entry was compiled for sm_80 and sm_90 with all features of its class on
 # (python -m triton_kernels.aot --module attention): all fit shared memory (at most 110592 bytes
