@@ -251,6 +251,24 @@ def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
         assert torch.equal(dx, h), f"backward mask, p={p} offset={offset}"
 
 
+@pytest.mark.parametrize("C", [1, 7, 8, 9, 65])
+@pytest.mark.parametrize("backend", kernel_backends("triton"))
+def test_triton_dropout_rows_of_any_width(backend, C):
+    """Rows narrower than a Philox group (C < 8, BLOCK_C rounded up to 8) and rows ending
+    mid-group: forward h and the backward's regenerated mask are philox.keep_mask's."""
+    device = device_for(backend)
+    N, p, seed, offset = 5, 0.5, 2**35 + 1, 2**32 - 3 * ((C + 7) // 8)  # the low word wraps at row 3
+    x = torch.ones(N, C, device=device)
+    w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
+    kern = backends.Kernels(backend)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
+    keep = philox.keep_mask((N, C), p, seed, offset, device=device)
+    assert torch.equal(h, keep.float() * 2.0)
+    dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
+                                          p, seed, offset, True)
+    assert torch.equal(dx, keep.float() * 2.0)
+
+
 def test_functional_op_draws_seed_from_torch_generator():
     """torch.manual_seed makes the op repeatable; the reference with the recovered rng agrees."""
     x, r = torch.randn(4, 64), torch.randn(4, 64)

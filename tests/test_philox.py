@@ -12,7 +12,7 @@ try:  # conftest sets TRITON_INTERPRET=1 before this import when there is no GPU
     import triton
     import triton.language as tl
 
-    from triton_kernels.utils import dropout_keep
+    from triton_kernels.utils import dropout_keep_tile
 except ImportError:  # the triton tests are skipped (kernel_backends says why)
     triton = None
 
@@ -245,17 +245,38 @@ if triton is not None:
         tl.store(out_ptr + idx, bits.to(tl.int64), mask=idx < n)
 
     @triton.jit
-    def _keep_kernel(
-        out_ptr,  # (n,) int8: 1 where kept
+    def _randint4x_kernel(
+        out_ptr,  # (n, 4) int64: the four uint32 words of each counter
         seed,  # the Philox key
         offset,  # the first counter
-        threshold,  # round(p * 2**24)
         n,  # how many counters
         BLOCK: tl.constexpr,  # counters per program
     ):
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        keep = dropout_keep(seed, offset + idx.to(tl.int64), threshold)
-        tl.store(out_ptr + idx, keep.to(tl.int8), mask=idx < n)
+        w0, w1, w2, w3 = tl.randint4x(seed, offset + idx.to(tl.int64))
+        mask = idx < n
+        tl.store(out_ptr + idx * 4, w0.to(tl.int64), mask=mask)
+        tl.store(out_ptr + idx * 4 + 1, w1.to(tl.int64), mask=mask)
+        tl.store(out_ptr + idx * 4 + 2, w2.to(tl.int64), mask=mask)
+        tl.store(out_ptr + idx * 4 + 3, w3.to(tl.int64), mask=mask)
+
+    @triton.jit
+    def _keep_tile_kernel(
+        out_ptr,  # (R, C) int8: 1 where kept
+        seed,  # the Philox key
+        offset,  # the counter of row 0's first group
+        threshold,  # round(p * 2**16)
+        R,  # rows
+        C,  # columns (row length of the dropout tensor)
+        BLOCK_R: tl.constexpr,  # rows per program
+        BLOCK_C: tl.constexpr,  # columns per program (a multiple of 8)
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+        c0 = tl.program_id(1) * BLOCK_C
+        cols = c0 + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+        keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(C, 8), c0, threshold, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], keep.to(tl.int8), mask=mask)
 
 
 @pytest.mark.parametrize("backend", TRITON)
@@ -268,8 +289,34 @@ def test_triton_randint_matches_python(backend, n, seed, offset):
 
 
 @pytest.mark.parametrize("backend", TRITON)
-def test_triton_dropout_keep_matches_python_mask(backend):
-    n, p, seed, offset = 500, 0.3, 77, 2**32 - 200
-    out = torch.empty(n, dtype=torch.int8)
-    _keep_kernel[(triton.cdiv(n, 128),)](out, seed, offset, philox.drop_threshold(p), n, BLOCK=128)
-    assert torch.equal(out.bool(), philox.keep_mask((n,), p, seed, offset))
+@pytest.mark.parametrize("n,seed,offset", [(1, 0, 0), (200, 2**32 + 9, 2**32 - 100), (64, 2**62 - 1, 2**40)])
+def test_triton_randint4x_matches_python_words(backend, n, seed, offset):
+    out = torch.empty((n, 4), dtype=torch.int64)
+    _randint4x_kernel[(triton.cdiv(n, 64),)](out, seed, offset, n, BLOCK=64)
+    assert torch.equal(out, philox.philox4x32(n, seed, offset))
+
+
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("block_c", [16, 32, 64])
+@pytest.mark.parametrize("R,C", [(3, 1), (2, 7), (5, 8), (4, 9), (3, 63), (2, 64), (3, 65), (2, 200)])
+def test_triton_keep_tile_matches_python_mask(backend, block_c, R, C):
+    p, seed = 0.3, 2**33 + 77
+    offset = 2**32 - 5 * ((C + 7) // 8)  # the low 32 bits of the counter wrap inside the tensor
+    out = torch.full((R, C), -1, dtype=torch.int8)
+    _keep_tile_kernel[(triton.cdiv(R, 2), triton.cdiv(C, block_c))](
+        out, seed, offset, philox.drop_threshold(p), R, C, BLOCK_R=2, BLOCK_C=block_c)
+    assert torch.equal(out.bool(), philox.keep_mask((R, C), p, seed, offset))
+    assert int(out.min()) >= 0  # every element written
+
+
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("p", [0.0, 1.0 / 65536, 0.5, 65535.0 / 65536, 1.0])
+def test_triton_keep_tile_threshold_edges(backend, p):
+    # threshold 0 keeps all, 65536 keeps none; in between the unsigned 16-bit compare decides
+    R, C, seed, offset = 4, 40, 5, 7
+    out = torch.empty((R, C), dtype=torch.int8)
+    _keep_tile_kernel[(triton.cdiv(R, 2), triton.cdiv(C, 32))](
+        out, seed, offset, philox.drop_threshold(p), R, C, BLOCK_R=2, BLOCK_C=32)
+    assert torch.equal(out.bool(), philox.keep_mask((R, C), p, seed, offset))
+    if p in (0.0, 1.0):
+        assert bool(out.bool().all()) == (p == 0.0) and bool(out.bool().any()) == (p == 0.0)
