@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-DEPS := triton pybind11 ninja pytest pytest-benchmark tqdm matplotlib sacrebleu tokenizers numpy
+DEPS := triton pybind11 ninja pytest pytest-benchmark hypothesis tqdm matplotlib sacrebleu tokenizers numpy
 
 .PHONY: setup build demo test bench gpu-check clean
 
