@@ -1,6 +1,7 @@
 """Multi-process training on the CPU with gloo: two processes train exactly as one on the same
 global batches, their checkpoint resumes in one process, and the fused ops work under
-DistributedDataParallel's gradient hooks and ``no_sync`` accumulation."""
+DistributedDataParallel's gradient hooks and ``no_sync`` accumulation, and under FSDP2's
+``fully_shard`` per layer."""
 import os
 import shutil
 import subprocess
@@ -124,5 +125,54 @@ def test_fused_ops_under_ddp_hooks_and_no_sync(tmp_path):
     batches = [(torch.randint(3, 20, (4, 6), generator=gen), torch.randint(3, 20, (4, 5), generator=gen))
                for _ in range(2 * size)]
     sum(model.loss(s, t, label_smoothing=0.1) for s, t in batches).div(2 * size).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _fsdp_worker(rank, size, store_path, result_path):
+    """Each rank: the model with every encoder/decoder layer and the whole loss module sharded by
+    FSDP2's ``fully_shard`` (gloo, CPU); one backward on this rank's batch, then the full
+    (all-gathered) gradients are saved by rank 0."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fastformer.train import LossModule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=size)
+    model = _small_model()
+    loss_module = LossModule(model, 0.1)
+    for stack in (model.encoder, model.decoder):
+        for layer in stack.layers:
+            fully_shard(layer)
+    fully_shard(loss_module)
+    src, tgt = _batches(size)[rank]
+    loss_module(src, tgt).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, result_path)
+    dist.destroy_process_group()
+
+
+def _small_model():
+    from fastformer.models import Seq2SeqTransformer
+
+    torch.manual_seed(0)
+    return Seq2SeqTransformer(20, 20, d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
+                              dim_feedforward=64, dropout=0.0, norm_first=True)
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randint(3, 20, (4, 6), generator=gen), torch.randint(3, 20, (4, 5), generator=gen))
+            for _ in range(n)]
+
+
+def test_fused_ops_under_fsdp_fully_shard(tmp_path):
+    size = 2
+    mp.spawn(_fsdp_worker, args=(size, str(tmp_path / "store"), str(tmp_path / "grads.pt")), nprocs=size)
+    got = torch.load(tmp_path / "grads.pt")
+    model = _small_model()  # one process, both batches: FSDP averages the ranks' gradients
+    sum(model.loss(s, t, label_smoothing=0.1) for s, t in _batches(size)).div(size).backward()
+    assert got.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")

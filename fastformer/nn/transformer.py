@@ -161,9 +161,16 @@ class TransformerEncoderLayer(_FeedForwardMixin, torch.nn.TransformerEncoderLaye
         swap_children(self)
 
     def forward(self, src: torch.Tensor, src_mask: Optional[torch.Tensor] = None,
-                src_key_padding_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-        _check_encoder_input(self, src, src_mask, src_key_padding_mask)
-        return resolve(self._forward(src, src_mask, src_key_padding_mask, is_causal))
+                src_key_padding_mask: Optional[torch.Tensor] = None, is_causal: bool = False, *,
+                pending_output: bool = False) -> Hidden:
+        """torch's contract. ``pending_output=True`` is for stacks (the encoder calls each layer
+        through ``__call__``, so module hooks such as FSDP's fire): ``src`` may then be a
+        :class:`Pending` residual add and a pre-LN layer returns one, fused by the next layer
+        into its first LayerNorm."""
+        if not pending_output:
+            _check_encoder_input(self, src, src_mask, src_key_padding_mask)
+        out = self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        return out if pending_output else resolve(out)
 
     def _forward(self, x: Hidden, src_mask, src_key_padding_mask, is_causal) -> Hidden:
         def self_attend(y):
@@ -206,11 +213,14 @@ class TransformerDecoderLayer(_FeedForwardMixin, torch.nn.TransformerDecoderLaye
     def forward(self, tgt: torch.Tensor, memory: torch.Tensor, tgt_mask: Optional[torch.Tensor] = None,
                 memory_mask: Optional[torch.Tensor] = None, tgt_key_padding_mask: Optional[torch.Tensor] = None,
                 memory_key_padding_mask: Optional[torch.Tensor] = None, tgt_is_causal: bool = False,
-                memory_is_causal: bool = False) -> torch.Tensor:
-        _check_decoder_input(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
-        return resolve(self._forward(tgt, *self._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                                           memory_key_padding_mask, tgt_is_causal,
-                                                           memory_is_causal)))
+                memory_is_causal: bool = False, *, pending_output: bool = False) -> Hidden:
+        """torch's contract; ``pending_output`` as in :meth:`TransformerEncoderLayer.forward`."""
+        if not pending_output:
+            _check_decoder_input(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                 memory_key_padding_mask)
+        out = self._forward(tgt, *self._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                                  memory_key_padding_mask, tgt_is_causal, memory_is_causal))
+        return out if pending_output else resolve(out)
 
     def _attenders(self, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                    tgt_is_causal, memory_is_causal):
@@ -294,7 +304,7 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
         x: Hidden = src
         for layer in self.layers:
             if isinstance(layer, TransformerEncoderLayer):
-                x = layer._forward(x, mask, src_key_padding_mask, is_causal)
+                x = layer(x, mask, src_key_padding_mask, is_causal, pending_output=True)
             else:
                 x = layer(resolve(x), src_mask=mask, src_key_padding_mask=src_key_padding_mask,
                           is_causal=is_causal)
@@ -328,8 +338,8 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
         x: Hidden = tgt
         for layer in self.layers:
             if isinstance(layer, TransformerDecoderLayer):
-                x = layer._forward(x, *layer._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                                        memory_key_padding_mask, tgt_is_causal, memory_is_causal))
+                x = layer(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                          tgt_is_causal, memory_is_causal, pending_output=True)
             else:
                 x = layer(resolve(x), memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
                           tgt_key_padding_mask=tgt_key_padding_mask,
