@@ -141,6 +141,18 @@ def test_quiet_verdict_needs_a_load_of_at_most_a_quarter_of_the_cores():
     assert not quiet_verdict(None, 2)[0]
 
 
+def test_quiet_verdict_rejects_a_run_that_other_work_joined(monkeypatch):
+    """The load after the run may include the benchmark's own threads, but no more than a quarter
+    of the cores beyond them."""
+    from fastformer.bench.report import quiet_verdict
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    quiet, why = quiet_verdict(0.2, 2, 2.4)
+    assert quiet and "2.40 after" in why
+    quiet, why = quiet_verdict(0.2, 2, 3.1)
+    assert not quiet and "NOT README-grade" in why and "3.10 after" in why
+
+
 def test_step_gemms_are_the_models_matrix_products():
     """The yardstick's linear products are exactly what torch's flop counter sees in the eager
     model's forward (which does not count attention's products); attention adds q k^T and p v."""

@@ -152,10 +152,11 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
 GEMMS = "torch-gemms-alone"  # the yardstick: the step's matrix products alone, torch's GEMMs
 
 
-def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None) -> List[Dict]:
-    """Records of the training step for each provider and dtype (fp32, bf16 autocast), the
-    providers timed interleaved within each repetition, beside the time of the step's matrix
-    products alone (``torch-gemms-alone``) measured in the same interleaved run."""
+def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None,
+                     dtypes: Optional[List[str]] = None) -> List[Dict]:
+    """Records of the training step for each provider and dtype (fp32, bf16 autocast; ``dtypes``
+    keeps a subset), the providers timed interleaved within each repetition, beside the time of
+    the step's matrix products alone (``torch-gemms-alone``) measured in the same interleaved run."""
     names = providers or train_step.providers_for(device)
     if providers is None and size in ("quick", "smoke"):
         names = [n for n in names if n not in ("torch-compile", "fastformer-reference")]
@@ -166,7 +167,7 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
         label = train_step.label(shape)
         src, tgt = train_step.make_batch(shape, device)
         flops = train_step.step_gemm_flops(train_step.step_gemms(shape, src, tgt))
-        for dtype in train_step.DTYPES:
+        for dtype in [d for d in train_step.DTYPES if dtypes is None or d in dtypes]:
             steps, recs = {}, {}
             for provider in names + [GEMMS]:
                 rec = recs[provider] = _record("train_step", provider, shape, label, "step", dtype, "")
@@ -248,14 +249,18 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         if log:
             log(f"bench {op} ({size} sweep on {dev})")
         if op == "train_step":
-            records += bench_train_step(dev, size, providers, log)
+            records += bench_train_step(dev, size, providers, log, dtypes=dtypes)
         else:
             records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log)
     report.add_speedups(records)
+    load_after = report._load_average()
+    if dev.type == "cpu" and quiet:
+        # a run that made the machine busy part-way (other work started) is not a result either
+        quiet, verdict = report.quiet_verdict(load_before, os.cpu_count() or 1, load_after)
     os.makedirs(out, exist_ok=True)
     settings = {"sweep": size, "ops": ops, "providers": chosen, "modes": modes,
                 "dtypes": [_DTYPE_NAMES[d] for d in torch_dtypes], "seconds": time.perf_counter() - started,
-                "load_average_before": load_before, "load_average_after": report._load_average(),
+                "load_average_before": load_before, "load_average_after": load_after,
                 "readme_grade": quiet, "verdict": verdict,
                 "method": "providers compared are timed interleaved within each repetition (training step); "
                           "speed-ups are ratios of best times from the same run"}

@@ -47,16 +47,26 @@ def busy_warning() -> Optional[str]:
             f"the cores, so CPU timings are noisy and slower than on an idle machine{advice}")
 
 
-def quiet_verdict(load: Optional[float], cores: int) -> Tuple[bool, str]:
-    """Whether CPU timings taken now may be published: only on a quiet machine, whose 1-minute
-    load average before the run is at most a quarter of its cores (on this project's shared VM
-    eager PyTorch's step time swings 2x with load, so a ratio taken under load is not a result)."""
+def quiet_verdict(load: Optional[float], cores: int, load_after: Optional[float] = None) -> Tuple[bool, str]:
+    """Whether CPU timings may be published: only from a quiet machine, whose 1-minute load
+    average before the run (and, when given, after it, less the run's own threads) is at most a
+    quarter of its cores (on this project's shared VM eager PyTorch's step time swings 2x with
+    load, so a ratio taken under load is not a result)."""
     limit = cores / 4
     if load is None:
         return False, "NOT README-grade: the load average cannot be read here"
     if load > limit:
         return False, (f"NOT README-grade: load average {load:.2f} before the run on {cores} cores "
                        f"(above {limit:.2f}, a quarter of the cores): other work shared the machine")
+    if load_after is not None:
+        others = load_after - torch.get_num_threads()  # the benchmark itself keeps its threads busy
+        if others > limit:
+            return False, (f"NOT README-grade: load average {load_after:.2f} after the run on {cores} cores, "
+                           f"more than the benchmark's own {torch.get_num_threads()} threads plus {limit:.2f}: "
+                           f"other work started during the run")
+        return True, (f"README-grade: quiet machine, load average {load:.2f} before the run and "
+                      f"{load_after:.2f} after it (the benchmark's own {torch.get_num_threads()} threads) "
+                      f"on {cores} cores")
     return True, f"README-grade: quiet machine, load average {load:.2f} before the run on {cores} cores"
 
 
