@@ -16,6 +16,7 @@ would break the suite's budget; one test runs the cpu backend's ops through indu
 """
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastformer
 from fastformer import ops
@@ -88,3 +89,95 @@ def test_op_with_dropout_compiles_to_one_graph_equal_to_eager(backend, op):
         assert torch.equal(g, w), f"{name}: compiled differs from eager by {(g - w).abs().max().item():.3e}"
     assert torch.equal(rng_compiled, rng_eager), "compiled and eager drew differently from the generator"
     assert not torch.equal(other[0], got[0]), "another seed must give another dropout mask"
+
+
+# ------------------------------------------------------------------ the model's loss and backward
+def _model_and_batch():
+    torch.manual_seed(0)
+    model = fastformer.Seq2SeqTransformer(11, 13, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                          dim_feedforward=32, dropout=P, max_len=16)
+    g = torch.Generator().manual_seed(5)
+    src, tgt = torch.randint(3, 11, (2, 7), generator=g), torch.randint(3, 13, (2, 6), generator=g)
+    src[1, 5:] = 0  # padding: pad_idx 0
+    tgt[1, 4:] = 0
+    return model, src, tgt
+
+
+def _model_step(loss_fn, model, src, tgt, seed):
+    """The loss and the gradient of every parameter after ``torch.manual_seed(seed)``, and the
+    seeds the fused ops drew (recorded by wrapping philox.next_seed, which next_seed() calls)."""
+    drawn = []
+    next_seed = fastformer.philox.next_seed
+
+    def recording():
+        pair = next_seed()
+        drawn.append(pair)
+        return pair
+
+    fastformer.philox.next_seed = recording
+    try:
+        torch.manual_seed(seed)
+        loss = loss_fn(src, tgt)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    finally:
+        fastformer.philox.next_seed = next_seed
+    return loss.detach(), grads, drawn
+
+
+# 1 + 1 layers: encoder self-attention, add_layer_norm, feed_forward, add_layer_norm; decoder
+# self-attention, add_layer_norm, cross-attention, add_layer_norm, feed_forward, add_layer_norm
+MODEL_DRAWS = 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_loss_and_backward_with_dropout_compile_to_one_graph_equal_to_eager(backend):
+    """The whole loss (embedding dropout, every fused op with dropout 0.1, the fused output
+    projection + loss) is one graph with no break; compiled forward and backward equal eager
+    bitwise, each fused op drawing its own seed in eager order (AOTAutograd's CSE must not merge
+    the draws). The embedding dropout is torch's own, which aot_eager also runs as in eager.
+    ``fullgraph=True`` raises at any graph break, and one graph is compiled; ``explain`` (a third
+    trace of the model: seconds here) runs on the cpu backend only."""
+    model, src, tgt = _model_and_batch()
+    assert model.training
+
+    def loss_fn(src, tgt):
+        return model.loss(src, tgt)
+
+    with fastformer.use_backend(backend):
+        if backend == "cpu":
+            explanation = _assert_one_graph(loss_fn, src, tgt)
+            print(f"\nexplain, cpu backend: {explanation.graph_count} graph, {explanation.graph_break_count} "
+                  f"breaks, {explanation.op_count} ops")
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
+        want_loss, want_grads, want_drawn = _model_step(loss_fn, model, src, tgt, seed=3)
+        got_loss, got_grads, got_drawn = _model_step(compiled, model, src, tgt, seed=3)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled"
+    assert len(want_drawn) == MODEL_DRAWS
+    assert got_drawn == want_drawn, "the compiled step drew other seeds, or fewer, than eager"
+    assert torch.equal(got_loss, want_loss), f"loss {got_loss.item()} != eager {want_loss.item()}"
+    for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
+        assert torch.equal(g, w), f"grad of {name}: compiled differs from eager by {(g - w).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("backend", kernel_backends("cpu"))
+def test_inductor_compiles_the_fused_ops_with_dropout_equal_to_eager(backend):
+    """Through inductor, the default backend: the draws stay opaque custom-op calls (inductor
+    does not swap in its own RNG) and the kernels are the eager ones, so forward and backward of
+    attention followed by feed_forward, each with dropout, equal eager bitwise."""
+    (q, k, v), attention = _attention("cpu")
+    g = torch.Generator().manual_seed(4)
+    w1, w2 = torch.randn(24, 16, generator=g), torch.randn(16, 24, generator=g)
+
+    def fn(q, k, v, w1, w2):
+        return ops.feed_forward(attention(q, k, v), w1, None, w2, None, dropout_p=P)  # (B, H, Sq, D)
+
+    with fastformer.use_backend(backend):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)
+        want, rng_eager = _loss_and_grads(fn, (q, k, v, w1, w2), seed=21)
+        got, rng_compiled = _loss_and_grads(compiled, (q, k, v, w1, w2), seed=21)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"result {i}: inductor differs from eager by {(g - w).abs().max().item():.3e}"
+    assert torch.equal(rng_compiled, rng_eager), "inductor and eager drew differently from the generator"
