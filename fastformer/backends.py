@@ -137,6 +137,14 @@ class Kernels:
             return getattr(importlib.import_module("triton_kernels"), fn)
         return getattr(torch.ops.fastformer, fn)
 
+    def bind(self, module, op: str) -> None:
+        """Keep ``op``'s ``_fwd``/``_bwd`` functions of ``module`` as plain attributes, so reading
+        them needs no ``__getattr__`` (whose ``import_module`` torch.compile cannot trace: a
+        graph break around every triton op call)."""
+        for fn in (f"{op}_fwd", f"{op}_bwd"):
+            if fn not in self.__dict__ and hasattr(module, fn):
+                self.__dict__[fn] = getattr(module, fn)
+
     def __repr__(self) -> str:
         return f"Kernels({self.name!r})"
 
@@ -160,8 +168,11 @@ def _cannot_run(name: str, op: str, device: torch.device, dtype: torch.dtype,
         key = "CPU" if name == "cpu" else "CUDA"
         if not _ext.has_kernel(f"{op}_fwd", key):
             return f"fastformer._C has no {key} kernel for {op}"
-    elif not hasattr(importlib.import_module("triton_kernels"), f"{op}_fwd"):
-        return f"triton_kernels has no kernel for {op}"
+    else:
+        module = importlib.import_module("triton_kernels")
+        if not hasattr(module, f"{op}_fwd"):
+            return f"triton_kernels has no kernel for {op}"
+        _KERNELS["triton"].bind(module, op)  # here: _choose runs untraced under torch.compile
     return None
 
 

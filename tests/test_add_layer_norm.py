@@ -183,7 +183,7 @@ def test_dropout_is_exactly_the_reference_mask(backend):
     w, b = torch.ones(300, device=device), torch.zeros(300, device=device)
     kern = backends.Kernels(backend)
     for seed, offset in ((5, 0), (2**40 + 3, 17)):
-        _, h, _, _ = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.4, seed, offset)
+        _, h, _, _ = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.4, philox.pack(seed, offset))
         _, h_ref = reference.add_layer_norm(x, None, None, None, 1e-5, 0.4, prenorm=True,
                                             rng=(seed, offset))
         assert torch.equal(h, h_ref)
@@ -200,7 +200,7 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     kern = backends.Kernels(backend)
     x = torch.ones(N, C, device=device)
     w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
-    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 0)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(11, 0))
     kept = h != 0
     n = kept.numel()
     rate = kept.double().mean().item()
@@ -208,12 +208,12 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     assert torch.equal(h[kept], torch.full_like(h[kept], 1.0 / (1.0 - p)))
     assert torch.equal(kept, philox.keep_mask((N, C), p, 11, 0, device=device))
     # same seed: same mask; another seed or offset: another mask
-    assert torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 0)[1], h)
-    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 12, 0)[1] != 0, kept)
-    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 1)[1] != 0, kept)
+    assert torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(11, 0))[1], h)
+    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(12, 0))[1] != 0, kept)
+    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(11, 1))[1] != 0, kept)
     # backward regenerates the same mask: with dy = 0 and dh = 1, dx is exactly keep * scale
     dx, dres, dw, db = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean,
-                                               rstd, p, 11, 0, True)
+                                               rstd, p, philox.pack(11, 0), True)
     assert torch.equal(dx, h)
     assert torch.equal(dres, torch.ones_like(h))
 
@@ -225,7 +225,7 @@ def test_dropout_counters_past_32_bits(backend):
     x = torch.ones(3, 50, device=device)
     w, b = torch.ones(50, device=device), torch.zeros(50, device=device)
     offset = 2**32 - 10  # 7 counters a row: the wrap falls inside the second row
-    _, h, _, _ = backends.Kernels(backend).add_layer_norm_fwd(x, None, w, b, 1e-5, 0.5, 9, offset)
+    _, h, _, _ = backends.Kernels(backend).add_layer_norm_fwd(x, None, w, b, 1e-5, 0.5, philox.pack(9, offset))
     assert torch.equal(h != 0, philox.keep_mask((3, 50), 0.5, 9, offset, device=device))
 
 
@@ -242,12 +242,12 @@ def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
     G = (C + 7) // 8
     for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1),
                             (1e-6, 4, 5), (0.999995, 4, 5)):  # T = 0 keeps all, T = 65536 none
-        _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(seed, offset))
         keep = philox.keep_mask((N, C), p, seed, offset)
         assert torch.equal(h != 0, keep), f"forward mask, p={p} offset={offset}"
         assert torch.equal(h[keep], torch.full_like(h[keep], 1 / (1 - p)))
         dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
-                                              p, seed, offset, True)
+                                              p, philox.pack(seed, offset), True)
         assert torch.equal(dx, h), f"backward mask, p={p} offset={offset}"
 
 
@@ -261,11 +261,11 @@ def test_triton_dropout_rows_of_any_width(backend, C):
     x = torch.ones(N, C, device=device)
     w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
     kern = backends.Kernels(backend)
-    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(seed, offset))
     keep = philox.keep_mask((N, C), p, seed, offset, device=device)
     assert torch.equal(h, keep.float() * 2.0)
     dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
-                                          p, seed, offset, True)
+                                          p, philox.pack(seed, offset), True)
     assert torch.equal(dx, keep.float() * 2.0)
 
 
@@ -313,10 +313,10 @@ def test_opcheck(backend, dtype):
     x, r = torch.randn(5, 37, dtype=dtype), torch.randn(5, 37, dtype=dtype)
     w, b = torch.randn(37, dtype=dtype), torch.randn(37, dtype=dtype)
     for residual, p in ((r, 0.2), (None, 0.0), (r, 0.0)):
-        torch.library.opcheck(ops.add_layer_norm_fwd.default, (x, residual, w, b, 1e-5, p, 7, 3))
-        _, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, 7, 3)
+        torch.library.opcheck(ops.add_layer_norm_fwd.default, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
+        _, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
         for dh in (None, torch.randn_like(x)):
-            args = (torch.randn_like(x), dh, h, w, mean, rstd, p, 7, 3, residual is not None)
+            args = (torch.randn_like(x), dh, h, w, mean, rstd, p, philox.pack(7, 3), residual is not None)
             torch.library.opcheck(ops.add_layer_norm_bwd.default, args)
 
 
@@ -326,8 +326,8 @@ def test_backward_returns_empty_dresidual_unless_it_differs_from_dx(backend):
     x, r, w, b = torch.randn(4, 9), torch.randn(4, 9), torch.randn(9), torch.randn(9)
     dy = torch.randn(4, 9)
     for p, has_res, separate in ((0.0, True, False), (0.3, False, False), (0.3, True, True)):
-        _, h, mean, rstd = kern.add_layer_norm_fwd(x, r if has_res else None, w, b, 1e-5, p, 1, 0)
-        dx, dres, _, _ = kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, 1, 0, has_res)
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, r if has_res else None, w, b, 1e-5, p, philox.pack(1, 0))
+        dx, dres, _, _ = kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(1, 0), has_res)
         assert dres.numel() == (dx.numel() if separate else 0)
 
 
@@ -390,28 +390,30 @@ def test_bad_input_raises_clear_errors(backend):
 def test_cpu_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
     x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
-    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, 0, 0)
+    Z = philox.pack(0, 0)  # (seed, offset) of the calls without dropout
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, Z)
     fwd_cases = [
-        ((torch.randn(32), None, w, b, 1e-5, 0.0, 0, 0), "x must be 2-D"),
-        ((x.long(), None, w, b, 1e-5, 0.0, 0, 0), "x must be float32, float64 or bfloat16"),
-        ((torch.randn(8, 4).t(), None, w, b, 1e-5, 0.0, 0, 0), "x must be contiguous"),
-        ((x, torch.randn(4, 7), w, b, 1e-5, 0.0, 0, 0), "residual must have the shape of x"),
-        ((x, x.double(), w, b, 1e-5, 0.0, 0, 0), "residual must have the dtype of x"),
-        ((x, None, torch.randn(7), b, 1e-5, 0.0, 0, 0), r"weight must have shape \(8,\)"),
-        ((x, None, w, b.double(), 1e-5, 0.0, 0, 0), "bias must have the dtype of x"),
-        ((x, None, w, b, 0.0, 0.0, 0, 0), "eps must be > 0"),
-        ((x, None, w, b, 1e-5, 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
-        ((x, None, w, b, 1e-5, 0.1, -1, 0), "seed must be >= 0"),
+        ((torch.randn(32), None, w, b, 1e-5, 0.0, Z), "x must be 2-D"),
+        ((x.long(), None, w, b, 1e-5, 0.0, Z), "x must be float32, float64 or bfloat16"),
+        ((torch.randn(8, 4).t(), None, w, b, 1e-5, 0.0, Z), "x must be contiguous"),
+        ((x, torch.randn(4, 7), w, b, 1e-5, 0.0, Z), "residual must have the shape of x"),
+        ((x, x.double(), w, b, 1e-5, 0.0, Z), "residual must have the dtype of x"),
+        ((x, None, torch.randn(7), b, 1e-5, 0.0, Z), r"weight must have shape \(8,\)"),
+        ((x, None, w, b.double(), 1e-5, 0.0, Z), "bias must have the dtype of x"),
+        ((x, None, w, b, 0.0, 0.0, Z), "eps must be > 0"),
+        ((x, None, w, b, 1e-5, 1.0, Z), r"dropout_p must be in \[0, 1\)"),
+        ((x, None, w, b, 1e-5, 0.1, torch.tensor([-1, 0])), r"the philox seed philox\[0\] must be >= 0"),
+        ((x, None, w, b, 1e-5, 0.1, torch.zeros(2, dtype=torch.int32)), "philox must be int64"),
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.add_layer_norm_fwd(*args)
     bwd_cases = [
-        ((torch.randn(4, 7), None, h, w, mean, rstd, 0.0, 0, 0, False), "dy must have the shape of h"),
-        ((x, torch.randn(3, 8), h, w, mean, rstd, 0.0, 0, 0, False), "dh must have the shape of h"),
-        ((x, None, h, w, mean.double(), rstd, 0.0, 0, 0, False), "mean must be float32"),
-        ((x, None, h, w, mean, rstd[:3], 0.0, 0, 0, False), r"rstd must have shape \(4,\)"),
-        ((x, None, h, w, mean, rstd, -0.5, 0, 0, False), r"dropout_p must be in \[0, 1\)"),
+        ((torch.randn(4, 7), None, h, w, mean, rstd, 0.0, Z, False), "dy must have the shape of h"),
+        ((x, torch.randn(3, 8), h, w, mean, rstd, 0.0, Z, False), "dh must have the shape of h"),
+        ((x, None, h, w, mean.double(), rstd, 0.0, Z, False), "mean must be float32"),
+        ((x, None, h, w, mean, rstd[:3], 0.0, Z, False), r"rstd must have shape \(4,\)"),
+        ((x, None, h, w, mean, rstd, -0.5, Z, False), r"dropout_p must be in \[0, 1\)"),
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):

@@ -160,7 +160,7 @@ def test_bf16_forward_and_every_gradient(backend, shape, F_, config):
 def test_forward_returns_the_pre_activation(backend, activation):
     device = device_for(backend)
     x, w1, b1, w2, b2 = _make_inputs((9, 40), 72, True, True, device)
-    out, pre = backends.Kernels(backend).feed_forward_fwd(x, w1, b1, w2, b2, activation, 0.2, 4, 0)
+    out, pre = backends.Kernels(backend).feed_forward_fwd(x, w1, b1, w2, b2, activation, 0.2, philox.pack(4, 0))
     tol = FP32_TOL[backend]["out"]
     assert_close("pre", pre, x @ w1.t() + b1, atol=tol[0], rtol=tol[1])
     ref = reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=0.2, rng=(4, 0))
@@ -199,7 +199,7 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     kern = backends.Kernels(backend)
     x = torch.ones(N, C, device=device)
     eye = torch.eye(C, device=device)
-    out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 0)
+    out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(11, 0))
     kept = out != 0
     n = kept.numel()
     rate = kept.double().mean().item()
@@ -207,12 +207,12 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     assert torch.equal(kept, philox.keep_mask((N, C), p, 11, 0, device=device))
     assert_close("kept values", out[kept], torch.full_like(out[kept], 1 / (1 - p)), atol=0, rtol=1e-3)
     # same seed: same mask; another seed or offset: another mask
-    assert torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 0)[0], out)
-    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 12, 0)[0] != 0, kept)
-    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 1)[0] != 0, kept)
+    assert torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(11, 0))[0], out)
+    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(12, 0))[0] != 0, kept)
+    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(11, 1))[0] != 0, kept)
     # backward regenerates the same mask: dout = 1, w2 = I -> dpre = keep * scale -> dx = dpre
     dx, dw1, db1, dw2, db2 = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False,
-                                                   "relu", p, 11, 0)
+                                                   "relu", p, philox.pack(11, 0))
     assert torch.equal(dx != 0, kept)
     assert_close("dx", dx, out, atol=0, rtol=1e-3)
     assert db1.numel() == 0 and db2.numel() == 0
@@ -224,7 +224,7 @@ def test_dropout_counters_past_32_bits(backend):
     device = device_for(backend)
     x, eye = torch.ones(3, 48, device=device), torch.eye(48, device=device)
     offset = 2**32 - 9  # 6 counters a row: the wrap falls inside the second row
-    out, _ = backends.Kernels(backend).feed_forward_fwd(x, eye, None, eye, None, "relu", 0.5, 9, offset)
+    out, _ = backends.Kernels(backend).feed_forward_fwd(x, eye, None, eye, None, "relu", 0.5, philox.pack(9, offset))
     assert torch.equal(out != 0, philox.keep_mask((3, 48), 0.5, 9, offset, device=device))
 
 
@@ -239,12 +239,11 @@ def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, F_, dtype)
     x, eye = torch.ones(N, F_, dtype=dtype), torch.eye(F_, dtype=dtype)
     G = (F_ + 7) // 8
     for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1)):
-        out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, seed, offset)
+        out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(seed, offset))
         keep = philox.keep_mask((N, F_), p, seed, offset)
         assert torch.equal(out != 0, keep), f"forward mask, p={p} offset={offset}"
         assert_close("kept values", out[keep], torch.full_like(out[keep], 1 / (1 - p)), atol=0, rtol=1e-6)
-        dx = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False, "relu", p, seed,
-                                   offset)[0]
+        dx = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False, "relu", p, philox.pack(seed, offset))[0]
         assert torch.equal(dx != 0, keep), f"backward mask, p={p} offset={offset}"
 
 
@@ -291,9 +290,9 @@ def test_opcheck(backend, dtype):
     x, w1, b1, w2, b2 = _make_inputs((6, 24), 40, True, True, "cpu", dtype)
     for activation, p, biases in (("relu", 0.2, True), ("gelu", 0.0, False), ("gelu", 0.3, True)):
         bb1, bb2 = (b1, b2) if biases else (None, None)
-        torch.library.opcheck(ops.feed_forward_fwd.default, (x, w1, bb1, w2, bb2, activation, p, 5, 2))
-        _, pre = ops.feed_forward_fwd(x, w1, bb1, w2, bb2, activation, p, 5, 2)
-        args = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, 5, 2)
+        torch.library.opcheck(ops.feed_forward_fwd.default, (x, w1, bb1, w2, bb2, activation, p, philox.pack(5, 2)))
+        _, pre = ops.feed_forward_fwd(x, w1, bb1, w2, bb2, activation, p, philox.pack(5, 2))
+        args = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, philox.pack(5, 2))
         torch.library.opcheck(ops.feed_forward_bwd.default, args)
 
 
@@ -357,31 +356,33 @@ def test_bad_input_raises_clear_errors(backend):
 def test_cpu_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
     x, w1, b1, w2, b2 = _make_inputs((4, 8), 16, True, True, "cpu")
-    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, 0, 0)
+    Z = philox.pack(0, 0)  # (seed, offset) of the calls without dropout
+    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, Z)
     fwd_cases = [
-        ((torch.randn(8), w1, b1, w2, b2, "relu", 0.0, 0, 0), "x must be 2-D"),
-        ((x.double(), w1, b1, w2, b2, "relu", 0.0, 0, 0), "w1 must have the dtype of x"),
-        ((x.half(), w1.half(), None, w2.half(), None, "relu", 0.0, 0, 0),
+        ((torch.randn(8), w1, b1, w2, b2, "relu", 0.0, Z), "x must be 2-D"),
+        ((x.double(), w1, b1, w2, b2, "relu", 0.0, Z), "w1 must have the dtype of x"),
+        ((x.half(), w1.half(), None, w2.half(), None, "relu", 0.0, Z),
          "x must be float32, float64 or bfloat16"),
-        ((x, torch.randn(16, 7), b1, w2, b2, "relu", 0.0, 0, 0), r"w1 must have shape \(F, E\)"),
-        ((x, w1, b1, torch.randn(8, 15), b2, "relu", 0.0, 0, 0), r"w2 must have shape \(E, F\)"),
-        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, 0, 0), "w1 must be contiguous"),
-        ((x, w1, torch.randn(15), w2, b2, "relu", 0.0, 0, 0), r"b1 must have shape \(16,\)"),
-        ((x, w1, b1, w2, b2.double(), "relu", 0.0, 0, 0), "b2 must have the dtype of x"),
-        ((x, w1, b1, w2, b2, "tanh", 0.0, 0, 0), "activation must be \"relu\" or \"gelu\""),
-        ((x, w1, b1, w2, b2, "relu", 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
-        ((x, w1, b1, w2, b2, "relu", 0.5, 0, -3), "offset must be >= 0"),
+        ((x, torch.randn(16, 7), b1, w2, b2, "relu", 0.0, Z), r"w1 must have shape \(F, E\)"),
+        ((x, w1, b1, torch.randn(8, 15), b2, "relu", 0.0, Z), r"w2 must have shape \(E, F\)"),
+        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, Z), "w1 must be contiguous"),
+        ((x, w1, torch.randn(15), w2, b2, "relu", 0.0, Z), r"b1 must have shape \(16,\)"),
+        ((x, w1, b1, w2, b2.double(), "relu", 0.0, Z), "b2 must have the dtype of x"),
+        ((x, w1, b1, w2, b2, "tanh", 0.0, Z), "activation must be \"relu\" or \"gelu\""),
+        ((x, w1, b1, w2, b2, "relu", 1.0, Z), r"dropout_p must be in \[0, 1\)"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([0, -3])), r"the philox offset philox\[1\] must be >= 0"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.zeros(4, dtype=torch.int64)[::2]), "philox must be contiguous"),
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.feed_forward_fwd(*args)
     dout = torch.randn(4, 8)
     bwd_cases = [
-        ((torch.randn(4, 9), x, w1, w2, pre, True, True, "relu", 0.0, 0, 0), r"dout must have shape \(N, E\)"),
-        ((dout, x, w1, w2, pre[:, :5], True, True, "relu", 0.0, 0, 0), r"pre must have shape \(N, F\)"),
-        ((dout, x, w1, w2, pre.double(), True, True, "relu", 0.0, 0, 0), "pre must have the dtype of x"),
-        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, 0, 0), "activation must be"),
-        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, 0, 0), r"dropout_p must be in \[0, 1\)"),
+        ((torch.randn(4, 9), x, w1, w2, pre, True, True, "relu", 0.0, Z), r"dout must have shape \(N, E\)"),
+        ((dout, x, w1, w2, pre[:, :5], True, True, "relu", 0.0, Z), r"pre must have shape \(N, F\)"),
+        ((dout, x, w1, w2, pre.double(), True, True, "relu", 0.0, Z), "pre must have the dtype of x"),
+        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, Z), "activation must be"),
+        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, Z), r"dropout_p must be in \[0, 1\)"),
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):

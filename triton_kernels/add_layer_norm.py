@@ -8,7 +8,7 @@ program also sums ``dy * xhat`` and ``dy`` over its block of rows into one fp32 
 dweight / dbias: two stages, no atomics, so the result is deterministic.
 Dropout is fastformer/philox.py's with rows of ``C`` columns: element ``(row, col)`` takes its 16 bits
 from the Philox call on counter ``offset + row * ceil(C / 8) + col // 8``; the backward regenerates the
-forward's mask from ``(seed, offset)``.
+forward's mask from ``(seed, offset)``, read on the host from the ops' ``philox`` tensor.
 """
 import functools
 import os
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, read_philox
 
 MAX_C = 16384  # the widest row one program keeps in registers
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -217,9 +217,10 @@ def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
 
 
 def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                             bias: torch.Tensor, eps: float, dropout_p: float, seed: int,
-                             offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                             bias: torch.Tensor, eps: float, dropout_p: float,
+                             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(x)
+    seed, offset = read_philox(philox, "add_layer_norm_fwd")
     if residual is not None:
         _check_rows("residual", residual, (N, C), x.dtype)
     _check_rows("weight", weight, (C,))
@@ -242,9 +243,10 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
 
 def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
                              weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                             dropout_p: float, seed: int, offset: int,
+                             dropout_p: float, philox: torch.Tensor,
                              has_residual: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(h, "h")
+    seed, offset = read_philox(philox, "add_layer_norm_bwd")
     _check_rows("dy", dy, (N, C), h.dtype)
     if dh is not None:
         _check_rows("dh", dh, (N, C), h.dtype)
@@ -274,13 +276,13 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     return dx, dres, dweight, dbias
 
 
-def _fwd_fake(x, residual, weight, bias, eps, dropout_p, seed, offset):
+def _fwd_fake(x, residual, weight, bias, eps, dropout_p, philox):
     N = x.shape[0]
     return (torch.empty_like(x), torch.empty_like(x), x.new_empty(N, dtype=torch.float32),
             x.new_empty(N, dtype=torch.float32))
 
 
-def _bwd_fake(dy, dh, h, weight, mean, rstd, dropout_p, seed, offset, has_residual):
+def _bwd_fake(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual):
     dres = torch.empty_like(h) if (has_residual and dropout_p > 0.0) else h.new_empty(0)
     return torch.empty_like(h), dres, torch.empty_like(weight), torch.empty_like(weight)
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, read_philox
 
 MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
@@ -450,9 +450,10 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
 
 def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-                        is_causal: bool, scale: float, dropout_p: float, seed: int,
-                        offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                        is_causal: bool, scale: float, dropout_p: float,
+                        philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    seed, offset = read_philox(philox, "attention_fwd")
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
@@ -478,11 +479,12 @@ def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                         attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                        dropout_p: float, seed: int,
-                        offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        dropout_p: float,
+                        philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import attention_backward as kernels
 
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    seed, offset = read_philox(philox, "attention_bwd")
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
@@ -530,13 +532,13 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 # ----------------------------------------------------------------------------------------------
 # Registration: torch.compile sees one op per call, never a graph break
 # ----------------------------------------------------------------------------------------------
-def _attention_fwd_fake(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, seed, offset):
+def _attention_fwd_fake(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox):
     B, H, Sq, D = q.shape
     return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
 def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causal, scale,
-                        dropout_p, seed, offset):
+                        dropout_p, philox):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
