@@ -155,10 +155,10 @@ class Kernels:
 def _by_device(fn: str):
     """The cuda backend's op ``fn`` when the SIMT harness is loaded: the harness's kernel for CPU
     tensors, the real one (``torch.ops.fastformer``) for CUDA tensors."""
-    def call(*args):
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    def call(*args, **kwargs):
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         ns = torch.ops.fastformer_simt if device is not None and device.type == "cpu" else torch.ops.fastformer
-        return getattr(ns, fn)(*args)
+        return getattr(ns, fn)(*args, **kwargs)
 
     call.__name__ = fn
     return call

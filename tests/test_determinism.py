@@ -20,7 +20,7 @@ import torch
 import fastformer
 from fastformer import ops
 from fastformer.train import Trainer, resolve_config
-from utils import device_for, kernel_backends
+from utils import device_for, kernel_backends, skip_without_kernels
 
 BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends()
 SEED = 1234
@@ -128,21 +128,10 @@ CASES = {"attention_masks": _attention_masks, "attention_causal": _attention_cau
 DROPOUT_CASES = {"attention_masks", "attention_causal", "add_layer_norm", "add_layer_norm_prenorm", "feed_forward"}
 
 
-def _skip_without_kernel(case, backend):
-    """Skip, with the reason, a kernel backend that has no kernel for the case's op here (the cuda
-    backend on the SIMT harness carries only the ops whose csrc/cuda glue exists)."""
-    op = next(op for op in ("linear_cross_entropy", "cross_entropy", "add_layer_norm", "feed_forward",
-                            "attention") if case.startswith(op))
-    try:
-        with fastformer.use_backend(backend):
-            fastformer.backends.select(op, torch.device(device_for(backend)), torch.float32)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-
-
 def _forward_backward(case, backend, seed=SEED, backward=True):
     """[output, grad of each input]: inputs from a fixed generator, dropout from ``seed``."""
-    _skip_without_kernel(case, backend)
+    skip_without_kernels(backend, next(op for op in ("linear_cross_entropy", "cross_entropy", "add_layer_norm",
+                                                     "feed_forward", "attention") if case.startswith(op)))
     dev = device_for(backend)
     g = torch.Generator().manual_seed(0)
     inputs, run = CASES[case](g, dev, backend == "cpu")
