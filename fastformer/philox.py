@@ -122,16 +122,16 @@ def pack(seed: int, offset: int) -> torch.Tensor:
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if not 0 <= v < 2**63:
             raise ValueError(f"{name} must be in [0, 2**63), got {v}")
-    return torch.tensor([seed, offset], dtype=torch.int64)
+    return torch.tensor([seed, offset], dtype=torch.int64, device="cpu")
 
 
 def no_dropout() -> torch.Tensor:
     """The ``philox`` argument of a call without dropout: (0, 0), drawing nothing."""
-    return torch.zeros(2, dtype=torch.int64)
+    return torch.zeros(2, dtype=torch.int64, device="cpu")
 
 
 def _next_seed_impl() -> torch.Tensor:
-    return torch.tensor(next_seed(), dtype=torch.int64)  # (2,): the very draw of next_seed()
+    return torch.tensor(next_seed(), dtype=torch.int64, device="cpu")  # (2,): the very draw of next_seed()
 
 
 def _keep_every_draw() -> None:
@@ -156,7 +156,7 @@ def _keep_every_draw() -> None:
 
 def _next_seed_fake() -> torch.Tensor:
     _keep_every_draw()
-    return torch.empty(2, dtype=torch.int64)
+    return torch.empty(2, dtype=torch.int64, device="cpu")
 
 
 # A Python-defined op beside the C++ ones (csrc/ops.cpp): it needs no extension, so every

@@ -17,7 +17,7 @@
 
 #include "dropout_scales.h"
 #include "philox.h"
-#include "philox_arg.h"
+#include "../philox_arg.h"
 #include "vec_io.h"
 
 namespace fastformer {

@@ -45,7 +45,7 @@
 #include "attention_transpose.h"
 #include "dropout_scales.h"
 #include "philox.h"
-#include "philox_arg.h"
+#include "../philox_arg.h"
 
 namespace fastformer {
 namespace {

@@ -1,4 +1,4 @@
-// The `Tensor philox` argument of the dropout ops (csrc/ops.cpp): (seed, offset) in an int64 CPU
+// The `Tensor philox` argument of the dropout ops (csrc/schemas.h): (seed, offset) in an int64 CPU
 // tensor of shape (2,), drawn by fastformer::next_seed() (fastformer/philox.py). It lives on the
 // CPU for every device, so reading it on the host never waits for a device.
 #pragma once

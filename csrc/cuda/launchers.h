@@ -1,0 +1,68 @@
+// Plain C++ declarations of every CUDA launcher (no CUDA headers), included by the glue .cpp files.
+// Each returns nullptr on success, else the CUDA error string. dtype codes: 0 float32,
+// 1 float16, 2 bfloat16. Pointers to element data are void*, sizes int64_t, stream a cudaStream_t.
+#pragma once
+#include <cstdint>
+
+// ---- feed_forward (csrc/cuda/feed_forward.cu)
+// pre (N, F): + b1 in place when b1 is not null; a (N, F) = dropout(act(pre)), Philox v2 with
+// rows of C = F columns. activation: 0 relu, 1 gelu (exact erf).
+const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F,
+                                        int dtype, int activation, double dropout_p, uint64_t seed,
+                                        uint64_t offset, void* stream);
+// a (N, F) = dropout(act(pre)); dpre (N, F) holds da on entry and dpre = da * keep * scale *
+// act'(pre) on return (the same mask as the forward's).
+const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, int64_t N, int64_t F,
+                                        int dtype, int activation, double dropout_p, uint64_t seed,
+                                        uint64_t offset, void* stream);
+// The number of row parts of launch_colsum's first stage for `rows` rows (its workspace is
+// (parts, cols) fp32).
+int64_t colsum_num_parts(int64_t rows);
+// out (cols,) fp32 = (accumulate ? out : 0) + the column sums of x (rows, cols), two stages
+// through partial (parts, cols) fp32, fixed order: deterministic, no atomics.
+const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, float* partial,
+                          int64_t parts, float* out, int accumulate, void* stream);
+
+// ---- cross_entropy (csrc/cuda/cross_entropy.cu), also used by linear_cross_entropy.cpp
+// *count (int64) = the number of target values that are not ignore_index.
+const char* launch_cross_entropy_count_valid(const int64_t* target, int64_t n, int64_t ignore_index,
+                                             int64_t* count, void* stream);
+// Per row of logits (n, V): loss_rows (n,) fp32 and, when grad is not null (it may alias
+// logits), grad = (softmax - (1 - eps) onehot(t) - eps / V) * scale_i, where scale_i is
+// row_scale[i] if given, else 1 / *mean_count if given (0 when it is 0), else scale; ignored
+// rows get loss 0 and gradient 0. A target outside [0, V) that is not ignore_index gives nan and
+// is never used as an address.
+const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, void* grad,
+                                     float* loss_rows, int64_t n, int64_t V, int dtype,
+                                     double label_smoothing, int64_t ignore_index,
+                                     const float* row_scale, const int64_t* mean_count,
+                                     double scale, void* stream);
+// out () in dtype = sum of loss_rows (n,) in a fixed order, / *mean_count when given.
+const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const int64_t* mean_count,
+                                        void* out, int dtype, void* stream);
+
+// ---- add_layer_norm (csrc/cuda/add_layer_norm.cu)
+// Rows of C columns, x / residual / y / h (N, C) contiguous, weight / bias (C,), all of one dtype;
+// mean / rstd (N,) fp32. 128-bit vector loads are used where every row start is 16-byte aligned.
+// Forward: h = residual + dropout(x) (dropout(x) when residual is null; Philox v2 with rows of C
+// columns), rounded to the dtype and stored; mean / rstd from the stored h;
+// y = (h - mean) * rstd * weight + bias.
+const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const void* weight,
+                                      const void* bias, void* y, void* h, float* mean, float* rstd,
+                                      int64_t N, int64_t C, int dtype, double eps,
+                                      double dropout_p, uint64_t seed, uint64_t offset,
+                                      void* stream);
+// The number of row parts of the backward's first dweight / dbias stage (its workspace is
+// (parts, 2, C) fp32).
+int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C);
+// Backward: with g = dy * weight, xhat = (h - mean) * rstd,
+//   dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh when dh is not null],
+//   dx = dh_total * keep * scale, dresidual = dh_total (written only when dresidual is not null),
+//   dweight = sum over rows of dy * xhat, dbias = sum of dy: per part of rows into partial
+//   (parts, 2, C), then summed over parts in a fixed order (deterministic, no atomics).
+const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void* h,
+                                      const void* weight, const float* mean, const float* rstd,
+                                      void* dx, void* dresidual, void* dweight, void* dbias,
+                                      float* partial, int64_t parts, int64_t N, int64_t C,
+                                      int dtype, double dropout_p, uint64_t seed, uint64_t offset,
+                                      void* stream);
