@@ -5,9 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-DEPS := triton pybind11 ninja pytest pytest-benchmark tqdm matplotlib sacrebleu tokenizers numpy
+DEPS := triton pybind11 ninja pytest pytest-benchmark hypothesis tqdm matplotlib sacrebleu tokenizers numpy
 
-.PHONY: setup build demo test bench clean
+.PHONY: setup build demo test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: build
 
 bench: build
 	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-group-by=group -q
+
+# Every gpu-marked test, `python -m fastformer check` and the GPU benchmarks, logged under
+# benchmarks/results/<gpu-name>/; fails (saying why) on a machine without a CUDA GPU.
+gpu-check: setup
+	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); ok or print('make gpu-check: no CUDA GPU here (torch.cuda.is_available() is False, torch ' + torch.__version__ + ')', file=sys.stderr); sys.exit(0 if ok else 1)"
+	$(MAKE) build
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf build *.egg-info fastformer/*.so .pytest_cache .benchmarks

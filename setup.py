@@ -67,7 +67,7 @@ if __name__ == "__main__":
         packages=find_packages(include=["fastformer", "fastformer.*", "triton_kernels", "triton_kernels.*"]),
         python_requires=">=3.10",
         install_requires=["torch", "tqdm", "matplotlib", "sacrebleu", "tokenizers"],
-        extras_require={"triton": ["triton"], "test": ["pytest", "pytest-benchmark"]},
+        extras_require={"triton": ["triton"], "test": ["pytest", "pytest-benchmark", "hypothesis"]},
         ext_modules=[extension()],
         cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
         entry_points={"console_scripts": ["fastformer=fastformer.__main__:main"]},

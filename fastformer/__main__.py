@@ -1,5 +1,6 @@
-"""The command line: ``python -m fastformer train | translate | bench`` (console script ``fastformer``)."""
+"""The command line: ``python -m fastformer train | translate | bench | check`` (console script ``fastformer``)."""
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -48,7 +49,8 @@ def _train_parser(sub) -> None:
     x = p.add_argument_group("execution")
     x.add_argument("--backend", choices=["auto", "reference", "cpu", "triton", "cuda"],
                    help="fastformer kernel backend (default auto)")
-    x.add_argument("--dtype", choices=["fp32", "bf16"], help="bf16 = torch.autocast to bfloat16 (default fp32)")
+    x.add_argument("--dtype", choices=["auto", "fp32", "bf16"],
+                   help="bf16 = torch.autocast to bfloat16; auto (default) = bf16 on a CUDA GPU, fp32 on a CPU")
     x.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda if available")
     x.add_argument("--threads", type=int, help="torch CPU threads (default: one per core, or 1 when the load "
                                                "average already exceeds the core count)")
@@ -56,6 +58,10 @@ def _train_parser(sub) -> None:
     x.add_argument("--out", metavar="DIR", help=f"checkpoint directory (default {C.out})")
     x.add_argument("--save-every", type=int, metavar="STEPS", help=f"checkpoint period (default {C.save_every})")
     x.add_argument("--resume", action="store_true", default=False, help="continue from DIR's last checkpoint")
+    x.add_argument("--nproc", type=int, metavar="N",
+                   help="train with N processes on this machine (DistributedDataParallel: gloo on CPU, nccl "
+                        "on GPUs): launches `torchrun --standalone --nproc_per_node N -m fastformer train ...`. "
+                        "Under torchrun itself, leave it out")
     x.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
     e = p.add_argument_group("evaluation")
     e.add_argument("--beam", type=int, help="beam size for the held-out translations (default 1 = greedy)")
@@ -83,14 +89,38 @@ def _bench_parser(sub) -> None:
     add_arguments(p)
 
 
+def _check_parser(sub) -> None:
+    from .check import add_arguments
+
+    p = sub.add_parser("check", help="check every op on every kernel backend here against the reference",
+                       description="List the backends (and why any is unavailable), then run every op forward "
+                                   "and backward on each kernel backend that can run here, in fp32 and bf16 "
+                                   "(and fp16 on CUDA), against fastformer.ops.reference. Exits 1 on any failure.")
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastformer", description="fastformer: fused-kernel Transformer training")
-    sub = parser.add_subparsers(dest="command", metavar="{train,translate,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,translate,bench,check}")
     sub.required = True
     _train_parser(sub)
     _translate_parser(sub)
     _bench_parser(sub)
+    _check_parser(sub)
     return parser
+
+
+def _without_nproc(argv: List[str]) -> List[str]:
+    """``argv`` without its ``--nproc N`` / ``--nproc=N``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -103,12 +133,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             from . import train
 
             resume = options.pop("resume")
+            nproc = options.pop("nproc", None)
+            if nproc is not None and "WORLD_SIZE" not in os.environ:
+                from . import distributed
+
+                rest = _without_nproc(list(sys.argv[1:] if argv is None else argv))
+                rest.remove("train")  # the subcommand: torchrun's command line names it itself
+                return distributed.launch(nproc, rest)
+            if nproc is not None and int(os.environ["WORLD_SIZE"]) != nproc:
+                raise ValueError(f"--nproc {nproc} under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}: "
+                                 "leave --nproc out under torchrun")
             train.run(options, resume=resume)
         elif command == "translate":
             from . import translate
 
             translate.run(options["checkpoint"], beam=options["beam"], batch_size=options["batch_size"],
                           device=options["device"], backend=options["backend"], max_output_len=options["max_len"])
+        elif command == "check":
+            from . import check
+
+            return 1 if check.run(options["backends"], options["ops"]) else 0
         else:
             from . import bench
 

@@ -69,7 +69,11 @@ def load(path: str, map_location: Any = "cpu") -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     # weights_only: tensors and plain containers only, so a checkpoint cannot run code when loaded
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a truncated, foreign or unpicklable file: say which and why
+        raise ValueError(f"{path!r} is not a fastformer checkpoint (it could not be read: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path!r} is not a fastformer checkpoint (format {FORMAT_VERSION})")
     return state

@@ -3,7 +3,7 @@
 ``lr(step) = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)`` for optimiser
 steps counted from 1: linear warm-up for ``warmup`` steps, then inverse square-root decay.
 """
-from typing import Iterable, Tuple, Union
+from typing import Iterable, Optional, Tuple, Union
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -53,16 +53,32 @@ class NoamScheduler(LambdaLR):
         super().__init__(optimizer, NoamLambda(d_model, warmup, factor), last_epoch=last_epoch)
 
 
+def _fused_supported(params) -> bool:
+    """Whether torch's fused Adam takes these parameters: all floating point, on one device
+    type that has the fused kernels (CPU and CUDA among them in torch 2.13)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    devices = {p.device.type for p in tensors}
+    return (len(devices) == 1 and devices <= set(_get_fused_kernels_supported_devices())
+            and all(p.is_floating_point() and not p.is_sparse for p in tensors))
+
+
 def make_optimizer(model: Union[torch.nn.Module, Iterable], lr: float = 1.0,
                    betas: Tuple[float, float] = (0.9, 0.98), eps: float = 1e-9,
-                   weight_decay: float = 0.0) -> torch.optim.Adam:
+                   weight_decay: float = 0.0, fused: Optional[bool] = None) -> torch.optim.Adam:
     """Adam with the paper's ``betas=(0.9, 0.98)`` and ``eps=1e-9``.
 
     ``lr`` defaults to 1.0 so that a :class:`NoamScheduler` sets the actual rate.
-    ``model`` may be a module or an iterable of parameters / parameter groups.
+    ``model`` may be a module or an iterable of parameters / parameter groups. ``fused``:
+    torch's fused Adam (one kernel for the whole update instead of a chain of per-tensor ops);
+    ``None`` (default) takes it wherever the parameters' device supports it, ``False`` never.
     """
-    params = model.parameters() if isinstance(model, torch.nn.Module) else model
-    return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
+    if fused is None:
+        fused = _fused_supported(params)
+    return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            fused=bool(fused) or None)
 
 
 __all__ = ["noam_lambda", "NoamLambda", "NoamScheduler", "make_optimizer"]

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import checkpoint as ckpt
+from . import distributed
 from .data import (TokenBatches, Tokenizer, collate, encode_pairs, load_corpus, make_task, pad_batch,
                    split_pairs, train_tokenizer)
 from .data.batching import example_size
@@ -66,7 +67,7 @@ class TrainConfig:
     steps: Optional[int] = None
     # execution
     backend: str = "auto"
-    dtype: str = "fp32"
+    dtype: str = "auto"  # auto: bf16 autocast on a CUDA GPU with bf16, fp32 elsewhere
     device: str = "auto"
     threads: Optional[int] = None  # torch intra-op threads (default: see pick_threads)
     seed: int = 0
@@ -78,6 +79,61 @@ class TrainConfig:
     examples: int = 5
     progress: bool = True
 
+    def validate(self) -> "TrainConfig":
+        """Every option in its range, checked before any work; a ValueError names the flag."""
+        from .data.tasks import TASKS
+
+        def flag(name: str) -> str:
+            return "--" + name.replace("_", "-")
+
+        def at_least(name: str, minimum: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{flag(name)} must be an integer >= {minimum}, got {value!r}")
+
+        def in_range(name: str, lo: float, hi: float, hi_open: bool, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value and (
+                value < hi if hi_open else value <= hi)
+            if not ok:
+                raise ValueError(f"{flag(name)} must be a number in [{lo:g}, {hi:g}{')' if hi_open else ']'}, "
+                                 f"got {value!r}")
+
+        def one_of(name: str, choices) -> None:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag(name)} must be one of {sorted(choices)}, got {getattr(self, name)!r}")
+
+        one_of("task", TASKS)
+        one_of("tokenizer", ("auto", "char", "bpe"))
+        one_of("preset", PRESETS)
+        one_of("backend", ("auto", "reference", "cpu", "triton", "cuda"))
+        one_of("dtype", DTYPES)
+        one_of("device", ("auto", "cpu", "cuda"))
+        for name in ("task_train", "task_test", "batch_tokens", "warmup", "beam", "eval_batch"):
+            at_least(name, 1)
+        at_least("vocab_size", 4)  # BPE needs its specials and at least one symbol
+        at_least("max_len", 2)  # a token and eos
+        for name in ("d_model", "heads", "layers", "ffn", "epochs", "threads"):
+            at_least(name, 1, optional=True)
+        for name in ("steps", "save_every", "examples"):  # --steps 0 evaluates only, --save-every 0 = at the end
+            at_least(name, 0, optional=name == "steps")
+        at_least("seed", 0)
+        in_range("test_fraction", 0.0, 1.0, hi_open=True)
+        if self.data is not None and self.test_fraction <= 0.0:
+            raise ValueError(f"--test-fraction must be > 0 (a held-out split), got {self.test_fraction!r}")
+        in_range("dropout", 0.0, 1.0, hi_open=True, optional=True)
+        in_range("label_smoothing", 0.0, 1.0, hi_open=False)
+        in_range("lr_factor", 0.0, float("inf"), hi_open=True)
+        if self.lr_factor <= 0.0:
+            raise ValueError(f"--lr-factor must be > 0, got {self.lr_factor!r}")
+        in_range("clip_norm", 0.0, float("inf"), hi_open=True)
+        self.model_dims()  # d_model divisible by heads
+        return self
+
     def model_dims(self) -> Dict[str, int]:
         """d_model / heads / layers / ffn: the preset, with explicit options taking precedence."""
         if self.preset not in PRESETS:
@@ -88,7 +144,7 @@ class TrainConfig:
             if value is not None:
                 dims[key] = value
         if dims["d_model"] % dims["heads"]:
-            raise ValueError(f"d_model ({dims['d_model']}) must be divisible by heads ({dims['heads']})")
+            raise ValueError(f"--d-model ({dims['d_model']}) must be divisible by --heads ({dims['heads']})")
         return dims
 
     def dropout_p(self) -> float:
@@ -118,7 +174,7 @@ def resolve_config(options: Dict[str, Any], saved: Optional[Dict[str, Any]] = No
     if unknown:
         raise ValueError(f"unknown training options: {sorted(unknown)}")
     if saved is None:
-        return TrainConfig(**options)
+        return TrainConfig(**options).validate()
     merged = dict(saved)
     for key, value in options.items():
         if key in RESUMABLE:
@@ -126,18 +182,19 @@ def resolve_config(options: Dict[str, Any], saved: Optional[Dict[str, Any]] = No
         elif saved.get(key) != value:
             raise ValueError(f"--{key.replace('_', '-')} is {value!r} but the checkpoint was trained with "
                              f"{saved.get(key)!r}; a resumed run keeps it (drop the option)")
-    return TrainConfig(**{k: v for k, v in merged.items() if k in names})
+    return TrainConfig(**{k: v for k, v in merged.items() if k in names}).validate()
 
 
-def pick_threads(threads: Optional[int]) -> int:
-    """The CPU threads to train with: ``threads`` if given; else torch's default, except on a
-    machine that is already busy (1-minute load average at or above its core count), where
-    extra OpenMP threads would mostly wait on each other and one thread runs fastest."""
+def pick_threads(threads: Optional[int], processes_here: int = 1) -> int:
+    """The CPU threads to train with: ``threads`` if given; else torch's default shared among the
+    ``processes_here`` training processes of this machine, except on a machine that is already
+    busy (1-minute load average at or above its core count), where extra OpenMP threads would
+    mostly wait on each other and one thread runs fastest."""
     if threads is not None:
         if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+            raise ValueError(f"--threads must be at least 1, got {threads}")
         return threads
-    default = torch.get_num_threads()
+    default = max(1, torch.get_num_threads() // max(1, processes_here))
     try:
         busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
     except OSError:
@@ -161,11 +218,23 @@ def backend_context(name: str):
     return contextlib.nullcontext() if name == "auto" else fastformer.use_backend(name)
 
 
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``--dtype``: ``auto`` is bf16 autocast on a CUDA GPU that has bf16 (tensor-core speed,
+    fp32 statistics and master weights) and fp32 elsewhere (a CPU without native bf16 GEMMs
+    gains little from it); ``fp32`` and ``bf16`` are taken as given."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {name!r}")
+    if name != "auto":
+        return name
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
 def autocast(cfg: TrainConfig, device: torch.device):
-    """bf16 autocast on the run's device when ``--dtype bf16``, else a no-op context."""
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {cfg.dtype!r}")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    """bf16 autocast on the run's device when the run's dtype resolves to bf16, else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_dtype(cfg.dtype, device) == "bf16")
 
 
 def build_model(cfg: TrainConfig, src_vocab: int, tgt_vocab: int):
@@ -213,6 +282,28 @@ class _InterruptFlag:
         return False
 
 
+class LossModule(torch.nn.Module):
+    """``model.loss(src, tgt)`` as a module's forward, so DistributedDataParallel (which
+    synchronises gradients of what its forward ran) can wrap the training loss."""
+
+    def __init__(self, model: torch.nn.Module, label_smoothing: float):
+        super().__init__()
+        self.model = model
+        self.label_smoothing = label_smoothing
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(src, tgt, label_smoothing=self.label_smoothing)
+
+
+def distributed_tokenizers(src_tok: Tokenizer, tgt_tok: Tokenizer) -> Tuple[Tokenizer, Tokenizer]:
+    """Rank 0's tokenizers on every rank (broadcast), so all ranks encode the data alike."""
+    import torch.distributed as dist
+
+    both = [src_tok.to_dict(), tgt_tok.to_dict()]
+    dist.broadcast_object_list(both, src=0)
+    return Tokenizer.from_dict(both[0]), Tokenizer.from_dict(both[1])
+
+
 class Trainer:
     """One training run: data, tokenizers, model, optimizer, schedule, and their checkpoints."""
 
@@ -220,10 +311,12 @@ class Trainer:
         from .optim import NoamScheduler, make_optimizer
 
         self.cfg = cfg
-        self.threads = pick_threads(cfg.threads)
+        self.world = distributed.world_from_env()
+        self.threads = pick_threads(cfg.threads, self.world.local_size)
         torch.set_num_threads(self.threads)
-        self.device = pick_device(cfg.device)
-        autocast(cfg, self.device)  # validates --dtype before any work
+        self.device = distributed.init(self.world, pick_device(cfg.device))
+        # validates --dtype before any work; the run (and its checkpoints) record the resolved one
+        self.cfg = cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, self.device))
         dims = cfg.model_dims()
         self.train_pairs, self.test_pairs = load_data(cfg)
         if state is None:
@@ -233,11 +326,19 @@ class Trainer:
         else:
             self.src_tok = Tokenizer.from_dict(state["src_tokenizer"])
             self.tgt_tok = Tokenizer.from_dict(state["tgt_tokenizer"])
+        if self.world.distributed:  # every rank uses rank 0's tokenizers, whatever their training did
+            self.src_tok, self.tgt_tok = distributed_tokenizers(self.src_tok, self.tgt_tok)
         self.examples = encode_pairs(self.train_pairs, self.src_tok, self.tgt_tok, cfg.max_len)
         self.batches = TokenBatches([example_size(e) for e in self.examples], cfg.batch_tokens, seed=cfg.seed)
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg, self.src_tok.vocab_size, self.tgt_tok.vocab_size).to(self.device)
+        self.loss_module = LossModule(self.model, cfg.label_smoothing)
+        if self.world.distributed:  # gradients all-reduced in buckets while backward runs
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.loss_module = DistributedDataParallel(
+                self.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.model)
         self.scheduler = NoamScheduler(self.optimizer, dims["d_model"], cfg.warmup, factor=cfg.lr_factor)
         self.step, self.epoch, self.batch = 0, 0, 0
@@ -276,14 +377,28 @@ class Trainer:
             "tgt_tokenizer": self.tgt_tok.to_dict(),
         }
 
-    def save(self) -> str:
-        return ckpt.save(self.state_dict(), self.path)
+    def save(self) -> Optional[str]:
+        """Write a checkpoint (rank 0 only: the others return None)."""
+        return ckpt.save(self.state_dict(), self.path) if self.world.is_main else None
 
     # -- training ----------------------------------------------------------------------------
     def train_step(self, src: torch.Tensor, tgt: torch.Tensor) -> float:
-        """One optimizer update on a batch; returns its loss."""
+        """One optimizer update on a (global) batch; returns its loss, the mean over all its target
+        tokens. With several processes each trains on its share of the sentences (see
+        :mod:`fastformer.distributed`), its loss weighted by its share of the target tokens."""
+        weight = None
+        if self.world.distributed:
+            torch.manual_seed(distributed.step_seed(self.cfg.seed, self.step, self.world.rank))
+            pad = self.model.pad_idx
+            total = int((tgt[:, 1:] != pad).sum())
+            rows, counts = distributed.shard_rows(src.shape[0], self.world)
+            src, tgt = src[rows], tgt[rows]
+            mine = int((tgt[:, 1:] != pad).sum()) if counts else 0
+            weight = mine / total  # this rank's share of the batch's mean loss
         with autocast(self.cfg, self.device):
-            loss = self.model.loss(src, tgt, label_smoothing=self.cfg.label_smoothing)
+            loss = self.loss_module(src, tgt)
+        if weight is not None:
+            loss = loss * (weight * self.world.size)  # DDP averages: the ranks' sum is the batch mean
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.clip_norm and self.cfg.clip_norm > 0:
@@ -291,6 +406,12 @@ class Trainer:
         self._updating = True  # until fit() has recorded the step: parameters and position disagree
         self.optimizer.step()
         self.scheduler.step()
+        if weight is not None:
+            import torch.distributed as dist
+
+            total_loss = loss.detach().float() / self.world.size
+            dist.all_reduce(total_loss)
+            return float(total_loss)
         return float(loss.detach())
 
     def fit(self, on_step=None) -> List[float]:
@@ -305,7 +426,7 @@ class Trainer:
             return self.history
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not self.cfg.progress, mininterval=0.5, file=sys.stderr)
+                   disable=not (self.cfg.progress and self.world.is_main), mininterval=0.5, file=sys.stderr)
         tokens, t0, smooth = 0, time.perf_counter(), None
         stream = self.batches.iterate(self.epoch, self.batch)
         self._updating = False
@@ -339,11 +460,11 @@ class Trainer:
                         self.save()
         except KeyboardInterrupt:
             bar.close()
-            if not self._updating:  # the state of the last completed step is intact
+            if not self._updating and self.world.is_main:  # the state of the last step is intact
                 path = self.save()
                 print(f"\ninterrupted: checkpoint of step {self.step} saved to {path} "
                       f"(continue with --resume --out {self.cfg.out})", file=sys.stderr)
-            else:
+            elif self.world.is_main:
                 print("\ninterrupted during a parameter update; the last saved checkpoint is kept",
                       file=sys.stderr)
             raise
@@ -420,16 +541,24 @@ def run(options: Dict[str, Any], resume: bool = False) -> Dict[str, Any]:
     dims = cfg.model_dims()
     n_params = sum(p.numel() for p in trainer.model.parameters())
     what = f"--data {cfg.data}" if cfg.data else f"task {cfg.task!r}"
-    print(f"fastformer train: {what}: {len(trainer.train_pairs)} training pairs, {len(trainer.test_pairs)} "
+    say = print if trainer.world.is_main else (lambda *a, **k: None)
+    say(f"fastformer train: {what}: {len(trainer.train_pairs)} training pairs, {len(trainer.test_pairs)} "
           f"held out; {cfg.tokenizer_kind()} tokenizer (vocab {trainer.src_tok.vocab_size} src / "
           f"{trainer.tgt_tok.vocab_size} tgt); model d={dims['d_model']} h={dims['heads']} "
           f"L={dims['layers']}+{dims['layers']} ffn={dims['ffn']} dropout={cfg.dropout_p()} "
           f"({n_params / 1e6:.2f}M params); "
-          f"{trainer.total_steps} steps on {trainer.device} ({cfg.dtype}, backend {cfg.backend}, "
-          f"{trainer.threads} threads)"
+          f"{trainer.total_steps} steps on {trainer.device} ({trainer.cfg.dtype}, backend {cfg.backend}, "
+          f"{trainer.threads} threads"
+          + (f" per process, {trainer.world.size} processes" if trainer.world.distributed else "") + ")"
           + (f"; resuming at step {trainer.step}" if state is not None else ""))
     sys.stdout.flush()
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    finally:
+        if not trainer.world.is_main:  # only rank 0 evaluates, writes and prints
+            distributed.shutdown(trainer.world)
+    if not trainer.world.is_main:
+        return {}
     train_seconds = time.perf_counter() - started - setup_seconds
     metrics = trainer.evaluate()
     metrics.update(steps=trainer.step, final_loss=history[-1] if history else None, setup_seconds=setup_seconds,
@@ -443,6 +572,7 @@ def run(options: Dict[str, Any], resume: bool = False) -> Dict[str, Any]:
     for ex in metrics["examples"]:
         mark = "ok " if ex["hypothesis"].strip() == ex["reference"].strip() else "BAD"
         print(f"  [{mark}] {ex['source']!r} -> {ex['hypothesis']!r} (reference {ex['reference']!r})")
+    distributed.shutdown(trainer.world)
     return metrics
 
 

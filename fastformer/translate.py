@@ -61,6 +61,8 @@ def run(checkpoint: str, beam: int = 1, batch_size: int = 64, device: str = "aut
     """Translate ``stdin`` to ``stdout`` with the checkpoint's model; returns the lines written."""
     if beam < 1:
         raise ValueError(f"--beam must be at least 1, got {beam}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
     if max_output_len is not None and max_output_len < 2:
         raise ValueError(f"--max-len must be at least 2 (<s> and one token), got {max_output_len}")
     stdin = stdin if stdin is not None else sys.stdin

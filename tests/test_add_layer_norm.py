@@ -220,13 +220,53 @@ def test_dropout_statistics_and_backward_mask(backend, p):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_counters_past_32_bits(backend):
-    """Counters offset + i whose low word wraps use the high word as philox.py defines."""
+    """Group counters offset + r * G + g whose low word wraps use the high word as philox.py defines."""
     device = device_for(backend)
     x = torch.ones(3, 50, device=device)
     w, b = torch.ones(50, device=device), torch.zeros(50, device=device)
-    offset = 2**32 - 70  # the wrap falls inside the second row
+    offset = 2**32 - 10  # 7 counters a row: the wrap falls inside the second row
     _, h, _, _ = backends.Kernels(backend).add_layer_norm_fwd(x, None, w, b, 1e-5, 0.5, 9, offset)
     assert torch.equal(h != 0, philox.keep_mask((3, 50), 0.5, 9, offset, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("C", [1, 7, 8, 9, 63, 64, 65, 1023])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
+    """Rows of any length C (the group counter restarts each row), offsets whose low word wraps
+    mid-tensor, thresholds at both ends: forward h and backward dx are exactly keep * scale."""
+    N = 37
+    kern = backends.Kernels(backend)
+    x = torch.ones(N, C, dtype=dtype)
+    w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+    G = (C + 7) // 8
+    for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1),
+                            (1e-6, 4, 5), (0.999995, 4, 5)):  # T = 0 keeps all, T = 65536 none
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
+        keep = philox.keep_mask((N, C), p, seed, offset)
+        assert torch.equal(h != 0, keep), f"forward mask, p={p} offset={offset}"
+        assert torch.equal(h[keep], torch.full_like(h[keep], 1 / (1 - p)))
+        dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
+                                              p, seed, offset, True)
+        assert torch.equal(dx, h), f"backward mask, p={p} offset={offset}"
+
+
+@pytest.mark.parametrize("C", [1, 7, 8, 9, 65])
+@pytest.mark.parametrize("backend", kernel_backends("triton"))
+def test_triton_dropout_rows_of_any_width(backend, C):
+    """Rows narrower than a Philox group (C < 8, BLOCK_C rounded up to 8) and rows ending
+    mid-group: forward h and the backward's regenerated mask are philox.keep_mask's."""
+    device = device_for(backend)
+    N, p, seed, offset = 5, 0.5, 2**35 + 1, 2**32 - 3 * ((C + 7) // 8)  # the low word wraps at row 3
+    x = torch.ones(N, C, device=device)
+    w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
+    kern = backends.Kernels(backend)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
+    keep = philox.keep_mask((N, C), p, seed, offset, device=device)
+    assert torch.equal(h, keep.float() * 2.0)
+    dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
+                                          p, seed, offset, True)
+    assert torch.equal(dx, keep.float() * 2.0)
 
 
 def test_functional_op_draws_seed_from_torch_generator():

@@ -377,11 +377,66 @@ def test_dropout_statistics_and_repeatability(backend, p):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_counters_past_32_bits(backend):
-    """Counters offset + index whose low word wraps carry into the high word, as philox.py defines."""
+    """Group counters offset + row * G + g whose low word wraps carry into the high word (philox.py)."""
     B, H, Sq, Sk = 1, 2, 3, 40
-    offset = 2**32 - 150  # the wrap falls inside the first row of head 1
+    offset = 2**32 - 17  # 5 counters a row: the wrap falls inside row 3, the first of head 1
     keep = _dropout_probe(backend, B, H, Sq, Sk, 0.5, 9, offset)
     assert torch.equal(keep.cpu(), philox.keep_mask((B, H, Sq, Sk), 0.5, 9, offset))
+
+
+def _visible(B, Sq, Sk, kpm, causal):
+    """(B, 1, Sq, Sk) bool: key j visible to query i (the reference's masks, no attn_mask)."""
+    i, j = torch.arange(Sq)[:, None], torch.arange(Sk)[None, :]
+    hidden = (j > i + (Sk - Sq)) if causal else torch.zeros(Sq, Sk, dtype=torch.bool)
+    return ~(hidden[None, None] | kpm[:, None, None, :])
+
+
+def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
+    """The keep-masks the CPU forward and backward apply, read back exactly, with left key padding
+    (so tiles start at keys that are not a multiple of 8) and, optionally, the causal mask.
+    Forward: q = 0 gives every visible key probability 1 / nvis, and v[j, d] = 2**(j % 8) where
+    d = j // 8 sums each group of eight keys' keep bits into one exact integer of out[..., d].
+    Backward: dout = I (D = Sq) makes dv[j, i] = P[i, j] Z[i, j]."""
+    gen = torch.Generator().manual_seed(Sk)
+    kpm = torch.arange(Sk)[None, :] < torch.tensor([min(5, Sk - 1), min(3, Sk - 1)])[:B, None]
+    vis = _visible(B, Sq, Sk, kpm, causal)  # (B, 1, Sq, Sk)
+    nvis = vis.sum(-1, keepdim=True).clamp(min=1).double()  # (B, 1, Sq, 1)
+    kern = backends.Kernels("cpu")
+    G = (Sk + 7) // 8
+    j = torch.arange(Sk)
+    v = torch.zeros(Sk, G)
+    v[j, j // 8] = (2.0 ** (j % 8)).float()
+    k = torch.randn(B, H, Sk, G, generator=gen)
+    out, _ = kern.attention_fwd(torch.zeros(B, H, Sq, G), k, v.expand(B, H, Sk, G), kpm, None, causal,
+                                1.0, p, seed, offset)
+    sums = (out.double() * nvis * (1 - p)).round().long()  # (B, H, Sq, G): 8 keep bits per group
+    fwd = ((sums.repeat_interleave(8, dim=-1)[..., :Sk] >> (j % 8)) & 1).bool()
+    D = Sq
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (Sq, Sk, Sk))
+    q.zero_()
+    o, lse = kern.attention_fwd(q, k, v, kpm, None, causal, 1.0, p, seed, offset)
+    dout = torch.eye(Sq).expand(B, H, Sq, Sq).contiguous()
+    _, _, dv = kern.attention_bwd(dout, q, k, v, o, lse, kpm, None, causal, 1.0, p, seed, offset)
+    bwd = dv.transpose(-1, -2) != 0  # (B, H, Sq, Sk)
+    assert_close("kept dv", (dv.transpose(-1, -2).double() * nvis * (1 - p))[bwd],
+                 torch.ones(int(bwd.sum()), dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    return fwd, bwd, vis
+
+
+@pytest.mark.parametrize("Sk", [1, 7, 8, 9, 63, 64, 65, 1023])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, Sk):
+    """Rows of Sk keys (one per query, row-major over (B, H, Sq)) of any length, tiles starting
+    off a group boundary, Sq != Sk, causal or not, offsets whose low word wraps mid-tensor:
+    forward and backward apply exactly philox.keep_mask on the visible keys."""
+    B, H, Sq = 2, 3, 70  # Sq > kBlockQ: two query blocks
+    G = (Sk + 7) // 8
+    for p, seed, offset, causal in ((0.3, 5, 0, False), (0.5, 2**40 + 1, 2**32 - B * H * Sq * G // 2, True),
+                                    (0.9, 77, 2**33 - 7, Sk > 8)):
+        fwd, bwd, vis = _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal)
+        want = philox.keep_mask((B, H, Sq, Sk), p, seed, offset) & vis
+        assert torch.equal(fwd, want), f"forward mask, p={p} offset={offset} causal={causal}"
+        assert torch.equal(bwd, want), f"backward mask, p={p} offset={offset} causal={causal}"
 
 
 def test_functional_op_draws_seed_from_torch_generator():

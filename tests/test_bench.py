@@ -117,3 +117,47 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path, capsys, one_thread):
     for op in ("add_layer_norm", "train_step"):
         with open(out / f"{op}.png", "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measure_interleaved_calls_each_once_per_repetition_in_rotated_order():
+    from fastformer.bench.timing import measure_interleaved
+
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    timings = measure_interleaved(fns, warmup=1, min_reps=4, max_reps=4)
+    assert order[:6] == list("abcabc")  # first (timed alone) and warm-up calls
+    reps = [order[6 + 3 * i: 9 + 3 * i] for i in range(4)]
+    assert reps == [list("abc"), list("bca"), list("cab"), list("abc")]
+    for t in timings.values():
+        assert t.reps == 4 and t.min_ms <= t.q25_ms <= t.median_ms <= t.q75_ms
+
+
+def test_quiet_verdict_needs_a_load_of_at_most_a_quarter_of_the_cores():
+    from fastformer.bench.report import quiet_verdict
+
+    assert quiet_verdict(0.3, 2)[0] and quiet_verdict(1.0, 4)[0]
+    quiet, why = quiet_verdict(0.9, 2)
+    assert not quiet and "NOT README-grade" in why and "0.90" in why
+    assert not quiet_verdict(None, 2)[0]
+
+
+def test_step_gemms_are_the_models_matrix_products():
+    """The yardstick's linear products are exactly what torch's flop counter sees in the eager
+    model's forward (which does not count attention's products); attention adds q k^T and p v."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fastformer.bench import train_step as ts
+
+    shape = dict(ts.sweep("cpu", "smoke")[0], B=3, S=12, dropout=0.0)
+    src, tgt = ts.make_batch(shape, torch.device("cpu"))
+    model = ts.TorchSeq2Seq(shape["vocab"], shape["d_model"], shape["heads"], shape["layers"], shape["ffn"],
+                            0.0, 0.1).train()
+    with FlopCounterMode(display=False) as counter:
+        model.loss(src, tgt)
+    gemms = ts.step_gemms(shape, src, tgt)
+    linear = sum(2 * b * m * k * n for b, m, k, n in gemms if b == 1)
+    assert linear == counter.get_total_flops()
+    B, Ss, St, h, dh = 3, src.shape[1], tgt.shape[1] - 1, shape["heads"], shape["d_model"] // shape["heads"]
+    per_layer = 4 * B * h * dh * (Ss * Ss + St * St + St * Ss)  # encoder self, decoder self, cross
+    assert sum(2 * b * m * k * n for b, m, k, n in gemms if b > 1) == shape["layers"] * per_layer
+    assert ts.step_gemm_flops(gemms) == 3 * (linear + shape["layers"] * per_layer)

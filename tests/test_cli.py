@@ -115,3 +115,17 @@ def test_missing_checkpoint_is_an_error(tmp_path, capsys):
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert main(["train", "--resume", "--out", str(tmp_path / "none")] + TINY) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_bf16_on_a_cuda_gpu_with_bf16_and_fp32_elsewhere(monkeypatch):
+    from fastformer.train import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == "fp32"
+    assert resolve_dtype("bf16", torch.device("cpu")) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", torch.device("cuda")) == "bf16"
+    assert resolve_dtype("fp32", torch.device("cuda")) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", torch.device("cuda")) == "fp32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("fp16", torch.device("cpu"))

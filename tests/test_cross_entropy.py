@@ -209,6 +209,38 @@ def test_all_rows_ignored_gives_what_torch_gives(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("eps", (0.0, 0.1))
+@pytest.mark.parametrize("reduction", ("none", "sum"))
+def test_non_finite_logits_propagate_as_in_the_reference(backend, eps, reduction):
+    """A NaN or +inf logit, or a row of only -inf, gives NaN (never a finite or -inf loss that a
+    user's NaN check would miss); a -inf logit elsewhere gives what the reference gives."""
+    device = device_for(backend)
+    x = torch.randn(6, 37, generator=torch.Generator().manual_seed(3))
+    t = torch.tensor([4, 9, 0, 11, 20, 36])
+    x[0, 5] = float("nan")     # NaN off the target
+    x[1, 2] = float("inf")     # +inf
+    x[2, :] = float("-inf")    # no finite logit at all
+    x[3, 11] = float("-inf")   # -inf at the target: infinite loss, finite gradient
+    x[4, 30] = float("-inf")   # -inf elsewhere: finite loss without smoothing
+    x, t = x.to(device), t.to(device)
+    up = torch.ones(6, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
+    kwargs = dict(label_smoothing=eps, reduction=reduction)
+
+    def kernel(a):
+        with fastformer.use_backend(backend):
+            return cross_entropy(a, t, **kwargs)
+
+    loss, grad = _loss_and_grad(kernel, x, up)
+    want_loss, want_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, **kwargs), x, up)
+    assert want_loss.isnan().any(), "the probe must contain a NaN loss"
+    torch.testing.assert_close(loss, want_loss, equal_nan=True, atol=1e-5, rtol=1e-5)
+    if reduction == "none":  # per row: the NaN rows' whole gradient is NaN, the others match
+        torch.testing.assert_close(grad, want_grad, equal_nan=True, atol=1e-6, rtol=1e-4)
+    else:  # the sum is NaN, and so is every gradient row that fed a NaN
+        assert grad[:3].isnan().all() and want_grad[:3].isnan().all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_extreme_logits_stay_finite(backend):
     device = device_for(backend)
     x = torch.tensor([[1e4, -1e4, 0.0, 3.0], [-1e4, -1e4, -1e4, -1e4 + 1]], device=device)
@@ -342,3 +374,24 @@ def test_cpu_kernel_checks_name_the_argument(backend):
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
             kern.cross_entropy_fwd(*args)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton"))
+def test_scalar_upstream_gradient_scales_the_stored_gradient_in_place(backend):
+    """A scalar upstream gradient scales the forward's stored gradient in place (the gradient
+    handed out is that very buffer), and a second backward through the retained graph leaves the
+    first result untouched."""
+    device = device_for(backend)
+    x, t = _inputs(9, 50, device)
+    x.requires_grad_()
+    want = torch.autograd.grad(F.cross_entropy(x, t, label_smoothing=0.1), x)[0]
+    with fastformer.use_backend(backend):
+        loss = cross_entropy(x, t, label_smoothing=0.1)
+    stored = loss.grad_fn.saved_tensors[0]
+    first = torch.autograd.grad(2.5 * loss, x, retain_graph=True)[0]
+    assert first.data_ptr() == stored.data_ptr(), "the stored gradient was copied, not scaled in place"
+    assert_close("2.5 x grad", first, 2.5 * want, atol=1e-6, rtol=1e-4)
+    second = torch.autograd.grad(-4.0 * loss, x)[0]
+    assert second.data_ptr() != first.data_ptr()
+    assert_close("-4 x grad", second, -4.0 * want, atol=1e-6, rtol=1e-4)
+    assert_close("first result kept", first, 2.5 * want, atol=1e-6, rtol=1e-4)

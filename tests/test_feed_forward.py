@@ -220,12 +220,32 @@ def test_dropout_statistics_and_backward_mask(backend, p):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_counters_past_32_bits(backend):
-    """Counters offset + i whose low word wraps use the high word as philox.py defines."""
+    """Group counters offset + r * G + g whose low word wraps use the high word as philox.py defines."""
     device = device_for(backend)
     x, eye = torch.ones(3, 48, device=device), torch.eye(48, device=device)
-    offset = 2**32 - 70  # the wrap falls inside the second row
+    offset = 2**32 - 9  # 6 counters a row: the wrap falls inside the second row
     out, _ = backends.Kernels(backend).feed_forward_fwd(x, eye, None, eye, None, "relu", 0.5, 9, offset)
     assert torch.equal(out != 0, philox.keep_mask((3, 48), 0.5, 9, offset, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("F_", [1, 7, 8, 9, 63, 64, 65, 1023])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, F_, dtype):
+    """Rows of any length F (the forward's chunks of 2048 elements cross rows), offsets whose low
+    word wraps mid-tensor: out = keep * scale forward, dx the same mask backward."""
+    N = 19
+    kern = backends.Kernels(backend)
+    x, eye = torch.ones(N, F_, dtype=dtype), torch.eye(F_, dtype=dtype)
+    G = (F_ + 7) // 8
+    for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1)):
+        out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, seed, offset)
+        keep = philox.keep_mask((N, F_), p, seed, offset)
+        assert torch.equal(out != 0, keep), f"forward mask, p={p} offset={offset}"
+        assert_close("kept values", out[keep], torch.full_like(out[keep], 1 / (1 - p)), atol=0, rtol=1e-6)
+        dx = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False, "relu", p, seed,
+                                   offset)[0]
+        assert torch.equal(dx != 0, keep), f"backward mask, p={p} offset={offset}"
 
 
 def test_functional_op_draws_seed_from_torch_generator():

@@ -317,6 +317,13 @@ def test_aot_specs_cover_every_autotune_config():
     assert {s["signature"]["a_ptr"] for s in specs} == {"*fp32", "*fp16", "*bf16"}
 
 
+def test_every_column_tile_holds_whole_dropout_groups():
+    """The dropout epilogue draws one Philox call per 8 columns of a tile starting at
+    pid_n * BLOCK_N: every config's BLOCK_N (GPU and interpreter) must be a multiple of 8."""
+    for config in matmul.CONFIGS_16BIT + matmul.CONFIGS_32BIT + matmul.CONFIGS_INTERPRET:
+        assert config.kwargs["BLOCK_N"] % 8 == 0, config
+
+
 # ---------------------------------------------------------------- GPU only
 
 

@@ -302,3 +302,25 @@ def test_cpu_kernel_checks_name_the_argument(backend):
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.linear_cross_entropy_bwd(*args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ("none", "mean"))
+def test_nan_in_hidden_propagates_as_in_the_reference(backend, reduction):
+    """A NaN in one row of hidden makes that row's loss NaN (and the mean NaN), its dhidden row
+    NaN and dweight/dbias NaN, as in the reference: the fused kernel never hides it."""
+    device = device_for(backend)
+    hidden, weight, bias, target = _inputs(7, 24, 37, True, device)
+    target = target.clone()
+    target[2] = 5  # a row that is not ignored
+    hidden = hidden.clone()
+    hidden[2, 11] = float("nan")
+    up = _upstream(reduction, target.shape, device)
+    loss, grads = _loss_and_grads(_kernel_fn(backend, target, label_smoothing=0.1, reduction=reduction),
+                                  (hidden, weight, bias), up)
+    want, want_grads = _loss_and_grads(_reference_fn(target, label_smoothing=0.1, reduction=reduction),
+                                       (hidden, weight, bias), up)
+    assert want.isnan().any(), "the probe must give a NaN loss"
+    torch.testing.assert_close(loss, want, equal_nan=True, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        assert torch.equal(grad.isnan(), want_grads[name].isnan()), f"{name}: NaN positions differ"

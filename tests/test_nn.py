@@ -431,3 +431,24 @@ def test_unsupported_activation_is_a_clear_error():
         fnn.TransformerDecoderLayer(D_MODEL, NHEAD, FF, activation=torch.nn.GELU(approximate="tanh"))
     layer = fnn.TransformerEncoderLayer(D_MODEL, NHEAD, FF, activation=torch.nn.ReLU())
     assert layer(torch.randn(3, 2, D_MODEL)).shape == (3, 2, D_MODEL)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
+def test_stacks_call_their_layers_through_module_hooks(norm_first):
+    """The stacks call each layer as a module (not a private method), so forward hooks fire, as
+    FSDP's per-layer all-gathers and activation checkpointing wrappers need; the pre-LN fusion of a
+    layer's last residual add into the next layer's first norm survives it."""
+    torch.manual_seed(0)
+    model = fnn.Transformer(D_MODEL, NHEAD, 2, 2, FF, dropout=0.0, batch_first=True, norm_first=norm_first)
+    calls = []
+    for stack in (model.encoder, model.decoder):
+        for i, layer in enumerate(stack.layers):
+            layer.register_forward_pre_hook(lambda m, args, i=i: calls.append((type(m).__name__, i)))
+    src, tgt = torch.randn(B, 6, D_MODEL), torch.randn(B, 5, D_MODEL)
+    out = model(src, tgt)
+    assert calls == [("TransformerEncoderLayer", 0), ("TransformerEncoderLayer", 1),
+                     ("TransformerDecoderLayer", 0), ("TransformerDecoderLayer", 1)]
+    # the same numbers as torch's own Transformer with the same weights
+    ref = torch.nn.Transformer(D_MODEL, NHEAD, 2, 2, FF, dropout=0.0, batch_first=True, norm_first=norm_first)
+    ref.load_state_dict(model.state_dict())
+    assert_close("out", out, ref(src, tgt), atol=1e-5, rtol=1e-5)

@@ -6,8 +6,9 @@ Backward: ``_add_layer_norm_bwd`` computes dx (and the residual's gradient) row 
 program also sums ``dy * xhat`` and ``dy`` over its block of rows into one fp32 row of a
 ``(G, C)`` partials buffer, and ``_add_layer_norm_bwd_dwdb`` reduces those G rows into
 dweight / dbias: two stages, no atomics, so the result is deterministic.
-Dropout regenerates the forward's Philox mask from ``(seed, offset)``: element ``row * C + col``
-uses counter ``offset + row * C + col``.
+Dropout is fastformer/philox.py's with rows of ``C`` columns: element ``(row, col)`` takes its 16 bits
+from the Philox call on counter ``offset + row * ceil(C / 8) + col // 8``; the backward regenerates the
+forward's mask from ``(seed, offset)``.
 """
 import functools
 import os
@@ -17,13 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep, dropout_threshold, next_power_of_2
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
 
 MAX_C = 16384  # the widest row one program keeps in registers
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _DWDB_BLOCK_G = 32  # partial rows summed per step of the dweight/dbias reduction
 _DWDB_BLOCK_N = 128  # columns per program of the dweight/dbias reduction
+
+
+@triton.jit
+def _row_keep(seed, offset, row, C, threshold, BLOCK_C: tl.constexpr):
+    """Dropout keep-mask (BLOCK_C,) of columns ``0 .. BLOCK_C - 1`` of row ``row``."""
+    rows = tl.full((1,), row, tl.int64)  # (1,)
+    keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(C, 8), 0, threshold, BLOCK_C)  # (1, BLOCK_C)
+    return tl.reshape(keep, (BLOCK_C,))
 
 
 @triton.jit
@@ -40,11 +49,11 @@ def _add_layer_norm_fwd(
     eps,  # added to the variance
     seed,  # Philox key of the dropout mask
     offset,  # Philox counter of element (0, 0)
-    drop_threshold,  # round(dropout_p * 2**24): keep iff (bits >> 8) >= drop_threshold
+    drop_threshold,  # round(dropout_p * 2**16): keep iff the element's 16 Philox bits >= drop_threshold
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_RESIDUAL: tl.constexpr,  # add R
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
-    BLOCK_C: tl.constexpr,  # next power of two >= C
+    BLOCK_C: tl.constexpr,  # next power of two >= max(C, 8)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
@@ -52,7 +61,7 @@ def _add_layer_norm_fwd(
     idx = row * C + cols  # row-major element index (int64)
     h = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, offset + idx, drop_threshold)
+        keep = _row_keep(seed, offset, row, C, drop_threshold, BLOCK_C)
         h = tl.where(keep, h * drop_scale, 0.0)
     if HAS_RESIDUAL:
         h += tl.load(R + idx, mask=mask, other=0.0).to(tl.float32)
@@ -88,12 +97,12 @@ def _add_layer_norm_bwd(
     rows_per_program,  # rows [pid * rows_per_program, (pid + 1) * rows_per_program) are ours
     seed,  # Philox key of the dropout mask
     offset,  # Philox counter of element (0, 0)
-    drop_threshold,  # round(dropout_p * 2**24)
+    drop_threshold,  # round(dropout_p * 2**16)
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_DH: tl.constexpr,  # add DHIn to the gradient of h
     HAS_DROPOUT: tl.constexpr,  # dx = dropout'(gradient of h)
     STORE_DRES: tl.constexpr,  # write the gradient of h to DRes
-    BLOCK_C: tl.constexpr,  # next power of two >= C
+    BLOCK_C: tl.constexpr,  # next power of two >= max(C, 8)
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
@@ -120,7 +129,7 @@ def _add_layer_norm_bwd(
             tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
         dx = dh
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, offset + idx, drop_threshold)
+            keep = _row_keep(seed, offset, row, C, drop_threshold, BLOCK_C)
             dx = tl.where(keep, dh * drop_scale, 0.0)
         tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
@@ -222,7 +231,7 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     if N == 0:
         return y, h, mean, rstd
     has_dropout, threshold, scale = _dropout_args(dropout_p)
-    block_c = next_power_of_2(C)
+    block_c = next_power_of_2(max(C, 8))  # whole Philox groups of 8 columns
     torch.library.wrap_triton(_add_layer_norm_fwd)[(N,)](
         x, residual if residual is not None else x, weight, bias, y, h, mean, rstd,
         C, eps, seed, offset, threshold, scale,
@@ -253,7 +262,7 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     rows_per_program, G = _partial_rows(N, h.device)
     dw_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
     db_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
-    block_c = next_power_of_2(C)
+    block_c = next_power_of_2(max(C, 8))  # whole Philox groups of 8 columns
     torch.library.wrap_triton(_add_layer_norm_bwd)[(G,)](
         dy, dh if dh is not None else dy, h, weight, mean, rstd, dx, dres if store_dres else dx,
         dw_part, db_part, N, C, rows_per_program, seed, offset, threshold, scale,

@@ -8,7 +8,8 @@ Semantics (the contract, ``fastformer.ops.reference.attention`` is the definitio
 k/v ``(B, H, Sk, D)``; key ``j`` is hidden from query ``i`` when it is padded, when
 ``is_causal`` and ``j > i + Sk - Sq`` (bottom-right aligned), or when ``attn_mask`` is -inf.
 A query row with no visible key outputs 0, its lse is +inf and it gets zero gradient.
-Dropout element ``((b*H + h)*Sq + i)*Sk + j`` uses Philox counter ``offset`` + that index.
+Dropout is fastformer/philox.py's with rows of ``C = Sk``: element ``(b, h, i, j)`` takes its 16 bits
+from the Philox call on counter ``offset + ((b*H + h)*Sq + i) * ceil(Sk / 8) + j // 8``.
 
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep, dropout_threshold, next_power_of_2
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
 
 MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
@@ -103,8 +104,11 @@ def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed 
     """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
     s = qk * qk_scale
     if HAS_MASK:
-        am = tl.load(am_base + qi * stride_am_m + kj * stride_am_n, mask=(qi < Sq) & (kj < Sk), other=0.0)
-        s += tl.where(am == float("-inf"), am, tl.maximum(am, MASK_FLOOR) * LOG2E)
+        # -inf hides the key whatever its score (also a NaN score: NaN + -inf would stay NaN); tile
+        # rows and columns past Sq / Sk read -inf, so a NaN key never leaks into a padding row's P
+        am = tl.load(am_base + qi * stride_am_m + kj * stride_am_n, mask=(qi < Sq) & (kj < Sk),
+                     other=float("-inf"))
+        s = tl.where(am == float("-inf"), float("-inf"), s + tl.maximum(am, MASK_FLOOR) * LOG2E)
     if MASK_EDGE:
         visible = kj < Sk
         if IS_CAUSAL:
@@ -117,10 +121,18 @@ def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed 
 
 
 @triton.jit
-def _dropout_keep_tile(seed, rng_base, qi, kj, Sk, threshold):
-    """Keep-mask of the tile: element index ``rng_base + i * Sk + j`` (64-bit), where
-    ``rng_base = offset + (b*H + h) * Sq * Sk``."""
-    return dropout_keep(seed, rng_base + qi.to(tl.int64) * Sk + kj, threshold)
+def _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
+    """Philox counter of head (b, h)'s first group: the probabilities are rows of ``Sk`` keys,
+    ``ceil(Sk / 8)`` counters a row, the ``B*H*Sq`` query rows in order (fastformer/philox.py)."""
+    return rng_offset + (b64 * H + h) * Sq * tl.cdiv(Sk, 8)
+
+
+@triton.jit
+def _dropout_keep_tile(seed, rng_base, qi, start_n, Sk, threshold, BLOCK_N: tl.constexpr):
+    """Keep-mask (BM, BLOCK_N) of queries ``qi`` (BM,) and keys ``start_n + arange(BLOCK_N)``
+    (``start_n`` a multiple of BLOCK_N, itself a multiple of 8), ``rng_base`` from
+    :func:`_dropout_rng_base`."""
+    return dropout_keep_tile(seed, rng_base, qi, tl.cdiv(Sk, 8), start_n, threshold, BLOCK_N)
 
 
 @triton.jit
@@ -162,7 +174,7 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
     p = tl.exp2(s - m_safe[:, None])  # (BM, BN)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        keep = _dropout_keep_tile(seed, rng_base, offs_m[:, None], kn[None, :], Sk, drop_threshold)
+        keep = _dropout_keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
         p = tl.where(keep, p * drop_scale, 0.0)
     acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
@@ -202,7 +214,7 @@ def _attention_fwd(
     scale,  # fp32 score scale
     seed,  # i64 dropout Philox seed
     rng_offset,  # i64 dropout Philox counter of element 0
-    drop_threshold,  # i32 round(dropout_p * 2**24)
+    drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
     TUNE_SK,  # autotune key only: Sk bucket (power of two)
@@ -229,7 +241,7 @@ def _attention_fwd(
     v_base = V + b64 * stride_vb + h64 * stride_vh
     kpm_base = KPM + b64 * stride_kpm_b
     am_base = AM + b64 * stride_am_b + h64 * stride_am_h
-    rng_base = rng_offset + (b64 * H + h) * Sq * Sk
+    rng_base = _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
     qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -270,7 +282,8 @@ BLOCK_D_BUCKETS = (32, 64, 128, 256)
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and BLOCK_D bucket, best guess first.
 # fwd / dq: BLOCK_M queries kept per program, BLOCK_N keys streamed; dkdv: BLOCK_N keys kept,
 # BLOCK_M queries streamed. "heavy" launches (dropout or an additive mask) get smaller score
-# tiles: the per-element Philox state and the fp32 mask tile would otherwise spill registers.
+# tiles: the Philox state (one call per 8 scores) and the fp32 mask tile would otherwise spill
+# registers.
 # fp32 (rare on a GPU; full-precision FMA dots, which want small tiles and 8 warps) runs one
 # config. Every entry was compiled for sm_80 and sm_90 with all features of its class on
 # (python -m triton_kernels.aot --module attention): all fit shared memory (at most 110592 bytes
@@ -409,22 +422,30 @@ def _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk):
 
 
 def _dropout_args(dropout_p: float):
-    """(HAS_DROPOUT, threshold, scale) for the keep-test ``(bits >> 8) >= threshold``."""
+    """(HAS_DROPOUT, threshold, scale) for the keep-test ``bits16 >= threshold``."""
     if dropout_p <= 0.0:
         return False, 0, 1.0
     return True, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0)
 
 
 def _launch(kind, fn, grid_of, block_d, elt, args, meta):
-    """Launch ``fn`` (autotuned on a GPU, the fixed interpreter blocks on CPU) through
-    ``wrap_triton`` so torch.compile captures the kernel inside the registered op."""
+    """Launch ``fn`` through ``wrap_triton`` so torch.compile captures the kernel inside the
+    registered op: autotuned on a GPU (its first config under
+    ``torch.use_deterministic_algorithms(True)``), the fixed interpreter blocks on CPU."""
     wrap = torch.library.wrap_triton
     if INTERPRET:
         blocks = dict(INTERPRET_BLOCKS)
         wrap(fn)[grid_of(blocks)](*args, **meta, **blocks)
     else:
         heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
-        wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
+        if torch.are_deterministic_algorithms_enabled():
+            # the autotuner's pick may differ between processes and a tile size changes the
+            # summation order: run the first (best-guess) config, the same in every process
+            cfg = _configs(kind, block_d, elt, heavy)[0]
+            wrap(fn)[grid_of(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
+                                          num_stages=cfg.num_stages)
+        else:
+            wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
 
 
 def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,8 +14,8 @@ forward made them; rows with lse = +inf (nothing visible) get P = 0, hence zero 
 import triton
 import triton.language as tl
 
-from .attention import (FLT_MAX, LOG2E, _cast, _causal_key_bounds, _dot, _dropout_keep_tile, _load_rows,
-                        _masked_scores, _store_rows)
+from .attention import (FLT_MAX, LOG2E, _cast, _causal_key_bounds, _dot, _dropout_keep_tile,
+                        _dropout_rng_base, _load_rows, _masked_scores, _store_rows)
 
 
 @triton.jit
@@ -50,14 +50,15 @@ def _attention_bwd_preprocess(
 def _load_row_stats(lse_row, delta_row, rows, Sq):
     """lse in log2 units (+inf outside the rows, so they contribute nothing) and delta."""
     lse = tl.load(lse_row + rows, mask=rows < Sq, other=float("inf"))
-    # a huge negative lse (an all-masked row with a large finite additive mask) stays finite
-    lse2 = tl.maximum(lse * LOG2E, -FLT_MAX)
+    # a huge negative lse (an all-masked row with a large finite additive mask) stays finite; a NaN
+    # lse (a NaN score in the forward) stays NaN, so the row's gradients are NaN as the reference's
+    lse2 = tl.maximum(lse * LOG2E, -FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
     delta = tl.load(delta_row + rows, mask=rows < Sq, other=0.0)
     return lse2, delta
 
 
 @triton.jit
-def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, offs_m, offs_n, offs_d,
+def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d,
                              q_base, stride_qm, do_base, stride_dom, lse_row, delta_row,
                              kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n,
                              Sq, Sk, D, qk_scale, seed, rng_base, drop_threshold, drop_scale,
@@ -76,7 +77,8 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, offs_m, offs_n, offs_d,
     p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
     dp_t = _dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32))  # (BN, BM)
     if HAS_DROPOUT:
-        keep = _dropout_keep_tile(seed, rng_base, qm[None, :], offs_n[:, None], Sk, drop_threshold)
+        # the forward's (BM, BN) tile of queries qm and keys from start_n, transposed to (BN, BM)
+        keep = tl.trans(_dropout_keep_tile(seed, rng_base, qm, start_n, Sk, drop_threshold, k.shape[0]))
         dv = _dot(_cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv)
         dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
     else:
@@ -126,7 +128,7 @@ def _attention_bwd_dkdv(
     scale,  # fp32 score scale
     seed,  # i64 dropout Philox seed
     rng_offset,  # i64 dropout Philox counter of element 0
-    drop_threshold,  # i32 round(dropout_p * 2**24)
+    drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
     TUNE_SK,  # autotune key only: Sk bucket (power of two)
@@ -156,7 +158,7 @@ def _attention_bwd_dkdv(
     delta_row = Delta + (b64 * H + h) * Sq
     kpm_base = KPM + b64 * stride_kpm_b
     am_base = AM + b64 * stride_am_b + h64 * stride_am_h
-    rng_base = rng_offset + (b64 * H + h) * Sq * Sk
+    rng_base = _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
     qk_scale = scale * LOG2E
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -168,7 +170,7 @@ def _attention_bwd_dkdv(
         full_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N - 1 + Sq - Sk, BLOCK_M) * BLOCK_M, lo)
         for start_m in range(lo, tl.minimum(full_lo, Sq), BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, start_m, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
+                dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
                 lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
                 qk_scale, seed, rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK,
                 IS_CAUSAL, HAS_DROPOUT)
@@ -177,7 +179,7 @@ def _attention_bwd_dkdv(
     # query rows past Sq have lse = +inf (P = 0) and keys past Sk are never stored: no edge mask
     for start_m in range(full_lo, Sq, BLOCK_M):
         dk, dv = _attention_bwd_dkdv_tile(
-            dk, dv, k, v, start_m, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
+            dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
             lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
             qk_scale, seed, rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK,
             IS_CAUSAL, HAS_DROPOUT)
@@ -207,7 +209,7 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
     dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
     if HAS_DROPOUT:
-        keep = _dropout_keep_tile(seed, rng_base, offs_m[:, None], kn[None, :], Sk, drop_threshold)
+        keep = _dropout_keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])  # (BM, BN)
     return _dot(_cast(ds, k.dtype), k, dq)
@@ -252,7 +254,7 @@ def _attention_bwd_dq(
     scale,  # fp32 score scale
     seed,  # i64 dropout Philox seed
     rng_offset,  # i64 dropout Philox counter of element 0
-    drop_threshold,  # i32 round(dropout_p * 2**24)
+    drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
     TUNE_SK,  # autotune key only: Sk bucket (power of two)
@@ -281,7 +283,7 @@ def _attention_bwd_dq(
     v_base = V + b64 * stride_vb + h64 * stride_vh
     kpm_base = KPM + b64 * stride_kpm_b
     am_base = AM + b64 * stride_am_b + h64 * stride_am_h
-    rng_base = rng_offset + (b64 * H + h) * Sq * Sk
+    rng_base = _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
     qk_scale = scale * LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

@@ -64,7 +64,9 @@ def _cross_entropy_fwd(
     x_target = tl.load(row_ptr + safe_target).to(tl.float32)
     nll = lse - x_target
     smooth = lse - sum_x / V
-    loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    # without smoothing the smoothing term is left out, not multiplied by 0: an infinite term
+    # (a -inf logit) would turn 0 * inf into NaN where the reference gives inf
+    loss = tl.where(label_smoothing > 0.0, (1.0 - label_smoothing) * nll + label_smoothing * smooth, nll)
     tl.store(LossRows + row, tl.where(valid, loss, 0.0))
 
     if COMPUTE_GRAD:

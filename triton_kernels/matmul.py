@@ -14,8 +14,10 @@ extra passes over an ``(M, N)`` tensor:
 ``dW = dY^T X`` that is the bias gradient ``db = dY.sum(0)``, from the programs of the first
 column block, without another kernel launch.
 
-Dropout is the shared Philox definition (:func:`triton_kernels.utils.dropout_keep`): element
-``(m, n)`` of the ``(M, N)`` tensor has counter ``offset + m * N + n``.
+Dropout is the shared Philox definition (fastformer/philox.py, :func:`triton_kernels.utils.dropout_keep_tile`)
+with rows of ``N`` columns: element ``(m, n)`` of the ``(M, N)`` tensor takes its 16 bits from the
+Philox call on counter ``offset + m * ceil(N / 8) + n // 8`` (column tiles start at multiples of
+``BLOCK_N``, a multiple of 8, so a tile holds whole groups).
 
 Any M, N, K (no multiple-of-block rule: every load and store is masked). Accumulation is fp32;
 fp32 inputs use ``input_precision="ieee"`` unless ``torch.backends.cuda.matmul.allow_tf32``.
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep, dropout_threshold
+from .utils import dropout_keep_tile, dropout_threshold
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -115,7 +117,7 @@ def _matmul(
     stride_cm,  # row stride of C, D and pre
     seed,  # dropout Philox key
     offset,  # dropout Philox counter of element (0, 0)
-    threshold,  # dropout: keep iff (bits >> 8) >= threshold = round(p * 2**24)
+    threshold,  # dropout: keep iff the element's 16 Philox bits >= threshold = round(p * 2**16)
     scale,  # dropout: 1 / (1 - p), applied to kept elements
     EPILOGUE: tl.constexpr,  # "none" | "act_fwd" | "act_bwd"
     ACTIVATION: tl.constexpr,  # "relu" | "gelu" (act_* epilogues)
@@ -189,7 +191,8 @@ def _matmul(
                 d_sub = _activation(pre, ACTIVATION)
                 c_sub = c_sub * _activation_grad(pre, ACTIVATION)
             if DROPOUT:
-                keep = dropout_keep(seed, offset + r[:, None].to(tl.int64) * N + rn[None, :], threshold)
+                keep = dropout_keep_tile(seed, offset, r, tl.cdiv(N, 8), pid_n * BLOCK_N, threshold,
+                                         BLOCK_N)  # (EPILOGUE_ROWS, BLOCK_N)
                 d_sub = tl.where(keep, d_sub * scale, 0.0)
                 if EPILOGUE == "act_bwd":
                     c_sub = tl.where(keep, c_sub * scale, 0.0)
@@ -232,7 +235,8 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
 
     ``wrap``: ``torch.library.wrap_triton`` when called from a ``triton_op`` (so torch.compile
     sees the kernel), else None. ``config``: a ``triton.Config`` to run instead of autotuning
-    (tests and benchmarks of single configs).
+    (tests and benchmarks of single configs); under ``torch.use_deterministic_algorithms(True)``
+    the first autotune candidate is run instead of autotuning.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -243,6 +247,10 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
     assert c.stride(1) == 1 and c.shape == (M, N)
     for name, t in (("d", d), ("pre", pre)):
         assert t is None or (t.shape == c.shape and t.stride() == c.stride()), name
+    if config is None and not INTERPRET and torch.are_deterministic_algorithms_enabled():
+        # the autotuner's pick may differ between processes and BLOCK_K changes the summation
+        # order: run the first listed config, the same in every process
+        config = kernel_for(a.dtype).configs[0]
     kernel = kernel_for(a.dtype) if config is None else _matmul
     if wrap is not None:
         kernel = wrap(kernel)

@@ -1,19 +1,43 @@
-"""Pieces every Triton kernel shares: the dropout keep-test on the shared Philox stream."""
+"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream."""
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def dropout_keep(seed, offsets, threshold):
-    """Keep-mask for element ``offsets`` (counter = dropout offset + row-major index):
-    True iff ``(randint(seed, offsets) >> 8) >= threshold``, threshold = round(p * 2**24),
-    exactly as fastformer/philox.py and csrc/cpu/philox.h define it."""
-    bits = tl.randint(seed, offsets)
-    return (bits >> 8).to(tl.int32) >= threshold
+def dropout_keep_tile(seed, offset, rows, G, c0, threshold, BLOCK_C: tl.constexpr):
+    """Keep-mask (R, BLOCK_C) of rows ``rows`` (R,) and columns ``c0 + arange(BLOCK_C)`` of a
+    dropout tensor viewed as rows of ``G = ceil(C / 8)`` Philox groups (fastformer/philox.py):
+    ``c0`` and ``BLOCK_C`` are multiples of 8, so the tile spans whole groups. Group ``g`` of row
+    ``r`` makes one ``randint4x`` call on counter ``offset + r * G + g`` (int64); its words
+    ``w0..w3`` give columns ``8g .. 8g + 7`` the 16-bit values ``w0 lo, w0 hi, w1 lo, ..., w3 hi``,
+    and an element is kept iff its value is ``>= threshold = round(p * 2**16)``.
+    Columns at or past ``C`` (and rows past the last) get bits of other counters: callers mask them.
+    """
+    tl.static_assert(BLOCK_C % 8 == 0, "dropout_keep_tile: BLOCK_C must be a multiple of 8")
+    GROUPS: tl.constexpr = BLOCK_C // 8
+    groups = c0 // 8 + tl.arange(0, GROUPS)  # (GROUPS,)
+    ctr = offset + rows.to(tl.int64)[:, None] * G + groups.to(tl.int64)[None, :]  # (R, GROUPS)
+    w0, w1, w2, w3 = tl.randint4x(seed, ctr)  # uint32 (R, GROUPS) each
+    # The 16-bit halves as int32 (values < 2**16, so the signed compare below is exact).
+    u0 = (w0 & 0xFFFF).to(tl.int32)
+    u1 = (w0 >> 16).to(tl.int32)
+    u2 = (w1 & 0xFFFF).to(tl.int32)
+    u3 = (w1 >> 16).to(tl.int32)
+    u4 = (w2 & 0xFFFF).to(tl.int32)
+    u5 = (w2 >> 16).to(tl.int32)
+    u6 = (w3 & 0xFFFF).to(tl.int32)
+    u7 = (w3 >> 16).to(tl.int32)
+    # join appends a trailing axis, so index [a, b, c] of the (R, GROUPS, 2, 2, 2) result is
+    # u_{4a + 2b + c}: flattening the last three axes lists u0..u7 in column order.
+    u = tl.join(tl.join(tl.join(u0, u4), tl.join(u2, u6)), tl.join(tl.join(u1, u5), tl.join(u3, u7)))
+    u = tl.reshape(u, (rows.shape[0], BLOCK_C))  # (R, BLOCK_C)
+    return u >= threshold
 
 
 def dropout_threshold(p: float) -> int:
-    return int(p * (1 << 24) + 0.5)  # round half up, as fastformer/philox.py and philox.h
+    """The 16-bit keep threshold of dropout probability ``p``: round(p * 2**16), half up
+    (fastformer.philox.drop_threshold)."""
+    return int(p * (1 << 16) + 0.5)
 
 
 def next_power_of_2(n: int) -> int:

@@ -132,8 +132,9 @@ void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T*
   at::parallel_for(0, N, row_grain(C), [&](int64_t begin, int64_t end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? C : 0]);  // dropout factors of one row
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t row = begin; row < end; ++row) {
-      if (keep) dropout_scales(keep, C, seed, offset + static_cast<uint64_t>(row * C), threshold, scale);
+      if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
       add_layer_norm_fwd_row<T>(x + row * C, res ? res + row * C : nullptr, keep, w, b, h + row * C,
                                 y + row * C, C, static_cast<A>(eps), mean + row, rstd + row);
     }
@@ -196,11 +197,12 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? C : 0]);  // dropout factors of one row
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const dw_sum = partial + block * 2 * C;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
-        if (keep) dropout_scales(keep, C, seed, offset + static_cast<uint64_t>(row * C), threshold, scale);
+        if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
         add_layer_norm_bwd_row<T>(h + row * C, dy + row * C, dh ? dh + row * C : nullptr, keep, w,
                                   static_cast<A>(mean[row]), static_cast<A>(rstd[row]),
                                   dx + row * C, dres ? dres + row * C : nullptr, dw_sum,
@@ -231,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
   if (has_res) check_like(*residual, "residual", x, "x", op);
   check_param(weight, "weight", x, op);
   check_param(bias, "bias", x, op);
-  TORCH_CHECK(eps > 0.0, op, ": eps must be > 0, got ", eps);
+  TORCH_CHECK(eps > 0.0 && std::isfinite(eps), op, ": eps must be > 0 and finite, got ", eps);
   check_dropout(dropout_p, seed, offset, op);
   const int64_t N = x.size(0), C = x.size(1);
   at::Tensor y = at::empty_like(x), h = at::empty_like(x);

@@ -41,9 +41,9 @@
 #include <utility>
 #include <vector>
 
-#include "attention_dropout.h"
 #include "attention_gemm.h"
 #include "attention_transpose.h"
+#include "dropout_scales.h"
 #include "philox.h"
 
 namespace fastformer {
@@ -51,7 +51,7 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;    // query rows per tile
 constexpr int64_t kBlockK = 128;   // keys per tile; a multiple of kPad
-constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors / Philox lanes
+constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors
 constexpr int64_t kMaxHeadDim = 256;
 
 template <typename T>
@@ -133,9 +133,13 @@ struct Problem {
   int64_t query_begin(int64_t j0) const {
     return mask.causal ? std::clamp<int64_t>(j0 - mask.shift, 0, Sq) : 0;
   }
-  // Philox counter of dropout element (b, h, i, j) of the (B, H, Sq, Sk) probabilities.
-  uint64_t counter(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return offset + static_cast<uint64_t>(((b * H + h) * Sq + i) * Sk + j);
+  // out[0, npad) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
+  // (b, h, i), then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
+  template <typename A>
+  void dropout_row(const DropoutScales<A>& drop, int64_t b, int64_t h, int64_t i, int64_t j0,
+                   int64_t nk, int64_t npad, A* out) const {
+    drop.fill(out, j0, nk, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
+    std::fill(out + nk, out + npad, A(0));
   }
 };
 
@@ -162,23 +166,31 @@ void scale_row(T* x, int64_t n, T a) {
 }
 
 // s[c] += a[c * stride] for c < n (any n); a is fp32.
+// s += a, except that a -inf in the mask hides the key whatever its score: s = -inf there, also
+// where the score is NaN (as the reference's masked_fill; NaN + -inf would be NaN).
+template <typename T>
+inline T add_mask(T s, float a) {
+  return a == neg_inf<float>() ? neg_inf<T>() : s + static_cast<T>(a);
+}
+
 template <typename T>
 void add_mask_row(T* s, const float* a, int64_t stride, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     if (stride == 1) {
+      const Vec<float> hidden(neg_inf<float>());
       int64_t c = 0;
       for (; c + Vec<float>::size() <= n; c += Vec<float>::size()) {
-        (Vec<float>::loadu(s + c) + Vec<float>::loadu(a + c)).store(s + c);
+        const Vec<float> av = Vec<float>::loadu(a + c);
+        Vec<float>::blendv(Vec<float>::loadu(s + c) + av, hidden, av == hidden).store(s + c);
       }
-      for (; c < n; ++c) s[c] += a[c];
+      for (; c < n; ++c) s[c] = add_mask(s[c], a[c]);
       return;
     }
   }
   if (stride == 0) {
-    const T x = static_cast<T>(a[0]);
-    for (int64_t c = 0; c < n; ++c) s[c] += x;
+    for (int64_t c = 0; c < n; ++c) s[c] = add_mask(s[c], a[0]);
   } else {
-    for (int64_t c = 0; c < n; ++c) s[c] += static_cast<T>(a[c * stride]);
+    for (int64_t c = 0; c < n; ++c) s[c] = add_mask(s[c], a[c * stride]);
   }
 }
 
@@ -197,6 +209,17 @@ void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, i
     for (int64_t c = first_hidden; c < n; ++c) s[c] = neg_inf<T>();
   }
   for (int64_t c = n; c < n_pad; ++c) s[c] = neg_inf<T>();
+}
+
+template <typename T>
+constexpr T nan_of() { return std::numeric_limits<T>::quiet_NaN(); }
+
+// A softmax row that is NaN (a NaN or +inf score): NaN in its n columns, 0 in the padding up to
+// npad (the padding takes part in padded GEMMs, where 0 * NaN would spread to other rows).
+template <typename T>
+void poison_row(T* s, int64_t n, int64_t npad) {
+  std::fill(s, s + n, nan_of<T>());
+  std::fill(s + n, s + npad, T(0));
 }
 
 template <typename T>
@@ -334,6 +357,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kBlockK);
+    const DropoutScales<acc_t> drop(p.seed, p.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
@@ -354,9 +378,18 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
           const int64_t i = i0 + r;
           acc_t* s = S.data() + r * kBlockK;
           scale_mask_row(p.mask, p.scale, b, h, i, j0, nk, npad, s);
-          const acc_t m_new = std::max(m[r], row_max(s, npad));
+          const acc_t tile_max = row_max(s, npad);  // NaN if a score is NaN
+          const acc_t m_new = std::isnan(m[r]) || std::isnan(tile_max) ? nan_of<acc_t>()
+                                                                       : std::max(m[r], tile_max);
           if (m_new == neg_inf<acc_t>()) {
             std::fill(s, s + npad, acc_t(0));  // nothing visible yet: P = 0
+            continue;
+          }
+          if (std::isnan(m_new) || m_new == -neg_inf<acc_t>()) {
+            // a NaN or +inf score: the reference's softmax row is NaN, so P, the output and the
+            // lse are NaN too (vexp would clamp exp(NaN) to a finite number)
+            poison_row(s, nk, npad);
+            m[r] = l[r] = nan_of<acc_t>();
             continue;
           }
           // online softmax: rescale what was accumulated under the old max
@@ -368,8 +401,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
           l[r] += exp_sub_sum(s, npad, m_new);
           m[r] = m_new;
           if (dropout) {
-            attn::dropout_multipliers(p.seed, p.counter(b, h, i, j0), nk, p.threshold, acc_t(1),
-                                      keep.data());
+            p.dropout_row(drop, b, h, i, j0, nk, npad, keep.data());
             mul_row(s, keep.data(), npad);
           }
         }
@@ -453,7 +485,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), head = (b * p.H + h) * p.Sq;
   const bool dropout = p.dropout_p > 0.0;
-  const acc_t keep_value = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const DropoutScales<acc_t> drop(p.seed, p.threshold, static_cast<acc_t>(1.0 / (1.0 - p.dropout_p)));
   int64_t ldq, lddo;
   const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
@@ -467,12 +499,14 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     const float row_lse = g.lse[head + i];
     if (row_lse == std::numeric_limits<float>::infinity()) {
       std::fill(s, s + npad, acc_t(0));  // no visible key
+    } else if (std::isnan(row_lse)) {
+      poison_row(s, nk, npad);  // the forward's row was NaN: so are its gradients
     } else {
       exp_sub(s, npad, static_cast<acc_t>(row_lse));
     }
     if (dropout) {
       acc_t* z = w.keep.data() + r * kBlockK;
-      attn::dropout_multipliers(p.seed, p.counter(b, h, i, j0), nk, p.threshold, keep_value, z);
+      p.dropout_row(drop, b, h, i, j0, nk, npad, z);
       mul_into(w.PZ.data() + r * kBlockK, s, z, npad);
     }
   }

@@ -101,12 +101,17 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
         v[count++] = Vec::set(Vec(neg_inf), tail, V - j);
       }
       if (count > 0) stats.absorb(v, count);
-      const A lse = stats.lse();
+      // A NaN or +inf logit (the logits' sum is then NaN or +inf) or a row of only -inf logits has
+      // no finite log-sum-exp: the reference and F.cross_entropy give NaN, and so does the kernel.
+      // The running max alone would skip a NaN (a comparison with NaN is false).
+      const A sum_x = hsum<A>(sx);
+      const bool no_lse = std::isnan(sum_x) || sum_x == -neg_inf || stats.m == neg_inf;
+      const A lse = no_lse ? std::numeric_limits<A>::quiet_NaN() : stats.lse();
 
       A loss = 0;
       if (valid) {
         loss = lse - (A(1) - eps) * x_t;
-        if (eps > A(0)) loss -= eps * hsum<A>(sx) * inv_v;
+        if (eps > A(0)) loss -= eps * sum_x * inv_v;
       }
       loss_rows[i] = static_cast<double>(loss);
 
@@ -114,8 +119,17 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
       if (grad == nullptr) continue;
       T* g = grad + i * V;
       const A sc = valid ? static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale) : A(0);
-      if (sc == A(0)) {
+      if (sc == A(0)) {  // an ignored row: zero gradient, whatever its logits
         std::fill(g, g + V, T(0));
+        continue;
+      }
+      if (no_lse) {  // the whole row's gradient is NaN, as the reference's (fast_exp would clamp it)
+        const A nan = std::numeric_limits<A>::quiet_NaN();
+        std::fill(g, g + V, static_cast<T>(nan));
+        if (grad_colsum != nullptr) {
+          A* cs = grad_colsum + at::get_thread_num() * V;
+          for (int64_t k = 0; k < V; ++k) cs[k] += nan;
+        }
         continue;
       }
       const Vec lse_v(lse), sc_v(sc), c_v(eps * inv_v * sc);

@@ -1,198 +1,194 @@
-// Vectorised dropout scale factors from the shared Philox stream (philox.h).
+// Dropout multipliers from the shared Philox v2 stream (philox.h), vectorised: the one place the
+// CPU kernels draw dropout bits.
 //
-// dropout_scales(out, n, seed, counter0, threshold, scale) writes, for j in [0, n),
-//   out[j] = scale  if element counter0 + j is kept ((philox(seed, counter0 + j) >> 8) >= threshold)
+// DropoutScales<A>(seed, threshold, scale).fill(out, c0, n, row_counter) writes, for k in [0, n),
+//   out[k] = scale  if column c0 + k of the row whose first counter is row_counter is kept,
 //          = 0      otherwise,
-// i.e. the multiplier dropout applies to that element. The kernels fill one row (or chunk) of
-// factors into a small buffer that stays in L1 and multiply by it. With AVX-512 (AVX2) sixteen
-// (eight) Philox-4x32-10 counters run side by side in a vector register, and with AVX-512 four such
-// registers are interleaved; the bits are exactly those of the scalar philox_bits(), which is the
-// fallback elsewhere.
+// i.e. the multiplier dropout applies to that element (row_counter = dropout_row_counter(offset,
+// r, C)). The kernels fill one row (or part of one) into a small buffer that stays in L1 and
+// multiply by it.
+//
+// With AVX2 one vector Philox call runs 8 counters (8 groups = 64 columns) side by side. The four
+// words of a group, stored little-endian, are its 8 uint16 values in column order, so a 4 x 8 word
+// transpose gives the 64 columns' 16-bit values in order, and one unsigned 16-bit compare against
+// T the keep masks. Without AVX2 the scalar definition of philox.h runs per group. Both give
+// exactly the bits of fastformer/philox.py (AVX-512 CPUs run the AVX2 path; there is no separate
+// AVX-512 code to keep in step).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "philox.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace fastformer {
+namespace dropout_detail {
 
-constexpr uint32_t kPhiloxRoundA = 0xD2511F53u, kPhiloxRoundB = 0xCD9E8D57u;
-constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
+#if defined(__AVX2__)
 
-#if defined(__AVX512F__)
+constexpr int64_t kBlock = 64;  // columns per 8-lane Philox call
 
-// (hi, lo) 32-bit halves of m * b per 32-bit lane: two 32x32->64 multiplies (even lanes, then odd
-// lanes moved down), and one masked pair-swap each to gather the high and the low words.
-inline void philox_mulhilo16(__m512i m, __m512i b, __m512i& hi, __m512i& lo) {
-  const __m512i even = _mm512_mul_epu32(m, b);                                // lanes 0, 2, ...
-  const __m512i odd = _mm512_mul_epu32(m, _mm512_shuffle_epi32(b, _MM_PERM_CDAB));  // lanes 1, 3, ...
-  hi = _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
-  lo = _mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
-}
-
-// First Philox output words for the U * 16 counters counter0 .. counter0 + 16 U - 1: U independent
-// streams are interleaved so the multiplies of one hide the latency of the others.
-template <int U>
-inline void philox_bits16(uint64_t seed, uint64_t counter0, __m512i (&out)[U]) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i ma = _mm512_set1_epi32(static_cast<int>(kPhiloxRoundA));
-  const __m512i mb = _mm512_set1_epi32(static_cast<int>(kPhiloxRoundB));
-  __m512i c0[U], c1[U], c2[U], c3[U];
-  for (int u = 0; u < U; ++u) {
-    const uint64_t base = counter0 + 16 * static_cast<uint64_t>(u);
-    const __m512i base_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base)));
-    const __m512i base_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32)));
-    c0[u] = _mm512_add_epi32(base_lo, lane);
-    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0[u], base_lo);  // low word wrapped
-    c1[u] = _mm512_mask_add_epi32(base_hi, carry, base_hi, _mm512_set1_epi32(1));
-    c2[u] = _mm512_setzero_si512();
-    c3[u] = _mm512_setzero_si512();
+// The per-round keys, broadcast once per DropoutScales (the seed is the same for every group).
+struct RoundKeys {
+  __m256i k0[10], k1[10];
+  explicit RoundKeys(uint64_t seed) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r, a += kPhiloxKeyA, b += kPhiloxKeyB) {
+      k0[r] = _mm256_set1_epi32(static_cast<int>(a));
+      k1[r] = _mm256_set1_epi32(static_cast<int>(b));
+    }
   }
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  // round 0: c2 = c3 = 0, so the B product vanishes
+};
+
+// 16-bit keep masks (0xFFFF: kept) of the 64 columns of groups n0 .. n0 + 7: keep[k] holds groups
+// 2 k and 2 k + 1, i.e. columns 16 k .. 16 k + 15 in order.
+//
+// The Philox state lives in 64-bit lanes, each word in the low half (the high half is don't-care:
+// _mm256_mul_epu32 reads only the low halves and XOR is lane-wise), so one multiply gives both the
+// high and the low word and no blends are needed: register "e" runs groups 0, 2, 4, 6 and "o"
+// groups 1, 3, 5, 7, four independent multiply chains a round.
+inline void keep_masks(const RoundKeys& key, uint64_t n0, uint32_t threshold, __m256i (&keep)[4]) {
+  const __m256i ma = _mm256_set1_epi64x(kPhiloxRoundA);
+  const __m256i mb = _mm256_set1_epi64x(kPhiloxRoundB);
+  const __m256i base = _mm256_set1_epi64x(static_cast<long long>(n0));
+  // counters as 64-bit integers: the low word is lo32(n), the high word hi32(n), carry included
+  const __m256i ne = _mm256_add_epi64(base, _mm256_setr_epi64x(0, 2, 4, 6));
+  const __m256i no = _mm256_add_epi64(base, _mm256_setr_epi64x(1, 3, 5, 7));
+  __m256i c0[2], c1[2], c2[2], c3[2];
+  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0, so the B product vanishes
   {
-    const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0));
-    const __m512i vk1 = _mm512_set1_epi32(static_cast<int>(k1));
-    for (int u = 0; u < U; ++u) {
-      __m512i hi_a, lo_a;
-      philox_mulhilo16(ma, c0[u], hi_a, lo_a);
-      c0[u] = _mm512_xor_si512(c1[u], vk0);
-      c2[u] = _mm512_xor_si512(hi_a, vk1);
-      c1[u] = _mm512_setzero_si512();
-      c3[u] = lo_a;
+    const __m256i n[2] = {ne, no};
+    for (int h = 0; h < 2; ++h) {
+      const __m256i pa = _mm256_mul_epu32(n[h], ma);
+      c0[h] = _mm256_xor_si256(_mm256_srli_epi64(n[h], 32), key.k0[0]);
+      c1[h] = _mm256_setzero_si256();
+      c2[h] = _mm256_xor_si256(_mm256_srli_epi64(pa, 32), key.k1[0]);
+      c3[h] = pa;
     }
-    k0 += kPhiloxKeyA;
-    k1 += kPhiloxKeyB;
   }
-  for (int round = 1; round < 9; ++round) {
-    const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0));
-    const __m512i vk1 = _mm512_set1_epi32(static_cast<int>(k1));
-    for (int u = 0; u < U; ++u) {
-      __m512i hi_b, lo_b, hi_a, lo_a;
-      philox_mulhilo16(mb, c2[u], hi_b, lo_b);
-      philox_mulhilo16(ma, c0[u], hi_a, lo_a);
-      c0[u] = _mm512_ternarylogic_epi32(hi_b, c1[u], vk0, 0x96);
-      c2[u] = _mm512_ternarylogic_epi32(hi_a, c3[u], vk1, 0x96);
-      c1[u] = lo_b;
-      c3[u] = lo_a;
+  for (int round = 1; round < 10; ++round) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i pb = _mm256_mul_epu32(c2[h], mb);
+      const __m256i pa = _mm256_mul_epu32(c0[h], ma);
+      c0[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pb, 32), c1[h]), key.k0[round]);
+      c2[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pa, 32), c3[h]), key.k1[round]);
+      c1[h] = pb;
+      c3[h] = pa;
     }
-    k0 += kPhiloxKeyA;
-    k1 += kPhiloxKeyB;
   }
-  // round 9: only the first output word is used, i.e. hi(B c2) ^ c1 ^ k0
-  const __m512i vk0 = _mm512_set1_epi32(static_cast<int>(k0));
-  for (int u = 0; u < U; ++u) {
-    const __m512i even = _mm512_mul_epu32(mb, c2[u]);
-    const __m512i odd = _mm512_mul_epu32(mb, _mm512_shuffle_epi32(c2[u], _MM_PERM_CDAB));
-    const __m512i hi_b = _mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
-    out[u] = _mm512_ternarylogic_epi32(hi_b, c1[u], vk0, 0x96);
+  // each group's four words side by side, in column order: (w0, w1) and (w2, w3) pairs per
+  // 64-bit lane, then whole groups per 128-bit half
+  __m256i g[2][2];  // g[h][0]: groups (h, h + 4), g[h][1]: groups (h + 2, h + 6) of "e" (h = 0) / "o"
+  for (int h = 0; h < 2; ++h) {
+    const __m256i w01 = _mm256_blend_epi32(c0[h], _mm256_slli_epi64(c1[h], 32), 0xAA);
+    const __m256i w23 = _mm256_blend_epi32(c2[h], _mm256_slli_epi64(c3[h], 32), 0xAA);
+    g[h][0] = _mm256_unpacklo_epi64(w01, w23);  // lanes 0 and 2 of the register
+    g[h][1] = _mm256_unpackhi_epi64(w01, w23);  // lanes 1 and 3
   }
+  const __m256i x[4] = {_mm256_permute2x128_si256(g[0][0], g[1][0], 0x20),   // groups 0 | 1
+                        _mm256_permute2x128_si256(g[0][1], g[1][1], 0x20),   // groups 2 | 3
+                        _mm256_permute2x128_si256(g[0][0], g[1][0], 0x31),   // groups 4 | 5
+                        _mm256_permute2x128_si256(g[0][1], g[1][1], 0x31)};  // groups 6 | 7
+  // kept iff u >= T (unsigned 16-bit): max(u, T) == u; DropoutScales::fill handles T = 0, 65536
+  const __m256i t16 = _mm256_set1_epi16(static_cast<short>(threshold));
+  for (int k = 0; k < 4; ++k) keep[k] = _mm256_cmpeq_epi16(_mm256_max_epu16(x[k], t16), x[k]);
 }
 
-template <int U>
-inline void dropout_keep16(uint64_t seed, uint64_t counter0, uint32_t threshold, __mmask16 (&keep)[U]) {
-  __m512i bits[U];
-  philox_bits16<U>(seed, counter0, bits);
-  const __m512i t = _mm512_set1_epi32(static_cast<int>(threshold));
-  for (int u = 0; u < U; ++u) keep[u] = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(bits[u], 8), t);
+// out[0, 16) = scale where the 16-bit lanes of keep are all ones, else 0.
+inline void store16(float* out, __m256i keep, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep));
+  const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep, 1));
+  _mm256_storeu_ps(out, _mm256_and_ps(_mm256_castsi256_ps(lo), s));
+  _mm256_storeu_ps(out + 8, _mm256_and_ps(_mm256_castsi256_ps(hi), s));
 }
 
-inline void dropout_scales(float* out, int64_t n, uint64_t seed, uint64_t counter0,
-                           uint32_t threshold, float scale) {
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 64 <= n; j += 64) {  // four streams at a time
-    __mmask16 keep[4];
-    dropout_keep16<4>(seed, counter0 + j, threshold, keep);
-    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(out + j + 16 * u, _mm512_maskz_mov_ps(keep[u], s));
-  }
-  for (; j < n; j += 16) {
-    __mmask16 keep[1];
-    dropout_keep16<1>(seed, counter0 + j, threshold, keep);
-    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                    : static_cast<__mmask16>((1u << (n - j)) - 1);
-    _mm512_mask_storeu_ps(out + j, m, _mm512_maskz_mov_ps(keep[0], s));
-  }
-}
-
-inline void dropout_scales(double* out, int64_t n, uint64_t seed, uint64_t counter0,
-                           uint32_t threshold, double scale) {
-  const __m512d s = _mm512_set1_pd(scale);
-  for (int64_t j = 0; j < n; j += 16) {
-    __mmask16 keep[1];
-    dropout_keep16<1>(seed, counter0 + j, threshold, keep);
-    const int64_t left = n - j;
-    const __mmask8 m_lo = left >= 8 ? 0xFF : static_cast<__mmask8>((1u << left) - 1);
-    const __mmask8 m_hi = left >= 16 ? 0xFF : left <= 8 ? 0 : static_cast<__mmask8>((1u << (left - 8)) - 1);
-    _mm512_mask_storeu_pd(out + j, m_lo, _mm512_maskz_mov_pd(static_cast<__mmask8>(keep[0]), s));
-    _mm512_mask_storeu_pd(out + j + 8, m_hi, _mm512_maskz_mov_pd(static_cast<__mmask8>(keep[0] >> 8), s));
+inline void store16(double* out, __m256i keep, double scale) {
+  const __m256d s = _mm256_set1_pd(scale);
+  const __m128i half[2] = {_mm256_castsi256_si128(keep), _mm256_extracti128_si256(keep, 1)};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = _mm256_cvtepi16_epi64(half[h]);                     // 4 lanes
+    const __m256i b = _mm256_cvtepi16_epi64(_mm_srli_si128(half[h], 8));  // the next 4
+    _mm256_storeu_pd(out + 8 * h, _mm256_and_pd(_mm256_castsi256_pd(a), s));
+    _mm256_storeu_pd(out + 8 * h + 4, _mm256_and_pd(_mm256_castsi256_pd(b), s));
   }
 }
 
-#elif defined(__AVX2__)
+using Keys = RoundKeys;
 
-inline void philox_mulhilo8(__m256i m, __m256i b, __m256i& hi, __m256i& lo) {
-  const __m256i even = _mm256_mul_epu32(m, b);
-  const __m256i odd = _mm256_mul_epu32(m, _mm256_srli_epi64(b, 32));
-  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-}
-
-// All-ones lanes where the 8 counters counter0 .. counter0 + 7 are kept.
-inline __m256i dropout_keep8(uint64_t seed, uint64_t counter0, uint32_t threshold) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const __m256i base_lo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(counter0)));
-  __m256i c0 = _mm256_add_epi32(base_lo, lane);
-  // unsigned c0 < base_lo (the low word wrapped) as all-ones lanes; subtracting -1 adds the carry
-  const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(base_lo, sign), _mm256_xor_si256(c0, sign));
-  __m256i c1 = _mm256_sub_epi32(
-      _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(counter0 >> 32))), carry);
-  __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
-  const __m256i ma = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundA));
-  const __m256i mb = _mm256_set1_epi32(static_cast<int>(kPhiloxRoundB));
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    __m256i hi_b, lo_b, hi_a, lo_a;
-    philox_mulhilo8(mb, c2, hi_b, lo_b);
-    philox_mulhilo8(ma, c0, hi_a, lo_a);
-    c0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-    c2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-    c1 = lo_b;
-    c3 = lo_a;
-    k0 += kPhiloxKeyA;
-    k1 += kPhiloxKeyB;
-  }
-  // (bits >> 8) < 2^24 and threshold <= 2^24, so the signed compare is exact
-  const __m256i drop = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(threshold)),
-                                          _mm256_srli_epi32(c0, 8));
-  return _mm256_xor_si256(drop, _mm256_set1_epi32(-1));
-}
-
+// out[0, 64) = the multipliers of the 64 columns of groups n0 .. n0 + 7.
 template <typename A>
-inline void dropout_scales(A* out, int64_t n, uint64_t seed, uint64_t counter0, uint32_t threshold,
-                           A scale) {
-  alignas(32) int32_t keep[8];
-  for (int64_t j = 0; j < n; j += 8) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(keep), dropout_keep8(seed, counter0 + j, threshold));
-    const int64_t m = n - j < 8 ? n - j : 8;
-    for (int64_t k = 0; k < m; ++k) out[j + k] = keep[k] ? scale : A(0);
-  }
+inline void write_block(A* out, const Keys& key, uint64_t n0, uint32_t threshold, A scale) {
+  __m256i keep[4];
+  keep_masks(key, n0, threshold, keep);
+  for (int i = 0; i < 4; ++i) store16(out + 16 * i, keep[i], scale);
 }
 
 #else
 
+constexpr int64_t kBlock = kDropoutGroup;  // columns per scalar Philox call
+
+using Keys = uint64_t;  // the seed
+
+// out[0, 8) = the multipliers of the 8 columns of group n0.
 template <typename A>
-inline void dropout_scales(A* out, int64_t n, uint64_t seed, uint64_t counter0, uint32_t threshold,
-                           A scale) {
-  for (int64_t j = 0; j < n; ++j) {
-    out[j] = dropout_keep(seed, counter0 + static_cast<uint64_t>(j), threshold) ? scale : A(0);
-  }
+inline void write_block(A* out, Keys seed, uint64_t n0, uint32_t threshold, A scale) {
+  const PhiloxWords w = philox4x32(seed, n0);
+  for (int64_t j = 0; j < kDropoutGroup; ++j) out[j] = group_random16(w, j) >= threshold ? scale : A(0);
 }
 
 #endif
+
+}  // namespace dropout_detail
+
+// The dropout of one op call: seed, threshold T and the kept value (1 / (1 - p), or 1 where the
+// kernel scales later). Built once per thread (the AVX2 path broadcasts the ten round keys then),
+// then fill() once per row or piece of a row.
+template <typename A>
+class DropoutScales {
+ public:
+  DropoutScales(uint64_t seed, uint32_t threshold, A scale)
+      : key_(seed), threshold_(threshold), scale_(scale) {}
+
+  // out[k] = scale if column c0 + k of the row whose first counter is row_counter is kept, else 0,
+  // for k in [0, n). Any c0 >= 0 and n; only out[0, n) is written.
+  void fill(A* out, int64_t c0, int64_t n, uint64_t row_counter) const {
+    using dropout_detail::kBlock;
+    using dropout_detail::write_block;
+    if (n <= 0) return;
+    if (threshold_ == 0 || threshold_ > 0xFFFFu) {  // every u >= 0; no u >= 65536
+      std::fill(out, out + n, threshold_ == 0 ? scale_ : A(0));
+      return;
+    }
+    constexpr uint64_t kGroups = kBlock / kDropoutGroup;  // counters per block
+    const int64_t skip = c0 % kDropoutGroup;  // columns of the first group before c0
+    const int64_t total = skip + n;           // columns from the first group's start
+    uint64_t counter = row_counter + static_cast<uint64_t>(c0 / kDropoutGroup);
+    int64_t k = 0;  // block start, in columns from the first group's start (out[k - skip])
+    alignas(32) A tmp[kBlock];
+    // a block only partly in [skip, total): through tmp, copying its columns [lo, hi)
+    auto partial = [&](int64_t lo, int64_t hi) {
+      write_block(tmp, key_, counter, threshold_, scale_);
+      std::copy(tmp + lo, tmp + hi, out + k + lo - skip);
+    };
+    if (skip != 0) {
+      partial(skip, std::min(kBlock, total));
+      k += kBlock;
+      counter += kGroups;
+    }
+    for (; k + kBlock <= total; k += kBlock, counter += kGroups) {
+      write_block(out + k - skip, key_, counter, threshold_, scale_);
+    }
+    if (k < total) partial(0, total - k);
+  }
+
+ private:
+  dropout_detail::Keys key_;
+  uint32_t threshold_;
+  A scale_;
+};
 
 }  // namespace fastformer

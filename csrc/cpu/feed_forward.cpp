@@ -72,16 +72,30 @@ const c10::OperatorHandle* onednn_linear() {
   return op ? &*op : nullptr;
 }
 
+// Whether oneDNN runs bf16 on this CPU (it needs AVX-512 or AVX2-VNNI-2; on an AVX2-only CPU its
+// bf16 linear throws "could not create a primitive descriptor"). Asked once, of torch's own check.
+bool onednn_bf16_supported() {
+  static const bool supported = []() {
+    auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
+    if (!handle) return false;
+    torch::jit::Stack stack;
+    handle->callBoxed(stack);
+    return !stack.empty() && stack.at(0).isBool() && stack.at(0).toBool();
+  }();
+  return supported;
+}
+
 // a (M, K) times b (N, K) transposed, plus bias (N,) when given: (M, N) in a's dtype; a and b may
 // be transposed views. oneDNN's linear takes fp32 (on CPUs where MKL's sgemm does not take its
-// AVX-512 path, AMD's, it is about twice as fast) and bf16 with a bias (fused, where at::addmm adds
-// it in a second pass); bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty
+// AVX-512 path, AMD's, it is about twice as fast) and bf16 with a bias where oneDNN supports bf16
+// on this CPU (fused, where at::addmm adds it in a second pass); bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty
 // products and a torch without oneDNN go to at::addmm / at::mm.
 at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
   const c10::OperatorHandle* op = onednn_linear();
   const auto dt = a.scalar_type();
-  if (op && (dt == at::kFloat || (dt == at::kBFloat16 && has_bias)) && a.numel() > 0 && b.numel() > 0) {
+  const bool bf16_ok = dt == at::kBFloat16 && has_bias && onednn_bf16_supported();
+  if (op && (dt == at::kFloat || bf16_ok) && a.numel() > 0 && b.numel() > 0) {
     torch::jit::Stack stack{a, b, has_bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
                             c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
     op->callBoxed(stack);
@@ -134,23 +148,30 @@ void check_bias(const at::Tensor& b, const char* name, int64_t size, const char*
   TORCH_CHECK(b.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// a = dropout(act(pre)) over the flat (N * F) element range: element i uses counter offset + i.
+// a = dropout(act(pre)) over the flat (N * F) element range, in chunks that may span rows: the
+// dropout factors of element e are those of column e % F of row e / F.
 template <typename T>
-void act_dropout_fwd(const T* pre, T* a, int64_t total, Activation act, double dropout_p,
+void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, double dropout_p,
                      uint64_t seed, uint64_t offset) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
   constexpr int64_t kChunk = 2048;  // elements per dropout-factor buffer (8 KiB of fp32)
+  const int64_t total = N * F;
   const bool drop = dropout_p > 0.0;
   const uint32_t threshold = dropout_threshold(dropout_p);
   const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
   at::parallel_for(0, total, 8 * kChunk, [&](int64_t begin, int64_t end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? kChunk : 0]);
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
       const int64_t len = std::min(kChunk, end - c0);
-      if (keep) dropout_scales(keep, len, seed, offset + static_cast<uint64_t>(c0), threshold, scale);
+      for (int64_t e = c0; keep && e < c0 + len;) {  // the chunk's pieces of rows
+        const int64_t row = e / F, col = e % F, n = std::min(F - col, c0 + len - e);
+        dropout.fill(keep + (e - c0), col, n, dropout_row_counter(offset, row, F));
+        e += n;
+      }
       const T* const p = pre + c0;
       T* const out = a + c0;
       vec_loop<W>(len, [&](int64_t j, int64_t n) {
@@ -212,12 +233,13 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
     std::unique_ptr<A[]> keep_buf(new A[drop ? F : 0]);
     A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const db1_sum = F1 ? partial + block * (F1 + E2) : nullptr;
       A* const db2_sum = E2 ? partial + block * (F1 + E2) + F1 : nullptr;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
-        if (keep) dropout_scales(keep, F, seed, offset + static_cast<uint64_t>(row * F), threshold, scale);
+        if (keep) dropout.fill(keep, 0, F, dropout_row_counter(offset, row, F));
         act_dropout_bwd_row<T>(pre + row * F, da_dpre + row * F, a + row * F, keep, dout + row * E,
                                db1_sum, db2_sum, F, E, act);
       }
@@ -257,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
   at::Tensor pre = matmul_nt(x, w1, b1).contiguous();  // (N, F)
   at::Tensor a = at::empty_like(pre);                                         // (N, F)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "feed_forward_fwd", [&] {
-    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), N * F, act,
+    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), N, F, act,
                               dropout_p, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
   });
   at::Tensor out = matmul_nt(a, w2, b2);  // (N, E)

@@ -1,42 +1,74 @@
-// Philox 4x32-10, the counter-based RNG every fastformer backend shares for dropout.
+// Philox 4x32-10, the counter-based RNG every fastformer backend shares for dropout ("Philox v2",
+// defined in fastformer/philox.py).
 //
-// Element i of an op's dropout tensor (row-major index) uses counter
-// (lo32(offset + i), hi32(offset + i), 0, 0) and key (lo32(seed), hi32(seed)); the first
-// output word is its random bits -- the same bits triton.language.randint(seed, offset + i)
-// returns, and fastformer/philox.py defines. The element is kept iff
-// (bits >> 8) >= threshold, threshold = round(p * 2^24).
+// An op's dropout tensor is viewed as rows of C columns (its last dimension). Row r is split into
+// G = ceil(C / 8) groups of eight columns; group g makes ONE Philox call with counter
+// (lo32(n), hi32(n), 0, 0), n = offset + r * G + g, and key (lo32(seed), hi32(seed)) -- the words
+// triton.language.randint4x(seed, n) returns. Column 8 g + j takes the 16 bits
+// u = (w[j / 2] >> (16 * (j % 2))) & 0xFFFF, so the four words stored little-endian are the group's
+// eight uint16 values in column order. The element is kept iff u >= T, T = round(p * 2^16) (half up).
+// This file is the scalar definition; dropout_scales.h is the vectorised one the kernels use.
 #pragma once
-#include <cmath>
 #include <cstdint>
 
 namespace fastformer {
 
-inline uint32_t philox_bits(uint64_t seed, uint64_t counter) {
+constexpr uint32_t kPhiloxRoundA = 0xD2511F53u, kPhiloxRoundB = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
+constexpr int64_t kDropoutGroup = 8;  // columns per Philox call
+
+struct PhiloxWords {
+  uint32_t w[4];
+};
+
+// The four output words of Philox-4x32-10 for counter (lo32(counter), hi32(counter), 0, 0).
+inline PhiloxWords philox4x32(uint64_t seed, uint64_t counter) {
   uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
   uint32_t c2 = 0, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
-    const uint64_t pb = static_cast<uint64_t>(0xCD9E8D57u) * c2;
-    const uint64_t pa = static_cast<uint64_t>(0xD2511F53u) * c0;
+    const uint64_t pb = static_cast<uint64_t>(kPhiloxRoundB) * c2;
+    const uint64_t pa = static_cast<uint64_t>(kPhiloxRoundA) * c0;
     const uint32_t n0 = static_cast<uint32_t>(pb >> 32) ^ c1 ^ k0;
     const uint32_t n2 = static_cast<uint32_t>(pa >> 32) ^ c3 ^ k1;
     c1 = static_cast<uint32_t>(pb);
     c3 = static_cast<uint32_t>(pa);
     c0 = n0;
     c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
   }
-  return c0;
+  return {{c0, c1, c2, c3}};
 }
 
-// The 24-bit keep threshold for dropout probability p.
-inline uint32_t dropout_threshold(double p) {
-  return static_cast<uint32_t>(std::llround(p * 16777216.0));
+// The first word (the philox_bits op and triton.language.randint).
+inline uint32_t philox_bits(uint64_t seed, uint64_t counter) { return philox4x32(seed, counter).w[0]; }
+
+// Philox calls per row of C columns.
+inline int64_t dropout_groups(int64_t C) { return (C + kDropoutGroup - 1) / kDropoutGroup; }
+
+// The first counter of row r of a dropout tensor with C columns: offset + r * G.
+inline uint64_t dropout_row_counter(uint64_t offset, int64_t row, int64_t C) {
+  return offset + static_cast<uint64_t>(row) * static_cast<uint64_t>(dropout_groups(C));
 }
 
-inline bool dropout_keep(uint64_t seed, uint64_t counter, uint32_t threshold) {
-  return (philox_bits(seed, counter) >> 8) >= threshold;
+// The 16-bit keep threshold T = round(p * 2^16), half up, in [0, 65536]: kept iff u >= T
+// (T = 65536 keeps nothing). p * 2^16 is exact, so this equals fastformer.philox.drop_threshold.
+inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * 65536.0 + 0.5); }
+
+// The 16 random bits of column j (0..7) of a group.
+inline uint32_t group_random16(const PhiloxWords& w, int64_t j) {
+  return (w.w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
+}
+
+// The 16 random bits of column c of the row whose first counter is row_counter.
+inline uint32_t dropout_random16(uint64_t seed, uint64_t row_counter, int64_t c) {
+  const PhiloxWords w = philox4x32(seed, row_counter + static_cast<uint64_t>(c / kDropoutGroup));
+  return group_random16(w, c % kDropoutGroup);
+}
+
+inline bool dropout_keep(uint64_t seed, uint64_t row_counter, int64_t c, uint32_t threshold) {
+  return dropout_random16(seed, row_counter, c) >= threshold;
 }
 
 }  // namespace fastformer

@@ -28,7 +28,7 @@ import torch
 from . import report, train_step
 from .ops import MODES, OPS
 from .providers import REGISTRY, build_case, default_dtypes, providers_for
-from .timing import measure, peak_memory_bytes
+from .timing import measure_interleaved, peak_memory_bytes
 
 ALL_OPS = list(OPS) + ["train_step"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,18 +81,9 @@ def _default_providers(size: str, device: torch.device, explicit: Optional[List[
 
 def _record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: str, status: str) -> Dict:
     return {"op": op, "provider": provider, "shape": shape, "label": label, "mode": mode, "dtype": dtype,
-            "status": status, "median_ms": None, "q25_ms": None, "q75_ms": None, "iqr_ms": None, "reps": 0,
+            "status": status, "median_ms": None, "min_ms": None, "q25_ms": None, "q75_ms": None, "iqr_ms": None, "reps": 0,
             "first_call_ms": None, "throughput": None, "unit": OPS[op].unit if op in OPS else None,
             "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None}
-
-
-def _fill(rec: Dict, fn, reset, timing_cfg, device: torch.device) -> None:
-    warmup, min_reps, max_reps, min_time = timing_cfg
-    t = measure(fn, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
-    peak = peak_memory_bytes(fn, device, reset=reset)
-    rec.update(status="ok", median_ms=t.median_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms, iqr_ms=t.iqr_ms,
-               reps=t.reps, first_call_ms=t.first_call_ms,
-               peak_mem_mb=peak / 2**20 if peak is not None else None)
 
 
 def _error(e: BaseException) -> str:
@@ -102,72 +93,119 @@ def _error(e: BaseException) -> str:
 
 def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
              providers: Optional[List[str]], modes: List[str], log=None) -> List[Dict]:
-    """Records for every (shape, dtype, provider, mode) of ``op``."""
+    """Records for every (shape, dtype, provider, mode) of ``op``; the providers of one (shape,
+    dtype, mode) are timed interleaved within each repetition."""
     spec = OPS[op]
+    warmup, min_reps, max_reps, min_time = TIMING[size]
     records = []
     for dtype in dtypes:
         dname = _DTYPE_NAMES[dtype]
+        runnable = []
         for provider, reason in providers_for(op, device, dtype, providers):
-            if reason is not None:
-                if log and providers is not None and provider.name in providers:
-                    log(f"  {op}: {provider.name} skipped: {reason}")
-                continue
-            for shape in spec.sweep(device.type, size):
+            if reason is None:
+                runnable.append(provider)
+            elif log and providers is not None and provider.name in providers:
+                log(f"  {op}: {provider.name} skipped: {reason}")
+        for shape in spec.sweep(device.type, size):
+            label = spec.label(shape)
+            cases, setup = {}, {}
+            for provider in runnable:
                 if not provider.supports(spec, shape):
                     continue
-                label = spec.label(shape)
                 t0 = time.perf_counter()
                 try:  # inputs, and one forward pass (for bwd): a compiling provider compiles here
-                    case = build_case(op, provider.name, shape, device, dtype, modes)
+                    cases[provider.name] = build_case(op, provider.name, shape, device, dtype, modes)
+                    setup[provider.name] = (time.perf_counter() - t0) * 1e3
                 except Exception as e:  # a provider that cannot take this shape: say so, go on
                     records += [_record(op, provider.name, shape, label, m, dname, _error(e)) for m in modes]
-                    continue
-                setup_ms = (time.perf_counter() - t0) * 1e3
-                for mode in modes:
-                    rec = _record(op, provider.name, shape, label, mode, dname, "")
-                    rec["setup_ms"] = setup_ms
+            for mode in modes:
+                recs = {name: _record(op, name, shape, label, mode, dname, "") for name in cases}
+                try:
+                    timings = measure_interleaved({n: c.calls[mode] for n, c in cases.items()}, warmup=warmup,
+                                                  min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+                except Exception as e:
+                    timings = {}
+                    for rec in recs.values():
+                        rec["status"] = _error(e)
+                for name, t in timings.items():
+                    rec = recs[name]
                     try:
-                        _fill(rec, case.calls[mode], case.reset, TIMING[size], device)
-                        seconds = rec["median_ms"] / 1e3
-                        elem = torch.finfo(dtype).bits // 8
-                        rec["throughput"] = spec.throughput(shape, mode, seconds, elem)
-                        rec["tokens_per_s"] = spec.tokens(shape) / seconds
+                        peak = peak_memory_bytes(cases[name].calls[mode], device, reset=cases[name].reset)
+                        seconds = t.min_ms / 1e3
+                        rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms,
+                                   q75_ms=t.q75_ms, iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms,
+                                   setup_ms=setup[name], peak_mem_mb=peak / 2**20 if peak is not None else None,
+                                   throughput=spec.throughput(shape, mode, seconds, torch.finfo(dtype).bits // 8),
+                                   tokens_per_s=spec.tokens(shape) / seconds)
                     except Exception as e:
                         rec["status"] = _error(e)
+                for rec in recs.values():
                     records.append(rec)
                     if log:
-                        log(f"  {op} {label} {dname} {mode} {provider.name}: "
-                            + (f"{rec['median_ms']:.3f} ms" if rec["status"] == "ok" else rec["status"]))
-                del case
+                        log(f"  {op} {label} {dname} {mode} {rec['provider']}: "
+                            + (f"median {rec['median_ms']:.3f} ms, min {rec['min_ms']:.3f} ms"
+                               if rec["status"] == "ok" else rec["status"]))
+            del cases
     return records
 
 
+GEMMS = "torch-gemms-alone"  # the yardstick: the step's matrix products alone, torch's GEMMs
+
+
 def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None) -> List[Dict]:
-    """Records of the training step for each provider and dtype (fp32, bf16 autocast)."""
+    """Records of the training step for each provider and dtype (fp32, bf16 autocast), the
+    providers timed interleaved within each repetition, beside the time of the step's matrix
+    products alone (``torch-gemms-alone``) measured in the same interleaved run."""
     names = providers or train_step.providers_for(device)
     if providers is None and size in ("quick", "smoke"):
         names = [n for n in names if n not in ("torch-compile", "fastformer-reference")]
     names = [n for n in names if n in train_step.providers_for(device)]
+    warmup, min_reps, max_reps, min_time = STEP_TIMING[size]
     records = []
     for shape in train_step.sweep(device.type, size):
         label = train_step.label(shape)
-        for provider in names:
-            reason = train_step.why_not(provider, device)
-            if reason is not None:
-                continue
-            for dtype in train_step.DTYPES:
-                rec = _record("train_step", provider, shape, label, "step", dtype, "")
-                rec["unit"] = None
+        src, tgt = train_step.make_batch(shape, device)
+        flops = train_step.step_gemm_flops(train_step.step_gemms(shape, src, tgt))
+        for dtype in train_step.DTYPES:
+            steps, recs = {}, {}
+            for provider in names + [GEMMS]:
+                rec = recs[provider] = _record("train_step", provider, shape, label, "step", dtype, "")
+                rec["unit"] = "TFLOP/s"
+                reason = None if provider == GEMMS else train_step.why_not(provider, device)
+                if reason is not None:
+                    del recs[provider]
+                    continue
                 try:
-                    step = train_step.build_step(provider, shape, device, dtype)
-                    _fill(rec, step.run, step.reset, STEP_TIMING[size], device)
-                    rec["tokens_per_s"] = step.tokens / (rec["median_ms"] / 1e3)
+                    build = train_step.build_gemms if provider == GEMMS else \
+                        (lambda s, d, t, p=provider: train_step.build_step(p, s, d, t))
+                    steps[provider] = build(shape, device, dtype)
                 except Exception as e:
                     rec["status"] = _error(e)
+            try:
+                timings = measure_interleaved({p: st.run for p, st in steps.items()}, warmup=warmup,
+                                              min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+            except Exception as e:
+                timings = {}
+                for p in steps:
+                    recs[p]["status"] = _error(e)
+            for provider, t in timings.items():
+                rec, step = recs[provider], steps[provider]
+                peak = peak_memory_bytes(step.run, device, reset=step.reset) if provider != GEMMS else None
+                rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
+                           iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms,
+                           peak_mem_mb=peak / 2**20 if peak is not None else None,
+                           tokens_per_s=step.tokens / (t.median_ms / 1e3),
+                           throughput=flops / (t.min_ms / 1e3) / 1e12)
+            gemms = recs.get(GEMMS)
+            for provider, rec in recs.items():
+                ok = rec["status"] == "ok" and gemms is not None and gemms["status"] == "ok"
+                rec["gemm_share"] = gemms["min_ms"] / rec["min_ms"] if ok and provider != GEMMS else None
                 records.append(rec)
                 if log:
                     log(f"  train_step {dtype} {provider}: "
-                        + (f"{rec['median_ms']:.1f} ms" if rec["status"] == "ok" else rec["status"]))
+                        + (f"median {rec['median_ms']:.1f} ms, min {rec['min_ms']:.1f} ms"
+                           if rec["status"] == "ok" else rec["status"]))
+            del steps
     return records
 
 
@@ -178,6 +216,10 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
     """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
     from ..train import pick_threads
 
+    unknown = [p for p in providers or [] if p not in REGISTRY and p not in train_step.PROVIDERS]
+    if unknown:
+        raise ValueError(f"--providers: unknown provider(s) {unknown}; known: "
+                         f"{sorted(set(REGISTRY) | set(train_step.PROVIDERS))}")
     dev = _device(device)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
     chosen_threads = pick_threads(threads)
@@ -195,6 +237,11 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
     warning = report.busy_warning() if dev.type == "cpu" else None
     if warning and log:
         log(warning)
+    load_before = machine["load_average"]
+    quiet, verdict = (report.quiet_verdict(load_before, os.cpu_count() or 1) if dev.type == "cpu"
+                      else (True, "README-grade: GPU timings (device time, synchronised)"))
+    if log:
+        log(verdict)
     started = time.perf_counter()
     records: List[Dict] = []
     for op in ops:
@@ -207,11 +254,16 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
     report.add_speedups(records)
     os.makedirs(out, exist_ok=True)
     settings = {"sweep": size, "ops": ops, "providers": chosen, "modes": modes,
-                "dtypes": [_DTYPE_NAMES[d] for d in torch_dtypes], "seconds": time.perf_counter() - started}
+                "dtypes": [_DTYPE_NAMES[d] for d in torch_dtypes], "seconds": time.perf_counter() - started,
+                "load_average_before": load_before, "load_average_after": report._load_average(),
+                "readme_grade": quiet, "verdict": verdict,
+                "method": "providers compared are timed interleaved within each repetition (training step); "
+                          "speed-ups are ratios of best times from the same run"}
     doc = report.write_json(os.path.join(out, "results.json"), machine, settings, records)
     table = report.markdown(records)
     header = (f"fastformer bench ({size}) on {machine['gpu'] or machine['cpu']}, {machine['torch_threads']} threads, "
-              f"torch {machine['torch']}, triton {machine['triton']}, load average {machine['load_average']}\n\n"
+              f"torch {machine['torch']}, triton {machine['triton']}, load average {load_before} before the run, "
+              f"{settings['load_average_after']} after\n\n**{verdict}**\n\n"
               + (f"{warning}\n\n" if warning else ""))
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(header + table)

@@ -5,7 +5,7 @@ import json
 import os
 import platform
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +45,19 @@ def busy_warning() -> Optional[str]:
               f"; with {torch.get_num_threads()} threads they include waits for descheduled threads")
     return (f"warning: the machine is busy (load average {load:.1f} on {cores} cores): other work shares "
             f"the cores, so CPU timings are noisy and slower than on an idle machine{advice}")
+
+
+def quiet_verdict(load: Optional[float], cores: int) -> Tuple[bool, str]:
+    """Whether CPU timings taken now may be published: only on a quiet machine, whose 1-minute
+    load average before the run is at most a quarter of its cores (on this project's shared VM
+    eager PyTorch's step time swings 2x with load, so a ratio taken under load is not a result)."""
+    limit = cores / 4
+    if load is None:
+        return False, "NOT README-grade: the load average cannot be read here"
+    if load > limit:
+        return False, (f"NOT README-grade: load average {load:.2f} before the run on {cores} cores "
+                       f"(above {limit:.2f}, a quarter of the cores): other work shared the machine")
+    return True, f"README-grade: quiet machine, load average {load:.2f} before the run on {cores} cores"
 
 
 def machine_info(device: torch.device) -> Dict:
@@ -92,40 +105,51 @@ def _fmt(x: Optional[float], digits: int = 3) -> str:
 
 
 def markdown(records: List[Dict]) -> str:
-    """One Markdown table per op: a row per (shape, dtype, mode, provider)."""
+    """One Markdown table per op: a row per (shape, dtype, mode, provider). Speed-ups are ratios of
+    the best (minimum) times, measured in the same run; the training step also shows the share
+    of its time its matrix products alone take (torch's GEMMs, same shapes, same run)."""
     lines: List[str] = []
     for op in dict.fromkeys(r["op"] for r in records):
         rows = [r for r in records if r["op"] == op]
         unit = next((r["unit"] for r in rows if r.get("unit")), "")
+        share = any(r.get("gemm_share") is not None for r in rows)
         lines.append(f"\n### {op}\n")
-        head = ["shape", "dtype", "mode", "provider", "median ms", "IQR ms"]
+        head = ["shape", "dtype", "mode", "provider", "median ms", "min ms", "IQR ms"]
         head += [unit] if unit else []
-        head += ["tokens/s", "peak MB", "vs eager", "1st call ms"]
+        head += ["tokens/s", "peak MB", "vs eager", "vs compile"] + (["GEMM share"] if share else []) + ["1st call ms"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for r in rows:
             if r["status"] != "ok":
                 cells = [r["label"], r["dtype"], r["mode"], r["provider"], r["status"]] + [""] * (len(head) - 5)
             else:
-                cells = [r["label"], r["dtype"], r["mode"], r["provider"], _fmt(r["median_ms"]), _fmt(r["iqr_ms"], 2)]
+                cells = [r["label"], r["dtype"], r["mode"], r["provider"], _fmt(r["median_ms"]),
+                         _fmt(r.get("min_ms")), _fmt(r["iqr_ms"], 2)]
                 cells += [_fmt(r["throughput"])] if unit else []
-                speed = r.get("speedup_vs_eager")
-                cells += [_fmt(r["tokens_per_s"]), _fmt(r["peak_mem_mb"]),
-                          f"{speed:.2f}x" if speed is not None else "-", _fmt(r["first_call_ms"])]
+                cells += [_fmt(r["tokens_per_s"]), _fmt(r["peak_mem_mb"])]
+                cells += [f"{x:.2f}x" if x is not None else "-"
+                          for x in (r.get("speedup_vs_eager"), r.get("speedup_vs_compile"))]
+                if share:
+                    cells.append(f"{r['gemm_share']:.2f}" if r.get("gemm_share") is not None else "-")
+                cells.append(_fmt(r["first_call_ms"]))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def add_speedups(records: List[Dict]) -> None:
-    """``speedup_vs_eager`` = torch-eager's median / this median, within (op, shape, dtype, mode)."""
-    eager = {}
-    for r in records:
-        if r["provider"] == "torch-eager" and r["status"] == "ok":
-            eager[(r["op"], r["label"], r["dtype"], r["mode"])] = r["median_ms"]
-    for r in records:
-        base = eager.get((r["op"], r["label"], r["dtype"], r["mode"]))
-        ok = r["status"] == "ok" and base is not None and r["median_ms"] > 0
-        r["speedup_vs_eager"] = base / r["median_ms"] if ok else None
+    """``speedup_vs_eager`` / ``speedup_vs_compile``: torch-eager's (torch-compile's) best time over
+    this record's best time, within (op, shape, dtype, mode) of the same run (the median where a
+    record has no minimum)."""
+    def best(r):
+        return r.get("min_ms") if r.get("min_ms") is not None else r["median_ms"]
+
+    for base_name, key in (("torch-eager", "speedup_vs_eager"), ("torch-compile", "speedup_vs_compile")):
+        base = {(r["op"], r["label"], r["dtype"], r["mode"]): best(r)
+                for r in records if r["provider"] == base_name and r["status"] == "ok"}
+        for r in records:
+            b = base.get((r["op"], r["label"], r["dtype"], r["mode"]))
+            ok = r["status"] == "ok" and b is not None and best(r) > 0 and not r["provider"].endswith("-alone")
+            r[key] = b / best(r) if ok else None
 
 
 # -- files ----------------------------------------------------------------------------------------

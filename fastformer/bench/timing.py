@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -29,6 +29,7 @@ class Timing:
     q75_ms: float
     reps: int
     first_call_ms: float
+    min_ms: float = float("nan")
 
     @property
     def iqr_ms(self) -> float:
@@ -76,10 +77,41 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, max
             break
         if spent >= max_time and len(samples) >= 1:
             break
-    samples.sort()
-    ms = [s * 1e3 for s in samples]
+    return _timing(samples, first)
+
+
+def _timing(samples: List[float], first: float) -> Timing:
+    ms = sorted(s * 1e3 for s in samples)
     return Timing(median_ms=statistics.median(ms), q25_ms=_quantile(ms, 0.25), q75_ms=_quantile(ms, 0.75),
-                  reps=len(ms), first_call_ms=first * 1e3)
+                  reps=len(ms), first_call_ms=first * 1e3, min_ms=ms[0])
+
+
+def measure_interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int = 2, min_reps: int = 5,
+                        max_reps: int = 50, min_time: float = 0.0) -> Dict[str, Timing]:
+    """Time several callables that are compared with each other, interleaved: each repetition
+    calls every one of them once (in an order rotated every repetition), so a change in the
+    machine's load hits all of them alike instead of whichever happened to run then. Stops after
+    ``max_reps`` repetitions, or once there are ``min_reps`` and ``min_time`` seconds have passed."""
+    names = list(fns)
+    first: Dict[str, float] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        fns[name]()
+        first[name] = time.perf_counter() - t0
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    samples: Dict[str, List[float]] = {name: [] for name in names}
+    start = time.perf_counter()
+    for rep in range(max_reps):
+        for i in range(len(names)):
+            name = names[(i + rep) % len(names)]
+            t = time.perf_counter()
+            fns[name]()
+            samples[name].append(time.perf_counter() - t)
+        if rep + 1 >= min_reps and time.perf_counter() - start >= min_time:
+            break
+    return {name: _timing(samples[name], first[name]) for name in names}
 
 
 @contextlib.contextmanager

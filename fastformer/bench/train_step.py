@@ -7,7 +7,9 @@ One step = zero_grad, forward, label-smoothed loss, backward, Adam update, for
   sqrt(d_model)) + sinusoidal positions + tied output projection + ``nn.CrossEntropyLoss``;
 * ``torch-compile``: that torch model's forward + loss under ``torch.compile``;
 
-each in fp32 and under ``torch.autocast(<device>, torch.bfloat16)``. The default shape is the
+The fastformer step updates with ``fastformer.optim.make_optimizer`` (torch's fused Adam where
+the device has it), as ``python -m fastformer train`` does; the torch providers with
+``torch.optim.Adam``'s defaults, as a torch user writes them. Each in fp32 and under ``torch.autocast(<device>, torch.bfloat16)``. The default shape is the
 base benchmark: d_model 256, 4 heads, 3+3 layers, FFN 1024, vocabulary 8000, batch 32 x 64
 tokens with padding, dropout 0.1, label smoothing 0.1.
 """
@@ -166,7 +168,12 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
         if provider == "torch-compile":
             loss_fn = torch.compile(model.loss, dynamic=False)
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    if backend:  # what `python -m fastformer train` runs: fastformer.optim (torch's fused Adam here)
+        from fastformer.optim import make_optimizer
+
+        optimizer = make_optimizer(model, lr=1e-4)
+    else:  # what a torch user writes
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     src, tgt = make_batch(shape, device)
     tokens = int((src != PAD).sum() + (tgt != PAD).sum())
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
@@ -182,3 +189,52 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
         return loss
 
     return Step(synchronized(step, device), tokens, lambda: optimizer.zero_grad(set_to_none=True))
+
+
+# -- the machine's own yardstick: the step's matrix products alone -------------------------------
+def step_gemms(shape: Dict, src: torch.Tensor, tgt: torch.Tensor) -> List[Tuple[int, int, int, int]]:
+    """Every forward matrix product of one training step of the model on this padded batch, as
+    ``(batch, M, K, N)`` for ``(M, K) @ (K, N)``: the linear layers (QKV, output, cross-attention
+    Q and KV, FFN, the vocabulary projection) and attention's two products per head."""
+    B, Ss = src.shape
+    St = tgt.shape[1] - 1
+    d, h, F, V, L = shape["d_model"], shape["heads"], shape["ffn"], shape["vocab"], shape["layers"]
+    Ns, Nt, dh = B * Ss, B * St, d // h
+
+    def attention(n_q, n_k):  # per head: scores = q k^T, out = p v
+        return [(B * h, n_q, dh, n_k), (B * h, n_q, n_k, dh)]
+
+    encoder = [(1, Ns, d, 3 * d), *attention(Ss, Ss), (1, Ns, d, d), (1, Ns, d, F), (1, Ns, F, d)]
+    decoder = [(1, Nt, d, 3 * d), *attention(St, St), (1, Nt, d, d),  # self-attention
+               (1, Nt, d, d), (1, Ns, d, 2 * d), *attention(St, Ss), (1, Nt, d, d),  # cross-attention
+               (1, Nt, d, F), (1, Nt, F, d)]
+    return encoder * L + decoder * L + [(1, Nt, d, V)]
+
+
+def step_gemm_flops(gemms: List[Tuple[int, int, int, int]]) -> float:
+    """Floating-point operations of the products forward and their two backward products."""
+    return 3 * sum(2.0 * b * m * k * n for b, m, k, n in gemms)
+
+
+def build_gemms(shape: Dict, device: torch.device, dtype: str) -> Step:
+    """The step's matrix products alone, forward and both backward products of each (``dA = dC
+    B^T``, ``dB = A^T dC``), with torch's GEMMs in the step's compute dtype, back to back."""
+    src, tgt = make_batch(shape, device)
+    gemms = step_gemms(shape, src, tgt)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g, device=device, dtype=torch.float32).to(torch_dtype)
+
+    operands = []
+    for b, m, k, n in gemms:
+        a, w, dc = rand(b, m, k), rand(b, k, n), rand(b, m, n)
+        operands += [(a, w), (dc, w.transpose(1, 2)), (a.transpose(1, 2), dc)]  # C, dA, dB
+
+    def run():
+        for x, y in operands:
+            torch.bmm(x, y)
+
+    tokens = int((src != PAD).sum() + (tgt != PAD).sum())
+    return Step(synchronized(run, device), tokens, lambda: None)

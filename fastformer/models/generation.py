@@ -111,6 +111,8 @@ def generate(model, src: torch.Tensor, max_len: Optional[int] = None, beam_size:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     if not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    if src.shape[0] == 0:  # no sentence: (0, 1), the shape of a batch that stops after bos
+        return torch.full((0, 1), model.bos_idx, dtype=torch.long, device=src.device)
     was_training = model.training
     model.eval()
     try:

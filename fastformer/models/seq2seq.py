@@ -5,6 +5,8 @@ import torch
 
 from .. import nn as fnn
 from .. import ops
+from ..nn import _validate
+from ..ops import _checks
 from .generation import generate
 from .masks import padding_mask
 from .positional import SinusoidalPositionalEncoding
@@ -34,10 +36,17 @@ class Seq2SeqTransformer(torch.nn.Module):
                  share_embeddings: bool = False, tie_output: bool = True, pad_idx: int = 0, bos_idx: int = 1,
                  eos_idx: int = 2, max_len: int = 1024):
         super().__init__()
+        _checks.positive_int("src_vocab_size", src_vocab_size)
+        _checks.positive_int("tgt_vocab_size", tgt_vocab_size)
+        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, 1e-5)
+        _checks.positive_int("num_encoder_layers", num_encoder_layers)
+        _checks.positive_int("num_decoder_layers", num_decoder_layers)
+        _checks.positive_int("max_len", max_len)
         specials = {"pad_idx": pad_idx, "bos_idx": bos_idx, "eos_idx": eos_idx}
         if len(set(specials.values())) != 3:
             raise ValueError(f"pad_idx, bos_idx and eos_idx must be distinct, got {specials}")
         for name, idx in specials.items():
+            _checks.positive_int(name, idx, minimum=0)
             if not 0 <= idx < min(src_vocab_size, tgt_vocab_size):
                 raise ValueError(f"{name}={idx} must be a valid id of both vocabularies "
                                  f"(sizes {src_vocab_size} and {tgt_vocab_size})")
@@ -98,6 +107,16 @@ class Seq2SeqTransformer(torch.nn.Module):
             raise TypeError(f"{name} must hold integer token ids (int64), got {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError(f"{name} must hold at least one position, got shape {tuple(tokens.shape)}")
+        table = self.src_embed if name == "src" else self.tgt_embed
+        if tokens.device != table.weight.device:
+            raise ValueError(f"{name} is on {tokens.device} but the model is on {table.weight.device}")
+        if tokens.numel() == 0 or torch.compiler.is_compiling():
+            return  # a value check would read the data (a graph break); the embedding checks it too
+        vocab = table.num_embeddings
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name} token ids must be in [0, {vocab}) (the {name} vocabulary), got values "
+                             f"in [{lo}, {hi}]")
 
     def embed(self, embedding: torch.nn.Embedding, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """``dropout(embedding(tokens) * sqrt(d_model) + PE[offset : offset + S])`` -> (B, S, d_model)."""

@@ -1,9 +1,11 @@
 """``fastformer.nn.LayerNorm``: ``torch.nn.LayerNorm`` computed by ``fastformer.ops.add_layer_norm``."""
 import math
+import numbers
 
 import torch
 
 from .. import ops
+from ..ops import _checks
 from ._twin import share_state, twin_of
 
 
@@ -15,7 +17,22 @@ class LayerNorm(torch.nn.LayerNorm):
     flattened into one for the fused op.
     """
 
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        dims = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
+        if not dims:
+            raise ValueError("normalized_shape must name at least one dimension, got ()")
+        for d in dims:
+            _checks.positive_int("normalized_shape", d)
+        _checks.positive("eps", eps)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+
+    def _check_twin(self) -> None:
+        """A converted torch module's configuration (torch does not check eps)."""
+        _checks.positive("eps", self.eps)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        _checks.tensor("input", input, floating=True)
         shape = tuple(self.normalized_shape)
         n = len(shape)
         if tuple(input.shape[input.dim() - n:]) != shape:

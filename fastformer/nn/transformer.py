@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from . import _validate
 from ._twin import share_state, swap_children, twin_of
 from .multihead_attention import KV
 
@@ -110,6 +111,28 @@ def _seq_len(x: torch.Tensor, batch_first: bool) -> int:
     return x.shape[1] if batch_first else x.shape[0]
 
 
+def _check_encoder_input(layer, src, mask, kpm, mask_name: str = "src_mask") -> None:
+    """An encoder layer's (or stack's, checked against its first layer) input and masks."""
+    attn = layer.self_attn
+    _validate.hidden("src", src, attn.embed_dim, layer.linear1.weight)
+    _validate.layer_masks(src, attn.batch_first, attn.num_heads, mask, mask_name, kpm, "src_key_padding_mask")
+
+
+def _check_decoder_input(layer, tgt, memory, tgt_mask, memory_mask, tgt_kpm, memory_kpm) -> None:
+    """A decoder layer's (or stack's) target, memory and masks."""
+    attn = layer.self_attn
+    _validate.hidden("tgt", tgt, attn.embed_dim, layer.linear1.weight)
+    _validate.hidden("memory", memory, attn.embed_dim, layer.linear1.weight, ranks=(tgt.dim(),))
+    batch_first = attn.batch_first
+    B, B_mem = _validate.sequence_dims(tgt, batch_first)[0], _validate.sequence_dims(memory, batch_first)[0]
+    if B != B_mem:
+        raise ValueError(f"tgt and memory must have the same batch size, got shapes {tuple(tgt.shape)} and "
+                         f"{tuple(memory.shape)} (batch_first={batch_first})")
+    _validate.layer_masks(tgt, batch_first, attn.num_heads, tgt_mask, "tgt_mask", tgt_kpm, "tgt_key_padding_mask")
+    _validate.layer_masks(tgt, batch_first, attn.num_heads, memory_mask, "memory_mask", memory_kpm,
+                          "memory_key_padding_mask", keys=memory)
+
+
 class _FeedForwardMixin:
     def _dropout_p(self, dropout: torch.nn.Dropout) -> float:
         return dropout.p if self.training else 0.0
@@ -132,13 +155,22 @@ class TransformerEncoderLayer(_FeedForwardMixin, torch.nn.TransformerEncoderLaye
                  batch_first: bool = False, norm_first: bool = False, bias: bool = True,
                  device=None, dtype=None) -> None:
         activation_name(activation)
+        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
         super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
                          batch_first, norm_first, bias, device, dtype)
         swap_children(self)
 
     def forward(self, src: torch.Tensor, src_mask: Optional[torch.Tensor] = None,
-                src_key_padding_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-        return resolve(self._forward(src, src_mask, src_key_padding_mask, is_causal))
+                src_key_padding_mask: Optional[torch.Tensor] = None, is_causal: bool = False, *,
+                pending_output: bool = False) -> Hidden:
+        """torch's contract. ``pending_output=True`` is for stacks (the encoder calls each layer
+        through ``__call__``, so module hooks such as FSDP's fire): ``src`` may then be a
+        :class:`Pending` residual add and a pre-LN layer returns one, fused by the next layer
+        into its first LayerNorm."""
+        if not pending_output:
+            _check_encoder_input(self, src, src_mask, src_key_padding_mask)
+        out = self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        return out if pending_output else resolve(out)
 
     def _forward(self, x: Hidden, src_mask, src_key_padding_mask, is_causal) -> Hidden:
         def self_attend(y):
@@ -173,6 +205,7 @@ class TransformerDecoderLayer(_FeedForwardMixin, torch.nn.TransformerDecoderLaye
                  batch_first: bool = False, norm_first: bool = False, bias: bool = True,
                  device=None, dtype=None) -> None:
         activation_name(activation)
+        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
         super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
                          batch_first, norm_first, bias, device, dtype)
         swap_children(self)
@@ -180,10 +213,14 @@ class TransformerDecoderLayer(_FeedForwardMixin, torch.nn.TransformerDecoderLaye
     def forward(self, tgt: torch.Tensor, memory: torch.Tensor, tgt_mask: Optional[torch.Tensor] = None,
                 memory_mask: Optional[torch.Tensor] = None, tgt_key_padding_mask: Optional[torch.Tensor] = None,
                 memory_key_padding_mask: Optional[torch.Tensor] = None, tgt_is_causal: bool = False,
-                memory_is_causal: bool = False) -> torch.Tensor:
-        return resolve(self._forward(tgt, *self._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                                           memory_key_padding_mask, tgt_is_causal,
-                                                           memory_is_causal)))
+                memory_is_causal: bool = False, *, pending_output: bool = False) -> Hidden:
+        """torch's contract; ``pending_output`` as in :meth:`TransformerEncoderLayer.forward`."""
+        if not pending_output:
+            _check_decoder_input(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                 memory_key_padding_mask)
+        out = self._forward(tgt, *self._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                                  memory_key_padding_mask, tgt_is_causal, memory_is_causal))
+        return out if pending_output else resolve(out)
 
     def _attenders(self, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                    tgt_is_causal, memory_is_causal):
@@ -253,6 +290,7 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
     def __init__(self, encoder_layer: torch.nn.TransformerEncoderLayer, num_layers: int,
                  norm: Optional[torch.nn.Module] = None, enable_nested_tensor: bool = True,
                  mask_check: bool = True) -> None:
+        _validate._checks.positive_int("num_layers", num_layers)
         super().__init__(encoder_layer, num_layers, norm, enable_nested_tensor=False, mask_check=mask_check)
         self.enable_nested_tensor = enable_nested_tensor
         swap_children(self)
@@ -260,12 +298,13 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
     def forward(self, src: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 src_key_padding_mask: Optional[torch.Tensor] = None,
                 is_causal: Optional[bool] = None) -> torch.Tensor:
+        _check_encoder_input(self.layers[0], src, mask, src_key_padding_mask, mask_name="mask")
         batch_first = self.layers[0].self_attn.batch_first
         is_causal = detect_is_causal_mask(mask, is_causal, _seq_len(src, batch_first))
         x: Hidden = src
         for layer in self.layers:
             if isinstance(layer, TransformerEncoderLayer):
-                x = layer._forward(x, mask, src_key_padding_mask, is_causal)
+                x = layer(x, mask, src_key_padding_mask, is_causal, pending_output=True)
             else:
                 x = layer(resolve(x), src_mask=mask, src_key_padding_mask=src_key_padding_mask,
                           is_causal=is_causal)
@@ -284,6 +323,7 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
 
     def __init__(self, decoder_layer: torch.nn.TransformerDecoderLayer, num_layers: int,
                  norm: Optional[torch.nn.Module] = None) -> None:
+        _validate._checks.positive_int("num_layers", num_layers)
         super().__init__(decoder_layer, num_layers, norm)
         swap_children(self)
 
@@ -291,13 +331,15 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
                 memory_mask: Optional[torch.Tensor] = None, tgt_key_padding_mask: Optional[torch.Tensor] = None,
                 memory_key_padding_mask: Optional[torch.Tensor] = None, tgt_is_causal: Optional[bool] = None,
                 memory_is_causal: bool = False) -> torch.Tensor:
+        _check_decoder_input(self.layers[0], tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                             memory_key_padding_mask)
         batch_first = self.layers[0].self_attn.batch_first
         tgt_is_causal = detect_is_causal_mask(tgt_mask, tgt_is_causal, _seq_len(tgt, batch_first))
         x: Hidden = tgt
         for layer in self.layers:
             if isinstance(layer, TransformerDecoderLayer):
-                x = layer._forward(x, *layer._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                                        memory_key_padding_mask, tgt_is_causal, memory_is_causal))
+                x = layer(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                          tgt_is_causal, memory_is_causal, pending_output=True)
             else:
                 x = layer(resolve(x), memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
                           tgt_key_padding_mask=tgt_key_padding_mask,
@@ -351,12 +393,30 @@ class Transformer(torch.nn.Transformer):
                  batch_first: bool = False, norm_first: bool = False, bias: bool = True,
                  device=None, dtype=None) -> None:
         activation_name(activation)
+        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
+        if custom_encoder is None:
+            _validate._checks.positive_int("num_encoder_layers", num_encoder_layers)
+        if custom_decoder is None:
+            _validate._checks.positive_int("num_decoder_layers", num_decoder_layers)
         with warnings.catch_warnings():  # torch's nested-tensor warning: the twin never uses them
             warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
             super().__init__(d_model, nhead, num_encoder_layers, num_decoder_layers, dim_feedforward,
                              dropout, activation, custom_encoder, custom_decoder, layer_norm_eps,
                              batch_first, norm_first, bias, device, dtype)
         swap_children(self)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """torch's forward, after checking ``src`` and ``tgt`` (the stacks check the masks)."""
+        for name, x in (("src", src), ("tgt", tgt)):
+            _validate.hidden(name, x, self.d_model, None)
+        if src.dim() != tgt.dim():
+            raise ValueError(f"src and tgt must both be batched (3-D) or both unbatched (2-D), got shapes "
+                             f"{tuple(src.shape)} and {tuple(tgt.shape)}")
+        b = 0 if self.batch_first else 1
+        if src.dim() == 3 and src.shape[b] != tgt.shape[b]:
+            raise ValueError(f"src and tgt must have the same batch size, got shapes {tuple(src.shape)} and "
+                             f"{tuple(tgt.shape)} (batch_first={self.batch_first})")
+        return super().forward(src, tgt, *args, **kwargs)
 
     @classmethod
     def from_torch(cls, module: torch.nn.Transformer) -> "Transformer":

@@ -1,4 +1,6 @@
 """Input validation shared by the functional ops: errors that name the argument."""
+import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -25,7 +27,7 @@ def shape(name: str, t: torch.Tensor, want: Sequence[int], meaning: str = "") ->
 
 
 def same_device(**tensors) -> None:
-    items = [(n, t) for n, t in tensors.items() if t is not None]
+    items = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.device != first.device:
@@ -34,7 +36,7 @@ def same_device(**tensors) -> None:
 
 
 def same_dtype(**tensors) -> None:
-    items = [(n, t) for n, t in tensors.items() if t is not None]
+    items = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.dtype != first.dtype:
@@ -42,16 +44,44 @@ def same_dtype(**tensors) -> None:
                             "they must match (or run under torch.autocast)")
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def probability(name: str, p) -> float:
-    if not isinstance(p, (int, float)) or not (0.0 <= float(p) < 1.0):
+    if not _is_number(p) or not (0.0 <= float(p) < 1.0):
         raise ValueError(f"{name} must be a number in [0, 1), got {p!r}")
     return float(p)
 
 
 def positive(name: str, x) -> float:
-    if not isinstance(x, (int, float)) or not float(x) > 0.0:
-        raise ValueError(f"{name} must be a positive number, got {x!r}")
+    if not _is_number(x) or not 0.0 < float(x) < math.inf:
+        raise ValueError(f"{name} must be a positive number (and finite), got {x!r}")
     return float(x)
+
+
+def positive_int(name: str, x, *, minimum: int = 1) -> int:
+    """``x`` as an int >= ``minimum`` (module sizes, counts); TypeError for a non-int."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    if x < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {x}")
+    return x
+
+
+def flag(name: str, x) -> bool:
+    """``x`` must be a Python bool (a tensor or a string is not a flag)."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return x
+
+
+def nonempty_dim(name: str, t: torch.Tensor, dim: int, what: str) -> None:
+    """The size of ``t``'s dimension ``dim`` (``what``) must be at least 1."""
+    if t.shape[dim] < 1:
+        raise ValueError(f"{name}'s last dimension ({what}) must be at least 1, got shape {tuple(t.shape)}"
+                         if dim == -1 else
+                         f"{name}'s dimension {dim} ({what}) must be at least 1, got shape {tuple(t.shape)}")
 
 
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:

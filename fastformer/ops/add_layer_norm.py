@@ -27,6 +27,7 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     inputs are cast to the autocast dtype.
     """
     _checks.tensor("x", x, min_ndim=1, floating=True)
+    _checks.nonempty_dim("x", x, -1, "the hidden size C normalised over")
     C = x.shape[-1]
     if residual is not None:
         _checks.tensor("residual", residual, floating=True)
@@ -36,6 +37,7 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
             _checks.tensor(name, p, ndim=1, floating=True)
             _checks.shape(name, p, (C,), "(C,) with C = x.shape[-1]")
     _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
+    prenorm = _checks.flag("prenorm", prenorm)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     eps = _checks.positive("eps", eps)
 

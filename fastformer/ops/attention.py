@@ -52,23 +52,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Sk = k.shape[2]
     _checks.shape("k", k, (B, H, Sk, D), "(B, H, Sk, D) with q's B, H and D")
     _checks.shape("v", v, (B, H, Sk, D), "(B, H, Sk, D) matching k")
-    _checks.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+    _checks.nonempty_dim("q", q, -1, "the head dim D")
     if key_padding_mask is not None:
         _checks.tensor("key_padding_mask", key_padding_mask, ndim=2)
-        _checks.shape("key_padding_mask", key_padding_mask, (B, Sk), "(B, Sk)")
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be a bool tensor (True = padded), got {key_padding_mask.dtype}")
+        _checks.shape("key_padding_mask", key_padding_mask, (B, Sk), "(B, Sk)")
     if attn_mask is not None:
         _checks.tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        if attn_mask.dim() > 4:
+            raise ValueError(f"attn_mask must have at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
         try:
             torch.broadcast_shapes(attn_mask.shape, (B, H, Sq, Sk))
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(B, H, Sq, Sk) = {(B, H, Sq, Sk)}") from None
-        if attn_mask.dim() > 4:
-            raise ValueError(f"attn_mask must have at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
+    _checks.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+    is_causal = _checks.flag("is_causal", is_causal)
     dropout_p = _checks.probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else _checks.positive("scale", scale)
 

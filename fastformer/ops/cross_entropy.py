@@ -10,19 +10,22 @@ REDUCTIONS = ("none", "mean", "sum")
 
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+    if not _checks._is_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, int):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
-def _check_target(target, want_shape, num_classes, ignore_index):
+def _check_target(target, want_shape, num_classes, ignore_index, **input_):
+    """``target`` must be int64 class indices of ``want_shape`` on the device of ``input_``
+    (one name=tensor pair), each in ``[0, num_classes)`` or equal to ``ignore_index``."""
     _checks.tensor("target", target)
     if target.dtype != torch.int64:
         raise TypeError(f"target must hold class indices as int64, got {target.dtype}")
     _checks.shape("target", target, want_shape, "one class index per row of the input")
+    _checks.same_device(**input_, target=target)
     if torch.compiler.is_compiling() or target.numel() == 0:
         return  # a value check would read the data (a graph break); the kernels check it too
     ignored = target == ignore_index
@@ -49,9 +52,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     """
     _checks.tensor("logits", logits, min_ndim=1, floating=True)
     _check_loss_args(label_smoothing, reduction, ignore_index)
+    _checks.nonempty_dim("logits", logits, 1 if logits.dim() > 1 else 0, "the classes: at least one class")
     want = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
-    _check_target(target, want, logits.shape[1] if logits.dim() > 1 else logits.shape[0], ignore_index)
-    _checks.same_device(logits=logits, target=target)
+    _check_target(target, want, logits.shape[1] if logits.dim() > 1 else logits.shape[0], ignore_index,
+                  logits=logits)
 
     kernels = backends.select("cross_entropy", logits.device, logits.dtype)
     if kernels is None:
@@ -80,6 +84,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     """
     _checks.tensor("hidden", hidden, min_ndim=1, floating=True)
     _checks.tensor("weight", weight, ndim=2, floating=True)
+    _checks.nonempty_dim("hidden", hidden, -1, "the hidden size D")
     V, D = weight.shape
     if hidden.shape[-1] != D:
         raise ValueError(f"hidden's last dimension must equal weight.shape[1] = {D}, got shape "
@@ -87,9 +92,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     if bias is not None:
         _checks.tensor("bias", bias, ndim=1, floating=True)
         _checks.shape("bias", bias, (V,), "(V,) with V = weight.shape[0]")
+    _checks.nonempty_dim("weight", weight, 0, "V, the classes: at least one class")
     _check_loss_args(label_smoothing, reduction, ignore_index)
-    _check_target(target, hidden.shape[:-1], V, ignore_index)
-    _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
+    _checks.same_device(hidden=hidden, weight=weight, bias=bias)
+    _check_target(target, hidden.shape[:-1], V, ignore_index, hidden=hidden)
 
     lowp = _checks.autocast_dtype(hidden.device)
     hidden, weight, bias = (_checks.cast(t, lowp) for t in (hidden, weight, bias))

@@ -28,6 +28,7 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     _checks.tensor("x", x, min_ndim=1, floating=True)
     _checks.tensor("w1", w1, ndim=2, floating=True)
     _checks.tensor("w2", w2, ndim=2, floating=True)
+    _checks.nonempty_dim("x", x, -1, "the model width E")
     E = x.shape[-1]
     F_ = w1.shape[0]
     _checks.shape("w1", w1, (F_, E), "(dim_feedforward, E) with E = x.shape[-1]")

@@ -31,9 +31,10 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     """``softmax(q k^T * scale + mask) v`` with q ``(B, H, Sq, D)``, k/v ``(B, H, Sk, D)``.
 
     ``key_padding_mask`` ``(B, Sk)`` bool, True = padded key. ``attn_mask`` bool (True =
-    masked out) or float (added), broadcastable to ``(B, H, Sq, Sk)``. ``is_causal``:
-    query i sees key j iff ``j <= i + Sk - Sq`` (bottom-right aligned). Dropout acts on
-    the probabilities. A query row with no visible key outputs 0 and gets zero gradient.
+    masked out) or float (added; -inf hides the key exactly as True does), broadcastable to
+    ``(B, H, Sq, Sk)``. ``is_causal``: query i sees key j iff ``j <= i + Sk - Sq``
+    (bottom-right aligned). Dropout acts on the probabilities. A query row with no visible key
+    (by the masks) outputs 0 and gets zero gradient; a NaN or +inf score makes its row NaN.
     """
     B, H, Sq, D = q.shape
     Sk = k.shape[-2]
@@ -50,12 +51,18 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             hidden = hidden | attn_mask
-        else:
-            s = s + attn_mask.to(stat_dtype)
+        else:  # -inf hides a key exactly as True does in a bool mask (even where the score is NaN)
+            minus_inf = attn_mask == float("-inf")
+            hidden = hidden | minus_inf
+            s = s + attn_mask.masked_fill(minus_inf, 0.0).to(stat_dtype)
     s = s.masked_fill(hidden, float("-inf"))
-    row_visible = (s > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, Sq, 1)
+    # a row's visibility comes from the masks alone, never from the scores: a NaN score must give
+    # a NaN row (as F.scaled_dot_product_attention does), not pass for "no visible key"
+    visible = ~hidden
+    row_visible = visible.any(dim=-1, keepdim=True).expand(B, H, Sq, 1)  # (B, H, Sq, 1)
     s = torch.where(row_visible, s, torch.zeros_like(s))
-    s = s - s.amax(dim=-1, keepdim=True)
+    if Sk > 0:  # no key at all: every row sees nothing, and amax has nothing to reduce
+        s = s - s.amax(dim=-1, keepdim=True)
     e = torch.exp(s)
     p = e / e.sum(dim=-1, keepdim=True) * row_visible
     if dropout_p > 0.0:

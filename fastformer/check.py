@@ -1,0 +1,216 @@
+"""``python -m fastformer check``: every op, forward and backward, on every kernel backend
+that can run here, against :mod:`fastformer.ops.reference`.
+
+One line per (op, backend, dtype): PASS or FAIL, the worst error over the cases (outputs and
+every gradient) and the tolerance it was held to. fp32 is held to ``atol + rtol * max|ref|``
+per tensor; fp16/bf16 to FlashAttention's rule, the kernel's error against the fp32 reference
+at most ``LOWP_FACTOR`` times the error of the reference itself computed in that precision
+(plus a small floor). The exit status is non-zero when any line fails.
+"""
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import backends, ops
+from .ops import reference
+
+KERNEL_BACKENDS = ("cpu", "triton", "cuda")
+# fp32 (atol, rtol) per tensor, held against max|ref| (sums over up to ~1000 terms).
+FP32_TOL = (1e-4, 1e-4)
+# Low precision: error <= LOWP_FACTOR x the reference's own low-precision error + LOWP_FLOOR x max|ref|.
+LOWP_FACTOR = 3.0
+LOWP_FLOOR = 1e-3
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class Case:
+    """One call: ``make(gen)`` -> (fp32 input tensors, the op's keyword arguments)."""
+    name: str
+    make: Callable[[torch.Generator], Tuple[List[Optional[torch.Tensor]], dict]]
+
+
+def _rand(gen, *shape, scale=1.0):
+    return scale * torch.randn(*shape, generator=gen)
+
+
+def _attention_case(B, H, Sq, Sk, D, masks):
+    def make(gen):
+        q, k, v = _rand(gen, B, H, Sq, D), _rand(gen, B, H, Sk, D), _rand(gen, B, H, Sk, D)
+        kw = {"is_causal": "causal" in masks}
+        if "kpm" in masks:  # right padding, at least one key left
+            lengths = torch.randint(1, Sk + 1, (B,), generator=gen)
+            kw["key_padding_mask"] = torch.arange(Sk)[None, :] >= lengths[:, None]  # (B, Sk)
+        if "bool" in masks:
+            kw["attn_mask"] = torch.rand(Sq, Sk, generator=gen) < 0.2  # (Sq, Sk)
+        if "float" in masks:
+            kw["attn_mask"] = _rand(gen, B, 1, Sq, Sk)  # (B, 1, Sq, Sk)
+        return [q, k, v], kw
+    return Case(f"B{B} H{H} {Sq}x{Sk} D{D} {'+'.join(masks) or 'nomask'}", make)
+
+
+def _aln_case(N, C, prenorm):
+    def make(gen):
+        return [_rand(gen, N, C), _rand(gen, N, C), 1 + _rand(gen, C, scale=0.1), _rand(gen, C, scale=0.1)], \
+            {"prenorm": prenorm}
+    return Case(f"{N}x{C}{' prenorm' if prenorm else ''}", make)
+
+
+def _ff_case(N, E, F, activation):
+    def make(gen):
+        return [_rand(gen, N, E), _rand(gen, F, E, scale=E ** -0.5), _rand(gen, F, scale=0.1),
+                _rand(gen, E, F, scale=F ** -0.5), _rand(gen, E, scale=0.1)], {"activation": activation}
+    return Case(f"{N}x{E}->{F} {activation}", make)
+
+
+def _targets(gen, N, V, ignore_index):
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[torch.rand(N, generator=gen) < 0.25] = ignore_index
+    t[0] = 0  # at least one row counts
+    return t
+
+
+def _ce_case(N, V, smoothing):
+    def make(gen):
+        return [_rand(gen, N, V, scale=2.0)], {"target": _targets(gen, N, V, -100), "label_smoothing": smoothing}
+    return Case(f"{N}x{V} smoothing {smoothing} ignore -100", make)
+
+
+def _lce_case(N, D, V, smoothing):
+    def make(gen):
+        return [_rand(gen, N, D), _rand(gen, V, D, scale=D ** -0.5), _rand(gen, V, scale=0.1)], \
+            {"target": _targets(gen, N, V, 3), "label_smoothing": smoothing, "ignore_index": 3}
+    return Case(f"{N}x{D}->{V} smoothing {smoothing} ignore 3", make)
+
+
+# op name -> (fastformer op, reference op, cases). Odd sizes on purpose.
+OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
+    "attention": (ops.attention, reference.attention, [
+        _attention_case(1, 1, 1, 1, 64, ()),
+        _attention_case(2, 3, 7, 7, 40, ("kpm", "causal")),
+        _attention_case(1, 2, 13, 29, 59, ("bool",)),
+        _attention_case(2, 1, 29, 13, 80, ("causal", "float")),
+    ]),
+    "add_layer_norm": (ops.add_layer_norm, reference.add_layer_norm, [
+        _aln_case(7, 1023, False), _aln_case(16, 64, False), _aln_case(5, 333, True),
+    ]),
+    "feed_forward": (ops.feed_forward, reference.feed_forward, [
+        _ff_case(7, 40, 111, "relu"), _ff_case(16, 64, 256, "gelu"), _ff_case(1, 33, 65, "gelu"),
+    ]),
+    "cross_entropy": (ops.cross_entropy, reference.cross_entropy, [
+        _ce_case(7, 1001, 0.1), _ce_case(16, 128, 0.0),
+    ]),
+    "linear_cross_entropy": (ops.linear_cross_entropy, reference.linear_cross_entropy, [
+        _lce_case(13, 40, 1001, 0.1), _lce_case(4, 64, 97, 0.0),
+    ]),
+}
+
+
+def _run(fn, inputs: Sequence[Optional[torch.Tensor]], kwargs: dict, douts_gen: torch.Generator):
+    """fn's outputs and the gradients of every input, for a seeded random upstream gradient."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves, **kwargs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    douts = [torch.randn(o.shape, generator=douts_gen).to(o.device, o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, [t for t in leaves if t is not None], douts)
+    return [o.detach() for o in outs] + list(grads)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    d = (a.double() - b.double()).abs()
+    return math.inf if not torch.isfinite(d).all() else d.max().item()
+
+
+def check_case(op: str, case: Case, backend: str, device: str, dtype: torch.dtype) -> Tuple[float, float]:
+    """(the worst error / tolerance ratio's error, its tolerance) over the case's outputs and grads."""
+    fn, ref_fn, _ = OPS[op]
+    inputs, kwargs = case.make(torch.Generator().manual_seed(0))
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    low = [t.to(device, dtype) for t in inputs]  # the inputs the kernel sees
+    exact = [t.float() for t in low]             # the same values, in fp32
+
+    def kernel(*args, **kw):
+        with backends.use_backend(backend):
+            return fn(*args, **kw)
+
+    got = _run(kernel, low, kwargs, torch.Generator().manual_seed(1))
+    want = _run(ref_fn, exact, kwargs, torch.Generator().manual_seed(1))
+    lowp = _run(ref_fn, low, kwargs, torch.Generator().manual_seed(1)) if dtype != torch.float32 else None
+    worst = (0.0, 1.0)
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = w.abs().max().item() if w.numel() else 0.0
+        if dtype == torch.float32:
+            tol = FP32_TOL[0] + FP32_TOL[1] * scale
+        else:
+            tol = LOWP_FACTOR * _err(lowp[i], w) + LOWP_FLOOR * max(scale, 1e-3)
+        err = _err(g, w)
+        if g.dtype != dtype:
+            err = math.inf
+        if err / tol > worst[0] / worst[1]:
+            worst = (err, tol)
+    return worst
+
+
+def targets(names: Optional[Sequence[str]] = None) -> List[Tuple[str, str, Optional[str]]]:
+    """(backend, device, reason it cannot run or None) for each kernel backend asked for."""
+    out = []
+    for name in names or KERNEL_BACKENDS:
+        device = "cuda" if name == "cuda" or torch.cuda.is_available() else "cpu"
+        if name == "triton" and device == "cpu" and not names:
+            out.append((name, device, "runs on a GPU (ask for it with --backend triton to use the interpreter)"))
+            continue
+        avail = backends.availability(name, device)
+        out.append((name, device, None if avail else avail.reason))
+    return out
+
+
+def run(backend_names: Optional[Sequence[str]] = None, op_names: Optional[Sequence[str]] = None,
+        print_fn=print) -> int:
+    """Print the availability table and one line per (op, backend, dtype); the number of failures."""
+    print_fn("backends:")
+    for name, avail in backends.available_backends().items():
+        print_fn(f"  {name:<10} {'available' if avail else 'unavailable: ' + avail.reason}")
+    failures = ran = 0
+    for backend, device, why in targets(backend_names):
+        if why is not None:
+            print_fn(f"skip {backend}: {why}")
+            continue
+        dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
+        for op in op_names or OPS:
+            for dtype in dtypes:
+                ran += 1
+                worst, fail, bad_case = (0.0, 1.0), None, ""
+                for case in OPS[op][2]:
+                    try:
+                        err, tol = check_case(op, case, backend, device, dtype)
+                    except Exception as e:  # a kernel that raises fails its line, the rest still run
+                        fail = f"{case.name}: {type(e).__name__}: {e}"
+                        break
+                    if err / tol > worst[0] / worst[1]:
+                        worst, bad_case = (err, tol), case.name
+                ok = fail is None and worst[0] <= worst[1]
+                failures += not ok
+                detail = fail or f"max err {worst[0]:.2e} (tol {worst[1]:.2e}) worst case: {bad_case}"
+                print_fn(f"{'PASS' if ok else 'FAIL'} {op:<21} {backend:<7} {DTYPE_NAMES[dtype]:<5} {detail}")
+    if ran == 0:
+        print_fn("FAIL no kernel backend could run here")
+        return 1
+    print_fn(f"{ran - failures}/{ran} passed")
+    return failures
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", choices=KERNEL_BACKENDS, dest="backends",
+                   help="check only this backend (repeatable; default: every one that can run here, "
+                        "triton only on a GPU)")
+    p.add_argument("--op", action="append", choices=sorted(OPS), dest="ops", help="check only this op (repeatable)")
+
+
+__all__ = ["run", "check_case", "targets", "add_arguments", "OPS"]

@@ -1,0 +1,95 @@
+"""``python -m fastformer check``: passes on the kernels of this machine, and fails (non-zero exit,
+a FAIL line naming the op, backend and dtype) when a kernel computes a wrong value, forward or
+backward."""
+import pytest
+import torch
+
+from fastformer import backends, check
+from fastformer.__main__ import main
+
+CPU = pytest.mark.skipif(not backends.availability("cpu", "cpu"),
+                         reason=backends.availability("cpu", "cpu").reason or "")
+
+
+@CPU
+@pytest.mark.parametrize("op", sorted(check.OPS))
+def test_check_passes_on_this_machine(op, capsys):
+    code = main(["check", "--backend", "cpu", "--op", op])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert [line.split()[:4] for line in lines] == [
+        ["PASS", op, "cpu", "fp32"], ["PASS", op, "cpu", "bf16"]], out
+    assert code == 0, out
+
+
+def test_check_lists_every_backend_and_why(capsys):
+    main(["check", "--op", "cross_entropy"])
+    out = capsys.readouterr().out
+    for name, avail in backends.available_backends().items():
+        assert f"  {name}" in out
+        if not avail:
+            assert avail.reason in out
+
+
+class _Faulty(backends.Kernels):
+    """The cpu kernels with one function's first result scaled by 1.01."""
+
+    def __init__(self, fn):
+        super().__init__("cpu")
+        self.fn = fn
+
+    def __getattr__(self, name):
+        real = super().__getattr__(name)
+        if name != self.fn:
+            return real
+
+        def wrong(*args, **kwargs):
+            first, *rest = real(*args, **kwargs)
+            return (first * 1.01, *rest)
+        return wrong
+
+
+@CPU
+@pytest.mark.parametrize("op, fn", [("cross_entropy", "cross_entropy_fwd"),        # the loss
+                                    ("attention", "attention_bwd"),                # dq only
+                                    ("add_layer_norm", "add_layer_norm_bwd")])     # dx only
+def test_check_fails_on_a_wrong_kernel(op, fn, monkeypatch, capsys):
+    monkeypatch.setitem(backends._KERNELS, "cpu", _Faulty(fn))
+    code = main(["check", "--backend", "cpu", "--op", op])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert any(line.split()[1:4] == [op, "cpu", "fp32"] for line in fails), out
+
+
+@CPU
+def test_check_fails_on_a_kernel_that_raises(monkeypatch, capsys):
+    def boom(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    class Raising(backends.Kernels):
+        def __getattr__(self, name):
+            return boom if name == "feed_forward_fwd" else super().__getattr__(name)
+
+    monkeypatch.setitem(backends._KERNELS, "cpu", Raising("cpu"))
+    assert main(["check", "--backend", "cpu", "--op", "feed_forward"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL feed_forward" in out and "kernel exploded" in out
+
+
+def test_check_fails_when_nothing_can_run(monkeypatch, capsys):
+    monkeypatch.setattr(check, "targets", lambda names=None: [("cuda", "cuda", "no GPU here")])
+    assert main(["check"]) == 1
+    assert "no kernel backend could run here" in capsys.readouterr().out
+
+
+def test_fp16_is_checked_on_cuda_only(monkeypatch):
+    """The dtypes per device: fp32 and bf16 everywhere, fp16 on CUDA (DESIGN.md's contract)."""
+    seen = []
+    monkeypatch.setattr(check, "targets", lambda names=None: [("cpu", "cpu", None), ("cuda", "cuda", None)])
+    monkeypatch.setattr(check, "check_case",
+                        lambda op, case, backend, device, dtype: seen.append((backend, dtype)) or (0.0, 1.0))
+    assert check.run(op_names=["cross_entropy"], print_fn=lambda *a: None) == 0
+    assert sorted(set(seen), key=str) == sorted({("cpu", torch.float32), ("cpu", torch.bfloat16),
+                                                 ("cuda", torch.float32), ("cuda", torch.bfloat16),
+                                                 ("cuda", torch.float16)}, key=str)
