@@ -40,3 +40,29 @@ const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, 
 // out () in dtype = sum of loss_rows (n,) in a fixed order, / *mean_count when given.
 const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const int64_t* mean_count,
                                         void* out, int dtype, void* stream);
+
+// ---- add_layer_norm (csrc/cuda/add_layer_norm.cu)
+// Rows of C columns, x / residual / y / h (N, C) contiguous, weight / bias (C,), all of one dtype;
+// mean / rstd (N,) fp32. 128-bit vector loads are used where every row start is 16-byte aligned.
+// Forward: h = residual + dropout(x) (dropout(x) when residual is null; Philox v2 with rows of C
+// columns), rounded to the dtype and stored; mean / rstd from the stored h;
+// y = (h - mean) * rstd * weight + bias.
+const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const void* weight,
+                                      const void* bias, void* y, void* h, float* mean, float* rstd,
+                                      int64_t N, int64_t C, int dtype, double eps,
+                                      double dropout_p, uint64_t seed, uint64_t offset,
+                                      void* stream);
+// The number of row parts of the backward's first dweight / dbias stage (its workspace is
+// (parts, 2, C) fp32).
+int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C);
+// Backward: with g = dy * weight, xhat = (h - mean) * rstd,
+//   dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh when dh is not null],
+//   dx = dh_total * keep * scale, dresidual = dh_total (written only when dresidual is not null),
+//   dweight = sum over rows of dy * xhat, dbias = sum of dy: per part of rows into partial
+//   (parts, 2, C), then summed over parts in a fixed order (deterministic, no atomics).
+const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void* h,
+                                      const void* weight, const float* mean, const float* rstd,
+                                      void* dx, void* dresidual, void* dweight, void* dbias,
+                                      float* partial, int64_t parts, int64_t N, int64_t C,
+                                      int dtype, double dropout_p, uint64_t seed, uint64_t offset,
+                                      void* stream);
