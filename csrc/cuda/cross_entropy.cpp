@@ -15,16 +15,8 @@
 namespace fastformer {
 namespace {
 
-int dtype_code(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    default: return 2;  // bfloat16: check_logits admits nothing else
-  }
-}
-
 void check_logits(const char* op, const at::Tensor& t) {
-  ff_check_tensor(t, "logits");
+  ff_check_tensor(t, "logits", op);
   TORCH_CHECK(t.dim() == 2, op, ": logits must have 2 dimensions, got shape ", t.sizes());
   const auto dt = t.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
@@ -34,7 +26,7 @@ void check_logits(const char* op, const at::Tensor& t) {
 }
 
 void check_target(const char* op, const at::Tensor& target, const at::Tensor& logits) {
-  ff_check_tensor(target, "target");
+  ff_check_tensor(target, "target", op);
   TORCH_CHECK(target.device() == logits.device(), op, ": target must be on logits' device (",
               logits.device(), "), got ", target.device());
   TORCH_CHECK(target.scalar_type() == at::kLong, op, ": target must be int64, got ",
@@ -70,14 +62,15 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logi
   const int64_t* mean_count = reduction == 1 ? count.const_data_ptr<int64_t>() : nullptr;
   at::Tensor loss_rows = at::empty({n}, logits.options().dtype(at::kFloat));  // (N,)
   at::Tensor grad = compute_grad ? at::empty_like(logits) : at::empty({0}, logits.options());
+  const int code = ff_dtype_code(logits, "logits", op);
   FF_CHECK_LAUNCH(launch_cross_entropy_fwd(
-      logits.const_data_ptr(), target.const_data_ptr<int64_t>(), compute_grad ? grad.data_ptr() : nullptr,
-      loss_rows.data_ptr<float>(), n, V, dtype_code(logits), label_smoothing, ignore_index, nullptr,
-      mean_count, 1.0, stream));
+      logits.const_data_ptr(), target.const_data_ptr<int64_t>(),
+      compute_grad ? grad.data_ptr() : nullptr, loss_rows.data_ptr<float>(), n, V, code,
+      label_smoothing, ignore_index, nullptr, mean_count, 1.0, stream));
   if (reduction == 0) return {loss_rows.to(logits.scalar_type()), grad};
   at::Tensor loss = at::empty({}, logits.options());
   FF_CHECK_LAUNCH(launch_cross_entropy_reduce(loss_rows.const_data_ptr<float>(), n, mean_count,
-                                              loss.data_ptr(), dtype_code(logits), stream));
+                                              loss.data_ptr(), code, stream));
   return {loss, grad};
 }
 

@@ -5,6 +5,8 @@
 //   * the row kernel (one block per row) sweeps the row once with an online log-sum-exp (max,
 //     sum of exp, sum of logits; fp32 for 16-bit logits), writes the row's loss and, when asked,
 //     sweeps it again with the final lse to write the gradient (which may alias the logits);
+//     a NaN or +inf logit, or a row of only -inf logits, has no finite log-sum-exp: its loss and
+//     gradient are NaN, as F.cross_entropy's (the logits' sum tells, as in the CPU kernel);
 //   * a one-block kernel sums the per-row losses in a fixed order (fp64), for mean and sum.
 #include "common.cuh"
 
@@ -14,14 +16,6 @@
 
 namespace {
 
-FF_DEVICE float to_float(float v) { return v; }
-FF_DEVICE float to_float(__half v) { return __half2float(v); }
-FF_DEVICE float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> FF_DEVICE T from_float(float v);
-template <> FF_DEVICE float from_float<float>(float v) { return v; }
-template <> FF_DEVICE __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> FF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 constexpr int kMaxWarps = 32;
 constexpr int kReduceThreads = 256;
 
@@ -29,7 +23,7 @@ constexpr int kReduceThreads = 256;
 FF_DEVICE void lse_merge(float& m, float& s, float m2, float s2) {
   const float mx = fmaxf(m, m2);
   if (mx == -INFINITY) return;  // both empty (or only -inf): s stays 0
-  s = s * __expf(m - mx) + s2 * __expf(m2 - mx);
+  s = s * expf(m - mx) + s2 * expf(m2 - mx);
   m = mx;
 }
 
@@ -61,21 +55,19 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
     const bool valid = t != ignore_index;
     const bool in_range = t >= 0 && t < V;
     // x_t is read before the barriers below, so before any thread overwrites the row.
-    const float x_t = (tid == 0 && valid && in_range) ? to_float(x[t]) : 0.0f;
+    const float x_t = (tid == 0 && valid && in_range) ? ff_to_float(x[t]) : 0.0f;
 
     // Sweep 1: online max / sum of exp, and the sum of the logits.
     float m = -INFINITY, s = 0.0f, sx = 0.0f;
     for (int64_t c = tid; c < V; c += blockDim.x) {
-      const float v = to_float(x[c]);
+      const float v = ff_to_float(x[c]);
       sx += v;
       if (v > m) {
-        s = s * __expf(m - v) + 1.0f;
+        s = s * expf(m - v) + 1.0f;
         m = v;
       } else if (v > -INFINITY) {
-        s += __expf(v - m);
-      } else if (v != v) {
-        s = v;  // nan: poisons the row as torch does
-      }
+        s += expf(v - m);
+      }  // a NaN passes both tests: the logits' sum flags its row below
     }
 #pragma unroll
     for (int k = 16; k > 0; k >>= 1) {
@@ -102,7 +94,8 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
         lse_merge(m, s, m2, s2);
       }
       if (lane == 0) {
-        const float lse = m + logf(s);
+        const bool no_lse = sx != sx || sx == INFINITY || m == -INFINITY;
+        const float lse = no_lse ? NAN : m + logf(s);
         row_stats[0] = lse;
         row_stats[1] = sx;
         float loss = 0.0f;
@@ -135,10 +128,10 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
       for (int64_t c = tid; c < V; c += blockDim.x) {
         float gv = 0.0f;
         if (sc != 0.0f) {
-          gv = __expf(to_float(x[c]) - lse) * sc - smooth;
+          gv = expf(ff_to_float(x[c]) - lse) * sc - smooth;
           if (c == t) gv -= hit;
         }
-        g[c] = from_float<T>(gv);
+        g[c] = ff_from_float<T>(gv);
       }
     }
     __syncthreads();  // row_stats and red_* are reused by the next row
@@ -181,13 +174,8 @@ __global__ void _cross_entropy_reduce(const float* __restrict__ loss_rows,    //
   if (threadIdx.x == 0) {
     double total = part[0];
     if (mean_count != nullptr) total /= static_cast<double>(*mean_count);
-    out[0] = from_float<T>(static_cast<float>(total));
+    out[0] = ff_from_float<T>(static_cast<float>(total));
   }
-}
-
-const char* last_error() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 // Threads per row: about 16 classes per thread, a power of two in [32, 512].
@@ -219,7 +207,7 @@ const char* launch_cross_entropy_count_valid(const int64_t* target, int64_t n, i
                                              int64_t* count, void* stream) {
   FF_LAUNCH(_cross_entropy_count, dim3(1), dim3(kReduceThreads), 0, stream, target, n, ignore_index,
             count);
-  return last_error();
+  return ff_last_error();
 }
 
 const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, void* grad,
@@ -229,22 +217,13 @@ const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, 
                                      double scale, void* stream) {
   if (n == 0) return nullptr;
   const float eps = static_cast<float>(label_smoothing), sc = static_cast<float>(scale);
-  switch (dtype) {
-    case 0: fwd<float>(logits, target, grad, loss_rows, n, V, eps, ignore_index, row_scale, mean_count, sc, stream); break;
-    case 1: fwd<__half>(logits, target, grad, loss_rows, n, V, eps, ignore_index, row_scale, mean_count, sc, stream); break;
-    case 2: fwd<__nv_bfloat16>(logits, target, grad, loss_rows, n, V, eps, ignore_index, row_scale, mean_count, sc, stream); break;
-    default: return "launch_cross_entropy_fwd: dtype code must be 0, 1 or 2";
-  }
-  return last_error();
+  FF_DISPATCH_DTYPE(dtype, T, fwd<T>(logits, target, grad, loss_rows, n, V, eps, ignore_index,
+                                     row_scale, mean_count, sc, stream));
+  return ff_last_error();
 }
 
 const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const int64_t* mean_count,
                                         void* out, int dtype, void* stream) {
-  switch (dtype) {
-    case 0: reduce<float>(loss_rows, n, mean_count, out, stream); break;
-    case 1: reduce<__half>(loss_rows, n, mean_count, out, stream); break;
-    case 2: reduce<__nv_bfloat16>(loss_rows, n, mean_count, out, stream); break;
-    default: return "launch_cross_entropy_reduce: dtype code must be 0, 1 or 2";
-  }
-  return last_error();
+  FF_DISPATCH_DTYPE(dtype, T, reduce<T>(loss_rows, n, mean_count, out, stream));
+  return ff_last_error();
 }

@@ -1,59 +1,72 @@
-// The feed-forward block's elementwise passes for CUDA (the GEMMs run in ATen, see
+// The feed-forward block's elementwise kernels for CUDA (the GEMMs run in ATen, see
 // feed_forward.cpp):
-//   forward:  pre += b1 in place, a = dropout(act(pre))            (one pass over (N, F))
-//   backward: a = dropout(act(pre)), dpre = da * keep * scale * act'(pre) over da in place
-// and the deterministic two-stage column sum that gives the bias gradients (also used by the
-// chunked linear cross-entropy for dbias).
+//   forward:  pre += b1 in place, a = dropout(act(pre))                        (one pass over (N, F))
+//   backward: a = dropout(act(pre)), dpre = da * keep * scale * act'(pre) over da in place, and
+//             db1's per-part column sums of dpre, in the same pass; a second small kernel adds
+//             the parts in a fixed order (deterministic, no atomics)
+// and the two-stage column sum that gives db2 (and the chunked linear cross-entropy's dbias).
 //
-// Dropout is Philox v2: the (N, F) activations are rows of C = F columns; one thread owns one
-// group of 8 columns of one row, draws that group's single Philox call and uses its 16-bit halves.
+// Dropout is Philox v2 (philox.cuh): the (N, F) activations are rows of C = F columns; one thread
+// owns one group of 8 columns of a row, makes that group's single Philox call and uses its eight
+// 16-bit values. Blocks are (32, 8) threads: x walks 32 groups (256 contiguous columns, so a warp
+// reads 256 contiguous elements of a row), y walks rows. Where F % 8 == 0 and every pointer is
+// aligned to 8 elements, a group moves as one vector (16 bytes for 16-bit types, 2 x 16 for fp32).
 #include "common.cuh"
 #include "philox.cuh"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 namespace {
 
-FF_DEVICE float to_float(float v) { return v; }
-FF_DEVICE float to_float(__half v) { return __half2float(v); }
-FF_DEVICE float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> FF_DEVICE T from_float(float v);
-template <> FF_DEVICE float from_float<float>(float v) { return v; }
-template <> FF_DEVICE __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> FF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// Philox v2: the four words of group counter n.
-FF_DEVICE void philox_words(uint64_t seed, uint64_t n, uint32_t w[4]) {
-  const FfPhilox4 r = ff_philox4x32_10(seed, n);
-  w[0] = r.w[0];
-  w[1] = r.w[1];
-  w[2] = r.w[2];
-  w[3] = r.w[3];
-}
-
-// Philox v2: column j (0..7) of a group is kept iff its 16 bits u >= threshold.
-FF_DEVICE bool dropout_keep(const uint32_t w[4], int j, uint32_t threshold) {
-  const uint32_t u = (w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
-  return u >= threshold;
-}
-
-// T = floor(p * 65536 + 0.5), at most 65536.
-uint32_t dropout_threshold16(double p) {
-  const double t = std::floor(p * 65536.0 + 0.5);
-  return static_cast<uint32_t>(t < 0.0 ? 0.0 : (t > 65536.0 ? 65536.0 : t));
-}
-
 constexpr int kActRelu = 0;
-constexpr int kThreads = 256;
+constexpr int kTileGroups = 32;  // blockDim.x: groups of 8 columns per block
+constexpr int kTileRows = 8;     // blockDim.y: rows in flight per block
+constexpr int kTileCols = kTileGroups * kFfDropoutGroup;  // 256 columns per block
+constexpr int kFinalThreads = 256;
 
-FF_DEVICE float activate(float p, int act) {
-  if (act == kActRelu) return fmaxf(p, 0.0f);
-  return 0.5f * p * (1.0f + erff(p * 0.70710678118654752f));  // exact gelu
+// Eight elements moved as one aligned vector.
+template <typename T>
+struct alignas(sizeof(T) * 8) Pack8 {
+  T v[8];
+};
+
+// v[0 .. cnt) = p[0 .. cnt) as fp32 (vec: cnt is 8 and p is aligned to 8 elements).
+template <typename T>
+FF_DEVICE void load8(const T* p, int cnt, bool vec, float (&v)[8]) {
+  if (vec) {
+    const Pack8<T> pk = *reinterpret_cast<const Pack8<T>*>(p);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = ff_to_float(pk.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = j < cnt ? ff_to_float(p[j]) : 0.0f;
+  }
 }
 
-// d act / d p: relu 1 where p > 0 (0 at exactly 0, F.relu's rule); gelu Phi(p) + p phi(p).
+// p[0 .. cnt) = v[0 .. cnt) rounded to T.
+template <typename T>
+FF_DEVICE void store8(T* p, int cnt, bool vec, const float (&v)[8]) {
+  if (vec) {
+    Pack8<T> pk;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) pk.v[j] = ff_from_float<T>(v[j]);
+    *reinterpret_cast<Pack8<T>*>(p) = pk;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < cnt) p[j] = ff_from_float<T>(v[j]);
+    }
+  }
+}
+
+// relu keeps a NaN (as F.relu); gelu is the exact erf form.
+FF_DEVICE float activate(float p, int act) {
+  if (act == kActRelu) return p < 0.0f ? 0.0f : p;
+  return 0.5f * p * (1.0f + erff(p * 0.70710678118654752f));
+}
+
+// d act / d p: relu 1 where p > 0 (0 at exactly 0 and for NaN, F.relu's rule); gelu Phi(p) + p phi(p).
 FF_DEVICE float activate_grad(float p, int act) {
   if (act == kActRelu) return p > 0.0f ? 1.0f : 0.0f;
   const float cdf = 0.5f * (1.0f + erff(p * 0.70710678118654752f));
@@ -61,93 +74,125 @@ FF_DEVICE float activate_grad(float p, int act) {
   return fmaf(p, pdf, cdf);
 }
 
-// Grid-stride over the N * G groups of 8 columns (G = ceil(F / 8)); per group one Philox call.
-// pre (N, F) gets b1 added in place when b1 is not null; a (N, F) = dropout(act(pre)).
+// The dropout multipliers of the 8 columns of group g of row r: scale if kept, else 0 (a dropped
+// NaN stays NaN, as x * 0 in the reference).
+FF_DEVICE void dropout_factors(uint64_t seed, uint64_t offset, int64_t r, int64_t F, int64_t g,
+                               uint32_t threshold, float scale, float (&f)[8]) {
+  const uint32_t keep = ff_dropout_keep8(seed, ff_dropout_counter(offset, r, F, g), threshold);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) f[j] = ((keep >> j) & 1u) ? scale : 0.0f;
+}
+
+// Forward. Block (32, 8), grid (ceil(G / 32), row blocks): thread (x, y) handles group
+// 32 blockIdx.x + x of rows 8 blockIdx.y + y, + 8 gridDim.y, ...
+// pre (N, F) gets b1 added in place (rounded to T: the activation sees exactly the saved pre,
+// as backward will); a (N, F) = dropout(act(pre)).
 template <typename T>
-__global__ void _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b1
+__global__ void __launch_bounds__(kTileGroups * kTileRows, 4) _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b1
                                       const T* __restrict__ b1,   // (F,) or nullptr
-                                      T* __restrict__ a,          // (N, F) out: dropout(act(pre))
+                                      T* __restrict__ a,          // (N, F) out
                                       int64_t N,                  // rows
                                       int64_t F,                  // columns (dropout row length C)
                                       int act,                    // 0 relu, 1 gelu
-                                      uint32_t threshold,         // Philox v2 16-bit threshold T
+                                      uint32_t threshold,         // Philox v2 16-bit threshold
                                       float scale,                // 1 / (1 - p)
                                       uint64_t seed,              // Philox key
-                                      uint64_t offset) {          // first Philox counter
-  const int64_t G = (F + 7) / 8;
-  const int64_t total = N * G;
-  const bool drop = threshold > 0;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / G, g = idx - r * G;
-    const int64_t c0 = g * 8;
-    const int cnt = static_cast<int>(F - c0 < 8 ? F - c0 : 8);
-    uint32_t w[4] = {0u, 0u, 0u, 0u};
-    if (drop) philox_words(seed, offset + static_cast<uint64_t>(idx), w);
-    T* p = pre + r * F + c0;
-    T* o = a + r * F + c0;
+                                      uint64_t offset,            // first Philox counter
+                                      bool vec) {                 // 8-element vector access
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
+  const int64_t c0 = g * kFfDropoutGroup;
+  if (c0 >= F) return;  // no barrier in this kernel
+  const int cnt = static_cast<int>(F - c0 < 8 ? F - c0 : 8);
+  float bias[8];
+  if (b1 != nullptr) {
+    load8(b1 + c0, cnt, vec, bias);
+  }
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * kTileRows + threadIdx.y; r < N;
+       r += static_cast<int64_t>(gridDim.y) * kTileRows) {
+    const int64_t at = r * F + c0;
+    float v[8], f[8];
+    load8(pre + at, cnt, vec, v);
+    if (b1 != nullptr) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < cnt) {
-        float v = to_float(p[j]);
-        if (b1 != nullptr) {
-          v += to_float(b1[c0 + j]);
-          const T stored = from_float<T>(v);
-          p[j] = stored;
-          v = to_float(stored);  // the activation sees the saved pre exactly, as backward will
-        }
-        float y = activate(v, act);
-        y = (drop && !dropout_keep(w, j, threshold)) ? 0.0f : y * scale;  // T = 0: all kept, scaled
-        o[j] = from_float<T>(y);
-      }
+      for (int j = 0; j < 8; ++j) v[j] = ff_to_float(ff_from_float<T>(v[j] + bias[j]));
+      store8(pre + at, cnt, vec, v);
     }
+    dropout_factors(seed, offset, r, F, g, threshold, scale, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = activate(v[j], act) * f[j];
+    store8(a + at, cnt, vec, v);
   }
 }
 
-// a = dropout(act(pre)) (dw2 needs it) and dpre = da * keep * scale * act'(pre) written over da.
+// Backward. Block (32, 8), grid (ceil(G / 32), parts): the block walks rows [r0, r1) of its part,
+// thread (x, y) rows r0 + y, r0 + y + 8, ... of group 32 blockIdx.x + x, writing
+// a = dropout(act(pre)) (dw2 needs it) and dpre = da * keep * scale * act'(pre) over da; with
+// partial (db1 wanted), the part's column sums of dpre (fp32, fixed order) go to
+// partial[part, c].
 template <typename T>
-__global__ void _feed_forward_act_bwd(const T* __restrict__ pre,  // (N, F) saved pre-activation
-                                      T* __restrict__ dpre,       // (N, F) in: da, out: dpre
-                                      T* __restrict__ a,          // (N, F) out: dropout(act(pre))
-                                      int64_t N,                  // rows
-                                      int64_t F,                  // columns
-                                      int act,                    // 0 relu, 1 gelu
-                                      uint32_t threshold,         // Philox v2 16-bit threshold T
-                                      float scale,                // 1 / (1 - p)
-                                      uint64_t seed,              // Philox key
-                                      uint64_t offset) {          // first Philox counter
-  const int64_t G = (F + 7) / 8;
-  const int64_t total = N * G;
-  const bool drop = threshold > 0;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / G, g = idx - r * G;
-    const int64_t c0 = g * 8;
-    const int cnt = static_cast<int>(F - c0 < 8 ? F - c0 : 8);
-    uint32_t w[4] = {0u, 0u, 0u, 0u};
-    if (drop) philox_words(seed, offset + static_cast<uint64_t>(idx), w);
-    const T* p = pre + r * F + c0;
-    T* d = dpre + r * F + c0;
-    T* o = a + r * F + c0;
+__global__ void __launch_bounds__(kTileGroups * kTileRows, 4) _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activation
+                                      T* __restrict__ dpre,        // (N, F) in: da, out: dpre
+                                      T* __restrict__ a,           // (N, F) out
+                                      float* __restrict__ partial,  // (parts, F) or nullptr
+                                      int64_t N,                   // rows
+                                      int64_t F,                   // columns
+                                      int64_t rows_per_part,       // rows of one part
+                                      int act,                     // 0 relu, 1 gelu
+                                      uint32_t threshold,          // Philox v2 16-bit threshold
+                                      float scale,                 // 1 / (1 - p)
+                                      uint64_t seed,               // Philox key
+                                      uint64_t offset,             // first Philox counter
+                                      bool vec) {                  // 8-element vector access
+  __shared__ float sums[kTileRows][kTileCols + 1];  // per row lane: the 256 columns' sums
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
+  const int64_t c0 = g * kFfDropoutGroup;
+  const int cnt = c0 < F ? static_cast<int>(F - c0 < 8 ? F - c0 : 8) : 0;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_part;
+  const int64_t r1 = r0 + rows_per_part < N ? r0 + rows_per_part : N;
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (cnt > 0) {
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kTileRows) {
+      const int64_t at = r * F + c0;
+      float p[8], d[8], f[8], out[8];
+      load8(pre + at, cnt, vec, p);
+      load8(dpre + at, cnt, vec, d);
+      dropout_factors(seed, offset, r, F, g, threshold, scale, f);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < cnt) {
-        const float v = to_float(p[j]);
-        const float f = (drop && !dropout_keep(w, j, threshold)) ? 0.0f : scale;
-        o[j] = from_float<T>(activate(v, act) * f);
-        d[j] = from_float<T>(to_float(d[j]) * activate_grad(v, act) * f);
+      for (int j = 0; j < 8; ++j) {
+        out[j] = activate(p[j], act) * f[j];
+        d[j] = d[j] * activate_grad(p[j], act) * f[j];
+      }
+      store8(a + at, cnt, vec, out);
+      store8(dpre + at, cnt, vec, d);
+      if (partial != nullptr) {
+        // the sums see the stored (rounded) dpre, as a column sum of the dpre tensor would
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += ff_to_float(ff_from_float<T>(d[j]));
       }
     }
+  }
+  if (partial == nullptr) return;  // uniform over the grid: no thread waits at the barrier below
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sums[threadIdx.y][threadIdx.x * 8 + j] = acc[j];
+  __syncthreads();
+  // thread t of the 256 sums column t of the tile over the 8 row lanes, in order
+  const int t = threadIdx.y * kTileGroups + threadIdx.x;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileCols + t;
+  if (c < F) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kTileRows; ++k) s += sums[k][t];
+    partial[static_cast<int64_t>(blockIdx.y) * F + c] = s;
   }
 }
 
 // Stage 1 of the column sum: block (32, 8) sums columns [32 bx, 32 bx + 32) over the rows of
 // part by (rows_per_part of them) in a fixed order, one fp32 partial per (part, column).
 template <typename T>
-__global__ void _colsum_partial(const T* __restrict__ x,     // (rows, cols)
-                                int64_t rows,                // rows
-                                int64_t cols,                // columns
-                                int64_t rows_per_part,       // rows summed by one part
+__global__ void _colsum_partial(const T* __restrict__ x,        // (rows, cols)
+                                int64_t rows,                   // rows
+                                int64_t cols,                   // columns
+                                int64_t rows_per_part,          // rows summed by one part
                                 float* __restrict__ partial) {  // (parts, cols) out
   __shared__ float tile[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
@@ -155,7 +200,7 @@ __global__ void _colsum_partial(const T* __restrict__ x,     // (rows, cols)
   const int64_t r1 = r0 + rows_per_part < rows ? r0 + rows_per_part : rows;
   float acc = 0.0f;
   if (c < cols) {
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) acc += to_float(x[r * cols + c]);
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) acc += ff_to_float(x[r * cols + c]);
   }
   tile[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
@@ -180,42 +225,19 @@ __global__ void _colsum_final(const float* __restrict__ partial,  // (parts, col
   out[c] = accumulate ? out[c] + s : s;
 }
 
-unsigned grid_for(int64_t work, int64_t threads) {
-  const int64_t blocks = (work + threads - 1) / threads;
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 20)));
+// Vector access: F a multiple of 8 and every pointer aligned to 8 elements.
+bool vector_ok(int64_t F, int64_t elem, const void* p0, const void* p1, const void* p2) {
+  const uintptr_t align = static_cast<uintptr_t>(8 * elem);
+  auto ok = [align](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % align == 0; };
+  return F % 8 == 0 && ok(p0) && ok(p1) && ok(p2);
 }
 
-const char* last_error() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+unsigned tiles_for(int64_t F) {
+  return static_cast<unsigned>((ff_dropout_groups(F) + kTileGroups - 1) / kTileGroups);
 }
 
-template <typename T>
-void act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F, int act, uint32_t threshold,
-             float scale, uint64_t seed, uint64_t offset, void* stream) {
-  const int64_t groups = N * ((F + 7) / 8);
-  FF_LAUNCH(_feed_forward_act_fwd<T>, dim3(grid_for(groups, kThreads)), dim3(kThreads), 0, stream,
-            static_cast<T*>(pre), static_cast<const T*>(b1), static_cast<T*>(a), N, F, act, threshold,
-            scale, seed, offset);
-}
-
-template <typename T>
-void act_bwd(const void* pre, void* dpre, void* a, int64_t N, int64_t F, int act,
-             uint32_t threshold, float scale, uint64_t seed, uint64_t offset, void* stream) {
-  const int64_t groups = N * ((F + 7) / 8);
-  FF_LAUNCH(_feed_forward_act_bwd<T>, dim3(grid_for(groups, kThreads)), dim3(kThreads), 0, stream,
-            static_cast<const T*>(pre), static_cast<T*>(dpre), static_cast<T*>(a), N, F, act,
-            threshold, scale, seed, offset);
-}
-
-template <typename T>
-void colsum_partial(const void* x, int64_t rows, int64_t cols, int64_t parts, float* partial,
-                    void* stream) {
-  const int64_t rows_per_part = (rows + parts - 1) / parts;
-  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(parts));
-  FF_LAUNCH(_colsum_partial<T>, grid, dim3(32, 8), 0, stream, static_cast<const T*>(x), rows, cols,
-            rows_per_part, partial);
-}
+// Rows per part of the backward / colsum stage 1 for `parts` parts.
+int64_t rows_per_part(int64_t rows, int64_t parts) { return (rows + parts - 1) / parts; }
 
 }  // namespace
 
@@ -226,31 +248,41 @@ int64_t colsum_num_parts(int64_t rows) {
 const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, void* stream) {
-  if (N * F == 0) return nullptr;
-  const uint32_t threshold = dropout_threshold16(dropout_p);
+  if (N == 0 || F == 0) return nullptr;
+  const uint32_t threshold = ff_dropout_threshold(dropout_p);
   const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  switch (dtype) {
-    case 0: act_fwd<float>(pre, b1, a, N, F, activation, threshold, scale, seed, offset, stream); break;
-    case 1: act_fwd<__half>(pre, b1, a, N, F, activation, threshold, scale, seed, offset, stream); break;
-    case 2: act_fwd<__nv_bfloat16>(pre, b1, a, N, F, activation, threshold, scale, seed, offset, stream); break;
-    default: return "launch_feed_forward_act_fwd: dtype code must be 0, 1 or 2";
-  }
-  return last_error();
+  const int64_t row_blocks = std::min<int64_t>((N + kTileRows - 1) / kTileRows, 65535);
+  const dim3 grid(tiles_for(F), static_cast<unsigned>(row_blocks)), block(kTileGroups, kTileRows);
+  FF_DISPATCH_DTYPE(dtype, T, {
+    const bool vec = vector_ok(F, sizeof(T), pre, b1, a);
+    FF_LAUNCH(_feed_forward_act_fwd<T>, grid, block, 0, stream, static_cast<T*>(pre),
+              static_cast<const T*>(b1), static_cast<T*>(a), N, F, activation, threshold, scale,
+              seed, offset, vec);
+  });
+  return ff_last_error();
 }
 
-const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, int64_t N, int64_t F,
+const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, float* db1_partial,
+                                        int64_t parts, float* db1, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, void* stream) {
-  if (N * F == 0) return nullptr;
-  const uint32_t threshold = dropout_threshold16(dropout_p);
-  const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  switch (dtype) {
-    case 0: act_bwd<float>(pre, dpre, a, N, F, activation, threshold, scale, seed, offset, stream); break;
-    case 1: act_bwd<__half>(pre, dpre, a, N, F, activation, threshold, scale, seed, offset, stream); break;
-    case 2: act_bwd<__nv_bfloat16>(pre, dpre, a, N, F, activation, threshold, scale, seed, offset, stream); break;
-    default: return "launch_feed_forward_act_bwd: dtype code must be 0, 1 or 2";
+  if (F == 0) return nullptr;
+  if (N > 0) {
+    const uint32_t threshold = ff_dropout_threshold(dropout_p);
+    const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+    const dim3 grid(tiles_for(F), static_cast<unsigned>(parts)), block(kTileGroups, kTileRows);
+    FF_DISPATCH_DTYPE(dtype, T, {
+      const bool vec = vector_ok(F, sizeof(T), pre, dpre, a);
+      FF_LAUNCH(_feed_forward_act_bwd<T>, grid, block, 0, stream, static_cast<const T*>(pre),
+                static_cast<T*>(dpre), static_cast<T*>(a), db1 != nullptr ? db1_partial : nullptr,
+                N, F, rows_per_part(N, parts), activation, threshold, scale, seed, offset, vec);
+    });
   }
-  return last_error();
+  if (db1 != nullptr) {  // N == 0: zero parts, stage 2 alone writes zeros
+    FF_LAUNCH(_colsum_final, dim3(ff_grid_blocks(F, kFinalThreads)), dim3(kFinalThreads), 0, stream,
+              static_cast<const float*>(db1_partial), N > 0 ? parts : int64_t{0}, F, db1, 0);
+  }
+  return ff_last_error();
 }
 
 const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, float* partial,
@@ -260,14 +292,13 @@ const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, 
     if (accumulate) return nullptr;
     parts = 0;  // stage 2 alone writes zeros
   } else {
-    switch (dtype) {
-      case 0: colsum_partial<float>(x, rows, cols, parts, partial, stream); break;
-      case 1: colsum_partial<__half>(x, rows, cols, parts, partial, stream); break;
-      case 2: colsum_partial<__nv_bfloat16>(x, rows, cols, parts, partial, stream); break;
-      default: return "launch_colsum: dtype code must be 0, 1 or 2";
-    }
+    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(parts));
+    FF_DISPATCH_DTYPE(dtype, T, {
+      FF_LAUNCH(_colsum_partial<T>, grid, dim3(32, 8), 0, stream, static_cast<const T*>(x), rows,
+                cols, rows_per_part(rows, parts), partial);
+    });
   }
-  FF_LAUNCH(_colsum_final, dim3(grid_for(cols, kThreads)), dim3(kThreads), 0, stream,
+  FF_LAUNCH(_colsum_final, dim3(ff_grid_blocks(cols, kFinalThreads)), dim3(kFinalThreads), 0, stream,
             static_cast<const float*>(partial), parts, cols, out, accumulate);
-  return last_error();
+  return ff_last_error();
 }

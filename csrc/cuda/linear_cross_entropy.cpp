@@ -21,14 +21,6 @@
 namespace fastformer {
 namespace {
 
-int dtype_code(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    default: return 2;  // bfloat16: check_float admits nothing else
-  }
-}
-
 // Rows per chunk: a chunk of logits takes about FASTFORMER_LCE_CHUNK_BYTES, at least 256 rows
 // (the CPU backend's rule, so both split the same way).
 int64_t chunk_rows(int64_t n, int64_t V, int64_t elem_size) {
@@ -38,7 +30,7 @@ int64_t chunk_rows(int64_t n, int64_t V, int64_t elem_size) {
 }
 
 void check_float(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
-  ff_check_tensor(t, name);
+  ff_check_tensor(t, name, op);
   TORCH_CHECK(t.dim() == ndim, op, ": ", name, " must have ", ndim, " dimensions, got shape ",
               t.sizes());
   const auto dt = t.scalar_type();
@@ -69,7 +61,7 @@ void check_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& we
     TORCH_CHECK(bias->size(0) == V, op, ": bias must have shape (", V,
                 ",) with V = weight.size(0), got shape ", bias->sizes());
   }
-  ff_check_tensor(target, "target");
+  ff_check_tensor(target, "target", op);
   TORCH_CHECK(target.device() == hidden.device(), op, ": target must be on hidden's device (",
               hidden.device(), "), got ", target.device());
   TORCH_CHECK(target.scalar_type() == at::kLong, op, ": target must be int64, got ",
@@ -99,7 +91,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   const bool lowp = dtype != at::kFloat;
   const auto f32 = hidden.options().dtype(at::kFloat);
   const int64_t rows_per_chunk = chunk_rows(n, V, hidden.element_size());
-  const int code = dtype_code(hidden);
+  const int code = ff_dtype_code(hidden, "hidden");
   void* stream = ff_stream(hidden);
 
   Grads out;
@@ -184,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
   } else {
     loss = at::empty({}, hidden.options());
     FF_CHECK_LAUNCH(launch_cross_entropy_reduce(loss_rows.const_data_ptr<float>(), n, mean_count,
-                                                loss.data_ptr(), dtype_code(hidden), stream));
+                                                loss.data_ptr(), ff_dtype_code(hidden, "hidden"), stream));
   }
   if (!compute_grad) {
     return {loss, at::empty({0}, hidden.options()), at::empty({0}, weight.options()),
@@ -201,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   constexpr const char* op = "linear_cross_entropy_bwd";
   check_inputs(op, hidden, weight, bias, target, label_smoothing);
   const int64_t n = hidden.size(0);
-  ff_check_tensor(grad_loss, "grad_loss");
+  ff_check_tensor(grad_loss, "grad_loss", op);
   TORCH_CHECK(grad_loss.device() == hidden.device(), op, ": grad_loss must be on hidden's device (",
               hidden.device(), "), got ", grad_loss.device());
   TORCH_CHECK(at::isFloatingType(grad_loss.scalar_type()), op,
