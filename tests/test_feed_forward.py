@@ -463,6 +463,16 @@ def test_cuda_float16_and_determinism(backend):
 
 
 @pytest.mark.parametrize("backend", CUDA)
+def test_cuda_bias_gradients_over_several_row_parts(backend):
+    """300 rows are 3 parts of 100 (not a multiple of the 8 row lanes) for db1's sums in the fused
+    backward pass and db2's two-stage column sum: both equal the reference's."""
+    (out, grads), _, (ref, ref_grads) = _run_case(backend, (300, 24), 40, "gelu_dropout", torch.float32)
+    assert_close("out", out, ref, *FP32_TOL[backend]["out"])
+    for name in INPUT_NAMES:
+        assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.parametrize("backend", CUDA)
 def test_cuda_nan_propagates_as_the_reference(backend):
     """A NaN in x reaches the output through relu (F.relu keeps NaN) and through a dropped element
     (x * 0 is NaN), exactly where the reference has it; the gradients are NaN where the
