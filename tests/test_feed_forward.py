@@ -425,7 +425,8 @@ def test_cuda_dropout_equals_the_cpu_backend(backend, F_):
     dout = torch.ones_like(out)
     dx = cuda.feed_forward_bwd(dout, x.to(device), eye.to(device), eye.to(device), pre, False, False, "relu",
                                p, seed, offset)[0]
-    want_dx = cpu.feed_forward_bwd(dout.cpu(), x, eye, eye, want_pre, False, False, "relu", p, seed, offset)[0]
+    want_dx = cpu.feed_forward_bwd(dout.cpu(), x, eye, eye, want_pre, False, False, "relu", p, seed,
+                                   offset)[0]
     assert torch.equal(dx.cpu(), want_dx), "backward: another mask"
 
 
@@ -455,7 +456,8 @@ def test_cuda_float16_and_determinism(backend):
     assert_close_lowp("out", out, ref_out, lp, factor=LOWP_FACTOR[backend])
     for name in INPUT_NAMES:
         assert grads[name].dtype == torch.float16
-        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name], factor=LOWP_FACTOR[backend])
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name],
+                          factor=LOWP_FACTOR[backend])
     out2, grads2 = kernel(*half)
     assert torch.equal(out, out2)
     for name in INPUT_NAMES:
@@ -511,7 +513,8 @@ def test_cuda_zero_rows_and_zero_width(backend):
         x, w1, b1, w2, b2 = _make_inputs((N, E), F_, True, True, device)
         out, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "gelu", 0.1, 1, 0)
         assert out.shape == (N, E) and pre.shape == (N, F_)
-        assert_close("out", out, reference.feed_forward(x, w1, b1, w2, b2, activation="gelu"), atol=1e-6, rtol=0)
+        want = reference.feed_forward(x, w1, b1, w2, b2, activation="gelu")
+        assert_close("out", out, want, atol=1e-6, rtol=0)
         dx, dw1, db1, dw2, db2 = kern.feed_forward_bwd(torch.ones(N, E, device=device), x, w1, w2, pre, True,
                                                        True, "gelu", 0.1, 1, 0)
         assert dx.shape == (N, E) and dw1.shape == (F_, E) and dw2.shape == (E, F_)
@@ -544,8 +547,10 @@ def test_cuda_kernel_checks_name_the_argument(backend):
             kern.feed_forward_fwd(*args)
     dout = torch.randn(4, 8, device=device)
     bwd_cases = [
-        ((dout[:, :7].contiguous(), x, w1, w2, pre, True, True, "relu", 0.0, 0, 0), r"dout must have shape \(N, E\)"),
-        ((dout, x, w1, w2, pre[:, :5].contiguous(), True, True, "relu", 0.0, 0, 0), r"pre must have shape \(N, F\)"),
+        ((dout[:, :7].contiguous(), x, w1, w2, pre, True, True, "relu", 0.0, 0, 0),
+         r"dout must have shape \(N, E\)"),
+        ((dout, x, w1, w2, pre[:, :5].contiguous(), True, True, "relu", 0.0, 0, 0),
+         r"pre must have shape \(N, F\)"),
         ((dout, x, w1, w2, pre.half(), True, True, "relu", 0.0, 0, 0), "pre must have the dtype of x"),
         ((dout, x, w1, w2, pre, True, True, "swish", 0.0, 0, 0), "activation must be"),
         ((dout, x, w1, w2, pre, True, True, "relu", -0.2, 0, 0), r"dropout_p must be in \[0, 1\)"),

@@ -395,7 +395,8 @@ def test_cuda_kernel_checks_name_the_argument(backend):
     t = torch.tensor([0, 1, 9, -100], device=device)
     fwd_cases = [
         ((h[0], w, b, t, 0.0, -100, 1, False), "hidden must have 2 dimensions"),
-        ((h.double(), w.double(), None, t, 0.0, -100, 1, False), "hidden must be float32, float16 or bfloat16"),
+        ((h.double(), w.double(), None, t, 0.0, -100, 1, False),
+         "hidden must be float32, float16 or bfloat16"),
         ((torch.randn(8, 4, device=device).t(), w, b, t, 0.0, -100, 1, False), "hidden must be contiguous"),
         ((h, w.half(), b, t, 0.0, -100, 1, False), "weight has dtype"),
         ((h, w[:, :7].contiguous(), b, t, 0.0, -100, 1, False), r"weight must have shape \(V, 8\)"),

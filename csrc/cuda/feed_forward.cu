@@ -24,6 +24,8 @@ constexpr int kTileGroups = 32;  // blockDim.x: groups of 8 columns per block
 constexpr int kTileRows = 8;     // blockDim.y: rows in flight per block
 constexpr int kTileCols = kTileGroups * kFfDropoutGroup;  // 256 columns per block
 constexpr int kFinalThreads = 256;
+// The two elementwise kernels are memory-bound: at most 64 registers (4 blocks of 256 an SM).
+constexpr int kMinBlocksPerSm = 4;
 
 // Eight elements moved as one aligned vector.
 template <typename T>
@@ -88,17 +90,18 @@ FF_DEVICE void dropout_factors(uint64_t seed, uint64_t offset, int64_t r, int64_
 // pre (N, F) gets b1 added in place (rounded to T: the activation sees exactly the saved pre,
 // as backward will); a (N, F) = dropout(act(pre)).
 template <typename T>
-__global__ void __launch_bounds__(kTileGroups * kTileRows, 4) _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b1
-                                      const T* __restrict__ b1,   // (F,) or nullptr
-                                      T* __restrict__ a,          // (N, F) out
-                                      int64_t N,                  // rows
-                                      int64_t F,                  // columns (dropout row length C)
-                                      int act,                    // 0 relu, 1 gelu
-                                      uint32_t threshold,         // Philox v2 16-bit threshold
-                                      float scale,                // 1 / (1 - p)
-                                      uint64_t seed,              // Philox key
-                                      uint64_t offset,            // first Philox counter
-                                      bool vec) {                 // 8-element vector access
+__global__ void __launch_bounds__(kTileGroups * kTileRows, kMinBlocksPerSm)
+_feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b1
+                      const T* __restrict__ b1,   // (F,) or nullptr
+                      T* __restrict__ a,          // (N, F) out
+                      int64_t N,                  // rows
+                      int64_t F,                  // columns (dropout row length C)
+                      int act,                    // 0 relu, 1 gelu
+                      uint32_t threshold,         // Philox v2 16-bit threshold
+                      float scale,                // 1 / (1 - p)
+                      uint64_t seed,              // Philox key
+                      uint64_t offset,            // first Philox counter
+                      bool vec) {                 // 8-element vector access
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
   const int64_t c0 = g * kFfDropoutGroup;
   if (c0 >= F) return;  // no barrier in this kernel
@@ -130,19 +133,20 @@ __global__ void __launch_bounds__(kTileGroups * kTileRows, 4) _feed_forward_act_
 // partial (db1 wanted), the part's column sums of dpre (fp32, fixed order) go to
 // partial[part, c].
 template <typename T>
-__global__ void __launch_bounds__(kTileGroups * kTileRows, 4) _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activation
-                                      T* __restrict__ dpre,        // (N, F) in: da, out: dpre
-                                      T* __restrict__ a,           // (N, F) out
-                                      float* __restrict__ partial,  // (parts, F) or nullptr
-                                      int64_t N,                   // rows
-                                      int64_t F,                   // columns
-                                      int64_t rows_per_part,       // rows of one part
-                                      int act,                     // 0 relu, 1 gelu
-                                      uint32_t threshold,          // Philox v2 16-bit threshold
-                                      float scale,                 // 1 / (1 - p)
-                                      uint64_t seed,               // Philox key
-                                      uint64_t offset,             // first Philox counter
-                                      bool vec) {                  // 8-element vector access
+__global__ void __launch_bounds__(kTileGroups * kTileRows, kMinBlocksPerSm)
+_feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activation
+                      T* __restrict__ dpre,        // (N, F) in: da, out: dpre
+                      T* __restrict__ a,           // (N, F) out
+                      float* __restrict__ partial,  // (parts, F) or nullptr
+                      int64_t N,                   // rows
+                      int64_t F,                   // columns
+                      int64_t rows_per_part,       // rows of one part
+                      int act,                     // 0 relu, 1 gelu
+                      uint32_t threshold,          // Philox v2 16-bit threshold
+                      float scale,                 // 1 / (1 - p)
+                      uint64_t seed,               // Philox key
+                      uint64_t offset,             // first Philox counter
+                      bool vec) {                  // 8-element vector access
   __shared__ float sums[kTileRows][kTileCols + 1];  // per row lane: the 256 columns' sums
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
   const int64_t c0 = g * kFfDropoutGroup;
