@@ -357,7 +357,8 @@ def test_cuda_several_chunks(backend):
     h, w, b, t = _inputs(257, 4, 16400, True, device)
     kern = backends.Kernels(backend)
     loss, dh, dw, db = kern.linear_cross_entropy_fwd(h, w, b, t, 0.1, -100, 1, True)
-    ref_loss, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), (h, w, b), torch.tensor(1.0))
+    one = torch.tensor(1.0, device=device)
+    ref_loss, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), (h, w, b), one)
     assert_close("loss", loss, ref_loss, *FP32_TOL[backend]["loss"])
     for name, got in zip(INPUT_NAMES, (dh, dw, db)):
         assert_close(f"d{name}", got, ref[name], *FP32_TOL[backend]["grad"])
@@ -376,8 +377,9 @@ def test_cuda_float16_and_determinism(backend):
     half = [a.half() for a in (h, w, b)]
     kern = backends.Kernels(backend)
     out = kern.linear_cross_entropy_fwd(*half, t, 0.1, -100, 1, True)
-    lp_loss, lp = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), half, torch.tensor(1.0))
-    ref_loss, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), (h, w, b), torch.tensor(1.0))
+    one = torch.tensor(1.0, device=device)
+    lp_loss, lp = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), half, one)
+    ref_loss, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), (h, w, b), one)
     assert all(a.dtype == torch.float16 for a in out)
     assert_close_lowp("loss", out[0], ref_loss, lp_loss, factor=LOWP_FACTOR[backend])
     for name, got in zip(INPUT_NAMES, out[1:]):
