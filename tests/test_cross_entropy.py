@@ -472,3 +472,29 @@ def test_cuda_float16_and_determinism(backend):
         a = kern.cross_entropy_fwd(x, t, 0.1, -100, reduction, True)
         b = kern.cross_entropy_fwd(x, t, 0.1, -100, reduction, True)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_vector_and_scalar_rows_with_non_finite_logits(backend):
+    """V = 40 rows move as 8-class vectors; the same logits stored one element off alignment take
+    the scalar path. Both give the reference's loss and gradient, NaN / inf where it has them."""
+    device = device_for(backend)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    t = torch.tensor([4, 9, 0, 11, 20, 39])
+    x[0, 5] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, :] = float("-inf")
+    x[3, 11] = float("-inf")
+    x[4, 30] = float("-inf")
+    x, t = x.to(device), t.to(device)
+    misaligned = torch.empty(x.numel() + 1, device=device)[1:].view(6, 40)  # contiguous, offset 1
+    misaligned.copy_(x)
+    kern = backends.Kernels(backend)
+    for eps in (0.0, 0.1):
+        want_loss, want_grad = _loss_and_grad(
+            lambda a: reference.cross_entropy(a, t, label_smoothing=eps, reduction="none"), x,
+            torch.ones(6, device=device))
+        for logits in (x, misaligned):
+            loss, grad = kern.cross_entropy_fwd(logits, t, eps, -100, 0, True)
+            torch.testing.assert_close(loss, want_loss, equal_nan=True, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(grad, want_grad, equal_nan=True, atol=1e-6, rtol=1e-4)

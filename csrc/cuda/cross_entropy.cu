@@ -5,6 +5,7 @@
 //   * the row kernel (one block per row) sweeps the row once with an online log-sum-exp (max,
 //     sum of exp, sum of logits; fp32 for 16-bit logits), writes the row's loss and, when asked,
 //     sweeps it again with the final lse to write the gradient (which may alias the logits);
+//     where V % 8 == 0 (and the pointers are aligned) a thread moves 8 classes as one vector;
 //     a NaN or +inf logit, or a row of only -inf logits, has no finite log-sum-exp: its loss and
 //     gradient are NaN, as F.cross_entropy's (the logits' sum tells, as in the CPU kernel);
 //   * a one-block kernel sums the per-row losses in a fixed order (fp64), for mean and sum.
@@ -18,6 +19,32 @@ namespace {
 
 constexpr int kMaxWarps = 32;
 constexpr int kReduceThreads = 256;
+
+// Eight classes moved as one aligned vector (16 bytes for 16-bit logits, 2 x 16 for fp32).
+template <typename T>
+struct alignas(sizeof(T) * 8) Pack8 {
+  T v[8];
+};
+
+// Adds v to the online state (m = running max, s = sum of exp(x - m)). A NaN passes both tests:
+// the logits' sum flags its row.
+FF_DEVICE void lse_add(float& m, float& s, float v) {
+  if (v > m) {
+    s = s * expf(m - v) + 1.0f;
+    m = v;
+  } else if (v > -INFINITY) {
+    s += expf(v - m);
+  }
+}
+
+// The gradient of class c: (exp(x - lse) - eps / V) * sc, minus (1 - eps) * sc at the target;
+// sc == 0 (an ignored row) gives exactly 0 whatever x is.
+FF_DEVICE float class_grad(float x, int64_t c, int64_t t, float lse, float sc, float smooth,
+                           float hit) {
+  if (sc == 0.0f) return 0.0f;
+  const float g = expf(x - lse) * sc - smooth;
+  return c == t ? g - hit : g;
+}
 
 // (m, s) <- the log-sum-exp state of both: s * e^m is the sum of exp over both parts.
 FF_DEVICE void lse_merge(float& m, float& s, float m2, float s2) {
@@ -35,7 +62,7 @@ FF_DEVICE void lse_merge(float& m, float& s, float m2, float s2) {
 template <typename T>
 __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
                                    const int64_t* __restrict__ target,  // (n,)
-                                   T* grad,                          // (n, V) or nullptr; may alias logits
+                                   T* grad,                          // (n, V), nullptr, or logits
                                    float* __restrict__ loss_rows,    // (n,) out
                                    int64_t n,                        // rows
                                    int64_t V,                        // classes
@@ -43,7 +70,8 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
                                    int64_t ignore_index,             // target value to skip
                                    const float* __restrict__ row_scale,   // (n,) or nullptr
                                    const int64_t* __restrict__ mean_count,  // () or nullptr
-                                   float scale) {                    // scale without the above
+                                   float scale,                      // scale without the above
+                                   bool vec) {                       // rows move as Pack8
   __shared__ float red_m[kMaxWarps], red_s[kMaxWarps], red_x[kMaxWarps];
   __shared__ float row_stats[2];  // lse, sum of logits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -59,15 +87,23 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
 
     // Sweep 1: online max / sum of exp, and the sum of the logits.
     float m = -INFINITY, s = 0.0f, sx = 0.0f;
-    for (int64_t c = tid; c < V; c += blockDim.x) {
-      const float v = ff_to_float(x[c]);
-      sx += v;
-      if (v > m) {
-        s = s * expf(m - v) + 1.0f;
-        m = v;
-      } else if (v > -INFINITY) {
-        s += expf(v - m);
-      }  // a NaN passes both tests: the logits' sum flags its row below
+    const int64_t c8 = 8 * static_cast<int64_t>(tid), step8 = 8 * static_cast<int64_t>(blockDim.x);
+    if (vec) {  // V % 8 == 0: thread tid takes the packs at 8 tid, 8 (tid + blockDim.x), ...
+      for (int64_t c = c8; c < V; c += step8) {
+        const Pack8<T> pk = *reinterpret_cast<const Pack8<T>*>(x + c);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float v = ff_to_float(pk.v[j]);
+          sx += v;
+          lse_add(m, s, v);
+        }
+      }
+    } else {
+      for (int64_t c = tid; c < V; c += blockDim.x) {
+        const float v = ff_to_float(x[c]);
+        sx += v;
+        lse_add(m, s, v);
+      }
     }
 #pragma unroll
     for (int k = 16; k > 0; k >>= 1) {
@@ -125,13 +161,20 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
       }
       const float smooth = eps * inv_v * sc, hit = (1.0f - eps) * sc;
       T* g = grad + row * V;
-      for (int64_t c = tid; c < V; c += blockDim.x) {
-        float gv = 0.0f;
-        if (sc != 0.0f) {
-          gv = expf(ff_to_float(x[c]) - lse) * sc - smooth;
-          if (c == t) gv -= hit;
+      if (vec) {
+        for (int64_t c = c8; c < V; c += step8) {
+          Pack8<T> pk = *reinterpret_cast<const Pack8<T>*>(x + c);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float gv = class_grad(ff_to_float(pk.v[j]), c + j, t, lse, sc, smooth, hit);
+            pk.v[j] = ff_from_float<T>(gv);
+          }
+          *reinterpret_cast<Pack8<T>*>(g + c) = pk;
         }
-        g[c] = ff_from_float<T>(gv);
+      } else {
+        for (int64_t c = tid; c < V; c += blockDim.x) {
+          g[c] = ff_from_float<T>(class_grad(ff_to_float(x[c]), c, t, lse, sc, smooth, hit));
+        }
       }
     }
     __syncthreads();  // row_stats and red_* are reused by the next row
@@ -178,6 +221,13 @@ __global__ void _cross_entropy_reduce(const float* __restrict__ loss_rows,    //
   }
 }
 
+// Rows move as Pack8 where V % 8 == 0 and both pointers are aligned to 8 elements.
+bool vector_ok(int64_t V, int64_t elem, const void* logits, const void* grad) {
+  const uintptr_t align = static_cast<uintptr_t>(8 * elem);
+  return V % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % align == 0 &&
+         reinterpret_cast<uintptr_t>(grad) % align == 0;  // grad nullptr: aligned
+}
+
 // Threads per row: about 16 classes per thread, a power of two in [32, 512].
 int row_threads(int64_t V) {
   int threads = 32;
@@ -192,7 +242,7 @@ void fwd(const void* logits, const int64_t* target, void* grad, float* loss_rows
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 1 << 20));
   FF_LAUNCH(_cross_entropy_fwd<T>, dim3(grid), dim3(row_threads(V)), 0, stream,
             static_cast<const T*>(logits), target, static_cast<T*>(grad), loss_rows, n, V, eps,
-            ignore_index, row_scale, mean_count, scale);
+            ignore_index, row_scale, mean_count, scale, vector_ok(V, sizeof(T), logits, grad));
 }
 
 template <typename T>
@@ -222,7 +272,8 @@ const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, 
   return ff_last_error();
 }
 
-const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const int64_t* mean_count,
+const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n,
+                                        const int64_t* mean_count,
                                         void* out, int dtype, void* stream) {
   FF_DISPATCH_DTYPE(dtype, T, reduce<T>(loss_rows, n, mean_count, out, stream));
   return ff_last_error();
