@@ -11,8 +11,11 @@ const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int6
                                         int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, void* stream);
 // a (N, F) = dropout(act(pre)); dpre (N, F) holds da on entry and dpre = da * keep * scale *
-// act'(pre) on return (the same mask as the forward's).
-const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, int64_t N, int64_t F,
+// act'(pre) on return (the same mask as the forward's). With db1 (F,) fp32 not null, also
+// db1 = the column sums of dpre, in the same pass per part of rows into db1_partial (parts, F)
+// fp32 (parts = colsum_num_parts(N)), then the parts added in a fixed order (no atomics).
+const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, float* db1_partial,
+                                        int64_t parts, float* db1, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, void* stream);
 // The number of row parts of launch_colsum's first stage for `rows` rows (its workspace is
