@@ -17,8 +17,9 @@ def kernel_backends(*names):
 
 
 def device_for(backend: str) -> str:
-    """The device a backend's tests use: CUDA for cuda (and triton when a GPU exists), else CPU."""
-    if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()):
+    """The device a backend's tests use: CUDA for cuda and triton when a GPU exists, else CPU
+    (triton under TRITON_INTERPRET=1, cuda on the SIMT harness, FASTFORMER_CUDA_SIMT)."""
+    if backend in ("cuda", "triton") and torch.cuda.is_available():
         return "cuda"
     return "cpu"
 
