@@ -180,17 +180,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
   }
   const at::Tensor lse = lse_in.contiguous();
-  const bool dropout = dropout_p > 0.0;
   void* stream = ff_stream(q);
 
   at::Tensor prob = at::matmul(as_fp32(q), as_fp32(k).transpose(-2, -1)).contiguous();  // (B, H, Sq, Sk)
-  // P_d for dv: a separate tensor unless it is P itself (fp32, no dropout)
-  at::Tensor dropped = (dtype == 0 && !dropout) ? at::Tensor() : at::empty({B, H, Sq, Sk}, q.options());
+  // P_d for dv, always its own tensor: prob marks hidden keys for the softmax backward, where P_d
+  // is NaN in a NaN row as the reference's. The peak stays two (B, H, Sq, Sk): it is freed before dp.
+  at::Tensor dropped = at::empty({B, H, Sq, Sk}, q.options());  // (B, H, Sq, Sk)
   FF_CHECK_LAUNCH(launch_attention_probs_bwd(
-      prob.data_ptr<float>(), dropped.defined() ? dropped.data_ptr() : nullptr,
+      prob.data_ptr<float>(), dropped.data_ptr(),
       lse.const_data_ptr<float>(), B, H, Sq, Sk, dtype, scale, m.kpm_ptr(), m.am_ptr(), m.am_s[0],
       m.am_s[1], m.am_s[2], m.am_s[3], is_causal ? 1 : 0, dropout_p, rng.seed, rng.offset, stream));
-  at::Tensor dv = at::matmul((dropped.defined() ? dropped : prob).transpose(-2, -1), dout);  // (B, H, Sk, D)
+  at::Tensor dv = at::matmul(dropped.transpose(-2, -1), dout);  // (B, H, Sk, D)
   dropped.reset();
 
   at::Tensor dp = at::matmul(as_fp32(dout), as_fp32(v).transpose(-2, -1)).contiguous();  // (B, H, Sq, Sk)

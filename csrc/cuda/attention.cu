@@ -143,9 +143,16 @@ FF_DEVICE uint32_t group_keep(uint64_t seed, uint64_t offset, int64_t row, int64
   return ff_dropout_keep8(seed, ff_dropout_counter(offset, row, Sk, g), threshold);
 }
 
-// Writes P = exp(x - lse) of the masked scores of row `row` (prob, fp32, may alias s: each
-// element is read and written by the same thread) and/or P Z (dropped, in T, when not null).
-// lse = +inf (no visible key) writes 0. Thread t owns groups t, t + blockDim.x, ... of 8 columns.
+// prob's marker of a key hidden by the masks: -0.0f, which exp never gives. The softmax backward
+// makes dS exactly 0 there even in a NaN row (the reference's masked_fill passes no gradient to a
+// hidden score), while P itself is NaN at every key of a NaN row, as in the reference.
+FF_DEVICE float hidden_prob() { return -0.0f; }
+FF_DEVICE bool is_hidden_prob(float p) { return __float_as_uint(p) == 0x80000000u; }
+
+// Writes P = exp(x - lse) of the masked scores of row `row`: prob (fp32, may alias s: each
+// element is read and written by the same thread) holds P at visible keys and hidden_prob() at
+// hidden ones; dropped (in T, when not null) P Z. lse = +inf (no visible key) gives P = 0.
+// Thread t owns groups t, t + blockDim.x, ... of 8 columns.
 template <typename T>
 FF_DEVICE void write_row_probs(const float* srow, float* prob, T* dropped, int64_t row, int64_t Sk,
                                float scale, const RowMasks& rm, float lse, uint32_t threshold,
@@ -160,11 +167,11 @@ FF_DEVICE void write_row_probs(const float* srow, float* prob, T* dropped, int64
     for (int c = 0; c < n; ++c) {
       const int64_t j = j0 + c;
       float p = 0.0f;
+      bool visible = false;
       if (!none_visible) {
-        bool visible;
-        p = expf(masked_score(srow, j, scale, rm, visible) - lse);  // hidden: exp(-inf) = 0
+        p = expf(masked_score(srow, j, scale, rm, visible) - lse);  // hidden: 0, or NaN if lse is
       }
-      if (prob != nullptr) prob[j] = p;
+      if (prob != nullptr) prob[j] = visible ? p : hidden_prob();
       if (dropped != nullptr) {
         dropped[j] = ff_from_float<T>((keep >> c) & 1u ? p * keep_scale : 0.0f);
       }
@@ -209,8 +216,8 @@ __global__ void attention_softmax_fwd(const float* s,       // (rows, Sk) q k^T,
   }
 }
 
-// Backward, first kernel: prob (rows, Sk) fp32 over s = P = exp(masked scale s - lse), and, when
-// dropped is not null, dropped (rows, Sk) in T = P Z.
+// Backward, first kernel: prob (rows, Sk) fp32 over s = P = exp(masked scale s - lse) (hidden
+// keys: hidden_prob()), and, when dropped is not null, dropped (rows, Sk) in T = P Z.
 template <typename T>
 __global__ void attention_probs_bwd(float* s,              // (rows, Sk) in: q k^T, out: P
                                     T* dropped,            // (rows, Sk) out: P Z, or null
@@ -228,7 +235,7 @@ __global__ void attention_probs_bwd(float* s,              // (rows, Sk) in: q k
 }
 
 // Backward, second kernel: ds (rows, Sk) in T (may alias dp when T is float)
-// = scale P (dp Z - delta), delta = sum over d of dout * out (row (b, h, i) of each, D columns,
+// = scale P (dp Z - delta), 0 at hidden keys, delta = sum over d of dout * out (row (b, h, i) of each, D columns,
 // read through strides).
 template <typename T>
 __global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undropped
@@ -258,7 +265,8 @@ __global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undr
       for (int c = 0; c < n; ++c) {
         const int64_t j = j0 + c;
         const float z = dropout ? ((keep >> c) & 1u ? keep_scale : 0.0f) : 1.0f;
-        dsrow[j] = ff_from_float<T>(scale * prow[j] * (dprow[j] * z - delta));
+        const float pj = prow[j];
+        dsrow[j] = ff_from_float<T>(is_hidden_prob(pj) ? 0.0f : scale * pj * (dprow[j] * z - delta));
       }
     }
   }

@@ -81,15 +81,17 @@ const char* launch_attention_softmax_fwd(const float* s, void* p, float* lse, in
                                          int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
                                          double dropout_p, uint64_t seed, uint64_t offset,
                                          void* stream);
-// Backward, first: s = q k^T on entry, P = exp(scale s + masks - lse) on return (fp32, in place);
-// dropped (when not null) in dtype = P Z, Z the forward's dropout multipliers.
+// Backward, first: s = q k^T on entry, P = exp(scale s + masks - lse) on return (fp32, in place;
+// -0.0f marks a key hidden by the masks); dropped (when not null) in dtype = P Z, Z the forward's
+// dropout multipliers (NaN at every key of a NaN row, as the reference's probabilities).
 const char* launch_attention_probs_bwd(float* s, void* dropped, const float* lse, int64_t B,
                                        int64_t H, int64_t Sq, int64_t Sk, int dtype, double scale,
                                        const bool* kpm, const float* am, int64_t am_sb,
                                        int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
                                        double dropout_p, uint64_t seed, uint64_t offset,
                                        void* stream);
-// Backward, second: ds in dtype (may alias dp when dtype is 0) = scale P (dp Z - delta) with
+// Backward, second: ds in dtype (may alias dp when dtype is 0) = scale P (dp Z - delta), 0 where
+// prob is -0.0f (hidden keys, also in a NaN row), with
 // dp = dO v^T (fp32) and delta = rowsum(dout * out); dout and out (B, H, Sq, D) in dtype with
 // unit last stride, read through their (b, h, s) strides.
 const char* launch_attention_softmax_bwd(const float* prob, const float* dp, void* ds,
