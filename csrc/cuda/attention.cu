@@ -17,8 +17,9 @@
 // are all -inf) is NaN throughout, lse NaN.
 //
 // Dropout (Philox v2, philox.cuh): the probabilities are rows of C = Sk columns, one per query;
-// a thread owns whole groups of 8 columns and draws each group's single Philox call. Kept values
-// are scaled by 1 / (1 - p): Z = keep / (1 - p).
+// each group of 8 columns gets its single Philox call from one lane, and warp shuffles hand its
+// keep bits to the lanes that own its columns (coalesced, see for_row_columns). Kept values are
+// scaled by 1 / (1 - p): Z = keep / (1 - p).
 #include "common.cuh"
 #include "philox.cuh"
 
@@ -143,6 +144,40 @@ FF_DEVICE uint32_t group_keep(uint64_t seed, uint64_t offset, int64_t row, int64
   return ff_dropout_keep8(seed, ff_dropout_counter(offset, row, Sk, g), threshold);
 }
 
+constexpr int kChunk = kFfWarpSize * kFfDropoutGroup;  // columns a warp takes at a time: 32 groups
+
+// Calls f(j, kept) for the columns j of row `row` that this thread owns, coalesced: warp w of the
+// block takes chunks w, w + warps, ... of 256 columns (32 groups of 8), and lane l columns
+// l, l + 32, ..., l + 224 of a chunk. With dropout, lane l makes the one Philox call of the chunk's
+// group l and the keep bits reach the lanes that own its columns by shuffles (the loop is uniform
+// across the warp: every lane takes part in every shuffle). Without dropout, kept is always true.
+template <typename F>
+FF_DEVICE void for_row_columns(int64_t row, int64_t Sk, bool dropout, uint32_t threshold,
+                               uint64_t seed, uint64_t offset, F&& f) {
+  const int lane = threadIdx.x % kFfWarpSize, warp = threadIdx.x / kFfWarpSize;
+  const int warps = blockDim.x / kFfWarpSize;
+  const int64_t G = ff_dropout_groups(Sk), chunks = (Sk + kChunk - 1) / kChunk;
+  for (int64_t chunk = warp; chunk < chunks; chunk += warps) {
+    const int64_t j0 = chunk * kChunk;
+    if (dropout) {
+      const int64_t g = chunk * kFfWarpSize + lane;  // the group whose Philox call this lane makes
+      const uint32_t keep = g < G ? group_keep(seed, offset, row, Sk, g, threshold) : 0u;
+#pragma unroll
+      for (int m = 0; m < kFfDropoutGroup; ++m) {
+        const int c = lane + kFfWarpSize * m;  // column within the chunk, in group c / 8
+        const uint32_t bits = __shfl_sync(kFfFullMask, keep, c / kFfDropoutGroup);
+        if (j0 + c < Sk) f(j0 + c, ((bits >> (c % kFfDropoutGroup)) & 1u) != 0u);
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < kFfDropoutGroup; ++m) {
+        const int c = lane + kFfWarpSize * m;
+        if (j0 + c < Sk) f(j0 + c, true);
+      }
+    }
+  }
+}
+
 // prob's marker of a key hidden by the masks: -0.0f, which exp never gives. The softmax backward
 // makes dS exactly 0 there even in a NaN row (the reference's masked_fill passes no gradient to a
 // hidden score), while P itself is NaN at every key of a NaN row, as in the reference.
@@ -152,31 +187,20 @@ FF_DEVICE bool is_hidden_prob(float p) { return __float_as_uint(p) == 0x80000000
 // Writes P = exp(x - lse) of the masked scores of row `row`: prob (fp32, may alias s: each
 // element is read and written by the same thread) holds P at visible keys and hidden_prob() at
 // hidden ones; dropped (in T, when not null) P Z. lse = +inf (no visible key) gives P = 0.
-// Thread t owns groups t, t + blockDim.x, ... of 8 columns.
+// Every thread of the block calls it (for_row_columns shuffles).
 template <typename T>
 FF_DEVICE void write_row_probs(const float* srow, float* prob, T* dropped, int64_t row, int64_t Sk,
                                float scale, const RowMasks& rm, float lse, uint32_t threshold,
                                float keep_scale, uint64_t seed, uint64_t offset) {
   const bool none_visible = lse == INFINITY;
-  const int64_t G = ff_dropout_groups(Sk);
-  for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
-    const uint32_t keep = (dropped != nullptr && !none_visible)
-                              ? group_keep(seed, offset, row, Sk, g, threshold) : 0xFFu;
-    const int64_t j0 = g * kFfDropoutGroup;
-    const int n = static_cast<int>(Sk - j0 < kFfDropoutGroup ? Sk - j0 : kFfDropoutGroup);
-    for (int c = 0; c < n; ++c) {
-      const int64_t j = j0 + c;
-      float p = 0.0f;
-      bool visible = false;
-      if (!none_visible) {
-        p = expf(masked_score(srow, j, scale, rm, visible) - lse);  // hidden: 0, or NaN if lse is
-      }
-      if (prob != nullptr) prob[j] = visible ? p : hidden_prob();
-      if (dropped != nullptr) {
-        dropped[j] = ff_from_float<T>((keep >> c) & 1u ? p * keep_scale : 0.0f);
-      }
-    }
-  }
+  const bool dropout = dropped != nullptr && threshold != 0u;
+  for_row_columns(row, Sk, dropout, threshold, seed, offset, [&](int64_t j, bool kept) {
+    float p = 0.0f;
+    bool visible = false;
+    if (!none_visible) p = expf(masked_score(srow, j, scale, rm, visible) - lse);  // hidden: 0, or NaN if lse is
+    if (prob != nullptr) prob[j] = visible ? p : hidden_prob();
+    if (dropped != nullptr) dropped[j] = ff_from_float<T>(kept ? p * keep_scale : 0.0f);
+  });
 }
 
 // Forward: p (rows, Sk) in T (may alias s when T is float) = dropout(softmax(scale s + masks)),
@@ -257,24 +281,18 @@ __global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undr
     const float* prow = prob + row * Sk;
     const float* dprow = dp + row * Sk;
     T* dsrow = ds + row * Sk;  // may alias dprow: each element is read and written by one thread
-    const int64_t G = ff_dropout_groups(Sk);
-    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
-      const uint32_t keep = dropout ? group_keep(seed, offset, row, Sk, g, threshold) : 0xFFu;
-      const int64_t j0 = g * kFfDropoutGroup;
-      const int n = static_cast<int>(Sk - j0 < kFfDropoutGroup ? Sk - j0 : kFfDropoutGroup);
-      for (int c = 0; c < n; ++c) {
-        const int64_t j = j0 + c;
-        const float z = dropout ? ((keep >> c) & 1u ? keep_scale : 0.0f) : 1.0f;
-        const float pj = prow[j];
-        dsrow[j] = ff_from_float<T>(is_hidden_prob(pj) ? 0.0f : scale * pj * (dprow[j] * z - delta));
-      }
-    }
+    const bool drop = dropout != 0 && threshold != 0u;
+    for_row_columns(row, Sk, drop, threshold, seed, offset, [&](int64_t j, bool kept) {
+      const float z = drop ? (kept ? keep_scale : 0.0f) : 1.0f;
+      const float pj = prow[j];
+      dsrow[j] = ff_from_float<T>(is_hidden_prob(pj) ? 0.0f : scale * pj * (dprow[j] * z - delta));
+    });
   }
 }
 
-// Threads per row block: a thread per group of 8 keys, 32 .. 256 (whole warps).
+// Threads per row block: a warp per chunk of 256 keys, 1 .. 8 warps.
 int row_threads(int64_t Sk) {
-  int64_t t = (ff_dropout_groups(Sk) + kFfWarpSize - 1) / kFfWarpSize * kFfWarpSize;
+  int64_t t = (Sk + kChunk - 1) / kChunk * kFfWarpSize;
   if (t < kFfWarpSize) t = kFfWarpSize;
   if (t > kMaxThreads) t = kMaxThreads;
   return static_cast<int>(t);
