@@ -11,13 +11,16 @@ from fastformer import _ext, backends, philox
 from fastformer.ops import add_layer_norm, reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
+CPU_CUDA = kernel_backends("cpu", "cuda")  # cuda: a GPU, or the SIMT harness on CPU tensors
 
 # Shapes (..., C): hidden sizes 64, 1023, 256, 7; row counts 1, odd, round; leading dims.
 SHAPES = [(1, 64), (7, 1023), (203, 256), (5, 7), (3, 7, 256), (1, 1, 1023), (64, 256)]
 # The Triton interpreter is slow: a subset keeps its part of this file short.
 TRITON_SHAPES = [(5, 7), (3, 7, 256), (1, 1, 1023)]
+# cuda: warp-per-row (C <= 1024) and block-per-row kernels, 128-bit (C % 8 == 0) and scalar paths.
+CUDA_SHAPES = [(1, 64), (7, 1023), (2, 4096), (5, 7), (3, 1500)]
 
 # fp32 tolerances per backend: (atol, rtol) for outputs and for gradients.
 FP32_TOL = {
@@ -46,14 +49,12 @@ INPUT_NAMES = ("x", "residual", "weight", "bias")
 
 
 def _shapes(backend):
-    return TRITON_SHAPES if backend == "triton" else SHAPES
+    return {"triton": TRITON_SHAPES, "cuda": CUDA_SHAPES}.get(backend, SHAPES)
 
 
 def _cases():
     for backend in BACKENDS:
-        for shape in SHAPES:
-            if shape not in _shapes(backend.values[0]):
-                continue
+        for shape in _shapes(backend.values[0]):
             for config in CONFIGS:
                 yield pytest.param(backend.values[0], shape, config, marks=backend.marks,
                                    id=f"{backend.id}-{'x'.join(map(str, shape))}-{config}")
@@ -230,20 +231,23 @@ def test_dropout_counters_past_32_bits(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("C", [1, 7, 8, 9, 63, 64, 65, 1023])
-@pytest.mark.parametrize("backend", CPU)
-def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
+@pytest.mark.parametrize("C", [1, 7, 8, 9, 63, 64, 65, 1023, 1032])
+@pytest.mark.parametrize("backend", CPU_CUDA)
+def test_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
     """Rows of any length C (the group counter restarts each row), offsets whose low word wraps
     mid-tensor, thresholds at both ends: forward h and backward dx are exactly keep * scale."""
+    if backend == "cuda" and dtype == torch.float64:
+        pytest.skip("the cuda backend has no float64 kernels")
     N = 37
     kern = backends.Kernels(backend)
-    x = torch.ones(N, C, dtype=dtype)
-    w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+    device = device_for(backend)
+    x = torch.ones(N, C, dtype=dtype, device=device)
+    w, b = torch.ones(C, dtype=dtype, device=device), torch.zeros(C, dtype=dtype, device=device)
     G = (C + 7) // 8
     for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1),
                             (1e-6, 4, 5), (0.999995, 4, 5)):  # T = 0 keeps all, T = 65536 none
         _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
-        keep = philox.keep_mask((N, C), p, seed, offset)
+        keep = philox.keep_mask((N, C), p, seed, offset, device=device)
         assert torch.equal(h != 0, keep), f"forward mask, p={p} offset={offset}"
         assert torch.equal(h[keep], torch.full_like(h[keep], 1 / (1 - p)))
         dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
@@ -320,11 +324,13 @@ def test_opcheck(backend, dtype):
             torch.library.opcheck(ops.add_layer_norm_bwd.default, args)
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", CPU_CUDA)
 def test_backward_returns_empty_dresidual_unless_it_differs_from_dx(backend):
     kern = backends.Kernels(backend)
-    x, r, w, b = torch.randn(4, 9), torch.randn(4, 9), torch.randn(9), torch.randn(9)
-    dy = torch.randn(4, 9)
+    d = device_for(backend)
+    x, r = torch.randn(4, 9, device=d), torch.randn(4, 9, device=d)
+    w, b = torch.randn(9, device=d), torch.randn(9, device=d)
+    dy = torch.randn(4, 9, device=d)
     for p, has_res, separate in ((0.0, True, False), (0.3, False, False), (0.3, True, True)):
         _, h, mean, rstd = kern.add_layer_norm_fwd(x, r if has_res else None, w, b, 1e-5, p, 1, 0)
         dx, dres, _, _ = kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, 1, 0, has_res)
@@ -350,14 +356,15 @@ def test_cpu_any_thread_count(backend, threads):
         assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", CPU_CUDA)
 def test_zero_rows(backend):
-    x = torch.randn(0, 16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    d = device_for(backend)
+    x = torch.randn(0, 16, device=d, requires_grad=True)
+    w = torch.randn(16, device=d, requires_grad=True)
     with fastformer.use_backend(backend):
         y = add_layer_norm(x, None, w, None, dropout_p=0.1)
     y.sum().backward()
-    assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16))
+    assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16, device=d))
 
 
 # ---------------------------------------------------------------- bad input
@@ -386,14 +393,22 @@ def test_bad_input_raises_clear_errors(backend):
             add_layer_norm(x, r, w, None, eps=0.0)
 
 
-@pytest.mark.parametrize("backend", CPU)
-def test_cpu_kernel_checks_name_the_argument(backend):
+@pytest.mark.parametrize("backend", CPU_CUDA)
+def test_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
+    torch.set_default_device(device_for(backend))
+    try:
+        _kernel_checks(kern)
+    finally:
+        torch.set_default_device(None)
+
+
+def _kernel_checks(kern):
     x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
     _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, 0, 0)
     fwd_cases = [
         ((torch.randn(32), None, w, b, 1e-5, 0.0, 0, 0), "x must be 2-D"),
-        ((x.long(), None, w, b, 1e-5, 0.0, 0, 0), "x must be float32, float64 or bfloat16"),
+        ((x.long(), None, w, b, 1e-5, 0.0, 0, 0), "x must be float32, float(64|16) or bfloat16"),
         ((torch.randn(8, 4).t(), None, w, b, 1e-5, 0.0, 0, 0), "x must be contiguous"),
         ((x, torch.randn(4, 7), w, b, 1e-5, 0.0, 0, 0), "residual must have the shape of x"),
         ((x, x.double(), w, b, 1e-5, 0.0, 0, 0), "residual must have the dtype of x"),
