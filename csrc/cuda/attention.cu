@@ -258,9 +258,9 @@ __global__ void attention_probs_bwd(float* s,              // (rows, Sk) in: q k
   }
 }
 
-// Backward, second kernel: ds (rows, Sk) in T (may alias dp when T is float)
-// = scale P (dp Z - delta), 0 at hidden keys, delta = sum over d of dout * out (row (b, h, i) of each, D columns,
-// read through strides).
+// Backward, second kernel: ds (rows, Sk) in T (may alias dp when T is float) = scale P (dp Z - delta),
+// 0 at hidden keys, with delta = sum over d of dout * out (row (b, h, i) of each, D columns, read
+// through strides).
 template <typename T>
 __global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undropped
                                       const float* dp,     // (rows, Sk) dO v^T
@@ -269,7 +269,7 @@ __global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undr
                                       const T* out, int64_t o_sb, int64_t o_sh, int64_t o_ss,
                                       int64_t rows, int64_t H, int64_t Sq, int64_t Sk, int64_t D,
                                       float scale, uint32_t threshold, float keep_scale,
-                                      int dropout, uint64_t seed, uint64_t offset) {
+                                      uint64_t seed, uint64_t offset) {
   __shared__ float red[kFfWarpSize];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
@@ -281,9 +281,9 @@ __global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undr
     const float* prow = prob + row * Sk;
     const float* dprow = dp + row * Sk;
     T* dsrow = ds + row * Sk;  // may alias dprow: each element is read and written by one thread
-    const bool drop = dropout != 0 && threshold != 0u;
-    for_row_columns(row, Sk, drop, threshold, seed, offset, [&](int64_t j, bool kept) {
-      const float z = drop ? (kept ? keep_scale : 0.0f) : 1.0f;
+    // threshold 0 keeps every element (kept is then always true), still scaled by 1 / (1 - p)
+    for_row_columns(row, Sk, threshold != 0u, threshold, seed, offset, [&](int64_t j, bool kept) {
+      const float z = kept ? keep_scale : 0.0f;
       const float pj = prow[j];
       dsrow[j] = ff_from_float<T>(is_hidden_prob(pj) ? 0.0f : scale * pj * (dprow[j] * z - delta));
     });
@@ -365,14 +365,13 @@ const char* launch_attention_softmax_bwd(const float* prob, const float* dp, voi
   if (rows == 0 || Sk == 0) return nullptr;
   const uint32_t threshold = ff_dropout_threshold(dropout_p);
   const float keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  const int dropout = dropout_p > 0.0 ? 1 : 0;
   const dim3 grid(ff_grid_blocks(rows, 1)), block(row_threads(Sk));
   FF_DISPATCH_DTYPE(dtype, T, {
     auto* kernel = &attention_softmax_bwd<T>;
     FF_LAUNCH(kernel, grid, block, 0, stream, prob, dp, static_cast<T*>(ds),
               static_cast<const T*>(dout), do_sb, do_sh, do_ss, static_cast<const T*>(out), o_sb,
               o_sh, o_ss, rows, H, Sq, Sk, D, static_cast<float>(scale), threshold, keep_scale,
-              dropout, seed, offset);
+              seed, offset);
   });
   return ff_last_error();
 }
