@@ -184,7 +184,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
 
   at::Tensor prob = at::matmul(as_fp32(q), as_fp32(k).transpose(-2, -1)).contiguous();  // (B, H, Sq, Sk)
   // P_d for dv, always its own tensor: prob marks hidden keys for the softmax backward, where P_d
-  // is NaN in a NaN row as the reference's. The peak stays two (B, H, Sq, Sk): it is freed before dp.
+  // is NaN in a NaN row as the reference's. It is freed before dp is made, so at most two fp32
+  // (B, H, Sq, Sk) tensors live at once (prob and dp; plus ds for fp16 / bf16).
   at::Tensor dropped = at::empty({B, H, Sq, Sk}, q.options());  // (B, H, Sq, Sk)
   FF_CHECK_LAUNCH(launch_attention_probs_bwd(
       prob.data_ptr<float>(), dropped.data_ptr(),
