@@ -14,6 +14,7 @@ from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
 CPU_CUDA = kernel_backends("cpu", "cuda")  # cuda: a GPU, or the SIMT harness on CPU tensors
+CUDA = kernel_backends("cuda")
 
 # Shapes (..., C): hidden sizes 64, 1023, 256, 7; row counts 1, odd, round; leading dims.
 SHAPES = [(1, 64), (7, 1023), (203, 256), (5, 7), (3, 7, 256), (1, 1, 1023), (64, 256)]
@@ -217,6 +218,49 @@ def test_dropout_statistics_and_backward_mask(backend, p):
                                                rstd, p, 11, 0, True)
     assert torch.equal(dx, h)
     assert torch.equal(dres, torch.ones_like(h))
+
+
+@pytest.mark.parametrize("config", ["prenorm_grad_both_dropout", "post"])
+@pytest.mark.parametrize("shape", [(7, 1023), (2, 4096)])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_fp16_forward_and_every_gradient(backend, shape, config):
+    """fp16 (a CUDA-only dtype): the same FlashAttention-style rule as bf16."""
+    inputs = _make_inputs(shape, config, device_for(backend))
+    (outs, grads), (lp_outs, lp_grads), (ref_outs, ref_grads) = _run_case(
+        backend, shape, config, torch.float16, inputs)
+    for name, o, lp, r in zip(("y", "h"), outs, lp_outs, ref_outs):
+        assert o.dtype == torch.float16
+        assert_close_lowp(name, o, r, lp, factor=LOWP_FACTOR[backend])
+    for name in ref_grads:
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name],
+                          factor=LOWP_FACTOR[backend])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("C", [64, 4096])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_vector_and_scalar_paths_agree_bit_for_bit(backend, C, dtype):
+    """Rows whose start is not 16-byte aligned take the scalar path; same per-thread arithmetic,
+    so every output equals the 128-bit path's exactly."""
+    device, N = device_for(backend), 5
+    kern = backends.Kernels(backend)
+
+    def misaligned(t):  # the same values one element into a larger buffer: contiguous, unaligned
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
+        buf[1:] = t.reshape(-1)
+        return buf[1:].view(t.shape)
+
+    x, r = torch.randn(N, C, device=device, dtype=dtype), torch.randn(N, C, device=device, dtype=dtype)
+    w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+    dy, dh = torch.randn_like(x), torch.randn_like(x)
+    fwd = [kern.add_layer_norm_fwd(*a, 1e-5, 0.3, 5, 7) for a in ((x, r, w, b), tuple(misaligned(t) for t in (x, r, w, b)))]
+    for got, want in zip(fwd[1], fwd[0]):
+        assert torch.equal(got, want)
+    _, h, mean, rstd = fwd[0]
+    bwd = [kern.add_layer_norm_bwd(dy_, dh_, h_, w_, mean, rstd, 0.3, 5, 7, True)
+           for dy_, dh_, h_, w_ in ((dy, dh, h, w), tuple(misaligned(t) for t in (dy, dh, h, w)))]
+    for got, want in zip(bwd[1], bwd[0]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -68,6 +68,18 @@ def test_divergence_is_reported_not_hung(mode, message):
     assert torch.equal(out[:32], torch.full((32,), float(sum(range(32)))))
 
 
+def test_reverse_schedule_shows_the_other_half_of_a_race():
+    """A read of another thread's shared-memory write without a barrier: first-to-last order reads
+    the later threads' slots before they are written (0xFF poison, NaN), last-to-first after."""
+    n = 64
+    forward = ops().racy(n, False)
+    backward = ops().racy(n, True)
+    want = (torch.arange(n, dtype=torch.float32) + 1) % n + 1
+    assert torch.isnan(forward[:-1]).all() and forward[-1] == want[-1]
+    assert torch.equal(backward[:-1], want[:-1]) and torch.isnan(backward[-1])
+    assert torch.equal(ops().racy(n, False).isnan(), forward.isnan())  # the default order is back
+
+
 def test_bad_launch_configuration_is_cudas_error():
     with pytest.raises(RuntimeError, match=r"invalid configuration argument \(kernel transpose_kernel, grid \(0, 1, 1\)"):
         ops().transpose(torch.randn(4, 0))

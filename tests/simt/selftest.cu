@@ -118,6 +118,13 @@ __global__ void many_blocks_kernel(int32_t* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = s[0];
 }
 
+// Missing __syncthreads between the write and the read: a data race on a GPU.
+__global__ void racy_kernel(float* out) {
+  FF_DYNAMIC_SMEM(float, buf);
+  buf[threadIdx.x] = static_cast<float>(threadIdx.x + 1);
+  out[threadIdx.x] = buf[(threadIdx.x + 1) % blockDim.x];
+}
+
 }  // namespace
 
 const char* launch_selftest_warp(const float* x, float* xor_sum, float* down_sum, float* scan,
@@ -169,5 +176,18 @@ const char* launch_selftest_from_bits(const int16_t* bits, float* x, int64_t n, 
 
 const char* launch_selftest_many_blocks(int32_t* out, int64_t blocks, void* stream) {
   FF_LAUNCH(many_blocks_kernel, dim3(static_cast<unsigned>(blocks)), dim3(128), 0, stream, out);
+  return ff_last_error();
+}
+
+const char* launch_selftest_racy(float* out, int n, bool reverse, void* stream) {
+#ifdef FF_SIMT
+  ff_simt::set_reverse_schedule(reverse);
+#else
+  (void)reverse;
+#endif
+  FF_LAUNCH(racy_kernel, dim3(1), dim3(n), n * sizeof(float), stream, out);
+#ifdef FF_SIMT
+  ff_simt::set_reverse_schedule(false);
+#endif
   return ff_last_error();
 }

@@ -24,3 +24,6 @@ const char* launch_selftest_from_bits(const int16_t* bits, float* x, int64_t n, 
                                       void* stream);
 // blocks x 128 threads, three barriers each: out[b] = b + 127.
 const char* launch_selftest_many_blocks(int32_t* out, int64_t blocks, void* stream);
+// A racy kernel (no barrier between a shared-memory write and another thread's read): out[t] =
+// what thread t read of thread (t + 1) % n's value t + 1, under the given schedule.
+const char* launch_selftest_racy(float* out, int n, bool reverse, void* stream);

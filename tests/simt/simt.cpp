@@ -98,6 +98,15 @@ struct Launch {
 
 std::mutex g_launch_mutex;  // launches are serialised: the indices are plain globals
 Launch* g_launch = nullptr;
+int g_reverse = -1;  // threads run last to first: -1 not decided yet (FF_SIMT_SCHEDULE), 0, 1
+
+bool reverse_order() {
+  if (g_reverse < 0) {
+    const char* env = std::getenv("FF_SIMT_SCHEDULE");
+    g_reverse = env != nullptr && std::strcmp(env, "reverse") == 0;
+  }
+  return g_reverse == 1;
+}
 
 // The last error (cudaGetLastError resets it; the message stays valid until the next error).
 thread_local cudaError_t g_last_error = cudaSuccess;
@@ -408,9 +417,11 @@ void report_deadlock(Launch* L) {
 void run_block(Launch* L) {
   for (int t = 0; t < L->nthreads; ++t) prepare_fiber(L, t);
   if (L->smem_bytes) std::memset(L->smem, 0xFF, L->smem_bytes);
+  const bool reverse = reverse_order();
   for (;;) {
     bool any_live = false;
-    for (int t = 0; t < L->nthreads; ++t) {
+    for (int i = 0; i < L->nthreads; ++i) {
+      const int t = reverse ? L->nthreads - 1 - i : i;
       if (L->fibers[t].state == State::kReady) {
         run_fiber(L, t);
         if (L->failed) return;
@@ -511,6 +522,11 @@ uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, int param, int width)
 }
 
 void* dynamic_smem() { return running("dynamic shared memory")->smem; }
+
+void set_reverse_schedule(bool reverse) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  g_reverse = reverse ? 1 : 0;
+}
 
 void fail(const char* message) {
   Launch* L = running("ff_simt::fail");

@@ -44,8 +44,10 @@
 // What it does NOT model (write kernels that never depend on any of it)
 //   * Memory ordering without a barrier: between barriers a thread runs to completion before the
 //     next one starts, so a race on shared or global memory gives one fixed answer here and
-//     another on a GPU. Thread order is fixed (0, 1, 2, ...): a missing __syncthreads is only
-//     caught when the later thread's write is read by an earlier one.
+//     another on a GPU. Thread order is fixed (0, 1, 2, ...): a missing __syncthreads shows only
+//     when an earlier thread reads what a later one writes. FF_SIMT_SCHEDULE=reverse (or
+//     ff_simt::set_reverse_schedule) runs the threads last to first, which shows the other half
+//     of such races: run a kernel's tests both ways.
 //   * Warp-synchronous code without *_sync: lanes are not in lockstep between intrinsics;
 //     implicit warp synchrony (volatile shared-memory reductions) gives wrong answers or passes by
 //     luck. __activemask, __match_*_sync, __reduce_*_sync and cooperative groups are absent.
@@ -148,6 +150,9 @@ int block_barrier(BlockOp op, int pred);
 uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, int param, int width);
 // The running block's dynamic shared memory.
 void* dynamic_smem();
+// Threads run last to first (true) or first to last (false, the default unless the environment
+// variable FF_SIMT_SCHEDULE=reverse is set) in every following launch.
+void set_reverse_schedule(bool reverse);
 // Stops the launch with message (called from kernel code: never returns).
 [[noreturn]] void fail(const char* message);
 

@@ -81,6 +81,12 @@ at::Tensor many_blocks(int64_t blocks) {
   return out;
 }
 
+at::Tensor racy(int64_t n, bool reverse) {
+  at::Tensor out = at::empty({n}, at::kFloat);
+  FF_CHECK_LAUNCH(launch_selftest_racy(out.data_ptr<float>(), static_cast<int>(n), reverse, nullptr));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fastformer_simt_selftest, m) {
@@ -91,6 +97,7 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("to_bits(Tensor x, int kind) -> Tensor");
   m.def("from_bits(Tensor bits, int kind) -> Tensor");
   m.def("many_blocks(int blocks) -> Tensor");
+  m.def("racy(int n, bool reverse) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
@@ -105,4 +112,5 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CompositeExplicitAutograd, m) {
   m.impl("broken", &broken);
   m.impl("many_blocks", &many_blocks);
+  m.impl("racy", &racy);
 }
