@@ -69,3 +69,38 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                                       float* partial, int64_t parts, int64_t N, int64_t C,
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
                                       void* stream);
+
+// ---- attention (csrc/cuda/attention.cu)
+// Row kernels over (B, H, Sq, Sk) fp32 matrices, contiguous (row r = (b H + h) Sq + i, Sk
+// columns); the products run in ATen (attention.cpp). Masks: kpm (B, Sk) bool contiguous (True =
+// padded) or null; am fp32 additive, element (b, h, i, j) at b am_sb + h am_sh + i am_sq + j am_sk
+// (0 strides broadcast), or null; causal: key j visible to query i iff j <= i + Sk - Sq. Dropout
+// is Philox v2 with rows of C = Sk columns, one per query.
+// Forward: s = q k^T (unscaled); p in dtype (may alias s when dtype is 0) = dropout(softmax(
+// scale s + masks)); lse (B, H, Sq) fp32, +inf for a row with no visible key (its p is 0).
+const char* launch_attention_softmax_fwd(const float* s, void* p, float* lse, int64_t B, int64_t H,
+                                         int64_t Sq, int64_t Sk, int dtype, double scale,
+                                         const bool* kpm, const float* am, int64_t am_sb,
+                                         int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
+                                         double dropout_p, uint64_t seed, uint64_t offset,
+                                         void* stream);
+// Backward, first: s = q k^T on entry, P = exp(scale s + masks - lse) on return (fp32, in place;
+// -0.0f marks a key hidden by the masks); dropped (when not null) in dtype = P Z, Z the forward's
+// dropout multipliers (NaN at every key of a NaN row, as the reference's probabilities).
+const char* launch_attention_probs_bwd(float* s, void* dropped, const float* lse, int64_t B,
+                                       int64_t H, int64_t Sq, int64_t Sk, int dtype, double scale,
+                                       const bool* kpm, const float* am, int64_t am_sb,
+                                       int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
+                                       double dropout_p, uint64_t seed, uint64_t offset,
+                                       void* stream);
+// Backward, second: ds in dtype (may alias dp when dtype is 0) = scale P (dp Z - delta), 0 where
+// prob is -0.0f (hidden keys, also in a NaN row), with
+// dp = dO v^T (fp32) and delta = rowsum(dout * out); dout and out (B, H, Sq, D) in dtype with
+// unit last stride, read through their (b, h, s) strides.
+const char* launch_attention_softmax_bwd(const float* prob, const float* dp, void* ds,
+                                         const void* dout, int64_t do_sb, int64_t do_sh,
+                                         int64_t do_ss, const void* out, int64_t o_sb,
+                                         int64_t o_sh, int64_t o_ss, int64_t B, int64_t H,
+                                         int64_t Sq, int64_t Sk, int64_t D, int dtype, double scale,
+                                         double dropout_p, uint64_t seed, uint64_t offset,
+                                         void* stream);
