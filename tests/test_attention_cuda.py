@@ -121,7 +121,7 @@ def test_dropout_equals_the_cpu_backend(backend):
         dev = device_for(name)
         kern = backends.Kernels(name)
         args = [t.to(dev) for t in (q, k, v)]
-        m = (kpm.to(dev), am.to(dev), True, 1.0 / math.sqrt(D), 0.3, seed, offset)
+        m = (kpm.to(dev), am.to(dev), True, 1.0 / math.sqrt(D), 0.3, philox.pack(seed, offset))
         out, lse = kern.attention_fwd(*args, *m)
         grads = kern.attention_bwd(dout.to(dev), *args, out, lse, *m)
         results[name] = [t.cpu() for t in (out, lse, *grads)]
@@ -131,7 +131,8 @@ def test_dropout_equals_the_cpu_backend(backend):
     # dropout really acted: the result differs from the undropped one
     dev = device_for(backend)
     out0, _ = backends.Kernels(backend).attention_fwd(q.to(dev), k.to(dev), v.to(dev), kpm.to(dev), am.to(dev),
-                                                      True, 1.0 / math.sqrt(D), 0.0, seed, offset)
+                                                      True, 1.0 / math.sqrt(D), 0.0,
+                                                      philox.pack(seed, offset))
     assert (out0.cpu() - results[backend][0]).abs().max() > 1e-2
 
 
@@ -140,9 +141,9 @@ def test_empty_sizes(backend):
     device = device_for(backend)
     kern = backends.Kernels(backend)
     q, k = torch.randn(2, 3, 5, 16, device=device), torch.randn(2, 3, 0, 16, device=device)
-    out, lse = kern.attention_fwd(q, k, k, None, None, False, 0.25, 0.1, 1, 0)  # no keys at all
+    out, lse = kern.attention_fwd(q, k, k, None, None, False, 0.25, 0.1, philox.pack(1, 0))  # no keys at all
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all() and lse.shape == (2, 3, 5)
-    dq, dk, dv = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1, 1, 0)
+    dq, dk, dv = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1, philox.pack(1, 0))
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == k.shape
     q0 = torch.randn(0, 3, 5, 16, device=device, requires_grad=True)
     with fastformer.use_backend(backend):
@@ -177,16 +178,18 @@ def test_glue_checks_name_the_argument(backend):
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
-            fwd(*args, False, 0.5, 0.0, 0, 0)
+            fwd(*args, False, 0.5, 0.0, philox.no_dropout())
     with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\)"):
-        fwd(q, k, v, None, None, False, 0.5, 1.0, 0, 0)
-    with pytest.raises(RuntimeError, match="seed must be >= 0"):
-        fwd(q, k, v, None, None, False, 0.5, 0.1, -1, 0)
-    with pytest.raises(RuntimeError, match="offset must be >= 0"):
-        fwd(q, k, v, None, None, False, 0.5, 0.1, 1, -1)
+        fwd(q, k, v, None, None, False, 0.5, 1.0, philox.no_dropout())
+    with pytest.raises(RuntimeError, match=r"philox seed philox\[0\] must be >= 0"):
+        fwd(q, k, v, None, None, False, 0.5, 0.1, torch.tensor([-1, 0], device="cpu"))
+    with pytest.raises(RuntimeError, match=r"philox offset philox\[1\] must be >= 0"):
+        fwd(q, k, v, None, None, False, 0.5, 0.1, torch.tensor([1, -1], device="cpu"))
+    with pytest.raises(RuntimeError, match="philox must be int64"):
+        fwd(q, k, v, None, None, False, 0.5, 0.1, philox.pack(1, 0).to(torch.int32))
     with pytest.raises(RuntimeError, match="scale must be finite"):
-        fwd(q, k, v, None, None, False, float("nan"), 0.0, 0, 0)
-    out, lse = fwd(q, k, v, None, None, False, 0.5, 0.0, 0, 0)
+        fwd(q, k, v, None, None, False, float("nan"), 0.0, philox.no_dropout())
+    out, lse = fwd(q, k, v, None, None, False, 0.5, 0.0, philox.no_dropout())
     bwd_cases = [
         ((out[:, :, :4], q, k, v, out, lse), "dout must have q's shape"),
         ((out, q, k, v, out.half(), lse), "out has dtype Half but q has dtype Float"),
@@ -197,4 +200,4 @@ def test_glue_checks_name_the_argument(backend):
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):
-            bwd(*args, None, None, False, 0.5, 0.0, 0, 0)
+            bwd(*args, None, None, False, 0.5, 0.0, philox.no_dropout())

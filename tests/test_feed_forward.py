@@ -420,14 +420,15 @@ def test_cuda_dropout_equals_the_cpu_backend(backend, F_):
     cuda, cpu = backends.Kernels(backend), backends.Kernels("cpu")
     device = device_for(backend)
     out, pre = cuda.feed_forward_fwd(x.to(device), eye.to(device), None, eye.to(device), None, "relu", p,
-                                     seed, offset)
-    want, want_pre = cpu.feed_forward_fwd(x, eye, None, eye, None, "relu", p, seed, offset)
+                                     philox.pack(seed, offset))
+    want, want_pre = cpu.feed_forward_fwd(x, eye, None, eye, None, "relu", p,
+                                          philox.pack(seed, offset))
     assert torch.equal(out.cpu(), want), "forward: another mask or another scale"
     dout = torch.ones_like(out)
     dx = cuda.feed_forward_bwd(dout, x.to(device), eye.to(device), eye.to(device), pre, False, False, "relu",
-                               p, seed, offset)[0]
-    want_dx = cpu.feed_forward_bwd(dout.cpu(), x, eye, eye, want_pre, False, False, "relu", p, seed,
-                                   offset)[0]
+                               p, philox.pack(seed, offset))[0]
+    want_dx = cpu.feed_forward_bwd(dout.cpu(), x, eye, eye, want_pre, False, False, "relu", p,
+                                   philox.pack(seed, offset))[0]
     assert torch.equal(dx.cpu(), want_dx), "backward: another mask"
 
 
@@ -512,12 +513,12 @@ def test_cuda_zero_rows_and_zero_width(backend):
     kern = backends.Kernels(backend)
     for N, E, F_ in ((0, 8, 16), (4, 8, 0)):
         x, w1, b1, w2, b2 = _make_inputs((N, E), F_, True, True, device)
-        out, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "gelu", 0.1, 1, 0)
+        out, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "gelu", 0.1, philox.pack(1, 0))
         assert out.shape == (N, E) and pre.shape == (N, F_)
         want = reference.feed_forward(x, w1, b1, w2, b2, activation="gelu")
         assert_close("out", out, want, atol=1e-6, rtol=0)
         dx, dw1, db1, dw2, db2 = kern.feed_forward_bwd(torch.ones(N, E, device=device), x, w1, w2, pre, True,
-                                                       True, "gelu", 0.1, 1, 0)
+                                                       True, "gelu", 0.1, philox.pack(1, 0))
         assert dx.shape == (N, E) and dw1.shape == (F_, E) and dw2.shape == (E, F_)
         assert torch.equal(db1, torch.zeros(F_, device=device))
         assert torch.equal(db2, torch.full((E,), float(N), device=device))
@@ -528,33 +529,35 @@ def test_cuda_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
     device = device_for(backend)
     x, w1, b1, w2, b2 = _make_inputs((4, 8), 16, True, True, device)
-    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, 0, 0)
+    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, philox.no_dropout())
     fwd_cases = [
-        ((x[0], w1, b1, w2, b2, "relu", 0.0, 0, 0), "x must be 2-D"),
-        ((x.double(), w1.double(), None, w2.double(), None, "relu", 0.0, 0, 0),
+        ((x[0], w1, b1, w2, b2, "relu", 0.0, philox.no_dropout()), "x must be 2-D"),
+        ((x.double(), w1.double(), None, w2.double(), None, "relu", 0.0, philox.no_dropout()),
          "x must be float32, float16 or bfloat16"),
-        ((x.half(), w1, b1, w2, b2, "relu", 0.0, 0, 0), "w1 must have the dtype of x"),
-        ((x, w1[:, :7].contiguous(), b1, w2, b2, "relu", 0.0, 0, 0), r"w1 must have shape \(F, E\)"),
-        ((x, w1, b1, w2[:, :15].contiguous(), b2, "relu", 0.0, 0, 0), r"w2 must have shape \(E, F\)"),
-        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, 0, 0), "w1 must be contiguous"),
-        ((x, w1, b1[:15], w2, b2, "relu", 0.0, 0, 0), r"b1 must have shape \(16,\)"),
-        ((x, w1, b1, w2, b2, "tanh", 0.0, 0, 0), "activation must be \"relu\" or \"gelu\""),
-        ((x, w1, b1, w2, b2, "relu", 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
-        ((x, w1, b1, w2, b2, "relu", 0.5, -1, 0), "seed must be >= 0"),
-        ((x, w1, b1, w2, b2, "relu", 0.5, 0, -3), "offset must be >= 0"),
+        ((x.half(), w1, b1, w2, b2, "relu", 0.0, philox.no_dropout()), "w1 must have the dtype of x"),
+        ((x, w1[:, :7].contiguous(), b1, w2, b2, "relu", 0.0, philox.no_dropout()), r"w1 must have shape \(F, E\)"),
+        ((x, w1, b1, w2[:, :15].contiguous(), b2, "relu", 0.0, philox.no_dropout()), r"w2 must have shape \(E, F\)"),
+        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, philox.no_dropout()), "w1 must be contiguous"),
+        ((x, w1, b1[:15], w2, b2, "relu", 0.0, philox.no_dropout()), r"b1 must have shape \(16,\)"),
+        ((x, w1, b1, w2, b2, "tanh", 0.0, philox.no_dropout()), "activation must be \"relu\" or \"gelu\""),
+        ((x, w1, b1, w2, b2, "relu", 1.0, philox.no_dropout()), r"dropout_p must be in \[0, 1\)"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([-1, 0], device="cpu")),
+         r"philox seed philox\[0\] must be >= 0"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([0, -3], device="cpu")),
+         r"philox offset philox\[1\] must be >= 0"),
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.feed_forward_fwd(*args)
     dout = torch.randn(4, 8, device=device)
     bwd_cases = [
-        ((dout[:, :7].contiguous(), x, w1, w2, pre, True, True, "relu", 0.0, 0, 0),
+        ((dout[:, :7].contiguous(), x, w1, w2, pre, True, True, "relu", 0.0, philox.no_dropout()),
          r"dout must have shape \(N, E\)"),
-        ((dout, x, w1, w2, pre[:, :5].contiguous(), True, True, "relu", 0.0, 0, 0),
+        ((dout, x, w1, w2, pre[:, :5].contiguous(), True, True, "relu", 0.0, philox.no_dropout()),
          r"pre must have shape \(N, F\)"),
-        ((dout, x, w1, w2, pre.half(), True, True, "relu", 0.0, 0, 0), "pre must have the dtype of x"),
-        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, 0, 0), "activation must be"),
-        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, 0, 0), r"dropout_p must be in \[0, 1\)"),
+        ((dout, x, w1, w2, pre.half(), True, True, "relu", 0.0, philox.no_dropout()), "pre must have the dtype of x"),
+        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, philox.no_dropout()), "activation must be"),
+        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, philox.no_dropout()), r"dropout_p must be in \[0, 1\)"),
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):

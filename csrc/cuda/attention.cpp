@@ -119,11 +119,11 @@ at::Tensor grad_like(const at::Tensor& x, const at::Tensor& g) {
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
+    bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
   const char* op = "attention_fwd";
   const auto dims = check_qkv(op, q, k, v, scale, dropout_p);
   const MaskArgs m = check_masks(op, q, key_padding_mask, attn_mask, dims);
-  const FfPhiloxArgs rng = ff_philox_args(seed, offset, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
   const auto [B, H, Sq, Sk, D] = dims;
   c10::DeviceGuard guard(q.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in, const std::optional<at::Tensor>& key_padding_mask,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, double dropout_p,
-    int64_t seed, int64_t offset) {
+    const at::Tensor& philox) {
   const char* op = "attention_bwd";
   const auto dims = check_qkv(op, q, k, v, scale, dropout_p);
   const auto [B, H, Sq, Sk, D] = dims;
@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
               op, ": lse must have shape (B, H, Sq) = (", B, ", ", H, ", ", Sq, "), got ",
               lse_in.sizes());
   const MaskArgs m = check_masks(op, q, key_padding_mask, attn_mask, dims);
-  const FfPhiloxArgs rng = ff_philox_args(seed, offset, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(q.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 

@@ -75,7 +75,7 @@ at::Tensor column_sums(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
     const at::Tensor& x, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
-    double dropout_p, int64_t seed, int64_t offset) {
+    double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_fwd";
   check_x(x, op);
   const int64_t N = x.size(0), E = x.size(1);
@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
   if (has_b2) check_bias(*b2, "b2", E, "(E = x.size(1))", x, op);
   const int act = parse_activation(std::string(activation), op);
   ff_check_dropout_p(dropout_p, op);
-  const FfPhiloxArgs rng = ff_philox_args(seed, offset, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
 
@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& pre, bool has_b1, bool has_b2, c10::string_view activation, double dropout_p,
-    int64_t seed, int64_t offset) {
+    const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_bwd";
   check_x(x, op);
   const int64_t N = x.size(0), E = x.size(1);
@@ -114,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   check_matrix(pre, "pre", N, F, "(N, F), the forward's pre-activation", x, op);
   const int act = parse_activation(std::string(activation), op);
   ff_check_dropout_p(dropout_p, op);
-  const FfPhiloxArgs rng = ff_philox_args(seed, offset, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 
