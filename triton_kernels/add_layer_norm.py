@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor
 
 MAX_C = 16384  # the widest row one program keeps in registers
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -324,6 +324,7 @@ def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
     return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
 
 
+@on_device_of_first_tensor
 def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                              bias: torch.Tensor, eps: float, dropout_p: float, seed: int,
                              offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -348,6 +349,7 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     return y, h, mean, rstd
 
 
+@on_device_of_first_tensor
 def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
                              weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                              dropout_p: float, seed: int, offset: int,
@@ -424,7 +426,8 @@ def aot_specs() -> List[dict]:
     """Every kernel specialisation the host code launches, for ahead-of-time compilation:
     each dtype, BLOCK_C 1024 / 2048 / 4096 / 8192 / 16384 (MAX_C) with the num_warps the host
     picks for it (4 / 8 / 16 / 32 / 32), the flag combination with the most code (residual, dropout, dh, dres), the
-    chunked backward and its partials kernel for BLOCK_C >= SPLIT_BLOCK_C, and the dweight/dbias reduction. Pointers (fresh torch allocations) and C (a multiple of 16, as
+    chunked backward and its partials kernel for BLOCK_C >= SPLIT_BLOCK_C, and the dweight/dbias
+    reduction. Pointers (fresh torch allocations) and C (a multiple of 16, as
     hidden sizes are) carry Triton's divisible-by-16 specialisation, as the launcher gives them."""
     specs = []
     for dtype, t in _TL_DTYPE.items():

@@ -1,4 +1,9 @@
-"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream."""
+"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream, and the
+CUDA device guard of the host functions."""
+import contextlib
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -42,3 +47,24 @@ def dropout_threshold(p: float) -> int:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def device_guard(t):
+    """``torch.cuda.device(t.device)`` for a tensor on a CUDA device: Triton launches on the
+    *current* device, which need not be the tensor's. A no-op otherwise (CPU tensors under the
+    interpreter)."""
+    device = getattr(t, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def on_device_of_first_tensor(fn):
+    """Decorator for a Triton host function: runs it under :func:`device_guard` of its first
+    argument (a tensor every other tensor argument shares a device with)."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        with device_guard(args[0] if args else next(iter(kwargs.values()), None)):
+            return fn(*args, **kwargs)
+    guarded.device_guarded = True
+    return guarded
