@@ -94,6 +94,28 @@ def test_add_layer_norm_dweight_dbias_across_partial_blocks(monkeypatch, N, C, p
     assert_close("dbias", db.double(), gb, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("N,C,chunk", [(7, 100, 32), (3, 45, 16)])
+def test_add_layer_norm_wide_rows_chunked_backward(monkeypatch, N, C, chunk):
+    """Rows with BLOCK_C >= SPLIT_BLOCK_C (16384 on a GPU) take the column-chunked backward (row
+    sums over the chunks, then dx chunk by chunk, the dropout mask regenerated per chunk) and the
+    separate dweight/dbias partials kernel. Forced here on small rows with a ragged last chunk,
+    with a residual, dropout and dh; the row kernel is made unusable so the test fails if taken."""
+    monkeypatch.setattr(aln, "SPLIT_BLOCK_C", 16)
+    monkeypatch.setattr(aln, "_CHUNK_C", chunk)
+    monkeypatch.setattr(aln, "_PART_BLOCK_N", 32)
+    monkeypatch.setattr(aln, "_add_layer_norm_bwd", None)
+    monkeypatch.setattr(aln, "_partial_rows", lambda n, device: (2, math.ceil(n / 2)))
+    p, seed, offset = 0.25, 2**33 + 1, 2**32 - 3
+    x, r = _rand(N, C, scale=2.0), _rand(N, C)
+    w, b = 1.0 + _rand(C), _rand(C)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, seed, offset)
+    dy, dh = _rand(N, C), _rand(N, C)
+    _, grads = _ln_reference(x, r, w, b, p, (seed, offset), dy, dh)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, seed, offset, True)
+    for name, got, want in zip(("dx", "dresidual", "dweight", "dbias"), (dx, dres, dw, db), grads):
+        assert_close(name, got.double(), want, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_add_layer_norm_low_precision_dtypes(dtype):
     """fp16 and bf16 storage, fp32 statistics (fp32 mean/rstd, dweight in the weight dtype)."""

@@ -1,4 +1,7 @@
-"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream."""
+"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream, the
+host-side read of the ops' ``philox`` argument, and the CUDA device guard of the host functions."""
+import contextlib
+import functools
 from typing import Tuple
 
 import torch
@@ -64,3 +67,24 @@ def read_philox(philox: torch.Tensor, op: str) -> Tuple[int, int]:
     torch._check_value(seed >= 0, lambda: f"{op}: the philox seed philox[0] must be >= 0, got {seed}")
     torch._check_value(offset >= 0, lambda: f"{op}: the philox offset philox[1] must be >= 0, got {offset}")
     return seed, offset
+
+
+def device_guard(t):
+    """``torch.cuda.device(t.device)`` for a tensor on a CUDA device: Triton launches on the
+    *current* device, which need not be the tensor's. A no-op otherwise (CPU tensors under the
+    interpreter)."""
+    device = getattr(t, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def on_device_of_first_tensor(fn):
+    """Decorator for a Triton host function: runs it under :func:`device_guard` of its first
+    argument (a tensor every other tensor argument shares a device with)."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        with device_guard(args[0] if args else next(iter(kwargs.values()), None)):
+            return fn(*args, **kwargs)
+    guarded.device_guarded = True
+    return guarded
