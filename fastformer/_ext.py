@@ -2,6 +2,10 @@
 
 ``FASTFORMER_EXT_LIBRARY=/path/lib.so`` loads a privately built copy instead
 (``tools/dev_build.py``), so kernel work can be tested without a full build.
+
+``FASTFORMER_CUDA_SIMT=/path/fastformer_simt.so`` names the SIMT test harness (the CUDA kernels
+compiled as host C++, ``tests/simt/build.py``; ``tests/conftest.py`` builds it and sets the
+variable): its ops ``torch.ops.fastformer_simt.<op>`` run the ``cuda`` backend on CPU tensors.
 """
 import functools
 import importlib
@@ -27,8 +31,23 @@ def load_error() -> Optional[str]:
     return None
 
 
-def has_kernel(op: str, dispatch_key: str) -> bool:
-    """Whether ``fastformer::<op>`` has a kernel registered for ``dispatch_key`` (CPU, CUDA)."""
-    if load_error() is not None:
+@functools.lru_cache(maxsize=None)
+def simt_load_error() -> Optional[str]:
+    """None once the SIMT harness library (``FASTFORMER_CUDA_SIMT``) is loaded, else why not."""
+    path = os.environ.get("FASTFORMER_CUDA_SIMT", "")
+    if path in ("", "0", "off"):
+        return ("the SIMT harness is not loaded (FASTFORMER_CUDA_SIMT is not set; tests/conftest.py "
+                "builds it with tests/simt/build.py)")
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as exc:
+        return f"cannot load the SIMT harness FASTFORMER_CUDA_SIMT={path} ({exc})"
+    return None
+
+
+def has_kernel(op: str, dispatch_key: str, namespace: str = "fastformer") -> bool:
+    """Whether ``<namespace>::<op>`` has a kernel registered for ``dispatch_key`` (CPU, CUDA);
+    namespace ``fastformer_simt`` is the SIMT harness's."""
+    if (simt_load_error() if namespace == "fastformer_simt" else load_error()) is not None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"fastformer::{op}", dispatch_key)
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{op}", dispatch_key)

@@ -9,6 +9,10 @@ Backends: ``reference`` (pure PyTorch, anywhere), ``cpu`` (C++ kernels in
 first backend that can run the call: ``cuda: triton, cuda, reference`` and
 ``cpu: cpu, reference``. A forced backend that cannot run a call raises an error
 that says why; an automatic pick falls through to the next one instead.
+
+In the tests, ``cuda`` also runs CPU tensors when the SIMT harness is loaded
+(``FASTFORMER_CUDA_SIMT``, see ``_ext``): its kernels are then ``torch.ops.fastformer_simt.<op>``,
+the CUDA kernels compiled as host C++. ``auto`` never picks it.
 """
 import contextlib
 import importlib
@@ -99,6 +103,11 @@ def availability(name: str, device_type: Optional[str] = None) -> Availability:
         err = _ext.load_error()
         return Availability(err is None, err or "")
     if name == "cuda":
+        if device_type == "cpu":  # only the SIMT test harness runs the CUDA kernels on CPU tensors
+            err = _ext.simt_load_error()
+            if err is not None:
+                return Availability(False, f"the cuda backend runs CUDA tensors, not cpu tensors ({err})")
+            return Availability(True)
         if device_type not in (None, "cuda"):
             return Availability(False, f"the cuda backend runs CUDA tensors, not {device_type} tensors")
         if not torch.cuda.is_available():
@@ -135,10 +144,32 @@ class Kernels:
     def __getattr__(self, fn: str):
         if self.name == "triton":
             return getattr(importlib.import_module("triton_kernels"), fn)
+        if self.name == "cuda" and _ext.simt_load_error() is None:
+            return _by_device(fn)
         return getattr(torch.ops.fastformer, fn)
+
+    def bind(self, module, op: str) -> None:
+        """Keep ``op``'s ``_fwd``/``_bwd`` functions of ``module`` as plain attributes, so reading
+        them needs no ``__getattr__`` (whose ``import_module`` torch.compile cannot trace: a
+        graph break around every triton op call)."""
+        for fn in (f"{op}_fwd", f"{op}_bwd"):
+            if fn not in self.__dict__ and hasattr(module, fn):
+                self.__dict__[fn] = getattr(module, fn)
 
     def __repr__(self) -> str:
         return f"Kernels({self.name!r})"
+
+
+def _by_device(fn: str):
+    """The cuda backend's op ``fn`` when the SIMT harness is loaded: the harness's kernel for CPU
+    tensors, the real one (``torch.ops.fastformer``) for CUDA tensors."""
+    def call(*args, **kwargs):
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        ns = torch.ops.fastformer_simt if device is not None and device.type == "cpu" else torch.ops.fastformer
+        return getattr(ns, fn)(*args, **kwargs)
+
+    call.__name__ = fn
+    return call
 
 
 _KERNELS = {name: Kernels(name) for name in ("cpu", "triton", "cuda")}
@@ -156,12 +187,18 @@ def _cannot_run(name: str, op: str, device: torch.device, dtype: torch.dtype,
         return f"the {name} backend does not support dtype {dtype} on {device.type}"
     if limitation:
         return limitation
-    if name in ("cpu", "cuda"):
+    if name == "cuda" and device.type == "cpu":
+        if not _ext.has_kernel(f"{op}_fwd", "CPU", namespace="fastformer_simt"):
+            return f"the SIMT harness has no kernel for {op} (csrc/cuda has no glue for it)"
+    elif name in ("cpu", "cuda"):
         key = "CPU" if name == "cpu" else "CUDA"
         if not _ext.has_kernel(f"{op}_fwd", key):
             return f"fastformer._C has no {key} kernel for {op}"
-    elif not hasattr(importlib.import_module("triton_kernels"), f"{op}_fwd"):
-        return f"triton_kernels has no kernel for {op}"
+    else:
+        module = importlib.import_module("triton_kernels")
+        if not hasattr(module, f"{op}_fwd"):
+            return f"triton_kernels has no kernel for {op}"
+        _KERNELS["triton"].bind(module, op)  # here: _choose runs untraced under torch.compile
     return None
 
 

@@ -16,6 +16,14 @@ The C++ kernels (``csrc/cpu/philox.h``) and the Triton kernels (``triton_kernels
 produce the same bits, so the reference ops here regenerate the very mask a kernel used, and
 backward passes regenerate it instead of storing it. ``seed`` and ``offset`` come from torch's
 default generator (:func:`next_seed`), so ``torch.manual_seed`` makes a run repeatable.
+
+The ops take the pair as ONE int64 CPU tensor ``philox = (seed, offset)`` of shape ``(2,)``
+(:func:`pack`), drawn by the custom op ``torch.ops.fastformer.next_seed()`` (:func:`draw`):
+an opaque op tagged ``nondeterministic_seeded``, so ``torch.compile`` keeps every draw, in
+order, inside one graph (no ``.item()``, no graph break) and inductor never swaps in its own
+RNG. It draws exactly what :func:`next_seed` draws, so eager and compiled runs with the same
+``torch.manual_seed`` drop the same elements. The kernels read the two values on the host (the
+tensor lives on the CPU: no device sync).
 """
 import math
 from typing import Sequence, Tuple
@@ -89,8 +97,11 @@ def keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, device=Non
     return random16(shape, seed, offset, device=device) >= drop_threshold(p)
 
 
-def dropout(x: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
-    """Reference dropout of ``x`` with the shared Philox mask (differentiable in ``x``)."""
+def dropout(x: torch.Tensor, p: float, seed, offset) -> torch.Tensor:
+    """Reference dropout of ``x`` with the shared Philox mask (differentiable in ``x``).
+
+    ``seed`` and ``offset`` are ints or int64 0-d tensors (the two halves of a :func:`draw`n
+    ``philox`` tensor: then no value leaves the tensor, so ``torch.compile`` traces it whole)."""
     if p == 0.0:
         return x
     keep = keep_mask(x.shape, p, seed, offset, device=x.device)
@@ -101,3 +112,64 @@ def next_seed() -> Tuple[int, int]:
     """A fresh ``(seed, offset)`` pair drawn from torch's default CPU generator."""
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
     return seed, 0
+
+
+# ------------------------------------------------------------------ the (2,) philox tensor
+def pack(seed: int, offset: int) -> torch.Tensor:
+    """The ``philox`` argument of the ops for a chosen pair: int64 CPU ``(2,)`` = (seed, offset)."""
+    for name, v in (("seed", seed), ("offset", offset)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if not 0 <= v < 2**63:
+            raise ValueError(f"{name} must be in [0, 2**63), got {v}")
+    return torch.tensor([seed, offset], dtype=torch.int64, device="cpu")
+
+
+def no_dropout() -> torch.Tensor:
+    """The ``philox`` argument of a call without dropout: (0, 0), drawing nothing."""
+    return torch.zeros(2, dtype=torch.int64, device="cpu")
+
+
+def _next_seed_impl() -> torch.Tensor:
+    return torch.tensor(next_seed(), dtype=torch.int64, device="cpu")  # (2,): the very draw of next_seed()
+
+
+def _keep_every_draw() -> None:
+    """Keep AOTAutograd's common-subexpression elimination from merging the draws of a graph.
+
+    Its CSE pass (``fx_graph_cse`` in torch/_functorch/compile_utils.py, torch 2.13) spares the
+    aten random ops of a fixed list ``rand_ops`` but ignores the ``nondeterministic_seeded``
+    tag, so the argument-less ``next_seed()`` calls of one graph would become ONE draw: every
+    dropout of a compiled model would share a seed (measured: 1 draw instead of 10, a different
+    loss from eager). Adding the op to that list is what the tag should do. Run from the fake
+    implementation, i.e. only while torch.compile traces, before its CSE runs; a torch without
+    the list leaves nothing to do here (the tests count the draws of a compiled model)."""
+    try:
+        from torch._functorch import compile_utils
+    except ImportError:
+        return
+    rand_ops = getattr(compile_utils, "rand_ops", None)
+    packet = torch.ops.fastformer.next_seed
+    if isinstance(rand_ops, list) and not any(op is packet for op in rand_ops):
+        rand_ops.append(packet)
+
+
+def _next_seed_fake() -> torch.Tensor:
+    _keep_every_draw()
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+# A Python-defined op beside the C++ ones (csrc/ops.cpp): it needs no extension, so every
+# backend (the reference included) draws through it.
+_next_seed_op = torch.library.custom_op("fastformer::next_seed", _next_seed_impl, mutates_args=(),
+                                        schema="() -> Tensor",
+                                        tags=(torch.Tag.nondeterministic_seeded,))
+_next_seed_op.register_fake(_next_seed_fake)
+
+
+def draw(dropout_p: float) -> torch.Tensor:
+    """The ``philox`` tensor for an op call with dropout probability ``dropout_p``: a fresh
+    (seed, offset) from ``torch.ops.fastformer.next_seed()`` if ``dropout_p > 0``, else
+    :func:`no_dropout` (the generator is not touched, as before)."""
+    return torch.ops.fastformer.next_seed() if dropout_p > 0.0 else no_dropout()
+

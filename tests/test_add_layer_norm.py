@@ -11,13 +11,17 @@ from fastformer import _ext, backends, philox
 from fastformer.ops import add_layer_norm, reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
+CPU_CUDA = kernel_backends("cpu", "cuda")  # cuda: a GPU, or the SIMT harness on CPU tensors
+CUDA = kernel_backends("cuda")
 
 # Shapes (..., C): hidden sizes 64, 1023, 256, 7; row counts 1, odd, round; leading dims.
 SHAPES = [(1, 64), (7, 1023), (203, 256), (5, 7), (3, 7, 256), (1, 1, 1023), (64, 256)]
 # The Triton interpreter is slow: a subset keeps its part of this file short.
 TRITON_SHAPES = [(5, 7), (3, 7, 256), (1, 1, 1023)]
+# cuda: warp-per-row (C <= 1024) and block-per-row kernels, 128-bit (C % 8 == 0) and scalar paths.
+CUDA_SHAPES = [(1, 64), (7, 1023), (2, 4096), (5, 7), (3, 1500)]
 
 # fp32 tolerances per backend: (atol, rtol) for outputs and for gradients.
 FP32_TOL = {
@@ -46,14 +50,12 @@ INPUT_NAMES = ("x", "residual", "weight", "bias")
 
 
 def _shapes(backend):
-    return TRITON_SHAPES if backend == "triton" else SHAPES
+    return {"triton": TRITON_SHAPES, "cuda": CUDA_SHAPES}.get(backend, SHAPES)
 
 
 def _cases():
     for backend in BACKENDS:
-        for shape in SHAPES:
-            if shape not in _shapes(backend.values[0]):
-                continue
+        for shape in _shapes(backend.values[0]):
             for config in CONFIGS:
                 yield pytest.param(backend.values[0], shape, config, marks=backend.marks,
                                    id=f"{backend.id}-{'x'.join(map(str, shape))}-{config}")
@@ -183,7 +185,7 @@ def test_dropout_is_exactly_the_reference_mask(backend):
     w, b = torch.ones(300, device=device), torch.zeros(300, device=device)
     kern = backends.Kernels(backend)
     for seed, offset in ((5, 0), (2**40 + 3, 17)):
-        _, h, _, _ = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.4, seed, offset)
+        _, h, _, _ = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.4, philox.pack(seed, offset))
         _, h_ref = reference.add_layer_norm(x, None, None, None, 1e-5, 0.4, prenorm=True,
                                             rng=(seed, offset))
         assert torch.equal(h, h_ref)
@@ -200,7 +202,7 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     kern = backends.Kernels(backend)
     x = torch.ones(N, C, device=device)
     w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
-    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 0)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(11, 0))
     kept = h != 0
     n = kept.numel()
     rate = kept.double().mean().item()
@@ -208,14 +210,57 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     assert torch.equal(h[kept], torch.full_like(h[kept], 1.0 / (1.0 - p)))
     assert torch.equal(kept, philox.keep_mask((N, C), p, 11, 0, device=device))
     # same seed: same mask; another seed or offset: another mask
-    assert torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 0)[1], h)
-    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 12, 0)[1] != 0, kept)
-    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, 11, 1)[1] != 0, kept)
+    assert torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(11, 0))[1], h)
+    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(12, 0))[1] != 0, kept)
+    assert not torch.equal(kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(11, 1))[1] != 0, kept)
     # backward regenerates the same mask: with dy = 0 and dh = 1, dx is exactly keep * scale
     dx, dres, dw, db = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean,
-                                               rstd, p, 11, 0, True)
+                                               rstd, p, philox.pack(11, 0), True)
     assert torch.equal(dx, h)
     assert torch.equal(dres, torch.ones_like(h))
+
+
+@pytest.mark.parametrize("config", ["prenorm_grad_both_dropout", "post"])
+@pytest.mark.parametrize("shape", [(7, 1023), (2, 4096)])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_fp16_forward_and_every_gradient(backend, shape, config):
+    """fp16 (a CUDA-only dtype): the same FlashAttention-style rule as bf16."""
+    inputs = _make_inputs(shape, config, device_for(backend))
+    (outs, grads), (lp_outs, lp_grads), (ref_outs, ref_grads) = _run_case(
+        backend, shape, config, torch.float16, inputs)
+    for name, o, lp, r in zip(("y", "h"), outs, lp_outs, ref_outs):
+        assert o.dtype == torch.float16
+        assert_close_lowp(name, o, r, lp, factor=LOWP_FACTOR[backend])
+    for name in ref_grads:
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name],
+                          factor=LOWP_FACTOR[backend])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("C", [64, 4096])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_vector_and_scalar_paths_agree_bit_for_bit(backend, C, dtype):
+    """Rows whose start is not 16-byte aligned take the scalar path; same per-thread arithmetic,
+    so every output equals the 128-bit path's exactly."""
+    device, N = device_for(backend), 5
+    kern = backends.Kernels(backend)
+
+    def misaligned(t):  # the same values one element into a larger buffer: contiguous, unaligned
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
+        buf[1:] = t.reshape(-1)
+        return buf[1:].view(t.shape)
+
+    x, r = torch.randn(N, C, device=device, dtype=dtype), torch.randn(N, C, device=device, dtype=dtype)
+    w, b = torch.randn(C, device=device, dtype=dtype), torch.randn(C, device=device, dtype=dtype)
+    dy, dh = torch.randn_like(x), torch.randn_like(x)
+    fwd = [kern.add_layer_norm_fwd(*a, 1e-5, 0.3, 5, 7) for a in ((x, r, w, b), tuple(misaligned(t) for t in (x, r, w, b)))]
+    for got, want in zip(fwd[1], fwd[0]):
+        assert torch.equal(got, want)
+    _, h, mean, rstd = fwd[0]
+    bwd = [kern.add_layer_norm_bwd(dy_, dh_, h_, w_, mean, rstd, 0.3, 5, 7, True)
+           for dy_, dh_, h_, w_ in ((dy, dh, h, w), tuple(misaligned(t) for t in (dy, dh, h, w)))]
+    for got, want in zip(bwd[1], bwd[0]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -225,29 +270,32 @@ def test_dropout_counters_past_32_bits(backend):
     x = torch.ones(3, 50, device=device)
     w, b = torch.ones(50, device=device), torch.zeros(50, device=device)
     offset = 2**32 - 10  # 7 counters a row: the wrap falls inside the second row
-    _, h, _, _ = backends.Kernels(backend).add_layer_norm_fwd(x, None, w, b, 1e-5, 0.5, 9, offset)
+    _, h, _, _ = backends.Kernels(backend).add_layer_norm_fwd(x, None, w, b, 1e-5, 0.5, philox.pack(9, offset))
     assert torch.equal(h != 0, philox.keep_mask((3, 50), 0.5, 9, offset, device=device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("C", [1, 7, 8, 9, 63, 64, 65, 1023])
-@pytest.mark.parametrize("backend", CPU)
-def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
+@pytest.mark.parametrize("C", [1, 7, 8, 9, 63, 64, 65, 1023, 1032])
+@pytest.mark.parametrize("backend", CPU_CUDA)
+def test_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
     """Rows of any length C (the group counter restarts each row), offsets whose low word wraps
     mid-tensor, thresholds at both ends: forward h and backward dx are exactly keep * scale."""
+    if backend == "cuda" and dtype == torch.float64:
+        pytest.skip("the cuda backend has no float64 kernels")
     N = 37
     kern = backends.Kernels(backend)
-    x = torch.ones(N, C, dtype=dtype)
-    w, b = torch.ones(C, dtype=dtype), torch.zeros(C, dtype=dtype)
+    device = device_for(backend)
+    x = torch.ones(N, C, dtype=dtype, device=device)
+    w, b = torch.ones(C, dtype=dtype, device=device), torch.zeros(C, dtype=dtype, device=device)
     G = (C + 7) // 8
     for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1),
                             (1e-6, 4, 5), (0.999995, 4, 5)):  # T = 0 keeps all, T = 65536 none
-        _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
-        keep = philox.keep_mask((N, C), p, seed, offset)
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(seed, offset))
+        keep = philox.keep_mask((N, C), p, seed, offset, device=device)
         assert torch.equal(h != 0, keep), f"forward mask, p={p} offset={offset}"
         assert torch.equal(h[keep], torch.full_like(h[keep], 1 / (1 - p)))
         dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
-                                              p, seed, offset, True)
+                                              p, philox.pack(seed, offset), True)
         assert torch.equal(dx, h), f"backward mask, p={p} offset={offset}"
 
 
@@ -261,11 +309,11 @@ def test_triton_dropout_rows_of_any_width(backend, C):
     x = torch.ones(N, C, device=device)
     w, b = torch.ones(C, device=device), torch.zeros(C, device=device)
     kern = backends.Kernels(backend)
-    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, seed, offset)
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, p, philox.pack(seed, offset))
     keep = philox.keep_mask((N, C), p, seed, offset, device=device)
     assert torch.equal(h, keep.float() * 2.0)
     dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
-                                          p, seed, offset, True)
+                                          p, philox.pack(seed, offset), True)
     assert torch.equal(dx, keep.float() * 2.0)
 
 
@@ -313,21 +361,23 @@ def test_opcheck(backend, dtype):
     x, r = torch.randn(5, 37, dtype=dtype), torch.randn(5, 37, dtype=dtype)
     w, b = torch.randn(37, dtype=dtype), torch.randn(37, dtype=dtype)
     for residual, p in ((r, 0.2), (None, 0.0), (r, 0.0)):
-        torch.library.opcheck(ops.add_layer_norm_fwd.default, (x, residual, w, b, 1e-5, p, 7, 3))
-        _, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, 7, 3)
+        torch.library.opcheck(ops.add_layer_norm_fwd.default, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
+        _, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
         for dh in (None, torch.randn_like(x)):
-            args = (torch.randn_like(x), dh, h, w, mean, rstd, p, 7, 3, residual is not None)
+            args = (torch.randn_like(x), dh, h, w, mean, rstd, p, philox.pack(7, 3), residual is not None)
             torch.library.opcheck(ops.add_layer_norm_bwd.default, args)
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", CPU_CUDA)
 def test_backward_returns_empty_dresidual_unless_it_differs_from_dx(backend):
     kern = backends.Kernels(backend)
-    x, r, w, b = torch.randn(4, 9), torch.randn(4, 9), torch.randn(9), torch.randn(9)
-    dy = torch.randn(4, 9)
+    d = device_for(backend)
+    x, r = torch.randn(4, 9, device=d), torch.randn(4, 9, device=d)
+    w, b = torch.randn(9, device=d), torch.randn(9, device=d)
+    dy = torch.randn(4, 9, device=d)
     for p, has_res, separate in ((0.0, True, False), (0.3, False, False), (0.3, True, True)):
-        _, h, mean, rstd = kern.add_layer_norm_fwd(x, r if has_res else None, w, b, 1e-5, p, 1, 0)
-        dx, dres, _, _ = kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, 1, 0, has_res)
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, r if has_res else None, w, b, 1e-5, p, philox.pack(1, 0))
+        dx, dres, _, _ = kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(1, 0), has_res)
         assert dres.numel() == (dx.numel() if separate else 0)
 
 
@@ -350,14 +400,15 @@ def test_cpu_any_thread_count(backend, threads):
         assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
 
 
-@pytest.mark.parametrize("backend", CPU)
+@pytest.mark.parametrize("backend", CPU_CUDA)
 def test_zero_rows(backend):
-    x = torch.randn(0, 16, requires_grad=True)
-    w = torch.randn(16, requires_grad=True)
+    d = device_for(backend)
+    x = torch.randn(0, 16, device=d, requires_grad=True)
+    w = torch.randn(16, device=d, requires_grad=True)
     with fastformer.use_backend(backend):
         y = add_layer_norm(x, None, w, None, dropout_p=0.1)
     y.sum().backward()
-    assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16))
+    assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16, device=d))
 
 
 # ---------------------------------------------------------------- bad input
@@ -386,32 +437,42 @@ def test_bad_input_raises_clear_errors(backend):
             add_layer_norm(x, r, w, None, eps=0.0)
 
 
-@pytest.mark.parametrize("backend", CPU)
-def test_cpu_kernel_checks_name_the_argument(backend):
+@pytest.mark.parametrize("backend", CPU_CUDA)
+def test_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
+    torch.set_default_device(device_for(backend))
+    try:
+        _kernel_checks(kern)
+    finally:
+        torch.set_default_device(None)
+
+
+def _kernel_checks(kern):
     x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
-    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, 0, 0)
+    Z = philox.pack(0, 0)  # (seed, offset) of the calls without dropout
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, Z)
     fwd_cases = [
-        ((torch.randn(32), None, w, b, 1e-5, 0.0, 0, 0), "x must be 2-D"),
-        ((x.long(), None, w, b, 1e-5, 0.0, 0, 0), "x must be float32, float64 or bfloat16"),
-        ((torch.randn(8, 4).t(), None, w, b, 1e-5, 0.0, 0, 0), "x must be contiguous"),
-        ((x, torch.randn(4, 7), w, b, 1e-5, 0.0, 0, 0), "residual must have the shape of x"),
-        ((x, x.double(), w, b, 1e-5, 0.0, 0, 0), "residual must have the dtype of x"),
-        ((x, None, torch.randn(7), b, 1e-5, 0.0, 0, 0), r"weight must have shape \(8,\)"),
-        ((x, None, w, b.double(), 1e-5, 0.0, 0, 0), "bias must have the dtype of x"),
-        ((x, None, w, b, 0.0, 0.0, 0, 0), "eps must be > 0"),
-        ((x, None, w, b, 1e-5, 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
-        ((x, None, w, b, 1e-5, 0.1, -1, 0), "seed must be >= 0"),
+        ((torch.randn(32), None, w, b, 1e-5, 0.0, Z), "x must be 2-D"),
+        ((x.long(), None, w, b, 1e-5, 0.0, Z), "x must be float32, float(64|16) or bfloat16"),
+        ((torch.randn(8, 4).t(), None, w, b, 1e-5, 0.0, Z), "x must be contiguous"),
+        ((x, torch.randn(4, 7), w, b, 1e-5, 0.0, Z), "residual must have the shape of x"),
+        ((x, x.double(), w, b, 1e-5, 0.0, Z), "residual must have the dtype of x"),
+        ((x, None, torch.randn(7), b, 1e-5, 0.0, Z), r"weight must have shape \(8,\)"),
+        ((x, None, w, b.double(), 1e-5, 0.0, Z), "bias must have the dtype of x"),
+        ((x, None, w, b, 0.0, 0.0, Z), "eps must be > 0"),
+        ((x, None, w, b, 1e-5, 1.0, Z), r"dropout_p must be in \[0, 1\)"),
+        ((x, None, w, b, 1e-5, 0.1, torch.tensor([-1, 0], device="cpu")), r"the philox seed philox\[0\] must be >= 0"),
+        ((x, None, w, b, 1e-5, 0.1, torch.zeros(2, dtype=torch.int32, device="cpu")), "philox must be int64"),
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.add_layer_norm_fwd(*args)
     bwd_cases = [
-        ((torch.randn(4, 7), None, h, w, mean, rstd, 0.0, 0, 0, False), "dy must have the shape of h"),
-        ((x, torch.randn(3, 8), h, w, mean, rstd, 0.0, 0, 0, False), "dh must have the shape of h"),
-        ((x, None, h, w, mean.double(), rstd, 0.0, 0, 0, False), "mean must be float32"),
-        ((x, None, h, w, mean, rstd[:3], 0.0, 0, 0, False), r"rstd must have shape \(4,\)"),
-        ((x, None, h, w, mean, rstd, -0.5, 0, 0, False), r"dropout_p must be in \[0, 1\)"),
+        ((torch.randn(4, 7), None, h, w, mean, rstd, 0.0, Z, False), "dy must have the shape of h"),
+        ((x, torch.randn(3, 8), h, w, mean, rstd, 0.0, Z, False), "dh must have the shape of h"),
+        ((x, None, h, w, mean.double(), rstd, 0.0, Z, False), "mean must be float32"),
+        ((x, None, h, w, mean, rstd[:3], 0.0, Z, False), r"rstd must have shape \(4,\)"),
+        ((x, None, h, w, mean, rstd, -0.5, Z, False), r"dropout_p must be in \[0, 1\)"),
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):

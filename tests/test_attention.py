@@ -12,7 +12,7 @@ from fastformer import _ext, backends, philox
 from fastformer.ops import attention, reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
 
 # fp32 (atol, rtol) per backend: outputs, then gradients (sums over up to 203 keys / queries).
@@ -47,13 +47,16 @@ CASES = {
 # The Triton interpreter is slow: a subset keeps its part of this file to a few minutes.
 TRITON_CASES = ("7x7_d40_kpm", "203x1_d40", "1x203_d111_causal_kpm_rand", "113x7_d59_bool_b1_causal",
                 "64x64_d64_causal_kpm_float")
+# The SIMT harness (the cuda backend without a GPU) runs every Sq, Sk, head dim and mask kind of
+# CASES in this subset; tests/test_attention_cuda.py adds D = 256, wide rows, fp16 and the glue.
+CUDA_CASES = tuple(c for c in CASES if c not in ("64x64_d64_causal_kpm_float", "203x203_d128_causal_float_b1"))
 
 
 def _cases():
     for backend in BACKENDS:
         name = backend.values[0]
         for case in CASES:
-            if name == "triton" and case not in TRITON_CASES:
+            if (name == "triton" and case not in TRITON_CASES) or (name == "cuda" and case not in CUDA_CASES):
                 continue
             yield pytest.param(name, case, marks=backend.marks, id=f"{backend.id}-{case}")
 
@@ -238,9 +241,9 @@ def test_dropout_matches_the_reference_exactly(backend):
     am4 = None if am is None else am.float().expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     seed, offset = 2**40 + 11, 12345
     out, lse = kern.attention_fwd(q, k, v, masks["key_padding_mask"], am4, masks["is_causal"], scale, 0.3,
-                                  seed, offset)
+                                  philox.pack(seed, offset))
     dq, dk, dv = kern.attention_bwd(dout, q, k, v, out, lse, masks["key_padding_mask"], am4,
-                                    masks["is_causal"], scale, 0.3, seed, offset)
+                                    masks["is_causal"], scale, 0.3, philox.pack(seed, offset))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*leaves, scale=scale, dropout_p=0.3, rng=(seed, offset), **masks)
     want = (ref.detach(), *torch.autograd.grad(ref, leaves, dout))
@@ -254,7 +257,7 @@ def test_lse_is_the_log_sum_exp_of_the_visible_scores(backend):
     B, H, Sq, Sk, D, _ = CASES["1x203_d111_causal_kpm_rand"]
     scale = 0.2
     _, lse = backends.Kernels(backend).attention_fwd(q, k, v, masks["key_padding_mask"], None, True, scale,
-                                                     0.0, 0, 0)
+                                                     0.0, philox.pack(0, 0))
     s = (q.double() @ k.double().transpose(-2, -1)) * scale
     causal = torch.arange(Sk)[None, :] > torch.arange(Sq)[:, None] + Sk - Sq  # (Sq, Sk)
     hidden = masks["key_padding_mask"][:, None, None, :] | causal
@@ -353,7 +356,7 @@ def _dropout_probe(backend, B, H, Sq, Sk, p, seed, offset):
     q = torch.zeros(B, H, Sq, Sk, device=device)
     k = torch.randn(B, H, Sk, Sk, device=device)
     v = torch.eye(Sk, device=device).expand(B, H, Sk, Sk)
-    out, _ = backends.Kernels(backend).attention_fwd(q, k, v, None, None, False, 1.0, p, seed, offset)
+    out, _ = backends.Kernels(backend).attention_fwd(q, k, v, None, None, False, 1.0, p, philox.pack(seed, offset))
     scaled = out * Sk * (1 - p)
     keep = scaled > 0.5
     assert_close("kept values", scaled[keep], torch.ones_like(scaled[keep]), atol=1e-5, rtol=1e-5)
@@ -408,15 +411,15 @@ def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
     v[j, j // 8] = (2.0 ** (j % 8)).float()
     k = torch.randn(B, H, Sk, G, generator=gen)
     out, _ = kern.attention_fwd(torch.zeros(B, H, Sq, G), k, v.expand(B, H, Sk, G), kpm, None, causal,
-                                1.0, p, seed, offset)
+                                1.0, p, philox.pack(seed, offset))
     sums = (out.double() * nvis * (1 - p)).round().long()  # (B, H, Sq, G): 8 keep bits per group
     fwd = ((sums.repeat_interleave(8, dim=-1)[..., :Sk] >> (j % 8)) & 1).bool()
     D = Sq
     q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (Sq, Sk, Sk))
     q.zero_()
-    o, lse = kern.attention_fwd(q, k, v, kpm, None, causal, 1.0, p, seed, offset)
+    o, lse = kern.attention_fwd(q, k, v, kpm, None, causal, 1.0, p, philox.pack(seed, offset))
     dout = torch.eye(Sq).expand(B, H, Sq, Sq).contiguous()
-    _, _, dv = kern.attention_bwd(dout, q, k, v, o, lse, kpm, None, causal, 1.0, p, seed, offset)
+    _, _, dv = kern.attention_bwd(dout, q, k, v, o, lse, kpm, None, causal, 1.0, p, philox.pack(seed, offset))
     bwd = dv.transpose(-1, -2) != 0  # (B, H, Sq, Sk)
     assert_close("kept dv", (dv.transpose(-1, -2).double() * nvis * (1 - p))[bwd],
                  torch.ones(int(bwd.sum()), dtype=torch.float64), atol=1e-5, rtol=1e-5)
@@ -504,10 +507,10 @@ def test_cpu_never_reads_keys_past_the_padding(backend):
 def test_cpu_empty_sizes(backend):
     kern = backends.Kernels(backend)
     q, k = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 0, 16)
-    out, lse = kern.attention_fwd(q, k, k, None, None, False, 0.25, 0.1, 1, 0)  # no keys at all
+    out, lse = kern.attention_fwd(q, k, k, None, None, False, 0.25, 0.1, philox.pack(1, 0))  # no keys at all
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
     dq, dk, dv = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1,
-                                    1, 0)
+                                    philox.pack(1, 0))
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == k.shape
     q0 = torch.randn(0, 3, 5, 16, requires_grad=True)
     with fastformer.use_backend(backend):
@@ -566,11 +569,11 @@ def test_opcheck(backend, dtype):
     am = torch.randn(Sq, Sk).expand(B, H, Sq, Sk)
     for masks, causal, p in (((None, None), False, 0.0), ((kpm, None), True, 0.2), ((kpm, am), False, 0.1),
                              ((None, am), True, 0.0)):
-        args = (q, k, v, *masks, causal, 0.3, p, 7, 3)
+        args = (q, k, v, *masks, causal, 0.3, p, philox.pack(7, 3))
         torch.library.opcheck(ops.attention_fwd.default, args)
         out, lse = ops.attention_fwd(*args)
         dout = torch.randn_like(out)
-        bwd_args = (dout, q, k, v, out, lse, *masks, causal, 0.3, p, 7, 3)
+        bwd_args = (dout, q, k, v, out, lse, *masks, causal, 0.3, p, philox.pack(7, 3))
         torch.library.opcheck(ops.attention_bwd.default, bwd_args)
 
 
@@ -639,14 +642,16 @@ def test_cpu_kernel_checks_name_the_argument(backend):
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
-            fwd(*args, False, 0.5, 0.0, 0, 0)
+            fwd(*args, False, 0.5, 0.0, philox.pack(0, 0))
     with pytest.raises(RuntimeError, match=r"dropout_p must be in \[0, 1\)"):
-        fwd(q, k, v, None, None, False, 0.5, 1.0, 0, 0)
-    with pytest.raises(RuntimeError, match="seed must be >= 0"):
-        fwd(q, k, v, None, None, False, 0.5, 0.1, -1, 0)
+        fwd(q, k, v, None, None, False, 0.5, 1.0, philox.pack(0, 0))
+    with pytest.raises(RuntimeError, match=r"the philox seed philox\[0\] must be >= 0, got -1"):
+        fwd(q, k, v, None, None, False, 0.5, 0.1, torch.tensor([-1, 0]))
+    with pytest.raises(RuntimeError, match=r"philox must have shape \(2,\) = \(seed, offset\), got \[3\]"):
+        fwd(q, k, v, None, None, False, 0.5, 0.1, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="scale must be finite"):
-        fwd(q, k, v, None, None, False, float("nan"), 0.0, 0, 0)
-    out, lse = fwd(q, k, v, None, None, False, 0.5, 0.0, 0, 0)
+        fwd(q, k, v, None, None, False, float("nan"), 0.0, philox.pack(0, 0))
+    out, lse = fwd(q, k, v, None, None, False, 0.5, 0.0, philox.pack(0, 0))
     bwd_cases = [
         ((out[:, :, :4], q, k, v, out, lse), "dout must have q's shape"),
         ((out, q, k, v, out.double(), lse), "out has dtype Double but q has dtype Float"),
@@ -657,4 +662,4 @@ def test_cpu_kernel_checks_name_the_argument(backend):
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):
-            bwd(*args, None, None, False, 0.5, 0.0, 0, 0)
+            bwd(*args, None, None, False, 0.5, 0.0, philox.pack(0, 0))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from fastformer import philox
 from fastformer.ops import reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
@@ -46,8 +47,8 @@ def _inputs(B, H, Sq, Sk, D, dtype=torch.float32, kpm_frac=0.0, mask=None, seed=
 
 
 def _kernels(q, k, v, kpm, am, dout, causal, scale, p=0.0, seed=0, offset=0):
-    out, lse = A.attention_fwd(q, k, v, kpm, am, causal, scale, p, seed, offset)
-    dq, dk, dv = A.attention_bwd(dout, q, k, v, out, lse, kpm, am, causal, scale, p, seed, offset)
+    out, lse = A.attention_fwd(q, k, v, kpm, am, causal, scale, p, philox.pack(seed, offset))
+    dq, dk, dv = A.attention_bwd(dout, q, k, v, out, lse, kpm, am, causal, scale, p, philox.pack(seed, offset))
     return out, lse, dq, dk, dv
 
 
@@ -123,11 +124,11 @@ def test_causal_skips_whole_tiles(Sq, Sk, small_blocks):
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, :, cut:] = float("nan")
     v_nan[:, :, cut:] = float("nan")
-    out, lse = A.attention_fwd(q, k_nan, v_nan, None, None, True, scale, 0.0, 0, 0)
+    out, lse = A.attention_fwd(q, k_nan, v_nan, None, None, True, scale, 0.0, philox.pack(0, 0))
     assert_close("out", out[:, :, :rows], want[0][:, :, :rows], *TOL["out"])
     assert_close("lse", lse[:, :, :rows], want[1][:, :, :rows], *TOL["out"])
-    out_clean, lse_clean = A.attention_fwd(q, k, v, None, None, True, scale, 0.0, 0, 0)
-    dq, _, _ = A.attention_bwd(dout, q, k_nan, v_nan, out_clean, lse_clean, None, None, True, scale, 0.0, 0, 0)
+    out_clean, lse_clean = A.attention_fwd(q, k, v, None, None, True, scale, 0.0, philox.pack(0, 0))
+    dq, _, _ = A.attention_bwd(dout, q, k_nan, v_nan, out_clean, lse_clean, None, None, True, scale, 0.0, philox.pack(0, 0))
     assert_close("dq", dq[:, :, :rows], want[2][:, :, :rows], *TOL["grad"])
 
     # queries before `first` see no key from `kcut` on (tile aligned in both directions)
@@ -136,7 +137,7 @@ def test_causal_skips_whole_tiles(Sq, Sk, small_blocks):
     q_nan, do_nan = q.clone(), dout.clone()
     q_nan[:, :, :first] = float("nan")
     do_nan[:, :, :first] = float("nan")
-    _, dk, dv = A.attention_bwd(do_nan, q_nan, k, v, out_clean, lse_clean, None, None, True, scale, 0.0, 0, 0)
+    _, dk, dv = A.attention_bwd(do_nan, q_nan, k, v, out_clean, lse_clean, None, None, True, scale, 0.0, philox.pack(0, 0))
     assert_close("dk", dk[:, :, kcut:], want[3][:, :, kcut:], *TOL["grad"])
     assert_close("dv", dv[:, :, kcut:], want[4][:, :, kcut:], *TOL["grad"])
 
@@ -253,27 +254,27 @@ def test_bad_inputs_raise_clear_errors():
     q = torch.randn(1, 1, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="head dim 300"):
         big = torch.randn(1, 1, 4, 300, device=DEVICE)
-        A.attention_fwd(big, big, big, None, None, False, 1.0, 0.0, 0, 0)
+        A.attention_fwd(big, big, big, None, None, False, 1.0, 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="share one dtype"):
-        A.attention_fwd(q, q.double(), q, None, None, False, 1.0, 0.0, 0, 0)
+        A.attention_fwd(q, q.double(), q, None, None, False, 1.0, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="contiguous last dimension"):
         qt = torch.randn(1, 1, 8, 4, device=DEVICE).transpose(-1, -2)
-        A.attention_fwd(qt, q, q, None, None, False, 1.0, 0.0, 0, 0)
+        A.attention_fwd(qt, q, q, None, None, False, 1.0, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="key_padding_mask"):
-        A.attention_fwd(q, q, q, torch.zeros(1, 3, dtype=torch.bool, device=DEVICE), None, False, 1.0, 0.0, 0, 0)
+        A.attention_fwd(q, q, q, torch.zeros(1, 3, dtype=torch.bool, device=DEVICE), None, False, 1.0, 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="attn_mask"):
         A.attention_fwd(q, q, q, None, torch.zeros(1, 1, 4, 4, dtype=torch.float64, device=DEVICE), False, 1.0,
-                        0.0, 0, 0)
+                        0.0, philox.pack(0, 0))
 
 
 def test_registered_ops_opcheck():
     """Schema, fake (meta) implementation and dispatch of the registered ops."""
     q, k, v, kpm, am, dout = _inputs(1, 2, 9, 11, 16, kpm_frac=0.2, mask="broadcast")
-    fwd_args = (q, k, v, kpm, am, True, 0.25, 0.2, 5, 3)
+    fwd_args = (q, k, v, kpm, am, True, 0.25, 0.2, philox.pack(5, 3))
     torch.library.opcheck(A.attention_fwd, fwd_args)
     out, lse = A.attention_fwd(*fwd_args)
-    torch.library.opcheck(A.attention_bwd, (dout, q, k, v, out, lse, kpm, am, True, 0.25, 0.2, 5, 3))
-    torch.library.opcheck(A.attention_fwd, (q, k, v, None, None, False, 0.25, 0.0, 0, 0))
+    torch.library.opcheck(A.attention_bwd, (dout, q, k, v, out, lse, kpm, am, True, 0.25, 0.2, philox.pack(5, 3)))
+    torch.library.opcheck(A.attention_fwd, (q, k, v, None, None, False, 0.25, 0.0, philox.pack(0, 0)))
 
 
 def test_torch_compile_traces_without_graph_break():

@@ -10,8 +10,9 @@ from fastformer import _ext, backends
 from fastformer.ops import cross_entropy, reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
+CUDA = kernel_backends("cuda")
 REDUCTIONS = ("none", "mean", "sum")
 REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 SMOOTHING = (0.0, 0.1, 1.0)
@@ -20,6 +21,24 @@ SMOOTHING = (0.0, 0.1, 1.0)
 SHAPES = [(1, 1), (7, 7), (113, 1023), (7, 8000), (1, 8000), (113, 1), (64, 256)]
 # The Triton interpreter is slow: a subset keeps its part of this file short.
 TRITON_SHAPES = [(7, 7), (113, 1023), (1, 8000)]
+# The cuda backend without a GPU runs in the SIMT harness (host threads): a subset, odd sizes kept;
+# every (smoothing, reduction) on the small shapes, these on the large ones.
+SIMT_SHAPES = [(1, 1), (7, 7), (113, 1023), (7, 8000)]
+SIMT_COMBOS = {(0.0, "none"), (0.1, "mean"), (1.0, "sum")}
+
+
+def _shapes(name):
+    if name == "triton":
+        return TRITON_SHAPES
+    if name == "cuda" and _simt():
+        return SIMT_SHAPES
+    return SHAPES
+
+
+def _simt():
+    """The cuda backend runs on the SIMT harness (CPU tensors) where there is no GPU."""
+    return not torch.cuda.is_available()
+
 
 # fp32 (atol, rtol) per backend for the loss and for the gradient.
 FP32_TOL = {
@@ -36,9 +55,11 @@ LOWP_FACTOR = {"cpu": 3.0, "triton": 3.0 if torch.cuda.is_available() else 4.0, 
 def _cases():
     for backend in BACKENDS:
         name = backend.values[0]
-        for N, V in (TRITON_SHAPES if name == "triton" else SHAPES):
+        for N, V in _shapes(name):
             for eps in SMOOTHING:
                 for reduction in REDUCTIONS:
+                    if name == "cuda" and _simt() and N * V > 100 and (eps, reduction) not in SIMT_COMBOS:
+                        continue
                     yield pytest.param(name, N, V, eps, reduction, marks=backend.marks,
                                        id=f"{name}-{N}x{V}-ls{eps}-{reduction}")
 
@@ -376,7 +397,7 @@ def test_cpu_kernel_checks_name_the_argument(backend):
             kern.cross_entropy_fwd(*args)
 
 
-@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton"))
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton", "cuda"))
 def test_scalar_upstream_gradient_scales_the_stored_gradient_in_place(backend):
     """A scalar upstream gradient scales the forward's stored gradient in place (the gradient
     handed out is that very buffer), and a second backward through the retained graph leaves the
@@ -395,3 +416,85 @@ def test_scalar_upstream_gradient_scales_the_stored_gradient_in_place(backend):
     assert second.data_ptr() != first.data_ptr()
     assert_close("-4 x grad", second, -4.0 * want, atol=1e-6, rtol=1e-4)
     assert_close("first result kept", first, 2.5 * want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    device = device_for(backend)
+    x, t = torch.randn(4, 8, device=device), torch.tensor([0, 1, 7, -100], device=device)
+    cases = [
+        ((torch.randn(32, device=device), t, 0.0, -100, 1, False), "logits must have 2 dimensions"),
+        ((x.long(), t, 0.0, -100, 1, False), "logits must be float32, float16 or bfloat16"),
+        ((x.double(), t, 0.0, -100, 1, False), "logits must be float32, float16 or bfloat16"),
+        ((torch.randn(8, 4, device=device).t(), t, 0.0, -100, 1, False), "logits must be contiguous"),
+        ((torch.randn(4, 0, device=device), t, 0.0, -100, 1, False), "logits must have at least one class"),
+        ((x, t.int(), 0.0, -100, 1, False), "target must be int64"),
+        ((x, t[:3], 0.0, -100, 1, False), r"target must have shape \(4,\)"),
+        ((x, t, 0.0, -100, 3, False), "reduction must be 0 \\(none\\), 1 \\(mean\\) or 2 \\(sum\\)"),
+        ((x, t, 1.5, -100, 1, False), r"label_smoothing must be in \[0, 1\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.cross_entropy_fwd(*args)
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_out_of_range_target_is_never_an_address(backend):
+    """The Python layer rejects such targets; the kernel itself gives that row nan (it never reads
+    logits[t] for t outside [0, V)) and leaves the other rows exact."""
+    device = device_for(backend)
+    x = torch.randn(4, 8, device=device)
+    bad = torch.tensor([0, 8, -5, -100], device=device)
+    loss, grad = backends.Kernels(backend).cross_entropy_fwd(x, bad, 0.0, -100, 0, True)
+    assert loss[1].isnan() and loss[2].isnan()
+    assert grad[1].isnan().all() and grad[2].isnan().all()
+    want = F.cross_entropy(x[:1], bad[:1], reduction="none")
+    assert_close("loss", loss[:1], want, atol=1e-5, rtol=1e-5)
+    assert loss[3] == 0 and torch.equal(grad[3], torch.zeros_like(grad[3]))
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_float16_and_determinism(backend):
+    """fp16 logits (CUDA only) follow the low-precision rule; two runs agree bit for bit."""
+    device = device_for(backend)
+    x, t = _inputs(37, 1531, device)
+    kern = backends.Kernels(backend)
+    ref_loss, ref_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, label_smoothing=0.1), x,
+                                        torch.tensor(1.0, device=device))
+    lp_loss, lp_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, label_smoothing=0.1),
+                                      x.half(), torch.tensor(1.0, device=device))
+    loss, grad = kern.cross_entropy_fwd(x.half(), t, 0.1, -100, 1, True)
+    assert loss.dtype == grad.dtype == torch.float16
+    assert_close_lowp("loss", loss, ref_loss, lp_loss, factor=LOWP_FACTOR[backend])
+    assert_close_lowp("grad", grad, ref_grad, lp_grad, factor=LOWP_FACTOR[backend])
+    for reduction in (0, 1, 2):
+        a = kern.cross_entropy_fwd(x, t, 0.1, -100, reduction, True)
+        b = kern.cross_entropy_fwd(x, t, 0.1, -100, reduction, True)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_vector_and_scalar_rows_with_non_finite_logits(backend):
+    """V = 40 rows move as 8-class vectors; the same logits stored one element off alignment take
+    the scalar path. Both give the reference's loss and gradient, NaN / inf where it has them."""
+    device = device_for(backend)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    t = torch.tensor([4, 9, 0, 11, 20, 39])
+    x[0, 5] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, :] = float("-inf")
+    x[3, 11] = float("-inf")
+    x[4, 30] = float("-inf")
+    x, t = x.to(device), t.to(device)
+    misaligned = torch.empty(x.numel() + 1, device=device)[1:].view(6, 40)  # contiguous, offset 1
+    misaligned.copy_(x)
+    kern = backends.Kernels(backend)
+    for eps in (0.0, 0.1):
+        want_loss, want_grad = _loss_and_grad(
+            lambda a: reference.cross_entropy(a, t, label_smoothing=eps, reduction="none"), x,
+            torch.ones(6, device=device))
+        for logits in (x, misaligned):
+            loss, grad = kern.cross_entropy_fwd(logits, t, eps, -100, 0, True)
+            torch.testing.assert_close(loss, want_loss, equal_nan=True, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(grad, want_grad, equal_nan=True, atol=1e-6, rtol=1e-4)

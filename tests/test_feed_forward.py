@@ -11,14 +11,27 @@ from fastformer import _ext, backends, philox
 from fastformer.ops import feed_forward, reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
+CUDA = kernel_backends("cuda")
+# The cuda backend runs on the SIMT harness without a GPU (CPU tensors).
+SIMT = not torch.cuda.is_available()
 
 # (x shape (..., E), F = dim_feedforward): E in 64, 1023, 256, 7; row counts 1, odd, round.
 SHAPES = [((1, 64), 256), ((7, 1023), 129), ((203, 256), 512), ((5, 7), 29),
           ((3, 7, 256), 1024), ((1, 1, 1023), 64), ((64, 256), 1023)]
 # The Triton interpreter is slow: a subset keeps its part of this file short.
 TRITON_SHAPES = [((5, 7), 29), ((3, 7, 256), 72), ((1, 1, 1023), 64)]
+# The harness runs every CUDA thread as a host fiber: odd row counts and widths, F % 8 == 0 (the
+# 8-element vector path) and not (the scalar tail); every config on one shape, a few on the others.
+SIMT_CASES = {((113, 64), 29): None, ((7, 1023), 129): ("gelu_dropout", "no_b2_relu_dropout"),
+              ((1, 64), 256): ("relu_dropout", "no_b1_gelu")}
+
+
+def _shapes_and_configs(name):
+    if name == "cuda" and SIMT:
+        return [(shape, F_, configs or tuple(CONFIGS)) for (shape, F_), configs in SIMT_CASES.items()]
+    return [(shape, F_, tuple(CONFIGS)) for shape, F_ in (TRITON_SHAPES if name == "triton" else SHAPES)]
 
 # fp32 tolerances per backend: (atol, rtol) for the output and for gradients. Triton on a GPU may
 # run fp32 dots in tf32, hence its looser numbers there.
@@ -50,8 +63,8 @@ INPUT_NAMES = ("x", "w1", "b1", "w2", "b2")
 def _cases():
     for backend in BACKENDS:
         name = backend.values[0]
-        for shape, F_ in (TRITON_SHAPES if name == "triton" else SHAPES):
-            for config in CONFIGS:
+        for shape, F_, configs in _shapes_and_configs(name):
+            for config in configs:
                 yield pytest.param(name, shape, F_, config, marks=backend.marks,
                                    id=f"{backend.id}-{'x'.join(map(str, shape))}-F{F_}-{config}")
 
@@ -160,7 +173,7 @@ def test_bf16_forward_and_every_gradient(backend, shape, F_, config):
 def test_forward_returns_the_pre_activation(backend, activation):
     device = device_for(backend)
     x, w1, b1, w2, b2 = _make_inputs((9, 40), 72, True, True, device)
-    out, pre = backends.Kernels(backend).feed_forward_fwd(x, w1, b1, w2, b2, activation, 0.2, 4, 0)
+    out, pre = backends.Kernels(backend).feed_forward_fwd(x, w1, b1, w2, b2, activation, 0.2, philox.pack(4, 0))
     tol = FP32_TOL[backend]["out"]
     assert_close("pre", pre, x @ w1.t() + b1, atol=tol[0], rtol=tol[1])
     ref = reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=0.2, rng=(4, 0))
@@ -195,11 +208,11 @@ def test_relu_gradient_is_zero_at_exactly_zero(backend):
 def test_dropout_statistics_and_backward_mask(backend, p):
     """Identity weights expose the mask: out = keep * scale, and dx = the same in backward."""
     device = device_for(backend)
-    N, C = (32, 64) if backend == "triton" else (256, 512)
+    N, C = (32, 64) if backend == "triton" or (backend == "cuda" and SIMT) else (256, 512)
     kern = backends.Kernels(backend)
     x = torch.ones(N, C, device=device)
     eye = torch.eye(C, device=device)
-    out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 0)
+    out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(11, 0))
     kept = out != 0
     n = kept.numel()
     rate = kept.double().mean().item()
@@ -207,12 +220,12 @@ def test_dropout_statistics_and_backward_mask(backend, p):
     assert torch.equal(kept, philox.keep_mask((N, C), p, 11, 0, device=device))
     assert_close("kept values", out[kept], torch.full_like(out[kept], 1 / (1 - p)), atol=0, rtol=1e-3)
     # same seed: same mask; another seed or offset: another mask
-    assert torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 0)[0], out)
-    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 12, 0)[0] != 0, kept)
-    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, 11, 1)[0] != 0, kept)
+    assert torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(11, 0))[0], out)
+    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(12, 0))[0] != 0, kept)
+    assert not torch.equal(kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(11, 1))[0] != 0, kept)
     # backward regenerates the same mask: dout = 1, w2 = I -> dpre = keep * scale -> dx = dpre
     dx, dw1, db1, dw2, db2 = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False,
-                                                   "relu", p, 11, 0)
+                                                   "relu", p, philox.pack(11, 0))
     assert torch.equal(dx != 0, kept)
     assert_close("dx", dx, out, atol=0, rtol=1e-3)
     assert db1.numel() == 0 and db2.numel() == 0
@@ -224,7 +237,7 @@ def test_dropout_counters_past_32_bits(backend):
     device = device_for(backend)
     x, eye = torch.ones(3, 48, device=device), torch.eye(48, device=device)
     offset = 2**32 - 9  # 6 counters a row: the wrap falls inside the second row
-    out, _ = backends.Kernels(backend).feed_forward_fwd(x, eye, None, eye, None, "relu", 0.5, 9, offset)
+    out, _ = backends.Kernels(backend).feed_forward_fwd(x, eye, None, eye, None, "relu", 0.5, philox.pack(9, offset))
     assert torch.equal(out != 0, philox.keep_mask((3, 48), 0.5, 9, offset, device=device))
 
 
@@ -239,12 +252,11 @@ def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, F_, dtype)
     x, eye = torch.ones(N, F_, dtype=dtype), torch.eye(F_, dtype=dtype)
     G = (F_ + 7) // 8
     for p, seed, offset in ((0.1, 3, 0), (0.5, 2**40 + 9, 2**32 - N * G // 2), (0.9, 2**62 - 1, 2**32 - 1)):
-        out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, seed, offset)
+        out, pre = kern.feed_forward_fwd(x, eye, None, eye, None, "relu", p, philox.pack(seed, offset))
         keep = philox.keep_mask((N, F_), p, seed, offset)
         assert torch.equal(out != 0, keep), f"forward mask, p={p} offset={offset}"
         assert_close("kept values", out[keep], torch.full_like(out[keep], 1 / (1 - p)), atol=0, rtol=1e-6)
-        dx = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False, "relu", p, seed,
-                                   offset)[0]
+        dx = kern.feed_forward_bwd(torch.ones_like(out), x, eye, eye, pre, False, False, "relu", p, philox.pack(seed, offset))[0]
         assert torch.equal(dx != 0, keep), f"backward mask, p={p} offset={offset}"
 
 
@@ -291,9 +303,9 @@ def test_opcheck(backend, dtype):
     x, w1, b1, w2, b2 = _make_inputs((6, 24), 40, True, True, "cpu", dtype)
     for activation, p, biases in (("relu", 0.2, True), ("gelu", 0.0, False), ("gelu", 0.3, True)):
         bb1, bb2 = (b1, b2) if biases else (None, None)
-        torch.library.opcheck(ops.feed_forward_fwd.default, (x, w1, bb1, w2, bb2, activation, p, 5, 2))
-        _, pre = ops.feed_forward_fwd(x, w1, bb1, w2, bb2, activation, p, 5, 2)
-        args = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, 5, 2)
+        torch.library.opcheck(ops.feed_forward_fwd.default, (x, w1, bb1, w2, bb2, activation, p, philox.pack(5, 2)))
+        _, pre = ops.feed_forward_fwd(x, w1, bb1, w2, bb2, activation, p, philox.pack(5, 2))
+        args = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, philox.pack(5, 2))
         torch.library.opcheck(ops.feed_forward_bwd.default, args)
 
 
@@ -357,31 +369,195 @@ def test_bad_input_raises_clear_errors(backend):
 def test_cpu_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
     x, w1, b1, w2, b2 = _make_inputs((4, 8), 16, True, True, "cpu")
-    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, 0, 0)
+    Z = philox.pack(0, 0)  # (seed, offset) of the calls without dropout
+    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, Z)
     fwd_cases = [
-        ((torch.randn(8), w1, b1, w2, b2, "relu", 0.0, 0, 0), "x must be 2-D"),
-        ((x.double(), w1, b1, w2, b2, "relu", 0.0, 0, 0), "w1 must have the dtype of x"),
-        ((x.half(), w1.half(), None, w2.half(), None, "relu", 0.0, 0, 0),
+        ((torch.randn(8), w1, b1, w2, b2, "relu", 0.0, Z), "x must be 2-D"),
+        ((x.double(), w1, b1, w2, b2, "relu", 0.0, Z), "w1 must have the dtype of x"),
+        ((x.half(), w1.half(), None, w2.half(), None, "relu", 0.0, Z),
          "x must be float32, float64 or bfloat16"),
-        ((x, torch.randn(16, 7), b1, w2, b2, "relu", 0.0, 0, 0), r"w1 must have shape \(F, E\)"),
-        ((x, w1, b1, torch.randn(8, 15), b2, "relu", 0.0, 0, 0), r"w2 must have shape \(E, F\)"),
-        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, 0, 0), "w1 must be contiguous"),
-        ((x, w1, torch.randn(15), w2, b2, "relu", 0.0, 0, 0), r"b1 must have shape \(16,\)"),
-        ((x, w1, b1, w2, b2.double(), "relu", 0.0, 0, 0), "b2 must have the dtype of x"),
-        ((x, w1, b1, w2, b2, "tanh", 0.0, 0, 0), "activation must be \"relu\" or \"gelu\""),
-        ((x, w1, b1, w2, b2, "relu", 1.0, 0, 0), r"dropout_p must be in \[0, 1\)"),
-        ((x, w1, b1, w2, b2, "relu", 0.5, 0, -3), "offset must be >= 0"),
+        ((x, torch.randn(16, 7), b1, w2, b2, "relu", 0.0, Z), r"w1 must have shape \(F, E\)"),
+        ((x, w1, b1, torch.randn(8, 15), b2, "relu", 0.0, Z), r"w2 must have shape \(E, F\)"),
+        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, Z), "w1 must be contiguous"),
+        ((x, w1, torch.randn(15), w2, b2, "relu", 0.0, Z), r"b1 must have shape \(16,\)"),
+        ((x, w1, b1, w2, b2.double(), "relu", 0.0, Z), "b2 must have the dtype of x"),
+        ((x, w1, b1, w2, b2, "tanh", 0.0, Z), "activation must be \"relu\" or \"gelu\""),
+        ((x, w1, b1, w2, b2, "relu", 1.0, Z), r"dropout_p must be in \[0, 1\)"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([0, -3])), r"the philox offset philox\[1\] must be >= 0"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.zeros(4, dtype=torch.int64)[::2]), "philox must be contiguous"),
     ]
     for args, message in fwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.feed_forward_fwd(*args)
     dout = torch.randn(4, 8)
     bwd_cases = [
-        ((torch.randn(4, 9), x, w1, w2, pre, True, True, "relu", 0.0, 0, 0), r"dout must have shape \(N, E\)"),
-        ((dout, x, w1, w2, pre[:, :5], True, True, "relu", 0.0, 0, 0), r"pre must have shape \(N, F\)"),
-        ((dout, x, w1, w2, pre.double(), True, True, "relu", 0.0, 0, 0), "pre must have the dtype of x"),
-        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, 0, 0), "activation must be"),
-        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, 0, 0), r"dropout_p must be in \[0, 1\)"),
+        ((torch.randn(4, 9), x, w1, w2, pre, True, True, "relu", 0.0, Z), r"dout must have shape \(N, E\)"),
+        ((dout, x, w1, w2, pre[:, :5], True, True, "relu", 0.0, Z), r"pre must have shape \(N, F\)"),
+        ((dout, x, w1, w2, pre.double(), True, True, "relu", 0.0, Z), "pre must have the dtype of x"),
+        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, Z), "activation must be"),
+        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, Z), r"dropout_p must be in \[0, 1\)"),
+    ]
+    for args, message in bwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.feed_forward_bwd(*args)
+
+
+# ---------------------------------------------------------------- the cuda backend's own checks
+
+
+@pytest.mark.parametrize("F_", [1, 9, 64, 65])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_dropout_equals_the_cpu_backend(backend, F_):
+    """Same seed and offset: the cuda kernels drop exactly the elements the cpu backend drops,
+    forward and backward (odd widths take the scalar path, F % 8 == 0 the vector path; the
+    offset makes the group counters' low word wrap mid-tensor)."""
+    if _ext.load_error() is not None:
+        pytest.skip(f"the cpu backend is needed as the oracle: {_ext.load_error()}")
+    N, p, seed = 13, 0.4, 2**40 + 3
+    offset = 2**32 - N * ((F_ + 7) // 8) // 2
+    x = torch.ones(N, F_)
+    eye = torch.eye(F_)
+    cuda, cpu = backends.Kernels(backend), backends.Kernels("cpu")
+    device = device_for(backend)
+    out, pre = cuda.feed_forward_fwd(x.to(device), eye.to(device), None, eye.to(device), None, "relu", p,
+                                     philox.pack(seed, offset))
+    want, want_pre = cpu.feed_forward_fwd(x, eye, None, eye, None, "relu", p,
+                                          philox.pack(seed, offset))
+    assert torch.equal(out.cpu(), want), "forward: another mask or another scale"
+    dout = torch.ones_like(out)
+    dx = cuda.feed_forward_bwd(dout, x.to(device), eye.to(device), eye.to(device), pre, False, False, "relu",
+                               p, philox.pack(seed, offset))[0]
+    want_dx = cpu.feed_forward_bwd(dout.cpu(), x, eye, eye, want_pre, False, False, "relu", p,
+                                   philox.pack(seed, offset))[0]
+    assert torch.equal(dx.cpu(), want_dx), "backward: another mask"
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_float16_and_determinism(backend):
+    """fp16 (CUDA only) follows the low-precision rule; two runs agree bit for bit (db1 and db2
+    are fixed-order two-stage sums, no atomics)."""
+    device = device_for(backend)
+    x, w1, b1, w2, b2 = _make_inputs((37, 40), 72, True, True, device)
+    upstream = torch.randn(37, 40, device=device)
+    rng = (77, 3)
+
+    def kernel(*args):
+        out, pre = backends.Kernels(backend).feed_forward_fwd(*args, "gelu", 0.2, *rng)
+        grads = backends.Kernels(backend).feed_forward_bwd(upstream.to(args[0].dtype), args[0], args[1],
+                                                           args[3], pre, True, True, "gelu", 0.2, *rng)
+        return out, dict(zip(INPUT_NAMES, grads))
+
+    def ref(*args):
+        return reference.feed_forward(*args, activation="gelu", dropout_p=0.2, rng=rng)
+
+    half = [t.half() for t in (x, w1, b1, w2, b2)]
+    out, grads = kernel(*half)
+    lp, lp_grads = _forward_backward(ref, half, upstream.half())
+    ref_out, ref_grads = _forward_backward(ref, [x, w1, b1, w2, b2], upstream.half().float())
+    assert out.dtype == torch.float16
+    assert_close_lowp("out", out, ref_out, lp, factor=LOWP_FACTOR[backend])
+    for name in INPUT_NAMES:
+        assert grads[name].dtype == torch.float16
+        assert_close_lowp(f"d{name}", grads[name], ref_grads[name], lp_grads[name],
+                          factor=LOWP_FACTOR[backend])
+    out2, grads2 = kernel(*half)
+    assert torch.equal(out, out2)
+    for name in INPUT_NAMES:
+        assert torch.equal(grads[name], grads2[name]), f"d{name} differs between two runs"
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_bias_gradients_over_several_row_parts(backend):
+    """300 rows are 3 parts of 100 (not a multiple of the 8 row lanes) for db1's sums in the fused
+    backward pass and db2's two-stage column sum: both equal the reference's."""
+    (out, grads), _, (ref, ref_grads) = _run_case(backend, (300, 24), 40, "gelu_dropout", torch.float32)
+    assert_close("out", out, ref, *FP32_TOL[backend]["out"])
+    for name in INPUT_NAMES:
+        assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_nan_propagates_as_the_reference(backend):
+    """A NaN in x reaches the output through relu (F.relu keeps NaN) and through a dropped element
+    (x * 0 is NaN), exactly where the reference has it; the gradients are NaN where the
+    reference's are."""
+    device = device_for(backend)
+    x, w1, b1, w2, b2 = _make_inputs((5, 16), 24, True, True, device)
+    with torch.no_grad():
+        x[3, 2] = float("nan")
+    rng = (5, 1)
+    for activation in ("relu", "gelu"):
+        def kernel(*args):
+            torch.manual_seed(0)
+            with fastformer.use_backend(backend):
+                return feed_forward(*args, activation=activation, dropout_p=0.5)
+
+        torch.manual_seed(0)
+        rng = philox.next_seed()
+
+        def ref(*args):
+            return reference.feed_forward(*args, activation=activation, dropout_p=0.5, rng=rng)
+
+        upstream = torch.randn(5, 16, device=device)
+        out, grads = _forward_backward(kernel, (x, w1, b1, w2, b2), upstream)
+        want, want_grads = _forward_backward(ref, (x, w1, b1, w2, b2), upstream)
+        assert torch.equal(out.isnan(), want.isnan()) and out[3].isnan().all()
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4, equal_nan=True)
+        for name in INPUT_NAMES:
+            assert torch.equal(grads[name].isnan(), want_grads[name].isnan()), f"d{name}: NaN elsewhere"
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_zero_rows_and_zero_width(backend):
+    device = device_for(backend)
+    kern = backends.Kernels(backend)
+    for N, E, F_ in ((0, 8, 16), (4, 8, 0)):
+        x, w1, b1, w2, b2 = _make_inputs((N, E), F_, True, True, device)
+        out, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "gelu", 0.1, philox.pack(1, 0))
+        assert out.shape == (N, E) and pre.shape == (N, F_)
+        want = reference.feed_forward(x, w1, b1, w2, b2, activation="gelu")
+        assert_close("out", out, want, atol=1e-6, rtol=0)
+        dx, dw1, db1, dw2, db2 = kern.feed_forward_bwd(torch.ones(N, E, device=device), x, w1, w2, pre, True,
+                                                       True, "gelu", 0.1, philox.pack(1, 0))
+        assert dx.shape == (N, E) and dw1.shape == (F_, E) and dw2.shape == (E, F_)
+        assert torch.equal(db1, torch.zeros(F_, device=device))
+        assert torch.equal(db2, torch.full((E,), float(N), device=device))
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    device = device_for(backend)
+    x, w1, b1, w2, b2 = _make_inputs((4, 8), 16, True, True, device)
+    _, pre = kern.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, philox.no_dropout())
+    fwd_cases = [
+        ((x[0], w1, b1, w2, b2, "relu", 0.0, philox.no_dropout()), "x must be 2-D"),
+        ((x.double(), w1.double(), None, w2.double(), None, "relu", 0.0, philox.no_dropout()),
+         "x must be float32, float16 or bfloat16"),
+        ((x.half(), w1, b1, w2, b2, "relu", 0.0, philox.no_dropout()), "w1 must have the dtype of x"),
+        ((x, w1[:, :7].contiguous(), b1, w2, b2, "relu", 0.0, philox.no_dropout()), r"w1 must have shape \(F, E\)"),
+        ((x, w1, b1, w2[:, :15].contiguous(), b2, "relu", 0.0, philox.no_dropout()), r"w2 must have shape \(E, F\)"),
+        ((x, w1.t().contiguous().t(), b1, w2, b2, "relu", 0.0, philox.no_dropout()), "w1 must be contiguous"),
+        ((x, w1, b1[:15], w2, b2, "relu", 0.0, philox.no_dropout()), r"b1 must have shape \(16,\)"),
+        ((x, w1, b1, w2, b2, "tanh", 0.0, philox.no_dropout()), "activation must be \"relu\" or \"gelu\""),
+        ((x, w1, b1, w2, b2, "relu", 1.0, philox.no_dropout()), r"dropout_p must be in \[0, 1\)"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([-1, 0], device="cpu")),
+         r"philox seed philox\[0\] must be >= 0"),
+        ((x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([0, -3], device="cpu")),
+         r"philox offset philox\[1\] must be >= 0"),
+    ]
+    for args, message in fwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.feed_forward_fwd(*args)
+    dout = torch.randn(4, 8, device=device)
+    bwd_cases = [
+        ((dout[:, :7].contiguous(), x, w1, w2, pre, True, True, "relu", 0.0, philox.no_dropout()),
+         r"dout must have shape \(N, E\)"),
+        ((dout, x, w1, w2, pre[:, :5].contiguous(), True, True, "relu", 0.0, philox.no_dropout()),
+         r"pre must have shape \(N, F\)"),
+        ((dout, x, w1, w2, pre.half(), True, True, "relu", 0.0, philox.no_dropout()), "pre must have the dtype of x"),
+        ((dout, x, w1, w2, pre, True, True, "swish", 0.0, philox.no_dropout()), "activation must be"),
+        ((dout, x, w1, w2, pre, True, True, "relu", -0.2, philox.no_dropout()), r"dropout_p must be in \[0, 1\)"),
     ]
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):

@@ -46,9 +46,9 @@ def _reference(inputs, dout, activation, p, rng, dtype=torch.float64):
 
 def _kernels(inputs, dout, activation, p, seed, offset):
     x, w1, b1, w2, b2 = inputs
-    out, pre = ff.feed_forward_fwd(x, w1, b1, w2, b2, activation, p, seed, offset)
+    out, pre = ff.feed_forward_fwd(x, w1, b1, w2, b2, activation, p, philox.pack(seed, offset))
     dx, dw1, db1, dw2, db2 = ff.feed_forward_bwd(dout, x, w1, w2, pre, b1 is not None, b2 is not None,
-                                                 activation, p, seed, offset)
+                                                 activation, p, philox.pack(seed, offset))
     grads = {"x": dx, "w1": dw1, "w2": dw2}
     if b1 is not None:
         grads["b1"] = db1
@@ -235,9 +235,9 @@ def test_functional_op_runs_the_triton_kernels():
 
 def _op_args(dtype, biases, activation, p):
     x, w1, b1, w2, b2 = _inputs(6, 24, 40, biases, biases, dtype=dtype)
-    fwd = (x, w1, b1, w2, b2, activation, p, 5, 2)
+    fwd = (x, w1, b1, w2, b2, activation, p, philox.pack(5, 2))
     _, pre = ff.feed_forward_fwd(*fwd)
-    bwd = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, 5, 2)
+    bwd = (torch.randn_like(x), x, w1, w2, pre, biases, biases, activation, p, philox.pack(5, 2))
     return fwd, bwd
 
 
@@ -257,8 +257,8 @@ def test_registered_ops_compile_without_graph_breaks():
     fwd, bwd = _op_args(torch.float32, True, "gelu", 0.3)
 
     def both(x, w1, b1, w2, b2, dout):
-        out, pre = ops.feed_forward_fwd(x, w1, b1, w2, b2, "gelu", 0.3, 5, 2)
-        grads = ops.feed_forward_bwd(dout, x, w1, w2, pre, True, True, "gelu", 0.3, 5, 2)
+        out, pre = ops.feed_forward_fwd(x, w1, b1, w2, b2, "gelu", 0.3, philox.pack(5, 2))
+        grads = ops.feed_forward_bwd(dout, x, w1, w2, pre, True, True, "gelu", 0.3, philox.pack(5, 2))
         return (out * 2.0, *grads)
 
     torch._dynamo.reset()
@@ -274,26 +274,30 @@ def test_registered_ops_compile_without_graph_breaks():
 def test_host_functions_name_the_bad_argument():
     x, w1, b1, w2, b2 = _inputs(4, 8, 16)
     with pytest.raises(ValueError, match="w1 must be"):
-        ff.feed_forward_fwd(x, w1[:, :5], b1, w2, b2, "relu", 0.0, 0, 0)
+        ff.feed_forward_fwd(x, w1[:, :5], b1, w2, b2, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="w2 must be"):
-        ff.feed_forward_fwd(x, w1, b1, w2.t(), b2, "relu", 0.0, 0, 0)
+        ff.feed_forward_fwd(x, w1, b1, w2.t(), b2, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="b1 must be"):
-        ff.feed_forward_fwd(x, w1, b2, w2, b2, "relu", 0.0, 0, 0)
+        ff.feed_forward_fwd(x, w1, b2, w2, b2, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="w2 is torch.bfloat16"):
-        ff.feed_forward_fwd(x, w1, b1, w2.bfloat16(), b2, "relu", 0.0, 0, 0)
+        ff.feed_forward_fwd(x, w1, b1, w2.bfloat16(), b2, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
-        ff.feed_forward_fwd(x.double(), w1.double(), None, w2.double(), None, "relu", 0.0, 0, 0)
+        ff.feed_forward_fwd(x.double(), w1.double(), None, w2.double(), None, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="activation must be one of"):
-        ff.feed_forward_fwd(x, w1, b1, w2, b2, "tanh", 0.0, 0, 0)
+        ff.feed_forward_fwd(x, w1, b1, w2, b2, "tanh", 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
-        ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 1.0, 0, 0)
-    with pytest.raises(ValueError, match="offset must be >= 0"):
-        ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.5, 0, -3)
-    _, pre = ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, 0, 0)
+        ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 1.0, philox.pack(0, 0))
+    with pytest.raises(ValueError, match=r"the philox offset philox\[1\] must be >= 0, got -3"):
+        ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.5, torch.tensor([0, -3]))
+    with pytest.raises(TypeError, match="philox must be an int64 CPU tensor"):
+        ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.5, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"philox must have shape \(2,\)"):
+        ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.5, torch.zeros(1, 2, dtype=torch.int64))
+    _, pre = ff.feed_forward_fwd(x, w1, b1, w2, b2, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="pre must be"):
-        ff.feed_forward_bwd(x, x, w1, w2, pre[:, :3], True, True, "relu", 0.0, 0, 0)
+        ff.feed_forward_bwd(x, x, w1, w2, pre[:, :3], True, True, "relu", 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="dout must be"):
-        ff.feed_forward_bwd(x[:2], x, w1, w2, pre, True, True, "relu", 0.0, 0, 0)
+        ff.feed_forward_bwd(x[:2], x, w1, w2, pre, True, True, "relu", 0.0, philox.pack(0, 0))
 
 
 def test_aot_specs_cover_every_autotune_config():

@@ -7,7 +7,7 @@ import torch
 import fastformer
 from fastformer import ops
 from fastformer.ops import reference
-from utils import kernel_backends
+from utils import kernel_backends, skip_without_kernels
 
 BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends()
 
@@ -48,6 +48,7 @@ ATTENTION_SHAPES = {  # (B, H, Sq, Sk, D)
 @pytest.mark.parametrize("case", list(ATTENTION_SHAPES))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attention_empty(backend, case, causal):
+    skip_without_kernels(backend, "attention")
     B, H, Sq, Sk, D = ATTENTION_SHAPES[case]
     leaves = _leaves((B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D))
     kpm = torch.zeros(B, Sk, dtype=torch.bool)
@@ -69,6 +70,7 @@ def test_attention_empty(backend, case, causal):
 @pytest.mark.parametrize("shape", [(0, 6), (2, 0, 6), (0, 0, 6)], ids=["N0", "B2_S0", "B0_S0"])
 @pytest.mark.parametrize("prenorm", [False, True], ids=["postln", "preln"])
 def test_add_layer_norm_empty(backend, shape, prenorm):
+    skip_without_kernels(backend, "add_layer_norm")
     leaves = _leaves(shape, shape, (6,), (6,))
 
     def fn(x, r, w, b):
@@ -84,6 +86,7 @@ def test_add_layer_norm_empty(backend, shape, prenorm):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", [(0, 6), (3, 0, 6)], ids=["N0", "S0"])
 def test_feed_forward_empty(backend, shape):
+    skip_without_kernels(backend, "feed_forward")
     leaves = _leaves(shape, (10, 6), (10,), (6, 10), (6,))
 
     def fn(x, w1, b1, w2, b2):
@@ -97,6 +100,7 @@ def test_feed_forward_empty(backend, shape):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_empty(backend, reduction):
+    skip_without_kernels(backend, "cross_entropy")
     leaves = _leaves((0, 7))
     target = torch.zeros(0, dtype=torch.long)
 
@@ -112,6 +116,7 @@ def test_cross_entropy_empty(backend, reduction):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("lead", [(0,), (2, 0)], ids=["N0", "B2_S0"])
 def test_linear_cross_entropy_empty(backend, reduction, lead):
+    skip_without_kernels(backend, "linear_cross_entropy")
     leaves = _leaves(lead + (6,), (9, 6), (9,))
     target = torch.zeros(lead, dtype=torch.long)
 
@@ -126,6 +131,7 @@ def test_linear_cross_entropy_empty(backend, reduction, lead):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_feed_forward_without_hidden_units(backend):
     """dim_feedforward F = 0: the FFN adds nothing but b2, and b2 gets the whole gradient."""
+    skip_without_kernels(backend, "feed_forward")
     leaves = _leaves((3, 6), (0, 6), (0,), (6, 0), (6,))
 
     def fn(x, w1, b1, w2, b2):

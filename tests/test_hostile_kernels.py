@@ -3,7 +3,8 @@ wrong ranks, dtypes, shapes, non-contiguous tensors and impossible scalars: each
 RuntimeError from a TORCH_CHECK that names what is wrong; none crashes or reads out of bounds.
 
 Each op's cases run in a child process, so a segfault fails that op's test instead of killing
-pytest. The seed and offset arguments are passed as the schema declares them (int or tensor)."""
+pytest. The seed and offset arguments are passed as the schema declares them: two ints
+(philox_bits) or the dropout ops' ``philox`` tensor, int64 CPU (2,) = (seed, offset)."""
 import json
 import os
 import subprocess
@@ -20,15 +21,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def call(name, **kw):
-    """``torch.ops.fastformer.<name>`` with keyword arguments in schema order; an int seed or
-    offset becomes an int64 tensor where the schema takes a tensor."""
+    """``torch.ops.fastformer.<name>`` with keyword arguments in schema order; where the schema
+    takes a ``philox`` tensor, the int ``seed`` and ``offset`` become ``tensor([seed, offset])``
+    unless a ``philox`` argument is given."""
     op = getattr(torch.ops.fastformer, name).default
-    args = []
-    for a in op._schema.arguments:
-        v = kw.pop(a.name)
-        if a.name in ("seed", "offset") and not isinstance(v, torch.Tensor) and "Tensor" in str(a.type):
-            v = torch.tensor(v, dtype=torch.int64)
-        args.append(v)
+    names = [a.name for a in op._schema.arguments]
+    if "philox" in names:
+        seed, offset = kw.pop("seed"), kw.pop("offset")
+        kw.setdefault("philox", torch.tensor([seed, offset], dtype=torch.int64))
+    args = [kw.pop(n) for n in names]
     assert not kw, f"{name} has no arguments {sorted(kw)}"
     return op(*args)
 
@@ -137,8 +138,17 @@ CASES = {
         "scale_inf": (lambda: attention_fwd(scale=float("inf")), "scale must be finite"),
         "dropout_one": (lambda: attention_fwd(dropout_p=1.0), "dropout_p must be in [0, 1)"),
         "dropout_nan": (lambda: attention_fwd(dropout_p=float("nan")), "dropout_p must be in [0, 1)"),
-        "seed_neg": (lambda: attention_fwd(seed=-1), "seed must be >= 0"),
-        "offset_neg": (lambda: attention_fwd(offset=-4), "offset must be >= 0"),
+        "seed_neg": (lambda: attention_fwd(seed=-1), "the philox seed philox[0] must be >= 0, got -1"),
+        "offset_neg": (lambda: attention_fwd(offset=-4), "the philox offset philox[1] must be >= 0, got -4"),
+        "philox_int32": (lambda: attention_fwd(philox=torch.zeros(2, dtype=torch.int32)), "philox must be int64"),
+        "philox_float": (lambda: attention_fwd(philox=torch.zeros(2)), "philox must be int64"),
+        "philox_3": (lambda: attention_fwd(philox=torch.zeros(3, dtype=torch.int64)),
+                     "philox must have shape (2,) = (seed, offset), got [3]"),
+        "philox_2d": (lambda: attention_fwd(philox=torch.zeros(1, 2, dtype=torch.int64)), "philox must have shape (2,)"),
+        "philox_0d": (lambda: attention_fwd(philox=torch.tensor(5)), "philox must have shape (2,)"),
+        "philox_strided": (lambda: attention_fwd(philox=torch.zeros(4, dtype=torch.int64)[::2]),
+                           "philox must be contiguous"),
+        "bwd_philox_3": (lambda: attention_bwd(philox=torch.zeros(3, dtype=torch.int64)), "philox must have shape (2,)"),
         "kpm_float": (lambda: attention_fwd(key_padding_mask=_r(2, 7)), "key_padding_mask must be bool"),
         "kpm_shape": (lambda: attention_fwd(key_padding_mask=_r(2, 5, dtype=torch.bool)),
                       "key_padding_mask must have shape (B, Sk) = (2, 7)"),
@@ -177,7 +187,12 @@ CASES = {
         "eps_nan": (lambda: add_layer_norm_fwd(eps=float("nan")), "eps must be"),
         "eps_inf": (lambda: add_layer_norm_fwd(eps=float("inf")), "eps must be"),
         "dropout_one": (lambda: add_layer_norm_fwd(dropout_p=1.0), "dropout_p must be in [0, 1)"),
-        "seed_neg": (lambda: add_layer_norm_fwd(seed=-1), "seed must be >= 0"),
+        "seed_neg": (lambda: add_layer_norm_fwd(seed=-1), "the philox seed philox[0] must be >= 0"),
+        "philox_int32": (lambda: add_layer_norm_fwd(philox=torch.zeros(2, dtype=torch.int32)), "philox must be int64"),
+        "philox_1": (lambda: add_layer_norm_fwd(philox=torch.zeros(1, dtype=torch.int64)), "philox must have shape (2,)"),
+        "bwd_philox_strided": (lambda: add_layer_norm_bwd(philox=torch.zeros(4, dtype=torch.int64)[::2]),
+                               "philox must be contiguous"),
+        "bwd_offset_neg": (lambda: add_layer_norm_bwd(offset=-2), "the philox offset philox[1] must be >= 0"),
         "bwd_dy_shape": (lambda: add_layer_norm_bwd(dy=_r(4, 5)), "dy must have the shape of h"),
         "bwd_dy_dtype": (lambda: add_layer_norm_bwd(dy=_r(4, 6, dtype=torch.float64)), "dy must have the dtype"),
         "bwd_dh_shape": (lambda: add_layer_norm_bwd(dh=_r(5, 6)), "dh must have the shape of h"),
@@ -201,7 +216,11 @@ CASES = {
         "b2_strided": (lambda: feed_forward_fwd(b2=_strided(6)), "b2 must be contiguous"),
         "activation": (lambda: feed_forward_fwd(activation="tanh"), "activation"),
         "dropout_neg": (lambda: feed_forward_fwd(dropout_p=-0.1), "dropout_p must be in [0, 1)"),
-        "offset_neg": (lambda: feed_forward_fwd(offset=-1), "offset must be >= 0"),
+        "offset_neg": (lambda: feed_forward_fwd(offset=-1), "the philox offset philox[1] must be >= 0"),
+        "philox_float": (lambda: feed_forward_fwd(philox=torch.zeros(2, dtype=torch.float64)), "philox must be int64"),
+        "philox_empty": (lambda: feed_forward_fwd(philox=torch.zeros(0, dtype=torch.int64)), "philox must have shape (2,)"),
+        "bwd_seed_neg": (lambda: feed_forward_bwd(seed=-5), "the philox seed philox[0] must be >= 0"),
+        "bwd_philox_2d": (lambda: feed_forward_bwd(philox=torch.zeros(2, 1, dtype=torch.int64)), "philox must have shape"),
         "bwd_dout_shape": (lambda: feed_forward_bwd(dout=_r(3, 7)), "dout must have shape"),
         "bwd_dout_rows": (lambda: feed_forward_bwd(dout=_r(4, 6)), "dout must have shape"),
         "bwd_pre_shape": (lambda: feed_forward_bwd(pre=_r(3, 9)), "pre must have shape"),

@@ -8,7 +8,7 @@ import torch
 import fastformer
 from fastformer import nn as fnn
 from fastformer.models import Seq2SeqTransformer
-from utils import kernel_backends
+from utils import ALL_OPS, kernel_backends, skip_without_kernels
 
 BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends()
 E, H = 8, 2
@@ -219,6 +219,7 @@ MODEL_CALLS = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("call, exc, match", [pytest.param(*v, id=k) for k, v in MODEL_CALLS.items()])
 def test_bad_model_input_is_rejected(backend, call, exc, match):
+    skip_without_kernels(backend, *ALL_OPS)
     model = _model()
     with fastformer.use_backend(backend), pytest.raises(exc, match=match):
         call(model)
@@ -227,6 +228,7 @@ def test_bad_model_input_is_rejected(backend, call, exc, match):
 # ------------------------------------------------------------------------- empty batches
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_model_empty_batch(backend):
+    skip_without_kernels(backend, *ALL_OPS)
     model = _model().train()
     src, tgt = _ids(0, 5), _ids(0, 4, high=13)
     with fastformer.use_backend(backend):
@@ -245,6 +247,7 @@ def test_model_empty_batch(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_layers_empty_batch(backend, batch_first):
+    skip_without_kernels(backend, *ALL_OPS)
     torch.manual_seed(0)
     enc = fnn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=batch_first)
     dec = fnn.TransformerDecoderLayer(E, H, 16, dropout=0.0, batch_first=batch_first)

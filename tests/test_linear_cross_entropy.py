@@ -10,8 +10,11 @@ from fastformer import _ext, backends
 from fastformer.ops import linear_cross_entropy, reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
+CUDA = kernel_backends("cuda")
+# The cuda backend runs on the SIMT harness without a GPU (CPU tensors).
+SIMT = not torch.cuda.is_available()
 REDUCTIONS = ("none", "mean", "sum")
 SMOOTHING = (0.0, 0.1, 1.0)
 INPUT_NAMES = ("hidden", "weight", "bias")
@@ -21,6 +24,19 @@ INPUT_NAMES = ("hidden", "weight", "bias")
 SHAPES = [(1, 16, 1), (7, 32, 7), (113, 64, 1023), (7, 40, 8000), (1100, 16, 8000)]
 # The Triton interpreter is slow: a subset keeps its part of this file short.
 TRITON_SHAPES = [(7, 32, 7), (113, 64, 1023)]
+# The harness runs every CUDA thread as a host fiber: the shapes without the (1100, 16, 8000)
+# giant (test_cuda_several_chunks covers the chunk loop with fewer elements), every combination
+# on (7, 32, 7) and these (smoothing, reduction, bias) on the others.
+SIMT_SHAPES = [(1, 16, 1), (7, 32, 7), (113, 64, 1023), (7, 40, 8000)]
+SIMT_COMBOS = {(0.0, "none", True), (0.1, "mean", True), (0.1, "mean", False), (1.0, "sum", True)}
+
+
+def _shapes(name):
+    if name == "triton":
+        return TRITON_SHAPES
+    if name == "cuda" and SIMT:
+        return SIMT_SHAPES
+    return SHAPES
 
 # fp32 (atol, rtol) per backend for the loss and the gradients.
 FP32_TOL = {
@@ -38,7 +54,8 @@ LOWP_FACTOR = {"cpu": 2.0, "triton": 3.0 if torch.cuda.is_available() else 4.0, 
 def _cases():
     for backend in BACKENDS:
         name = backend.values[0]
-        for N, D, V in (TRITON_SHAPES if name == "triton" else SHAPES):
+        simt = name == "cuda" and SIMT
+        for N, D, V in _shapes(name):
             for eps in SMOOTHING:
                 for reduction in REDUCTIONS:
                     for has_bias in (True, False):
@@ -46,7 +63,9 @@ def _cases():
                             continue
                         if N > 1000 and eps == 0.0 and reduction != "mean":
                             continue
-                        if name == "triton" and not has_bias and reduction != "mean":
+                        if (name == "triton" or simt) and not has_bias and reduction != "mean":
+                            continue
+                        if simt and V != 7 and (eps, reduction, has_bias) not in SIMT_COMBOS:
                             continue
                         yield pytest.param(
                             name, (N, D, V), eps, reduction, has_bias, marks=backend.marks,
@@ -324,3 +343,81 @@ def test_nan_in_hidden_propagates_as_in_the_reference(backend, reduction):
     torch.testing.assert_close(loss, want, equal_nan=True, atol=1e-5, rtol=1e-5)
     for name, grad in grads.items():
         assert torch.equal(grad.isnan(), want_grads[name].isnan()), f"{name}: NaN positions differ"
+
+
+# ---------------------------------------------------------------- the cuda backend's own checks
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_several_chunks(backend):
+    """257 rows of 16400 fp32 logits are two chunks (256 rows, then 1): the loss rows, dhidden
+    rows, dweight and the dbias column sums of both chunks add up (dbias through the accumulating
+    two-stage column sum), for the fused mean gradient and for reduction none's backward."""
+    device = device_for(backend)
+    h, w, b, t = _inputs(257, 4, 16400, True, device)
+    kern = backends.Kernels(backend)
+    loss, dh, dw, db = kern.linear_cross_entropy_fwd(h, w, b, t, 0.1, -100, 1, True)
+    one = torch.tensor(1.0, device=device)
+    ref_loss, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), (h, w, b), one)
+    assert_close("loss", loss, ref_loss, *FP32_TOL[backend]["loss"])
+    for name, got in zip(INPUT_NAMES, (dh, dw, db)):
+        assert_close(f"d{name}", got, ref[name], *FP32_TOL[backend]["grad"])
+    up = _upstream("none", t.shape, device)
+    dh, dw, db = kern.linear_cross_entropy_bwd(up, h, w, b, t, 0.1, -100)
+    _, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1, reduction="none"), (h, w, b), up)
+    for name, got in zip(INPUT_NAMES, (dh, dw, db)):
+        assert_close(f"d{name}", got, ref[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_float16_and_determinism(backend):
+    """fp16 (CUDA only) follows the low-precision rule; two runs agree bit for bit."""
+    device = device_for(backend)
+    h, w, b, t = _inputs(37, 24, 531, True, device)
+    half = [a.half() for a in (h, w, b)]
+    kern = backends.Kernels(backend)
+    out = kern.linear_cross_entropy_fwd(*half, t, 0.1, -100, 1, True)
+    one = torch.tensor(1.0, device=device)
+    lp_loss, lp = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), half, one)
+    ref_loss, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1), (h, w, b), one)
+    assert all(a.dtype == torch.float16 for a in out)
+    assert_close_lowp("loss", out[0], ref_loss, lp_loss, factor=LOWP_FACTOR[backend])
+    for name, got in zip(INPUT_NAMES, out[1:]):
+        assert_close_lowp(f"d{name}", got, ref[name], lp[name], factor=LOWP_FACTOR[backend])
+    again = kern.linear_cross_entropy_fwd(*half, t, 0.1, -100, 1, True)
+    for name, a, c in zip(("loss",) + INPUT_NAMES, out, again):
+        assert torch.equal(a, c), f"{name} differs between two runs"
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_kernel_checks_name_the_argument(backend):
+    kern = backends.Kernels(backend)
+    device = device_for(backend)
+    h, w, b, t = _inputs(4, 8, 10, True, device)
+    t = torch.tensor([0, 1, 9, -100], device=device)
+    fwd_cases = [
+        ((h[0], w, b, t, 0.0, -100, 1, False), "hidden must have 2 dimensions"),
+        ((h.double(), w.double(), None, t, 0.0, -100, 1, False),
+         "hidden must be float32, float16 or bfloat16"),
+        ((torch.randn(8, 4, device=device).t(), w, b, t, 0.0, -100, 1, False), "hidden must be contiguous"),
+        ((h, w.half(), b, t, 0.0, -100, 1, False), "weight has dtype"),
+        ((h, w[:, :7].contiguous(), b, t, 0.0, -100, 1, False), r"weight must have shape \(V, 8\)"),
+        ((h, w, b[:9], t, 0.0, -100, 1, False), r"bias must have shape \(10,\)"),
+        ((h, w, b, t[:3], 0.0, -100, 1, False), r"target must have shape \(4,\)"),
+        ((h, w, b, t.int(), 0.0, -100, 1, False), "target must be int64"),
+        ((h, w, b, t, 0.0, -100, 7, False), r"reduction must be 0 \(none\), 1 \(mean\) or 2 \(sum\)"),
+        ((h, w, b, t, 1.01, -100, 1, False), r"label_smoothing must be in \[0, 1\]"),
+        ((h, w, b, t, 0.0, -100, 0, True), "compute_grad needs reduction mean"),
+    ]
+    for args, message in fwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.linear_cross_entropy_fwd(*args)
+    g = torch.randn(4, device=device)
+    bwd_cases = [
+        ((g[:3], h, w, b, t, 0.0, -100), r"grad_loss must have shape \(4,\)"),
+        ((g.long(), h, w, b, t, 0.0, -100), "grad_loss must be a floating-point tensor"),
+        ((g, h, w[:, :7].contiguous(), b, t, 0.0, -100), r"weight must have shape \(V, 8\)"),
+    ]
+    for args, message in bwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            kern.linear_cross_entropy_bwd(*args)

@@ -8,7 +8,7 @@ import fastformer
 from fastformer.ops import attention, reference
 from utils import device_for, kernel_backends
 
-BACKENDS = kernel_backends("cpu", "triton")
+BACKENDS = kernel_backends("cpu", "triton", "cuda")
 
 # name: (tensor to poison, index, value, is_causal, how the poisoned key is hidden or None)
 CASES = {

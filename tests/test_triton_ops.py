@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastformer import backends
+from fastformer import backends, philox
 from fastformer.ops import reference
 from utils import assert_close, assert_close_lowp, device_for
 
@@ -50,7 +50,7 @@ def test_add_layer_norm_masked_columns(C, p):
     N, seed, offset = 6, 2**41 + 5, 13
     x, r = _rand(N, C, scale=2.0), _rand(N, C)
     w, b = 1.0 + _rand(C), _rand(C)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, seed, offset)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(seed, offset))
     var, mu = torch.var_mean(h.double(), dim=1, unbiased=False)
     assert_close("mean", mean.double(), mu, atol=1e-6, rtol=1e-6)
     assert_close("rstd", rstd.double(), torch.rsqrt(var + 1e-5), atol=1e-5, rtol=1e-5)
@@ -58,7 +58,7 @@ def test_add_layer_norm_masked_columns(C, p):
     (y_ref, h_ref), grads = _ln_reference(x, r, w, b, p, (seed, offset), dy, dh)
     assert_close("y", y.double(), y_ref, atol=2e-5, rtol=1e-5)
     assert_close("h", h.double(), h_ref, atol=1e-6, rtol=1e-6)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, seed, offset, True)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, philox.pack(seed, offset), True)
     if p == 0.0:
         assert dres.numel() == 0  # the residual's gradient is dx
         dres = dx
@@ -84,14 +84,36 @@ def test_add_layer_norm_dweight_dbias_across_partial_blocks(monkeypatch, N, C, p
     if partial is not None:
         monkeypatch.setattr(aln, "_partial_rows", lambda n, device: partial)
     x, w, b = _rand(N, C), 1.0 + _rand(C), _rand(C)
-    _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, 0, 0)
+    _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, philox.pack(0, 0))
     dy = _rand(N, C)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, 0.0, 0, 0, False)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, 0.0, philox.pack(0, 0), False)
     assert dres.numel() == 0
     _, (gx, _, gw, gb) = _ln_reference(x, torch.zeros_like(x), w, b, 0.0, None, dy, None)
     assert_close("dx", dx.double(), gx, atol=1e-4, rtol=1e-5)
     assert_close("dweight", dw.double(), gw, atol=1e-4, rtol=1e-5)
     assert_close("dbias", db.double(), gb, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("N,C,chunk", [(7, 100, 32), (3, 45, 16)])
+def test_add_layer_norm_wide_rows_chunked_backward(monkeypatch, N, C, chunk):
+    """Rows with BLOCK_C >= SPLIT_BLOCK_C (16384 on a GPU) take the column-chunked backward (row
+    sums over the chunks, then dx chunk by chunk, the dropout mask regenerated per chunk) and the
+    separate dweight/dbias partials kernel. Forced here on small rows with a ragged last chunk,
+    with a residual, dropout and dh; the row kernel is made unusable so the test fails if taken."""
+    monkeypatch.setattr(aln, "SPLIT_BLOCK_C", 16)
+    monkeypatch.setattr(aln, "_CHUNK_C", chunk)
+    monkeypatch.setattr(aln, "_PART_BLOCK_N", 32)
+    monkeypatch.setattr(aln, "_add_layer_norm_bwd", None)
+    monkeypatch.setattr(aln, "_partial_rows", lambda n, device: (2, math.ceil(n / 2)))
+    p, seed, offset = 0.25, 2**33 + 1, 2**32 - 3
+    x, r = _rand(N, C, scale=2.0), _rand(N, C)
+    w, b = 1.0 + _rand(C), _rand(C)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, seed, offset)
+    dy, dh = _rand(N, C), _rand(N, C)
+    _, grads = _ln_reference(x, r, w, b, p, (seed, offset), dy, dh)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, seed, offset, True)
+    for name, got, want in zip(("dx", "dresidual", "dweight", "dbias"), (dx, dres, dw, db), grads):
+        assert_close(name, got.double(), want, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -101,9 +123,9 @@ def test_add_layer_norm_low_precision_dtypes(dtype):
     x, r = _rand(N, C, dtype=dtype), _rand(N, C, dtype=dtype)
     w, b = (1.0 + _rand(C)).to(dtype), _rand(C, dtype=dtype)
     dy = _rand(N, C, dtype=dtype)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, *rng)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(*rng))
     assert (y.dtype, h.dtype, mean.dtype, rstd.dtype) == (dtype, dtype, torch.float32, torch.float32)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, *rng, True)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(*rng), True)
     assert dw.dtype == dtype and db.dtype == dtype
 
     def ref(dt):
@@ -119,9 +141,9 @@ def test_add_layer_norm_low_precision_dtypes(dtype):
 
 def test_add_layer_norm_zero_rows():
     x, w = _rand(0, 16), _rand(16)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.1, 1, 0)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.1, philox.pack(1, 0))
     assert y.shape == h.shape == (0, 16) and mean.shape == rstd.shape == (0,)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(x, None, h, w, mean, rstd, 0.1, 1, 0, True)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(x, None, h, w, mean, rstd, 0.1, philox.pack(1, 0), True)
     assert dx.shape == (0, 16) and dres.shape == (0, 16)
     assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(w))
 
@@ -129,25 +151,25 @@ def test_add_layer_norm_zero_rows():
 def test_add_layer_norm_host_errors_name_the_argument():
     x, w = _rand(4, 8), _rand(8)
     with pytest.raises(ValueError, match="x must be 2-D"):
-        triton_kernels.add_layer_norm_fwd(_rand(8), None, w, w, 1e-5, 0.0, 0, 0)
+        triton_kernels.add_layer_norm_fwd(_rand(8), None, w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="x must be fp16, bf16 or fp32"):
-        triton_kernels.add_layer_norm_fwd(x.double(), None, w, w, 1e-5, 0.0, 0, 0)
+        triton_kernels.add_layer_norm_fwd(x.double(), None, w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="x must be contiguous"):
-        triton_kernels.add_layer_norm_fwd(_rand(8, 4).t(), None, w[:4], w[:4], 1e-5, 0.0, 0, 0)
+        triton_kernels.add_layer_norm_fwd(_rand(8, 4).t(), None, w[:4], w[:4], 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="residual must have shape"):
-        triton_kernels.add_layer_norm_fwd(x, _rand(4, 7), w, w, 1e-5, 0.0, 0, 0)
+        triton_kernels.add_layer_norm_fwd(x, _rand(4, 7), w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
-        triton_kernels.add_layer_norm_fwd(x, None, _rand(7), w, 1e-5, 0.0, 0, 0)
+        triton_kernels.add_layer_norm_fwd(x, None, _rand(7), w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=f"hidden sizes up to {aln.MAX_C}"):
         triton_kernels.add_layer_norm_fwd(_rand(1, aln.MAX_C + 1), None, _rand(aln.MAX_C + 1),
-                                          _rand(aln.MAX_C + 1), 1e-5, 0.0, 0, 0)
+                                          _rand(aln.MAX_C + 1), 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
-        triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 1.0, 0, 0)
-    _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.0, 0, 0)
+        triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 1.0, philox.pack(0, 0))
+    _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="mean must have dtype torch.float32"):
-        triton_kernels.add_layer_norm_bwd(x, None, h, w, mean.double(), rstd, 0.0, 0, 0, False)
+        triton_kernels.add_layer_norm_bwd(x, None, h, w, mean.double(), rstd, 0.0, philox.pack(0, 0), False)
     with pytest.raises(ValueError, match="dh must have shape"):
-        triton_kernels.add_layer_norm_bwd(x, _rand(3, 8), h, w, mean, rstd, 0.0, 0, 0, False)
+        triton_kernels.add_layer_norm_bwd(x, _rand(3, 8), h, w, mean, rstd, 0.0, philox.pack(0, 0), False)
 
 
 # ---------------------------------------------------------------- cross_entropy
@@ -335,7 +357,7 @@ def test_opcheck_registered_ops():
     x, r, w, b = _rand(5, 37), _rand(5, 37), _rand(37), _rand(37)
     for residual, p in ((r, 0.2), (None, 0.0)):
         torch.library.opcheck(triton_kernels.add_layer_norm_fwd, (x, residual, w, b, 1e-5, p, 7, 3))
-        _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, 7, 3)
+        _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
         torch.library.opcheck(triton_kernels.add_layer_norm_bwd,
                               (_rand(5, 37), _rand(5, 37), h, w, mean, rstd, p, 7, 3, residual is not None))
     logits, target = _rand(4, 21), torch.tensor([0, 5, -100, 20], device=DEVICE)
@@ -353,7 +375,7 @@ def test_registered_op_compiles_without_graph_break():
     x, w = _rand(6, 40), _rand(40)
 
     def fn(x, w):
-        y, h, _, _ = triton_kernels.add_layer_norm_fwd(x, x, w, w, 1e-5, 0.1, 2**40, 0)
+        y, h, _, _ = triton_kernels.add_layer_norm_fwd(x, x, w, w, 1e-5, 0.1, philox.pack(2**40, 0))
         return y * 2 + h
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -372,8 +394,8 @@ def test_gpu_add_layer_norm_large_hidden(dtype, C):
     x, r = _rand(N, C, dtype=dtype), _rand(N, C, dtype=dtype)
     w, b = (1 + _rand(C)).to(dtype), _rand(C, dtype=dtype)
     dy = _rand(N, C, dtype=dtype)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, *rng)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, *rng, True)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(*rng))
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(*rng), True)
 
     def ref(dt):
         leaves = [t.to(dt).requires_grad_() for t in (x, r, w, b)]

@@ -16,9 +16,28 @@ def kernel_backends(*names):
     return params
 
 
+ALL_OPS = ("attention", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy")
+
+
+def skip_without_kernels(backend: str, *ops: str) -> None:
+    """Skip, with the backend's own reason, when forcing ``backend`` cannot run one of ``ops`` on
+    its test device (the cuda backend on the SIMT harness carries only the ops whose csrc/cuda
+    glue exists)."""
+    if backend == "reference":
+        return
+    device = torch.device(device_for(backend))
+    for op in ops:
+        try:
+            with fastformer.use_backend(backend):
+                fastformer.backends.select(op, device, torch.float32)
+        except RuntimeError as exc:
+            pytest.skip(str(exc))
+
+
 def device_for(backend: str) -> str:
-    """The device a backend's tests use: CUDA for cuda (and triton when a GPU exists), else CPU."""
-    if backend == "cuda" or (backend == "triton" and torch.cuda.is_available()):
+    """The device a backend's tests use: CUDA for cuda and triton when a GPU exists, else CPU
+    (triton under TRITON_INTERPRET=1, cuda on the SIMT harness, FASTFORMER_CUDA_SIMT)."""
+    if backend in ("cuda", "triton") and torch.cuda.is_available():
         return "cuda"
     return "cpu"
 

@@ -5,10 +5,14 @@ C, masked past C), statistics in fp32 over the real C columns only.
 Backward: ``_add_layer_norm_bwd`` computes dx (and the residual's gradient) row by row; each
 program also sums ``dy * xhat`` and ``dy`` over its block of rows into one fp32 row of a
 ``(G, C)`` partials buffer, and ``_add_layer_norm_bwd_dwdb`` reduces those G rows into
-dweight / dbias: two stages, no atomics, so the result is deterministic.
+dweight / dbias: two stages, no atomics, so the result is deterministic. From ``BLOCK_C >=
+SPLIT_BLOCK_C`` a row and the two full-row accumulators no longer fit the 64 registers a
+1024-thread program gets: there ``_add_layer_norm_bwd_chunked`` walks each row in column chunks
+twice (the row sums, then dx chunk by chunk) and ``_add_layer_norm_bwd_part`` (one program per
+column block and block of rows) fills the same partials buffer from dy, h and the row statistics.
 Dropout is fastformer/philox.py's with rows of ``C`` columns: element ``(row, col)`` takes its 16 bits
 from the Philox call on counter ``offset + row * ceil(C / 8) + col // 8``; the backward regenerates the
-forward's mask from ``(seed, offset)``.
+forward's mask from ``(seed, offset)``, read on the host from the ops' ``philox`` tensor.
 """
 import functools
 import os
@@ -18,13 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
 
 MAX_C = 16384  # the widest row one program keeps in registers
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _DWDB_BLOCK_G = 32  # partial rows summed per step of the dweight/dbias reduction
 _DWDB_BLOCK_N = 128  # columns per program of the dweight/dbias reduction
+SPLIT_BLOCK_C = 16384  # from this BLOCK_C on the backward runs the chunked kernels
+_CHUNK_C = 4096  # columns per step of _add_layer_norm_bwd_chunked
+_CHUNK_WARPS = 16  # its warps: 8 columns per thread
+_PART_BLOCK_N = 256  # columns per program of _add_layer_norm_bwd_part
 
 
 @triton.jit
@@ -140,6 +148,106 @@ def _add_layer_norm_bwd(
 
 
 @triton.jit
+def _add_layer_norm_bwd_chunked(
+    DY,  # (N, C) gradient of y
+    DHIn,  # (N, C) extra gradient of h (prenorm's second output); not read without HAS_DH
+    H,  # (N, C) h saved by the forward
+    W,  # (C,) LayerNorm weight
+    Mean,  # (N,) fp32
+    Rstd,  # (N,) fp32
+    DX,  # (N, C) output: gradient of x
+    DRes,  # (N, C) output: gradient of the residual (= of h); written only with STORE_DRES
+    N,  # number of rows
+    C,  # hidden size (= row stride)
+    rows_per_program,  # rows [pid * rows_per_program, (pid + 1) * rows_per_program) are ours
+    seed,  # Philox key of the dropout mask
+    offset,  # Philox counter of element (0, 0)
+    drop_threshold,  # round(dropout_p * 2**16)
+    drop_scale,  # 1 / (1 - dropout_p)
+    HAS_DH: tl.constexpr,  # add DHIn to the gradient of h
+    HAS_DROPOUT: tl.constexpr,  # dx = dropout'(gradient of h)
+    STORE_DRES: tl.constexpr,  # write the gradient of h to DRes
+    CHUNK_C: tl.constexpr,  # columns per step, a multiple of 8 (whole Philox groups)
+):
+    """_add_layer_norm_bwd's dx / dres for rows too wide for registers: a first pass over the
+    row's column chunks sums ``xhat * w * dy`` and ``w * dy``, a second recomputes each chunk
+    (from cache) and stores its gradients. dweight / dbias come from _add_layer_norm_bwd_part."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, CHUNK_C)  # (CHUNK_C,)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    for row in range(row_start, row_end):
+        base = tl.cast(row, tl.int64) * C
+        mean = tl.load(Mean + row)
+        rstd = tl.load(Rstd + row)
+        s_xw = tl.zeros((CHUNK_C,), dtype=tl.float32)
+        s_w = tl.zeros((CHUNK_C,), dtype=tl.float32)
+        for c0 in range(0, C, CHUNK_C):  # pass 1: the row sums
+            cols = c0 + offs
+            mask = cols < C
+            h = tl.load(H + base + cols, mask=mask, other=0.0).to(tl.float32)
+            wdy = (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+                   * tl.load(DY + base + cols, mask=mask, other=0.0).to(tl.float32))
+            s_xw += tl.where(mask, (h - mean) * rstd, 0.0) * wdy
+            s_w += wdy
+        c1 = tl.sum(s_xw, axis=0) / C
+        c2 = tl.sum(s_w, axis=0) / C
+        for c0 in range(0, C, CHUNK_C):  # pass 2: the gradients, chunk by chunk
+            cols = c0 + offs
+            mask = cols < C
+            idx = base + cols
+            h = tl.load(H + idx, mask=mask, other=0.0).to(tl.float32)
+            wdy = (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+                   * tl.load(DY + idx, mask=mask, other=0.0).to(tl.float32))
+            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            dh = (wdy - (xhat * c1 + c2)) * rstd
+            if HAS_DH:
+                dh += tl.load(DHIn + idx, mask=mask, other=0.0).to(tl.float32)
+            if STORE_DRES:
+                tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
+            dx = dh
+            if HAS_DROPOUT:
+                rows = tl.full((1,), row, tl.int64)  # (1,)
+                keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(C, 8), c0, drop_threshold, CHUNK_C)
+                dx = tl.where(tl.reshape(keep, (CHUNK_C,)), dh * drop_scale, 0.0)
+            tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_layer_norm_bwd_part(
+    DY,  # (N, C) gradient of y
+    H,  # (N, C) h saved by the forward
+    Mean,  # (N,) fp32
+    Rstd,  # (N,) fp32
+    DWPart,  # (G, C) fp32 output: sum of dy * xhat over the rows of block g
+    DBPart,  # (G, C) fp32 output: sum of dy over the rows of block g
+    N,  # number of rows
+    C,  # hidden size (= row stride)
+    rows_per_program,  # block g is rows [g * rows_per_program, (g + 1) * rows_per_program)
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    """The dweight/dbias partials of _add_layer_norm_bwd for wide rows: program (j, g) sums
+    columns ``j * BLOCK_N + arange(BLOCK_N)`` over row block g, row by row."""
+    g = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask = cols < C
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = g * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    for row in range(row_start, row_end):
+        idx = tl.cast(row, tl.int64) * C + cols
+        h = tl.load(H + idx, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + idx, mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (h - tl.load(Mean + row)) * tl.load(Rstd + row), 0.0)
+        dw_acc += dy * xhat
+        db_acc += dy
+    part = g.to(tl.int64) * C + cols
+    tl.store(DWPart + part, dw_acc, mask=mask)
+    tl.store(DBPart + part, db_acc, mask=mask)
+
+
+@triton.jit
 def _add_layer_norm_bwd_dwdb(
     DWPart,  # (G, C) fp32 per-program partial sums of dy * xhat
     DBPart,  # (G, C) fp32 per-program partial sums of dy
@@ -216,10 +324,12 @@ def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
     return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
 
 
+@on_device_of_first_tensor
 def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                             bias: torch.Tensor, eps: float, dropout_p: float, seed: int,
-                             offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                             bias: torch.Tensor, eps: float, dropout_p: float,
+                             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(x)
+    seed, offset = read_philox(philox, "add_layer_norm_fwd")
     if residual is not None:
         _check_rows("residual", residual, (N, C), x.dtype)
     _check_rows("weight", weight, (C,))
@@ -240,11 +350,13 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     return y, h, mean, rstd
 
 
+@on_device_of_first_tensor
 def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
                              weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                             dropout_p: float, seed: int, offset: int,
+                             dropout_p: float, philox: torch.Tensor,
                              has_residual: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(h, "h")
+    seed, offset = read_philox(philox, "add_layer_norm_bwd")
     _check_rows("dy", dy, (N, C), h.dtype)
     if dh is not None:
         _check_rows("dh", dh, (N, C), h.dtype)
@@ -263,24 +375,33 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     dw_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
     db_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
     block_c = next_power_of_2(max(C, 8))  # whole Philox groups of 8 columns
-    torch.library.wrap_triton(_add_layer_norm_bwd)[(G,)](
-        dy, dh if dh is not None else dy, h, weight, mean, rstd, dx, dres if store_dres else dx,
-        dw_part, db_part, N, C, rows_per_program, seed, offset, threshold, scale,
-        HAS_DH=dh is not None, HAS_DROPOUT=has_dropout, STORE_DRES=store_dres, BLOCK_C=block_c,
-        num_warps=_num_warps(block_c), num_stages=1)
+    dh_in, dres_out = dh if dh is not None else dy, dres if store_dres else dx
+    flags = dict(HAS_DH=dh is not None, HAS_DROPOUT=has_dropout, STORE_DRES=store_dres)
+    if block_c < SPLIT_BLOCK_C:
+        torch.library.wrap_triton(_add_layer_norm_bwd)[(G,)](
+            dy, dh_in, h, weight, mean, rstd, dx, dres_out, dw_part, db_part, N, C, rows_per_program,
+            seed, offset, threshold, scale, **flags, BLOCK_C=block_c, num_warps=_num_warps(block_c),
+            num_stages=1)
+    else:  # wide rows: column chunks, and the dweight/dbias partials in their own kernel
+        torch.library.wrap_triton(_add_layer_norm_bwd_chunked)[(G,)](
+            dy, dh_in, h, weight, mean, rstd, dx, dres_out, N, C, rows_per_program, seed, offset,
+            threshold, scale, **flags, CHUNK_C=_CHUNK_C, num_warps=_CHUNK_WARPS, num_stages=1)
+        torch.library.wrap_triton(_add_layer_norm_bwd_part)[(triton.cdiv(C, _PART_BLOCK_N), G)](
+            dy, h, mean, rstd, dw_part, db_part, N, C, rows_per_program, BLOCK_N=_PART_BLOCK_N,
+            num_warps=4, num_stages=1)
     torch.library.wrap_triton(_add_layer_norm_bwd_dwdb)[(triton.cdiv(C, _DWDB_BLOCK_N),)](
         dw_part, db_part, dweight, dbias, G, C, BLOCK_G=_DWDB_BLOCK_G, BLOCK_N=_DWDB_BLOCK_N,
         num_warps=4, num_stages=1)
     return dx, dres, dweight, dbias
 
 
-def _fwd_fake(x, residual, weight, bias, eps, dropout_p, seed, offset):
+def _fwd_fake(x, residual, weight, bias, eps, dropout_p, philox):
     N = x.shape[0]
     return (torch.empty_like(x), torch.empty_like(x), x.new_empty(N, dtype=torch.float32),
             x.new_empty(N, dtype=torch.float32))
 
 
-def _bwd_fake(dy, dh, h, weight, mean, rstd, dropout_p, seed, offset, has_residual):
+def _bwd_fake(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual):
     dres = torch.empty_like(h) if (has_residual and dropout_p > 0.0) else h.new_empty(0)
     return torch.empty_like(h), dres, torch.empty_like(weight), torch.empty_like(weight)
 
@@ -306,8 +427,9 @@ add_layer_norm_bwd = _register("add_layer_norm_bwd", _add_layer_norm_bwd_impl, _
 def aot_specs() -> List[dict]:
     """Every kernel specialisation the host code launches, for ahead-of-time compilation:
     each dtype, BLOCK_C 1024 / 2048 / 4096 / 8192 / 16384 (MAX_C) with the num_warps the host
-    picks for it (4 / 8 / 16 / 32 / 32), the flag combination with the most code (residual, dropout, dh, dres) and the
-    dweight/dbias reduction. Pointers (fresh torch allocations) and C (a multiple of 16, as
+    picks for it (4 / 8 / 16 / 32 / 32), the flag combination with the most code (residual, dropout, dh, dres), the
+    chunked backward and its partials kernel for BLOCK_C >= SPLIT_BLOCK_C, and the dweight/dbias
+    reduction. Pointers (fresh torch allocations) and C (a multiple of 16, as
     hidden sizes are) carry Triton's divisible-by-16 specialisation, as the launcher gives them."""
     specs = []
     for dtype, t in _TL_DTYPE.items():
@@ -323,6 +445,8 @@ def aot_specs() -> List[dict]:
                 constexprs={"HAS_RESIDUAL": True, "HAS_DROPOUT": True, "BLOCK_C": block_c},
                 divisible_by_16=("X", "R", "W", "B", "Y", "H", "Mean", "Rstd", "C"),
                 num_warps=warps, num_stages=1))
+            if block_c >= SPLIT_BLOCK_C:
+                continue  # the backward of wide rows: the chunked kernels below
             specs.append(dict(
                 name=f"_add_layer_norm_bwd_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_bwd,
                 signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
@@ -337,6 +461,23 @@ def aot_specs() -> List[dict]:
                 divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "DWPart",
                                  "DBPart", "C"),
                 num_warps=warps, num_stages=1))
+        specs.append(dict(
+            name=f"_add_layer_norm_bwd_chunked_{t}_K{_CHUNK_C}_w{_CHUNK_WARPS}", fn=_add_layer_norm_bwd_chunked,
+            signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
+                       "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
+                       "N": "i32", "C": "i32", "rows_per_program": "i32", "seed": "i64",
+                       "offset": "i64", "drop_threshold": "i32", "drop_scale": "fp32"},
+            constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True, "CHUNK_C": _CHUNK_C},
+            divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "C"),
+            num_warps=_CHUNK_WARPS, num_stages=1))
+        specs.append(dict(
+            name=f"_add_layer_norm_bwd_part_{t}", fn=_add_layer_norm_bwd_part,
+            signature={"DY": f"*{t}", "H": f"*{t}", "Mean": "*fp32", "Rstd": "*fp32",
+                       "DWPart": "*fp32", "DBPart": "*fp32", "N": "i32", "C": "i32",
+                       "rows_per_program": "i32"},
+            constexprs={"BLOCK_N": _PART_BLOCK_N},
+            divisible_by_16=("DY", "H", "Mean", "Rstd", "DWPart", "DBPart", "C"),
+            num_warps=4, num_stages=1))
         specs.append(dict(
             name=f"_add_layer_norm_bwd_dwdb_{t}", fn=_add_layer_norm_bwd_dwdb,
             signature={"DWPart": "*fp32", "DBPart": "*fp32", "DW": f"*{t}", "DB": f"*{t}",

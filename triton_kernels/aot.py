@@ -1,6 +1,7 @@
 """Ahead-of-time compile every Triton kernel specialisation for real GPU targets, no GPU needed.
 
-    python -m triton_kernels.aot --cc 80 --cc 90 [--json PATH] [--jobs 2] [--module NAME ...]
+    python -m triton_kernels.aot --cc 80 --cc 90 [--configs first|all] [--json PATH] [--jobs 2]
+                                 [--module NAME ...]
 
 Each module in ``triton_kernels.MODULES`` defines ``aot_specs()``: a list of dicts, one per kernel
 specialisation its host functions can launch, with keys
@@ -12,13 +13,24 @@ specialisation its host functions can launch, with keys
     num_warps, num_stages
     divisible_by_16   (optional) args Triton's launcher would specialise as 16-aligned pointers /
                       multiples of 16; without them loads compile unvectorised and unpipelined
+    first_choice      (optional) True for the configuration the host launches first for this
+                      specialisation (the first entry of the kernel's config list: what runs
+                      without autotuning, and what the interpreter tests force)
+
+A *specialisation* is one kernel with one signature and its non-tile constexprs (dtype, feature
+flags, head-dim or hidden-size bucket); its *configs* are the tile constexprs in ``TILE_CONSTEXPRS``
+with num_warps / num_stages. ``--configs first`` (the default, and what ``make test`` runs)
+compiles each specialisation's first-choice config only; ``--configs all`` compiles every
+autotune candidate (full validation). Without a ``first_choice`` key, the first spec of each
+specialisation in list order is its first choice.
 
 Every spec is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``
 (with TRITON_INTERPRET unset) for each ``--cc``; the report gives, per kernel and target, the
 registers per thread and the shared memory (from the cubin, ``cuobjdump --dump-resource-usage``),
 the spill stores/loads (``ptxas -v`` on the same PTX with Triton's flags) and whether the shared
 memory fits the target's opt-in maximum per block. Exit status 1 if any module fails to import or
-defines no specs, any spec fails to compile, or any kernel does not fit.
+defines no specs, any spec fails to compile, any kernel spills registers to local memory, or any
+kernel does not fit.
 """
 import argparse
 import concurrent.futures as futures
@@ -39,6 +51,8 @@ import traceback
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 _PACKAGE = "triton_kernels"
+# Constexprs that are autotune choices (tile shape), not part of what a specialisation computes.
+TILE_CONSTEXPRS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "ROWS_PER_STEP"})
 
 
 def _no_interpreter():
@@ -58,6 +72,29 @@ def load_specs(module_name):
     if not hasattr(module, "aot_specs"):
         raise AttributeError(f"{_PACKAGE}.{module_name} defines no aot_specs()")
     return list(module.aot_specs())
+
+
+def _specialisation(spec):
+    """What a spec computes, without its tile config: kernel, signature, non-tile constexprs."""
+    fn = spec["fn"]
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", repr(fn))
+    constexprs = tuple(sorted((k, repr(v)) for k, v in (spec.get("constexprs") or {}).items()
+                              if k not in TILE_CONSTEXPRS))
+    return name, tuple(sorted(spec["signature"].items())), constexprs
+
+
+def first_choice_indices(specs):
+    """Indices of the first-choice specs: those marked ``first_choice=True`` when any spec of the
+    list carries the key, else the first spec of each specialisation in list order."""
+    if any("first_choice" in spec for spec in specs):
+        return [i for i, spec in enumerate(specs) if spec.get("first_choice")]
+    seen, out = set(), []
+    for i, spec in enumerate(specs):
+        key = _specialisation(spec)
+        if key not in seen:
+            seen.add(key)
+            out.append(i)
+    return out
 
 
 def _unwrap(fn):
@@ -176,20 +213,26 @@ def compile_one(module_name, index, cc):
     return row
 
 
-def run(ccs, modules=None, jobs=2, progress=None):
-    """Compile every spec of every module for every cc. Returns ``{"modules": {name: {"specs": n,
-    "error": str|None}}, "kernels": [row, ...]}``."""
+def run(ccs, modules=None, jobs=2, progress=None, configs="first"):
+    """Compile the specs of every module for every cc: each specialisation's first-choice config
+    (``configs="first"``) or every spec (``"all"``). Returns ``{"modules": {name: {"specs": n,
+    "selected": [index, ...], "error": str|None}}, "kernels": [row, ...]}``."""
+    if configs not in ("first", "all"):
+        raise ValueError(f"configs must be 'first' or 'all', got {configs!r}")
     _no_interpreter()
-    report = {"ccs": list(ccs), "modules": {}, "kernels": []}
+    report = {"ccs": list(ccs), "configs": configs, "modules": {}, "kernels": []}
     work = []
     for name in _modules(modules):
         try:
             specs = load_specs(name)
             error = None if specs else "aot_specs() returned no specs"
+            selected = first_choice_indices(specs) if configs == "first" else list(range(len(specs)))
+            if specs and not selected:
+                error = "no spec is marked first_choice"
         except Exception as exc:
-            specs, error = [], f"{type(exc).__name__}: {exc}"
-        report["modules"][name] = {"specs": len(specs), "error": error}
-        work += [(name, i, cc) for i in range(len(specs)) for cc in ccs]
+            specs, selected, error = [], [], f"{type(exc).__name__}: {exc}"
+        report["modules"][name] = {"specs": len(specs), "selected": selected, "error": error}
+        work += [(name, i, cc) for i in selected for cc in ccs]
     if jobs <= 1:
         rows = (compile_one(*w) for w in work)
         for done, row in enumerate(rows, 1):
@@ -219,10 +262,24 @@ def problems(report):
     for row in report["kernels"]:
         if "error" in row:
             out.append(f"{row['name']} sm_{row['cc']}: {row['error'].splitlines()[0]}")
-        elif not row["fits"]:
-            out.append(f"{row['name']} sm_{row['cc']}: shared memory {row['shared']} + "
-                       f"{row['static_shared']} B > {row['smem_limit']} B")
+        else:
+            if not row["fits"]:
+                out.append(f"{row['name']} sm_{row['cc']}: shared memory {row['shared']} + "
+                           f"{row['static_shared']} B > {row['smem_limit']} B")
+            if spills(row):
+                out.append(spill_message(row))
     return out
+
+
+def spills(row):
+    """Bytes a compiled kernel spills (stores + loads to local memory); 0 for a clean kernel."""
+    return row.get("spill_stores", 0) + row.get("spill_loads", 0)
+
+
+def spill_message(row):
+    return (f"{row['name']} sm_{row['cc']} (num_warps={row.get('num_warps')}, "
+            f"num_stages={row.get('num_stages')}): spills {row['spill_stores']} B stores / "
+            f"{row['spill_loads']} B loads at {row['registers']} registers")
 
 
 def format_table(report):
@@ -240,7 +297,8 @@ def format_table(report):
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     lines = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    mods = ", ".join(f"{n}: {i['specs']} specs" + (f" (ERROR {i['error']})" if i["error"] else "")
+    mods = ", ".join(f"{n}: {len(i.get('selected', ()))} of {i['specs']} specs"
+                     + (f" (ERROR {i['error']})" if i["error"] else "")
                      for n, i in report["modules"].items())
     lines += ["", f"modules: {mods}"]
     issues = problems(report)
@@ -256,15 +314,19 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="compile processes (default: 2)")
     parser.add_argument("--module", action="append", help="only these modules of triton_kernels.MODULES")
+    parser.add_argument("--configs", choices=("first", "all"), default="first",
+                        help="first: each specialisation's first-choice config (default); "
+                             "all: every autotune candidate")
     parser.add_argument("--list", action="store_true", help="list the specs, compile nothing")
     args = parser.parse_args(argv)
     _no_interpreter()
     if args.list:
         for name in _modules(args.module):
             specs = load_specs(name)
-            print(f"{name}: {len(specs)} specs")
-            for spec in specs:
-                print(f"  {spec['name']}")
+            selected = set(first_choice_indices(specs))
+            print(f"{name}: {len(specs)} specs, {len(selected)} first-choice (*)")
+            for i, spec in enumerate(specs):
+                print(f"  {'*' if i in selected else ' '} {spec['name']}")
         return 0
     start = time.time()
 
@@ -273,7 +335,7 @@ def main(argv=None):
         print(f"[{done}/{total}] sm_{row['cc']} {row['name']}: {status} ({row['seconds']} s)",
               file=sys.stderr, flush=True)
 
-    report = run(args.cc, args.module, jobs=args.jobs, progress=progress)
+    report = run(args.cc, args.module, jobs=args.jobs, progress=progress, configs=args.configs)
     report["seconds"] = round(time.time() - start, 1)
     if args.json:
         with open(args.json, "w") as f:

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2
+from .matmul import input_precision
+from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
 
 MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
@@ -39,13 +40,15 @@ _WIDEN_DOT = tl.constexpr(INTERPRET)  # see _dot and _cast
 # Tile helpers shared with the backward kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _dot(a, b, acc):
-    """``acc + a @ b`` with fp32 accumulation. fp32 operands are multiplied in full fp32 ("ieee":
-    no tf32 rounding, as torch's default matmul); fp16 / bf16 go to the tensor cores."""
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation. fp32 operands are multiplied with
+    ``INPUT_PRECISION``: "ieee" (full fp32, torch's default matmul) or "tf32" (tensor cores, when
+    torch allows tf32 matmuls: triton_kernels.matmul.input_precision); fp16 / bf16 go to the
+    tensor cores."""
     if _WIDEN_DOT:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif a.dtype == tl.float32:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     else:
         acc = tl.dot(a, b, acc)
     return acc
@@ -65,8 +68,12 @@ def _cast(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(base, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr):
-    """Rows ``rows`` (R,) of a (n_rows, D) matrix -> (R, BLOCK_D) tile, zero outside."""
+def _load_rows(base, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+    """Rows ``rows`` (R,) of a (n_rows, D) matrix -> (R, BLOCK_D) tile, zero outside. Row
+    offsets in int64 with LARGE_OFFSETS (``n_rows * stride_row`` passes 2**31 within one head;
+    int32 otherwise: int64 offsets cost the heavy configs registers, up to spilling)."""
+    if LARGE_OFFSETS:
+        rows = rows.to(tl.int64)
     ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
     if EVEN_D:
         tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
@@ -76,8 +83,12 @@ def _load_rows(base, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(base, tile, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr):
-    """Store a (R, BLOCK_D) tile into rows ``rows`` of a (n_rows, D) matrix."""
+def _store_rows(base, tile, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr,
+                LARGE_OFFSETS: tl.constexpr):
+    """Store a (R, BLOCK_D) tile into rows ``rows`` of a (n_rows, D) matrix (int64 row offsets
+    with LARGE_OFFSETS, as _load_rows)."""
+    if LARGE_OFFSETS:
+        rows = rows.to(tl.int64)
     ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
     if EVEN_D:
         tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
@@ -100,14 +111,18 @@ def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed 
                    MASK_EDGE: tl.constexpr,  # apply the causal and key-bound masks (edge tiles)
                    HAS_KPM: tl.constexpr,  # apply the key padding mask
                    HAS_MASK: tl.constexpr,  # add the additive mask
-                   IS_CAUSAL: tl.constexpr):  # bottom-right causal masking
+                   IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
+                   LARGE_OFFSETS: tl.constexpr):  # int64 mask offsets (the mask passes 2**31)
     """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
     s = qk * qk_scale
     if HAS_MASK:
         # -inf hides the key whatever its score (also a NaN score: NaN + -inf would stay NaN); tile
         # rows and columns past Sq / Sk read -inf, so a NaN key never leaks into a padding row's P
-        am = tl.load(am_base + qi * stride_am_m + kj * stride_am_n, mask=(qi < Sq) & (kj < Sk),
-                     other=float("-inf"))
+        if LARGE_OFFSETS:  # the (Sq, Sk) mask of one head spans more than 2**31 elements
+            am_ptrs = am_base + qi.to(tl.int64) * stride_am_m + kj.to(tl.int64) * stride_am_n
+        else:
+            am_ptrs = am_base + qi * stride_am_m + kj * stride_am_n
+        am = tl.load(am_ptrs, mask=(qi < Sq) & (kj < Sk), other=float("-inf"))
         s = tl.where(am == float("-inf"), float("-inf"), s + tl.maximum(am, MASK_FLOOR) * LOG2E)
     if MASK_EDGE:
         visible = kj < Sk
@@ -115,7 +130,8 @@ def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed 
             visible = visible & (kj <= qi + (Sk - Sq))
         s = tl.where(visible, s, float("-inf"))
     if HAS_KPM:
-        padded = tl.load(kpm_base + kj * stride_kpm_n, mask=kj < Sk, other=1)
+        kpm_off = kj.to(tl.int64) * stride_kpm_n if LARGE_OFFSETS else kj * stride_kpm_n
+        padded = tl.load(kpm_base + kpm_off, mask=kj < Sk, other=1)
         s = tl.where(padded == 0, s, float("-inf"))
     return s
 
@@ -159,15 +175,16 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
                         am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
                         seed, rng_base, drop_threshold, drop_scale,
                         MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
-                        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """One key tile of the online softmax: returns the updated (acc, l_i, m_i)."""
     kn = start_n + offs_n
-    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
-    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
-    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
+    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     s = _masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
                        stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                       IS_CAUSAL)
+                       IS_CAUSAL, LARGE_OFFSETS)
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible so far
     alpha = tl.exp2(m_i - m_safe)
@@ -176,7 +193,7 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
     if HAS_DROPOUT:
         keep = _dropout_keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
         p = tl.where(keep, p * drop_scale, 0.0)
-    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None])
+    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -226,8 +243,13 @@ def _attention_fwd(
     HAS_MASK: tl.constexpr,  # an additive mask is given
     IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
+    LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # heaviest first: the last query tiles see the most keys
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -236,7 +258,7 @@ def _attention_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D)
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
     kpm_base = KPM + b64 * stride_kpm_b
@@ -253,28 +275,30 @@ def _attention_fwd(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
             rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
-            HAS_DROPOUT)
+            HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
             rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
-            HAS_DROPOUT)
+            HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     empty = l_i == 0.0  # no visible key: output 0, lse +inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
     _store_rows(Out + b64 * stride_ob + h64 * stride_oh, _cast(out, Out.dtype.element_ty), offs_m,
-                stride_om, offs_d, Sq, D, EVEN_D)
+                stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     tl.store(Lse + (b64 * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launch configurations
 # ----------------------------------------------------------------------------------------------
-# The interpreter runs one fixed, small configuration (tests monkeypatch it to force more tiles).
+# The interpreter runs one fixed, small configuration (tests monkeypatch it to force more tiles),
+# or, with INTERPRET_FIRST_CHOICE, each kernel's first-choice GPU tile (as deterministic mode does).
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
+INTERPRET_FIRST_CHOICE = False
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory per block (opt-in maximum)
 PREPROCESS_BLOCK_M = 64
 BLOCK_D_BUCKETS = (32, 64, 128, 256)
@@ -285,31 +309,31 @@ BLOCK_D_BUCKETS = (32, 64, 128, 256)
 # tiles: the Philox state (one call per 8 scores) and the fp32 mask tile would otherwise spill
 # registers.
 # fp32 (rare on a GPU; full-precision FMA dots, which want small tiles and 8 warps) runs one
-# config. Every entry was compiled for sm_80 and sm_90 with all features of its class on
-# (python -m triton_kernels.aot --module attention): all fit shared memory (at most 110592 bytes
-# on sm_80, 131072 on sm_90), no spills but <= 108 bytes in four sm_90 fp16/bf16 alternates.
+# config. Every first choice compiles for sm_80 and sm_90 with all features of its class on and
+# no register spill (python -m triton_kernels.aot --module attention; tests/test_triton_compile.py
+# fails on any); alternates may spill a little and the autotuner then only picks them if faster.
 _CONFIGS_LOWP = {
     "fwd": {
         32: {"light": [(128, 64, 4, 3), (64, 64, 4, 3)], "heavy": [(128, 32, 8, 3), (64, 32, 4, 3)]},
-        64: {"light": [(128, 64, 4, 3), (64, 64, 4, 4)], "heavy": [(64, 64, 8, 3), (128, 32, 8, 3)]},
-        128: {"light": [(64, 64, 4, 3), (128, 32, 8, 3)], "heavy": [(64, 64, 8, 2), (128, 32, 8, 2)]},
+        64: {"light": [(128, 64, 8, 3), (64, 64, 4, 4)], "heavy": [(64, 64, 8, 3), (128, 32, 8, 3)]},
+        128: {"light": [(64, 64, 4, 3), (128, 32, 8, 3)], "heavy": [(64, 32, 8, 2), (128, 32, 8, 2)]},
         256: {"light": [(64, 32, 8, 2), (32, 64, 8, 2)], "heavy": [(32, 64, 8, 2), (64, 32, 8, 2)]},
     },
     "dkdv": {
         32: {"light": [(32, 128, 8, 3), (32, 64, 4, 3)], "heavy": [(32, 64, 8, 3), (16, 64, 4, 3)]},
-        64: {"light": [(32, 128, 8, 3), (32, 64, 4, 3)], "heavy": [(32, 64, 8, 3), (16, 64, 4, 3)]},
+        64: {"light": [(32, 128, 8, 3), (32, 64, 4, 3)], "heavy": [(32, 32, 8, 3), (16, 64, 4, 3)]},
         128: {"light": [(32, 64, 8, 3), (64, 64, 8, 2)], "heavy": [(32, 32, 8, 2), (16, 64, 8, 3)]},
-        256: {"light": [(16, 32, 8, 2), (32, 32, 8, 2)], "heavy": [(16, 32, 8, 2), (32, 32, 8, 2)]},
+        256: {"light": [(16, 32, 8, 2), (32, 32, 8, 2)], "heavy": [(32, 16, 8, 2), (16, 16, 4, 2)]},
     },
     "dq": {
-        32: {"light": [(128, 64, 8, 3), (64, 64, 4, 3)], "heavy": [(64, 64, 8, 3), (64, 32, 4, 3)]},
-        64: {"light": [(64, 64, 8, 3), (128, 32, 8, 3)], "heavy": [(64, 32, 8, 3), (32, 64, 4, 3)]},
+        32: {"light": [(128, 64, 8, 3), (64, 64, 4, 3)], "heavy": [(64, 32, 8, 3), (64, 32, 4, 3)]},
+        64: {"light": [(64, 64, 8, 3), (128, 32, 8, 3)], "heavy": [(32, 64, 4, 3), (64, 32, 8, 3)]},
         128: {"light": [(64, 64, 8, 3), (128, 32, 8, 2)], "heavy": [(64, 32, 8, 2), (32, 64, 8, 2)]},
-        256: {"light": [(32, 64, 8, 2), (16, 64, 4, 2)], "heavy": [(32, 64, 8, 2), (16, 64, 4, 2)]},
+        256: {"light": [(32, 32, 8, 2), (16, 64, 4, 2)], "heavy": [(32, 64, 8, 2), (16, 64, 4, 2)]},
     },
 }
 _CONFIGS_FP32 = {
-    "fwd": {32: (64, 32, 8, 3), 64: (64, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
+    "fwd": {32: (64, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
     "dkdv": {32: (16, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
     "dq": {32: (32, 32, 4, 3), 64: (32, 32, 4, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
 }
@@ -421,6 +445,17 @@ def _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk):
     return kpm, kpm_strides, am, am_strides
 
 
+def _large_offsets(Sq, Sk, q_row_strides, k_row_strides, am_strides, kpm_strides) -> bool:
+    """Whether an element offset inside one (b, h) head can reach 2**31: a row of a query-side
+    (``q_row_strides``: q, out, dout, dq) or key-side (k, v, dk, dv) tensor, or the additive or
+    padding mask. The kernels then compute those offsets in int64 (LARGE_OFFSETS); the batch and
+    head offsets are always int64."""
+    spans = [(Sq - 1) * abs(s) for s in q_row_strides] + [(Sk - 1) * abs(s) for s in k_row_strides]
+    spans.append((Sq - 1) * abs(am_strides[2]) + (Sk - 1) * abs(am_strides[3]))
+    spans.append((Sk - 1) * abs(kpm_strides[1]))
+    return max(spans) + MAX_HEAD_DIM >= 2**31
+
+
 def _dropout_args(dropout_p: float):
     """(HAS_DROPOUT, threshold, scale) for the keep-test ``bits16 >= threshold``."""
     if dropout_p <= 0.0:
@@ -433,12 +468,12 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
     registered op: autotuned on a GPU (its first config under
     ``torch.use_deterministic_algorithms(True)``), the fixed interpreter blocks on CPU."""
     wrap = torch.library.wrap_triton
-    if INTERPRET:
+    if INTERPRET and not INTERPRET_FIRST_CHOICE:
         blocks = dict(INTERPRET_BLOCKS)
         wrap(fn)[grid_of(blocks)](*args, **meta, **blocks)
     else:
         heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
-        if torch.are_deterministic_algorithms_enabled():
+        if INTERPRET or torch.are_deterministic_algorithms_enabled():
             # the autotuner's pick may differ between processes and a tile size changes the
             # summation order: run the first (best-guess) config, the same in every process
             cfg = _configs(kind, block_d, elt, heavy)[0]
@@ -448,11 +483,13 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
             wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
 
 
+@on_device_of_first_tensor
 def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-                        is_causal: bool, scale: float, dropout_p: float, seed: int,
-                        offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                        is_causal: bool, scale: float, dropout_p: float,
+                        philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    seed, offset = read_philox(philox, "attention_fwd")
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
@@ -469,20 +506,25 @@ def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             *kpm_strides, *am_strides, H, Sq, Sk, D, float(scale), seed, offset, threshold, drop_scale,
             _tune_bucket(Sq), _tune_bucket(Sk))
     meta = dict(BLOCK_D=block_d, EVEN_D=D == block_d, HAS_KPM=key_padding_mask is not None,
-                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout)
+                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
+                INPUT_PRECISION=input_precision(q.dtype),
+                LARGE_OFFSETS=_large_offsets(Sq, Sk, (q.stride(2), out.stride(2)), (k.stride(2), v.stride(2)),
+                                             am_strides, kpm_strides))
     _launch("fwd", _attention_fwd, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
             q.element_size(), args, meta)
     return out, lse
 
 
+@on_device_of_first_tensor
 def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                         attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                        dropout_p: float, seed: int,
-                        offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        dropout_p: float,
+                        philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from . import attention_backward as kernels
 
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    seed, offset = read_philox(philox, "attention_bwd")
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
@@ -504,10 +546,12 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     block_d = _block_d(D)
     even_d = D == block_d
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    large = _large_offsets(Sq, Sk, (q.stride(2), out.stride(2), dout.stride(2), dq.stride(2)),
+                           (k.stride(2), v.stride(2), dk.stride(2)), am_strides, kpm_strides)
     pre_block = INTERPRET_BLOCKS["BLOCK_M"] if INTERPRET else PREPROCESS_BLOCK_M
     torch.library.wrap_triton(kernels._attention_bwd_preprocess)[(triton.cdiv(Sq, pre_block), H, B)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), H, Sq, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=even_d)
+        dout.stride(2), H, Sq, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=even_d, LARGE_OFFSETS=large)
 
     common = (q, k, v, dout, lse, delta, kpm, am)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -516,7 +560,8 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     scalars = (H, Sq, Sk, D, float(scale), seed, offset, threshold, drop_scale,
                _tune_bucket(Sq), _tune_bucket(Sk))
     meta = dict(BLOCK_D=block_d, EVEN_D=even_d, HAS_KPM=key_padding_mask is not None,
-                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout)
+                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
+                INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large)
     elt = q.element_size()
     if Sk > 0:
         _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), H, B),
@@ -530,13 +575,13 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 # ----------------------------------------------------------------------------------------------
 # Registration: torch.compile sees one op per call, never a graph break
 # ----------------------------------------------------------------------------------------------
-def _attention_fwd_fake(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, seed, offset):
+def _attention_fwd_fake(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox):
     B, H, Sq, D = q.shape
     return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
 def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causal, scale,
-                        dropout_p, seed, offset):
+                        dropout_p, philox):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -605,17 +650,21 @@ def aot_specs() -> List[dict]:
         types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
         types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32",
                       "KPM": "*u8", "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32"})
+        # fp32 runs "ieee" dots, or "tf32" ones where torch allows tf32 matmuls (its own specs)
+        for precision in (("ieee", "tf32") if dtype == torch.float32 else ("ieee",)):
+            for block_d in BLOCK_D_BUCKETS:
+                for heavy in (False, True):
+                    features = dict(BLOCK_D=block_d, EVEN_D=True, HAS_KPM=True, HAS_MASK=heavy, IS_CAUSAL=True,
+                                    HAS_DROPOUT=heavy, INPUT_PRECISION=precision, LARGE_OFFSETS=False)
+                    for kind, fn in kinds.items():
+                        for cfg in _configs(kind, block_d, elt, heavy):
+                            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+                            name = (f"attention_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}_d{block_d}"
+                                    f"_{'heavy' if heavy else 'light'}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}")
+                            specs.append(_spec(name, fn, types, {**features, **cfg.kwargs}, cfg.num_warps,
+                                               cfg.num_stages))
         for block_d in BLOCK_D_BUCKETS:
-            for heavy in (False, True):
-                features = dict(BLOCK_D=block_d, EVEN_D=True, HAS_KPM=True, HAS_MASK=heavy, IS_CAUSAL=True,
-                                HAS_DROPOUT=heavy)
-                for kind, fn in kinds.items():
-                    for cfg in _configs(kind, block_d, elt, heavy):
-                        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-                        name = (f"attention_{kind}_{ptr[1:]}_d{block_d}_{'heavy' if heavy else 'light'}_m{bm}_n{bn}"
-                                f"_w{cfg.num_warps}_s{cfg.num_stages}")
-                        specs.append(_spec(name, fn, types, {**features, **cfg.kwargs}, cfg.num_warps,
-                                           cfg.num_stages))
             specs.append(_spec(f"attention_bwd_preprocess_{ptr[1:]}_d{block_d}", kernels._attention_bwd_preprocess,
-                               types, {"BLOCK_M": PREPROCESS_BLOCK_M, "BLOCK_D": block_d, "EVEN_D": True}, 4, 1))
+                               types, {"BLOCK_M": PREPROCESS_BLOCK_M, "BLOCK_D": block_d, "EVEN_D": True,
+                                      "LARGE_OFFSETS": False}, 4, 1))
     return specs

@@ -35,13 +35,14 @@ def _attention_bwd_preprocess(
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_D: tl.constexpr,  # head dim padded to a power of two
     EVEN_D: tl.constexpr,  # D == BLOCK_D
+    LARGE_OFFSETS: tl.constexpr,  # a row offset of one head passes 2**31: int64 offsets
 ):
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, offs_d, Sq, D, EVEN_D)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BM,)
     tl.store(Delta + (b * H + h) * Sq + offs_m, delta, mask=offs_m < Sq)
 
@@ -64,27 +65,28 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
                              Sq, Sk, D, qk_scale, seed, rng_base, drop_threshold, drop_scale,
                              MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                              HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                             HAS_DROPOUT: tl.constexpr):
+                             HAS_DROPOUT: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one query tile's contribution to this key tile's dK and dV."""
     qm = start_m + offs_m
-    q = _load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D)  # (BM, BD)
-    do = _load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D)  # (BM, BD)
+    q = _load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
+    do = _load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     lse2, delta = _load_row_stats(lse_row, delta_row, qm, Sq)  # (BM,)
-    qk_t = _dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32))  # (BN, BM)
+    qk_t = _dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     s_t = _masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
                          stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                         IS_CAUSAL)
+                         IS_CAUSAL, LARGE_OFFSETS)
     p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
-    dp_t = _dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32))  # (BN, BM)
+    dp_t = _dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     if HAS_DROPOUT:
         # the forward's (BM, BN) tile of queries qm and keys from start_n, transposed to (BN, BM)
         keep = tl.trans(_dropout_keep_tile(seed, rng_base, qm, start_n, Sk, drop_threshold, k.shape[0]))
-        dv = _dot(_cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv)
+        dv = _dot(_cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
         dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
     else:
-        dv = _dot(_cast(p_t, do.dtype), do, dv)
+        dv = _dot(_cast(p_t, do.dtype), do, dv, INPUT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
-    dk = _dot(_cast(ds_t, q.dtype), q, dk)
+    dk = _dot(_cast(ds_t, q.dtype), q, dk, INPUT_PRECISION)
     return dk, dv
 
 
@@ -140,6 +142,8 @@ def _attention_bwd_dkdv(
     HAS_MASK: tl.constexpr,  # an additive mask is given
     IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
+    LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
 ):
     start_n = tl.program_id(0) * BLOCK_N
     h = tl.program_id(1)
@@ -150,8 +154,8 @@ def _attention_bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, stride_kn, offs_d, Sk, D, EVEN_D)
-    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, stride_vn, offs_d, Sk, D, EVEN_D)
+    k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
+    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
     do_base = DO + b64 * stride_dob + h64 * stride_doh
     lse_row = Lse + (b64 * H + h) * Sq
@@ -173,7 +177,7 @@ def _attention_bwd_dkdv(
                 dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
                 lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
                 qk_scale, seed, rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK,
-                IS_CAUSAL, HAS_DROPOUT)
+                IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
     else:
         full_lo = 0
     # query rows past Sq have lse = +inf (P = 0) and keys past Sk are never stored: no edge mask
@@ -182,13 +186,13 @@ def _attention_bwd_dkdv(
             dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
             lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
             qk_scale, seed, rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK,
-            IS_CAUSAL, HAS_DROPOUT)
+            IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     dk = dk * scale
     _store_rows(DK + b64 * stride_dkb + h64 * stride_dkh, _cast(dk, DK.dtype.element_ty), offs_n, stride_dkn,
-                offs_d, Sk, D, EVEN_D)
+                offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
     _store_rows(DV + b64 * stride_dkb + h64 * stride_dkh, _cast(dv, DV.dtype.element_ty), offs_n, stride_dkn,
-                offs_d, Sk, D, EVEN_D)
+                offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
 
 
 @triton.jit
@@ -197,22 +201,23 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
                            am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
                            seed, rng_base, drop_threshold, drop_scale,
                            MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
-                           HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                           HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one key tile's contribution to this query tile's dQ."""
     kn = start_n + offs_n
-    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
-    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D)  # (BN, BD)
-    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
+    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     s = _masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
                        stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                       IS_CAUSAL)
+                       IS_CAUSAL, LARGE_OFFSETS)
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
-    dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))  # (BM, BN)
+    dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     if HAS_DROPOUT:
         keep = _dropout_keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])  # (BM, BN)
-    return _dot(_cast(ds, k.dtype), k, dq)
+    return _dot(_cast(ds, k.dtype), k, dq, INPUT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
@@ -266,8 +271,13 @@ def _attention_bwd_dq(
     HAS_MASK: tl.constexpr,  # an additive mask is given
     IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
+    LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # heaviest first: the last query tiles see the most keys
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     h = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -276,8 +286,8 @@ def _attention_bwd_dq(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D)
-    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D)
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     lse2, delta = _load_row_stats(Lse + (b64 * H + h) * Sq, Delta + (b64 * H + h) * Sq, offs_m, Sq)
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
@@ -292,13 +302,13 @@ def _attention_bwd_dq(
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
-            rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT)
+            rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
-            rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT)
+            rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     dq = dq * scale
     _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, _cast(dq, DQ.dtype.element_ty), offs_m, stride_dqm,
-                offs_d, Sq, D, EVEN_D)
+                offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)

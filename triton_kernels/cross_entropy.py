@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import next_power_of_2
+from .utils import next_power_of_2, on_device_of_first_tensor
 
 MAX_BLOCK_V = 4096  # classes per step of the row loops
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,6 +146,7 @@ def _reduce(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: int, dtyp
     return (loss_rows.sum() / n_valid).to(dtype)
 
 
+@on_device_of_first_tensor
 def _cross_entropy_fwd_impl(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
                             ignore_index: int, reduction: int,
                             compute_grad: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +227,7 @@ def _check_linear(hidden, weight, bias, target) -> None:
     _check("target", target, (N,), torch.int64)
 
 
+@on_device_of_first_tensor
 def _linear_cross_entropy_fwd_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                    target: torch.Tensor, label_smoothing: float, ignore_index: int,
                                    reduction: int, compute_grad: bool
@@ -242,6 +244,7 @@ def _linear_cross_entropy_fwd_impl(hidden: torch.Tensor, weight: torch.Tensor, b
     return loss, dh, dw.to(weight.dtype), db
 
 
+@on_device_of_first_tensor
 def _linear_cross_entropy_bwd_impl(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                    bias: Optional[torch.Tensor], target: torch.Tensor,
                                    label_smoothing: float, ignore_index: int

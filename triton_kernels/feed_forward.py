@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import matmul
+from .utils import read_philox
 
 ACTIVATIONS = ("relu", "gelu")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,7 +34,7 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p, offset):
+def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p):
     if x.dim() != 2:
         raise ValueError(f"feed_forward: x must be (N, E), got shape {tuple(x.shape)}")
     N, E = x.shape
@@ -56,14 +57,12 @@ def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p, offset):
         raise ValueError(f"feed_forward: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"feed_forward: dropout_p must be in [0, 1), got {dropout_p}")
-    if offset < 0:
-        raise ValueError(f"feed_forward: the dropout offset must be >= 0, got {offset}")
 
 
 def _feed_forward_fwd(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                       b2: Optional[torch.Tensor], activation: str, dropout_p: float, seed: int,
                       offset: int, wrap=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs(x, w1, b1, w2, b2, activation, dropout_p, offset)
+    _check_inputs(x, w1, b1, w2, b2, activation, dropout_p)
     N, E = x.shape
     F = w1.shape[0]
     b1 = b1.contiguous() if b1 is not None else None
@@ -82,7 +81,7 @@ def _feed_forward_bwd(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2:
                       pre: torch.Tensor, has_b1: bool, has_b2: bool, activation: str, dropout_p: float,
                       seed: int, offset: int, wrap=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor, torch.Tensor]:
-    _check_inputs(x, w1, None, w2, None, activation, dropout_p, offset)
+    _check_inputs(x, w1, None, w2, None, activation, dropout_p)
     N, E = x.shape
     F = w1.shape[0]
     if tuple(dout.shape) != (N, E) or dout.dtype != x.dtype:
@@ -125,25 +124,27 @@ def _register(name, fn, fake):
 
 
 def _fwd_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-            b2: Optional[torch.Tensor], activation: str, dropout_p: float, seed: int,
-            offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+            b2: Optional[torch.Tensor], activation: str, dropout_p: float,
+            philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     wrap = None if matmul.INTERPRET else torch.library.wrap_triton
+    seed, offset = read_philox(philox, "feed_forward_fwd")
     return _feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, offset, wrap=wrap)
 
 
-def _fwd_fake(x, w1, b1, w2, b2, activation, dropout_p, seed, offset):
+def _fwd_fake(x, w1, b1, w2, b2, activation, dropout_p, philox):
     return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0], w1.shape[0]))
 
 
 def _bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
-            has_b1: bool, has_b2: bool, activation: str, dropout_p: float, seed: int,
-            offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            has_b1: bool, has_b2: bool, activation: str, dropout_p: float,
+            philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     wrap = None if matmul.INTERPRET else torch.library.wrap_triton
+    seed, offset = read_philox(philox, "feed_forward_bwd")
     return _feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, seed, offset,
                              wrap=wrap)
 
 
-def _bwd_fake(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, seed, offset):
+def _bwd_fake(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, philox):
     F = w1.shape[0]
     E = w2.shape[0]
     return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty((F,) if has_b1 else (0,)),

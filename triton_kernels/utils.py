@@ -1,4 +1,10 @@
-"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream."""
+"""Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream, the
+host-side read of the ops' ``philox`` argument, and the CUDA device guard of the host functions."""
+import contextlib
+import functools
+from typing import Tuple
+
+import torch
 import triton
 import triton.language as tl
 
@@ -42,3 +48,43 @@ def dropout_threshold(p: float) -> int:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def read_philox(philox: torch.Tensor, op: str) -> Tuple[int, int]:
+    """``(seed, offset)`` of an op's ``philox`` argument, an int64 CPU tensor of shape (2,)
+    (csrc/ops.cpp), read on the host: it lives on the CPU, so no device sync. Traced inside a
+    ``triton_op`` by torch.compile the two reads become unbacked SymInts, so the range checks
+    are ``torch._check_value`` (a ``ValueError`` in eager) rather than Python ``if``s."""
+    if not isinstance(philox, torch.Tensor):
+        raise TypeError(f"{op}: philox must be an int64 CPU tensor of shape (2,) = (seed, offset), "
+                        f"got {type(philox).__name__}")
+    if philox.dtype != torch.int64 or philox.device.type != "cpu":
+        raise TypeError(f"{op}: philox must be an int64 CPU tensor of shape (2,) = (seed, offset), "
+                        f"got {philox.dtype} on {philox.device}")
+    if tuple(philox.shape) != (2,):
+        raise ValueError(f"{op}: philox must have shape (2,) = (seed, offset), got {tuple(philox.shape)}")
+    seed, offset = philox.tolist()
+    torch._check_value(seed >= 0, lambda: f"{op}: the philox seed philox[0] must be >= 0, got {seed}")
+    torch._check_value(offset >= 0, lambda: f"{op}: the philox offset philox[1] must be >= 0, got {offset}")
+    return seed, offset
+
+
+def device_guard(t):
+    """``torch.cuda.device(t.device)`` for a tensor on a CUDA device: Triton launches on the
+    *current* device, which need not be the tensor's. A no-op otherwise (CPU tensors under the
+    interpreter)."""
+    device = getattr(t, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def on_device_of_first_tensor(fn):
+    """Decorator for a Triton host function: runs it under :func:`device_guard` of its first
+    argument (a tensor every other tensor argument shares a device with)."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        with device_guard(args[0] if args else next(iter(kwargs.values()), None)):
+            return fn(*args, **kwargs)
+    guarded.device_guarded = True
+    return guarded

@@ -17,6 +17,7 @@
 
 #include "dropout_scales.h"
 #include "philox.h"
+#include "../philox_arg.h"
 #include "vec_io.h"
 
 namespace fastformer {
@@ -25,11 +26,9 @@ namespace {
 // Rows per parallel task: about 16K elements, at least one row.
 int64_t row_grain(int64_t C) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)); }
 
-void check_dropout(double dropout_p, int64_t seed, int64_t offset, const char* op) {
+void check_dropout(double dropout_p, const char* op) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
               dropout_p);
-  TORCH_CHECK(seed >= 0, op, ": seed must be >= 0, got ", seed);
-  TORCH_CHECK(offset >= 0, op, ": offset must be >= 0, got ", offset);
 }
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name,
@@ -226,7 +225,7 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cpu(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-    const at::Tensor& bias, double eps, double dropout_p, int64_t seed, int64_t offset) {
+    const at::Tensor& bias, double eps, double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "add_layer_norm_fwd";
   check_rows(x, "x", op);
   const bool has_res = residual.has_value() && residual->defined();
@@ -234,7 +233,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
   check_param(weight, "weight", x, op);
   check_param(bias, "bias", x, op);
   TORCH_CHECK(eps > 0.0 && std::isfinite(eps), op, ": eps must be > 0 and finite, got ", eps);
-  check_dropout(dropout_p, seed, offset, op);
+  check_dropout(dropout_p, op);
+  int64_t seed, offset;
+  std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = x.size(0), C = x.size(1);
   at::Tensor y = at::empty_like(x), h = at::empty_like(x);
   at::Tensor mean = at::empty({N}, x.options().dtype(at::kFloat));
@@ -253,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cpu(
     const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
-    int64_t seed, int64_t offset, bool has_residual) {
+    const at::Tensor& philox, bool has_residual) {
   constexpr const char* op = "add_layer_norm_bwd";
   check_rows(h, "h", op);
   check_like(dy, "dy", h, "h", op);
@@ -262,7 +263,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cp
   check_param(weight, "weight", h, op);
   check_stat(mean, "mean", h.size(0), op);
   check_stat(rstd, "rstd", h.size(0), op);
-  check_dropout(dropout_p, seed, offset, op);
+  check_dropout(dropout_p, op);
+  int64_t seed, offset;
+  std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = h.size(0), C = h.size(1);
   // dresidual = dh_total differs from dx only under dropout; otherwise it is returned empty
   const bool separate_dres = has_residual && dropout_p > 0.0;

@@ -45,6 +45,7 @@
 #include "attention_transpose.h"
 #include "dropout_scales.h"
 #include "philox.h"
+#include "../philox_arg.h"
 
 namespace fastformer {
 namespace {
@@ -673,8 +674,7 @@ void check_same_dtype(const char* op, const char* name, const at::Tensor& t, con
 
 // Checks q, k, v (and the scalar arguments); returns (B, H, Sq, Sk, D).
 std::array<int64_t, 5> check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, double scale, double dropout_p, int64_t seed,
-                                 int64_t offset) {
+                                 const at::Tensor& v, double scale, double dropout_p) {
   check_operand(op, "q", q);
   check_operand(op, "k", k);
   check_operand(op, "v", v);
@@ -688,8 +688,6 @@ std::array<int64_t, 5> check_qkv(const char* op, const at::Tensor& q, const at::
   TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ", dropout_p);
-  TORCH_CHECK(seed >= 0, op, ": seed must be >= 0, got ", seed);
-  TORCH_CHECK(offset >= 0, op, ": offset must be >= 0, got ", offset);
   return {B, H, Sq, Sk, D};
 }
 
@@ -779,9 +777,11 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Ten
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
+    bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
   const char* op = "attention_fwd";
-  const auto dims = check_qkv(op, q_in, k_in, v_in, scale, dropout_p, seed, offset);
+  int64_t seed, offset;
+  std::tie(seed, offset) = read_philox(op, philox);
+  const auto dims = check_qkv(op, q_in, k_in, v_in, scale, dropout_p);
   Masks mask;
   const auto keep_alive = prepare_masks(op, key_padding_mask, attn_mask, is_causal, dims, mask);
   const auto [B, H, Sq, Sk, D] = dims;
@@ -806,9 +806,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
+    bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
   const char* op = "attention_bwd";
-  const auto dims = check_qkv(op, q_in, k_in, v_in, scale, dropout_p, seed, offset);
+  int64_t seed, offset;
+  std::tie(seed, offset) = read_philox(op, philox);
+  const auto dims = check_qkv(op, q_in, k_in, v_in, scale, dropout_p);
   const auto [B, H, Sq, Sk, D] = dims;
   check_operand(op, "dout", dout_in);
   check_operand(op, "out", out_in);

@@ -23,6 +23,7 @@
 
 #include "dropout_scales.h"
 #include "philox.h"
+#include "../philox_arg.h"
 #include "vec_io.h"
 
 namespace fastformer {
@@ -111,11 +112,9 @@ at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& inp) {
   return matmul_nt(g.t(), inp.t(), c10::nullopt);
 }
 
-void check_dropout(double dropout_p, int64_t seed, int64_t offset, const char* op) {
+void check_dropout(double dropout_p, const char* op) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
               dropout_p);
-  TORCH_CHECK(seed >= 0, op, ": seed must be >= 0, got ", seed);
-  TORCH_CHECK(offset >= 0, op, ": offset must be >= 0, got ", offset);
 }
 
 // A 2-D CPU contiguous tensor of the dtype of x with the given shape (-1: any size).
@@ -263,7 +262,7 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
 std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
     const at::Tensor& x, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
-    double dropout_p, int64_t seed, int64_t offset) {
+    double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_fwd";
   check_x(x, op);
   const int64_t N = x.size(0), E = x.size(1);
@@ -274,7 +273,9 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
   if (has_b1) check_bias(*b1, "b1", F, "(F = w1.size(0))", x, op);
   if (has_b2) check_bias(*b2, "b2", E, "(E = x.size(1))", x, op);
   const Activation act = parse_activation(std::string(activation), op);
-  check_dropout(dropout_p, seed, offset, op);
+  check_dropout(dropout_p, op);
+  int64_t seed, offset;
+  std::tie(seed, offset) = read_philox(op, philox);
 
   at::Tensor pre = matmul_nt(x, w1, b1).contiguous();  // (N, F)
   at::Tensor a = at::empty_like(pre);                                         // (N, F)
@@ -289,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& pre, bool has_b1, bool has_b2, c10::string_view activation, double dropout_p,
-    int64_t seed, int64_t offset) {
+    const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_bwd";
   check_x(x, op);
   const int64_t N = x.size(0), E = x.size(1);
@@ -299,7 +300,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
   check_matrix(pre, "pre", N, F, "(N, F), the forward's pre-activation", x, op);
   const Activation act = parse_activation(std::string(activation), op);
-  check_dropout(dropout_p, seed, offset, op);
+  check_dropout(dropout_p, op);
+  int64_t seed, offset;
+  std::tie(seed, offset) = read_philox(op, philox);
 
   at::Tensor dpre = matmul_nt(dout, w2.t(), c10::nullopt).contiguous();  // (N, F): da, then dpre
   at::Tensor a = at::empty_like(pre);   // (N, F)

@@ -8,11 +8,11 @@ class AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, dropout_p, prenorm, kernels):
-        seed, offset = philox.next_seed() if dropout_p > 0.0 else (0, 0)
+        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
         y, h, mean, rstd = kernels.add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p,
-                                                      seed, offset)  # (N, C) x2, (N,) x2
-        ctx.save_for_backward(h, weight, mean, rstd)
-        ctx.config = (dropout_p, seed, offset, residual is not None)
+                                                      rng)  # (N, C) x2, (N,) x2
+        ctx.save_for_backward(h, weight, mean, rstd, rng)
+        ctx.config = (dropout_p, residual is not None)
         ctx.prenorm = prenorm
         ctx.kernels = kernels
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not zeros
@@ -23,14 +23,14 @@ class AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh):
-        h, weight, mean, rstd = ctx.saved_tensors
-        dropout_p, seed, offset, has_residual = ctx.config
+        h, weight, mean, rstd, rng = ctx.saved_tensors
+        dropout_p, has_residual = ctx.config
         dh = dh if ctx.prenorm else None
         if dy is None:  # prenorm with only h used
             dy = torch.zeros_like(h)
         dx, dres, dweight, dbias = ctx.kernels.add_layer_norm_bwd(
             dy.contiguous(), None if dh is None else dh.contiguous(), h, weight, mean, rstd,
-            dropout_p, seed, offset, has_residual)
+            dropout_p, rng, has_residual)
         if has_residual and dres.numel() == 0:
             dres = dx  # no dropout: the residual's gradient is x's gradient
         return dx, (dres if has_residual else None), dweight, dbias, None, None, None, None

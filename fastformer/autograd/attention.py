@@ -8,19 +8,19 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, kernels):
-        seed, offset = philox.next_seed() if dropout_p > 0.0 else (0, 0)
+        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
         out, lse = kernels.attention_fwd(q, k, v, key_padding_mask, attn_mask, is_causal, scale,
-                                         dropout_p, seed, offset)  # (B, H, Sq, D), (B, H, Sq)
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, attn_mask)
-        ctx.config = (is_causal, scale, dropout_p, seed, offset)
+                                         dropout_p, rng)  # (B, H, Sq, D), (B, H, Sq)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, attn_mask, rng)
+        ctx.config = (is_causal, scale, dropout_p)
         ctx.kernels = kernels
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_padding_mask, attn_mask = ctx.saved_tensors
+        q, k, v, out, lse, key_padding_mask, attn_mask, rng = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = ctx.kernels.attention_bwd(dout, q, k, v, out, lse, key_padding_mask, attn_mask,
-                                               *ctx.config)
+                                               *ctx.config, rng)
         return dq, dk, dv, None, None, None, None, None, None

@@ -85,6 +85,8 @@ def _fastformer_why_not(backend: str):
     def why_not(spec: OpSpec, device: torch.device, dtype: torch.dtype) -> Optional[str]:
         if backend == "triton" and device.type != "cuda":
             return "triton runs CPU tensors only in its interpreter, which is not a timing provider"
+        if backend == "cuda" and device.type != "cuda":
+            return "cuda runs CPU tensors only on the SIMT test harness, which is not a timing provider"
         avail = backends.availability(backend, device.type)
         if not avail:
             return avail.reason

@@ -7,11 +7,14 @@ independent torch implementations.
 
 Low-precision inputs keep statistics and softmax in fp32, as the kernels do.
 Dropout uses the shared Philox mask (:mod:`fastformer.philox`): pass the
-``rng=(seed, offset)`` a kernel used and the reference drops exactly the same
-elements; leave it ``None`` and a fresh pair is drawn from torch's generator.
+``rng=(seed, offset)`` a kernel used (two ints, or the kernel's ``(2,)`` philox tensor) and the
+reference drops exactly the same elements; leave it ``None`` and a fresh pair is drawn from
+torch's generator by ``torch.ops.fastformer.next_seed()``, as the kernels' Functions draw it.
+The drawn pair stays a tensor (no ``.item()``), so ``torch.compile`` traces the reference with
+dropout in one graph.
 """
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -20,10 +23,14 @@ from .. import philox
 _REDUCTIONS = ("none", "mean", "sum")
 
 
-def _rng(dropout_p: float, rng: Optional[Tuple[int, int]]) -> Tuple[int, int]:
-    if dropout_p > 0.0 and rng is None:
-        return philox.next_seed()
-    return rng if rng is not None else (0, 0)
+def _rng(dropout_p: float, rng: Union[None, Tuple[int, int], torch.Tensor]):
+    """(seed, offset) for :func:`philox.dropout`: the given ints, or the two 0-d halves of a
+    philox tensor (given, or drawn here when ``rng`` is None and ``dropout_p > 0``)."""
+    if rng is None:
+        rng = philox.draw(dropout_p)
+    if isinstance(rng, torch.Tensor):
+        return rng[0], rng[1]
+    return rng
 
 
 def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False, scale=None,

@@ -1,0 +1,377 @@
+// Fused dropout + residual add + LayerNorm on (N, C) rows for CUDA, forward and backward (the
+// contract of csrc/cpu/add_layer_norm.cpp; launchers declared in launchers.h).
+//
+// Work split: a row is cut into units of 8 consecutive columns, one Philox v2 dropout group each
+// (one Philox call per unit, its 8 keep bits used directly). A row belongs to one warp when
+// C <= 1024 (4 rows a block of 128 threads, warp shuffles only) and to one block otherwise
+// (128..512 threads, block reductions through 32 floats of shared memory); lane / thread t takes
+// units t, t + P, t + 2P, ... (P = 32 or blockDim.x), so every thread reads back only what it
+// wrote itself. A unit is two 128-bit loads (float) or one (fp16 / bf16) when C % 8 == 0 and every
+// pointer is 16-byte aligned, eight scalar loads with bounds checks otherwise.
+//
+// Forward: h = residual + dropout(x) is formed in fp32, rounded to T and stored; mean and the
+// variance (two passes, fp32) come from the stored h re-read by the same thread (L1 / L2), then
+// y = (h - mean) * rstd * weight + bias.
+// Backward: pass 1 the row sums of g = dy * weight and g * xhat, pass 2 dx (and dresidual);
+// dweight / dbias: each row group ("part": a warp or a block, its rows part, part + parts, ...)
+// adds dy * xhat and dy into its own fp32 row of partial (parts, 2, C), columns owned by one
+// thread each, then a second kernel sums the parts in order: deterministic, no atomics.
+#include "common.cuh"
+#include "philox.cuh"
+
+#include <cstring>
+
+namespace {
+
+constexpr int kUnit = 8;                 // columns per unit (= one Philox group)
+constexpr int64_t kWarpRowMaxC = 1024;   // warp-per-row up to this hidden size
+constexpr int kWarpRowThreads = 128;     // 4 rows per block in warp-per-row mode
+constexpr int kMaxParts = 512;           // row groups of the backward's first dweight/dbias stage
+constexpr int kColsumThreads = 256;
+
+// The 8 values of unit columns [c, c + 8) as fp32 (0 past C).
+template <typename T, bool kVec>
+FF_DEVICE void load8(const T* __restrict__ p, int64_t c, int64_t C, float (&v)[kUnit]) {
+  if (kVec) {
+    alignas(16) T raw[kUnit];
+    const uint4* q = reinterpret_cast<const uint4*>(p + c);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(T) * kUnit / 16); ++k) {
+      const uint4 bits = q[k];
+      memcpy(reinterpret_cast<char*>(raw) + 16 * k, &bits, 16);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) v[j] = ff_to_float(raw[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) v[j] = c + j < C ? ff_to_float(p[c + j]) : 0.0f;
+  }
+}
+
+// Stores columns [c, min(c + 8, C)) of v rounded to T.
+template <typename T, bool kVec>
+FF_DEVICE void store8(T* __restrict__ p, int64_t c, int64_t C, const float (&v)[kUnit]) {
+  if (kVec) {
+    alignas(16) T raw[kUnit];
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) raw[j] = ff_from_float<T>(v[j]);
+    uint4* q = reinterpret_cast<uint4*>(p + c);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(T) * kUnit / 16); ++k) {
+      uint4 bits;
+      memcpy(&bits, reinterpret_cast<const char*>(raw) + 16 * k, 16);
+      q[k] = bits;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      if (c + j < C) p[c + j] = ff_from_float<T>(v[j]);
+    }
+  }
+}
+
+// The row sum of v over the row's threads (a warp, or the whole block).
+template <bool kWarpRow>
+FF_DEVICE float row_sum(float v, float* red) {
+  return kWarpRow ? ff_warp_sum(v) : ff_block_sum(v, red);
+}
+
+// Where a thread sits: the first row of its row group ("part"), the row stride, its index within
+// the row's threads and their number.
+struct RowSplit {
+  int64_t part, parts;
+  int t, P;
+};
+
+template <bool kWarpRow>
+FF_DEVICE RowSplit row_split() {
+  RowSplit s;
+  if (kWarpRow) {
+    const int warps = blockDim.x / kFfWarpSize;
+    s.part = static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / kFfWarpSize;
+    s.parts = static_cast<int64_t>(gridDim.x) * warps;
+    s.t = threadIdx.x % kFfWarpSize;
+    s.P = kFfWarpSize;
+  } else {
+    s.part = blockIdx.x;
+    s.parts = gridDim.x;
+    s.t = threadIdx.x;
+    s.P = blockDim.x;
+  }
+  return s;
+}
+
+template <typename T, bool kVec, bool kWarpRow>
+__global__ void add_layer_norm_fwd_kernel(const T* __restrict__ x,         // (N, C)
+                                          const T* __restrict__ residual,  // (N, C) or null
+                                          const T* __restrict__ weight,    // (C,)
+                                          const T* __restrict__ bias,      // (C,)
+                                          T* __restrict__ y,               // (N, C) out
+                                          T* __restrict__ h,               // (N, C) out
+                                          float* __restrict__ mean,        // (N,) out
+                                          float* __restrict__ rstd,        // (N,) out
+                                          int64_t N, int64_t C, float eps,
+                                          bool drop,           // dropout_p > 0
+                                          uint32_t threshold,  // Philox v2 T (0: keep all)
+                                          float scale,         // 1 / (1 - p)
+                                          uint64_t seed, uint64_t offset) {
+  __shared__ float red[kFfWarpSize];
+  const RowSplit s = row_split<kWarpRow>();
+  const int64_t G = ff_dropout_groups(C);
+  const float inv_c = 1.0f / static_cast<float>(C);
+  for (int64_t row = s.part; row < N; row += s.parts) {
+    const int64_t base = row * C;
+    // h = residual + dropout(x), rounded to T as stored; the statistics see the stored h
+    float sum = 0.0f;
+    for (int64_t u = s.t; u < G; u += s.P) {
+      const int64_t c = u * kUnit;
+      float v[kUnit];
+      load8<T, kVec>(x + base, c, C, v);
+      if (drop) {
+        const uint32_t keep = ff_dropout_keep8(seed, offset + static_cast<uint64_t>(row * G + u), threshold);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[j] = ((keep >> j) & 1u) ? v[j] * scale : 0.0f;
+      }
+      if (residual != nullptr) {
+        float r[kUnit];
+        load8<T, kVec>(residual + base, c, C, r);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[j] += r[j];
+      }
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) v[j] = ff_to_float(ff_from_float<T>(v[j]));
+      store8<T, kVec>(h + base, c, C, v);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) sum += v[j];  // 0 past C
+    }
+    const float mu = row_sum<kWarpRow>(sum, red) * inv_c;
+    float sq = 0.0f;
+    for (int64_t u = s.t; u < G; u += s.P) {
+      const int64_t c = u * kUnit;
+      float v[kUnit];
+      load8<T, kVec>(h + base, c, C, v);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        const float d = c + j < C ? v[j] - mu : 0.0f;
+        sq += d * d;
+      }
+    }
+    const float rs = rsqrtf(row_sum<kWarpRow>(sq, red) * inv_c + eps);
+    for (int64_t u = s.t; u < G; u += s.P) {
+      const int64_t c = u * kUnit;
+      float v[kUnit], w[kUnit], b[kUnit];
+      load8<T, kVec>(h + base, c, C, v);
+      load8<T, kVec>(weight, c, C, w);
+      load8<T, kVec>(bias, c, C, b);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) v[j] = fmaf((v[j] - mu) * rs, w[j], b[j]);
+      store8<T, kVec>(y + base, c, C, v);
+    }
+    if (s.t == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+}
+
+template <typename T, bool kVec, bool kWarpRow>
+__global__ void add_layer_norm_bwd_kernel(const T* __restrict__ dy,      // (N, C)
+                                          const T* __restrict__ dh,      // (N, C) or null
+                                          const T* __restrict__ h,       // (N, C)
+                                          const T* __restrict__ weight,  // (C,)
+                                          const float* __restrict__ mean,  // (N,)
+                                          const float* __restrict__ rstd,  // (N,)
+                                          T* __restrict__ dx,            // (N, C) out
+                                          T* __restrict__ dresidual,     // (N, C) out or null
+                                          float* __restrict__ partial,   // (parts, 2, C) out
+                                          int64_t N, int64_t C, bool drop, uint32_t threshold,
+                                          float scale, uint64_t seed, uint64_t offset) {
+  __shared__ float red[kFfWarpSize];
+  const RowSplit s = row_split<kWarpRow>();
+  const int64_t G = ff_dropout_groups(C);
+  const float inv_c = 1.0f / static_cast<float>(C);
+  float* dw_part = partial + s.part * 2 * C;  // this row group's dweight row, then its dbias row
+  float* db_part = dw_part + C;
+  const float zero[kUnit] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t u = s.t; u < G; u += s.P) {
+    store8<float, kVec>(dw_part, u * kUnit, C, zero);
+    store8<float, kVec>(db_part, u * kUnit, C, zero);
+  }
+  for (int64_t row = s.part; row < N; row += s.parts) {
+    const int64_t base = row * C;
+    const float mu = mean[row], rs = rstd[row];
+    // pass 1: the two row sums, and this row's share of dweight / dbias (own columns only)
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (int64_t u = s.t; u < G; u += s.P) {
+      const int64_t c = u * kUnit;
+      float hv[kUnit], g[kUnit], w[kUnit], pw[kUnit], pb[kUnit];
+      load8<T, kVec>(h + base, c, C, hv);
+      load8<T, kVec>(dy + base, c, C, g);
+      load8<T, kVec>(weight, c, C, w);
+      load8<float, kVec>(dw_part, c, C, pw);
+      load8<float, kVec>(db_part, c, C, pb);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        const float xhat = (hv[j] - mu) * rs;  // dy is 0 past C: nothing is added there
+        pw[j] = fmaf(g[j], xhat, pw[j]);
+        pb[j] += g[j];
+        const float gw = g[j] * w[j];
+        sum_g += gw;
+        sum_gx = fmaf(gw, xhat, sum_gx);
+      }
+      store8<float, kVec>(dw_part, c, C, pw);
+      store8<float, kVec>(db_part, c, C, pb);
+    }
+    const float c1 = row_sum<kWarpRow>(sum_g, red) * inv_c;
+    const float c2 = row_sum<kWarpRow>(sum_gx, red) * inv_c;
+    // pass 2: dh_total = rstd * (g - c1 - xhat * c2) [+ dh]; dx = dh_total * keep * scale
+    for (int64_t u = s.t; u < G; u += s.P) {
+      const int64_t c = u * kUnit;
+      float hv[kUnit], g[kUnit], w[kUnit], extra[kUnit];
+      load8<T, kVec>(h + base, c, C, hv);
+      load8<T, kVec>(dy + base, c, C, g);
+      load8<T, kVec>(weight, c, C, w);
+      if (dh != nullptr) load8<T, kVec>(dh + base, c, C, extra);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        const float xhat = (hv[j] - mu) * rs;
+        g[j] = (g[j] * w[j] - c1 - xhat * c2) * rs;
+        if (dh != nullptr) g[j] += extra[j];
+      }
+      if (dresidual != nullptr) store8<T, kVec>(dresidual + base, c, C, g);
+      if (drop) {
+        const uint32_t keep = ff_dropout_keep8(seed, offset + static_cast<uint64_t>(row * G + u), threshold);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) g[j] = ((keep >> j) & 1u) ? g[j] * scale : 0.0f;
+      }
+      store8<T, kVec>(dx + base, c, C, g);
+    }
+  }
+}
+
+// dweight[c] / dbias[c] = the sums over parts of partial[part][0][c] / partial[part][1][c], in
+// part order.
+template <typename T>
+__global__ void add_layer_norm_colsum_kernel(const float* __restrict__ partial,  // (parts, 2, C)
+                                             T* __restrict__ dweight, T* __restrict__ dbias,
+                                             int64_t parts, int64_t C) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sw = 0.0f, sb = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      sw += partial[(2 * p) * C + c];
+      sb += partial[(2 * p + 1) * C + c];
+    }
+    dweight[c] = ff_from_float<T>(sw);
+    dbias[c] = ff_from_float<T>(sb);
+  }
+}
+
+// ---- launch geometry (shared by the forward, the backward and add_layer_norm_bwd_parts)
+bool warp_rows(int64_t C) { return C <= kWarpRowMaxC; }
+
+int row_threads(int64_t C) {
+  if (warp_rows(C)) return kWarpRowThreads;
+  const int64_t units = ff_dropout_groups(C);
+  const int64_t t = (units + kFfWarpSize - 1) / kFfWarpSize * kFfWarpSize;
+  return static_cast<int>(t < 128 ? 128 : (t > 512 ? 512 : t));
+}
+
+int64_t rows_per_block(int64_t C) {
+  return warp_rows(C) ? kWarpRowThreads / kFfWarpSize : 1;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T, bool kVec, bool kWarpRow>
+void fwd(const void* x, const void* res, const void* w, const void* b, void* y, void* h,
+         float* mean, float* rstd, int64_t N, int64_t C, float eps, uint32_t threshold,
+         float scale, uint64_t seed, uint64_t offset, void* stream) {
+  auto* kernel = &add_layer_norm_fwd_kernel<T, kVec, kWarpRow>;
+  const bool drop = scale != 1.0f || threshold != 0u;
+  FF_LAUNCH(kernel, dim3(ff_grid_blocks(N, rows_per_block(C))), dim3(row_threads(C)), 0, stream,
+            static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w),
+            static_cast<const T*>(b), static_cast<T*>(y), static_cast<T*>(h), mean, rstd, N, C,
+            eps, drop, threshold, scale, seed, offset);
+}
+
+template <typename T, bool kVec, bool kWarpRow>
+void bwd(const void* dy, const void* dh, const void* h, const void* w, const float* mean,
+         const float* rstd, void* dx, void* dres, float* partial, int64_t parts, int64_t N,
+         int64_t C, uint32_t threshold, float scale, uint64_t seed, uint64_t offset,
+         void* stream) {
+  auto* kernel = &add_layer_norm_bwd_kernel<T, kVec, kWarpRow>;
+  const bool drop = scale != 1.0f || threshold != 0u;
+  FF_LAUNCH(kernel, dim3(static_cast<unsigned>(parts / rows_per_block(C))), dim3(row_threads(C)),
+            0, stream, static_cast<const T*>(dy), static_cast<const T*>(dh),
+            static_cast<const T*>(h), static_cast<const T*>(w), mean, rstd, static_cast<T*>(dx),
+            static_cast<T*>(dres), partial, N, C, drop, threshold, scale, seed, offset);
+}
+
+}  // namespace
+
+const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const void* weight,
+                                      const void* bias, void* y, void* h, float* mean, float* rstd,
+                                      int64_t N, int64_t C, int dtype, double eps,
+                                      double dropout_p, uint64_t seed, uint64_t offset,
+                                      void* stream) {
+  if (N <= 0 || C <= 0) return nullptr;
+  const uint32_t threshold = ff_dropout_threshold(dropout_p);
+  const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  const bool vec = C % kUnit == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) &&
+                   aligned16(bias) && aligned16(y) && aligned16(h);
+  const float e = static_cast<float>(eps);
+  FF_DISPATCH_DTYPE(dtype, T, {
+    if (vec && warp_rows(C)) {
+      fwd<T, true, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+    } else if (vec) {
+      fwd<T, true, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+    } else if (warp_rows(C)) {
+      fwd<T, false, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+    } else {
+      fwd<T, false, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+    }
+  });
+  return ff_last_error();
+}
+
+int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C) {
+  const int64_t rpb = rows_per_block(C);
+  int64_t blocks = (N + rpb - 1) / rpb;
+  if (blocks > kMaxParts / rpb) blocks = kMaxParts / rpb;
+  if (blocks < 1) blocks = 1;
+  return blocks * rpb;
+}
+
+const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void* h,
+                                      const void* weight, const float* mean, const float* rstd,
+                                      void* dx, void* dresidual, void* dweight, void* dbias,
+                                      float* partial, int64_t parts, int64_t N, int64_t C,
+                                      int dtype, double dropout_p, uint64_t seed, uint64_t offset,
+                                      void* stream) {
+  if (C <= 0) return nullptr;
+  if (parts != add_layer_norm_bwd_parts(N, C)) {
+    return "launch_add_layer_norm_bwd: parts must be add_layer_norm_bwd_parts(N, C)";
+  }
+  const uint32_t threshold = ff_dropout_threshold(dropout_p);
+  const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  const bool vec = C % kUnit == 0 && aligned16(dy) && aligned16(dh) && aligned16(h) &&
+                   aligned16(weight) && aligned16(dx) && aligned16(dresidual) && aligned16(partial);
+  FF_DISPATCH_DTYPE(dtype, T, {
+    if (vec && warp_rows(C)) {
+      bwd<T, true, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+    } else if (vec) {
+      bwd<T, true, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+    } else if (warp_rows(C)) {
+      bwd<T, false, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+    } else {
+      bwd<T, false, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+    }
+    if (const char* err = ff_last_error()) return err;
+    auto* colsum = &add_layer_norm_colsum_kernel<T>;
+    FF_LAUNCH(colsum, dim3(ff_grid_blocks(C, kColsumThreads)), dim3(kColsumThreads), 0, stream,
+              static_cast<const float*>(partial), static_cast<T*>(dweight), static_cast<T*>(dbias),
+              parts, C);
+  });
+  return ff_last_error();
+}

@@ -1,0 +1,145 @@
+// The feed-forward block linear(dropout(act(linear(x, w1, b1))), w2, b2) on CUDA: the glue.
+//   forward:  pre = x w1^T (ATen GEMM), then ONE kernel adds b1 in place and writes
+//             a = dropout(act(pre)), then out = a w2^T + b2 (ATen).
+//   backward: da = dout w2 (ATen), then ONE kernel regenerates the mask and writes a (dw2 needs
+//             it) and dpre over da, summing db1's per-part column sums of dpre on the way (a
+//             small second kernel adds the parts in order); db2 is the two-stage column sum of
+//             dout (deterministic, no atomics); dw2 = dout^T a, dw1 = dpre^T x, dx = dpre w1.
+// Schema, saved tensor (pre) and return conventions as csrc/cpu/feed_forward.cpp.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+#include "glue.h"
+#include "launchers.h"
+
+namespace fastformer {
+namespace {
+
+int parse_activation(const std::string& name, const char* op) {
+  TORCH_CHECK(name == "relu" || name == "gelu", op,
+              ": activation must be \"relu\" or \"gelu\", got \"", name, "\"");
+  return name == "relu" ? 0 : 1;
+}
+
+void check_x(const at::Tensor& x, const char* op) {
+  ff_check_tensor(x, "x", op);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (N, E), got shape ", x.sizes());
+  ff_dtype_code(x, "x", op);
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+}
+
+// A 2-D contiguous tensor on x's device with x's dtype and the given shape (-1: any size).
+void check_matrix(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
+                  const char* want, const at::Tensor& x, const char* op) {
+  ff_check_tensor(t, name, op);
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(),
+              "), got ", t.device());
+  TORCH_CHECK(t.dim() == 2 && (rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols),
+              op, ": ", name, " must have shape ", want, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
+              x.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_bias(const at::Tensor& b, const char* name, int64_t size, const char* want,
+                const at::Tensor& x, const char* op) {
+  ff_check_tensor(b, name, op);
+  TORCH_CHECK(b.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(),
+              "), got ", b.device());
+  TORCH_CHECK(b.dim() == 1 && b.size(0) == size, op, ": ", name, " must have shape (", size,
+              ",) ", want, ", got ", b.sizes());
+  TORCH_CHECK(b.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
+              x.scalar_type(), "), got ", b.scalar_type());
+  TORCH_CHECK(b.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// The column sums of t (rows, cols) in t's dtype, through the deterministic two-stage kernel.
+at::Tensor column_sums(const at::Tensor& t) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  const auto f32 = t.options().dtype(at::kFloat);
+  const int64_t parts = colsum_num_parts(rows);
+  at::Tensor partial = at::empty({rows > 0 ? parts : 0, cols}, f32);  // (parts, cols)
+  at::Tensor out = at::empty({cols}, f32);
+  FF_CHECK_LAUNCH(launch_colsum(t.const_data_ptr(), rows, cols, ff_dtype_code(t, "dout"),
+                                partial.data_ptr<float>(), rows > 0 ? parts : 0,
+                                out.data_ptr<float>(), 0, ff_stream(t)));
+  return out.to(t.scalar_type());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
+    const at::Tensor& x, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
+    double dropout_p, const at::Tensor& philox) {
+  constexpr const char* op = "feed_forward_fwd";
+  check_x(x, op);
+  const int64_t N = x.size(0), E = x.size(1);
+  check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
+  const int64_t F = w1.size(0);
+  check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
+  const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
+  if (has_b1) check_bias(*b1, "b1", F, "(F = w1.size(0))", x, op);
+  if (has_b2) check_bias(*b2, "b2", E, "(E = x.size(1))", x, op);
+  const int act = parse_activation(std::string(activation), op);
+  ff_check_dropout_p(dropout_p, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  c10::DeviceGuard guard(x.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
+
+  at::Tensor pre = at::mm(x, w1.t()).contiguous();  // (N, F), b1 added by the kernel
+  at::Tensor a = at::empty_like(pre);               // (N, F)
+  FF_CHECK_LAUNCH(launch_feed_forward_act_fwd(pre.data_ptr(), has_b1 ? b1->const_data_ptr() : nullptr,
+                                              a.data_ptr(), N, F, ff_dtype_code(x, "x", op), act,
+                                              dropout_p, rng.seed, rng.offset, ff_stream(x)));
+  at::Tensor out = has_b2 ? at::addmm(*b2, a, w2.t()) : at::mm(a, w2.t());  // (N, E)
+  return {out, pre};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+    const at::Tensor& pre, bool has_b1, bool has_b2, c10::string_view activation, double dropout_p,
+    const at::Tensor& philox) {
+  constexpr const char* op = "feed_forward_bwd";
+  check_x(x, op);
+  const int64_t N = x.size(0), E = x.size(1);
+  check_matrix(dout, "dout", N, E, "(N, E), the shape of x", x, op);
+  check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
+  const int64_t F = w1.size(0);
+  check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
+  check_matrix(pre, "pre", N, F, "(N, F), the forward's pre-activation", x, op);
+  const int act = parse_activation(std::string(activation), op);
+  ff_check_dropout_p(dropout_p, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  c10::DeviceGuard guard(x.device());
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+
+  at::Tensor dpre = at::mm(dout, w2).contiguous();  // (N, F): da, then dpre
+  at::Tensor a = at::empty_like(pre);               // (N, F)
+  const auto f32 = x.options().dtype(at::kFloat);
+  const int64_t parts = colsum_num_parts(N);
+  at::Tensor db1_partial = at::empty({has_b1 && N > 0 ? parts : 0, F}, f32);  // (parts, F)
+  at::Tensor db1_f32 = at::empty({has_b1 ? F : 0}, f32);                     // (F,)
+  FF_CHECK_LAUNCH(launch_feed_forward_act_bwd(
+      pre.const_data_ptr(), dpre.data_ptr(), a.data_ptr(), db1_partial.data_ptr<float>(), parts,
+      has_b1 ? db1_f32.data_ptr<float>() : nullptr, N, F, ff_dtype_code(x, "x", op), act,
+      dropout_p, rng.seed, rng.offset, ff_stream(x)));
+  at::Tensor db1 = has_b1 ? db1_f32.to(x.scalar_type()) : at::empty({0}, w1.options());  // (F,)
+  at::Tensor db2 = has_b2 ? column_sums(dout) : at::empty({0}, w2.options());             // (E,)
+  at::Tensor dw2 = at::mm(dout.t(), a);  // (E, F)
+  a.reset();
+  at::Tensor dw1 = at::mm(dpre.t(), x);  // (F, E)
+  at::Tensor dx = at::mm(dpre, w1);      // (N, E)
+  return {dx, dw1, db1, dw2, db2};
+}
+
+}  // namespace fastformer
+
+FF_CUDA_IMPL(m) {
+  m.impl("feed_forward_fwd", &fastformer::feed_forward_fwd_cuda);
+  m.impl("feed_forward_bwd", &fastformer::feed_forward_bwd_cuda);
+}

@@ -1,0 +1,94 @@
+// Torch-side helpers for the CUDA glue files csrc/cuda/<op>.cpp. No CUDA header is included:
+// the glue compiles against a CPU-only torch too, and with -DFF_SIMT (the SIMT test harness,
+// tests/simt/) it registers the same functions for CPU tensors under the namespace
+// fastformer_simt.
+//
+//   FF_CUDA_IMPL(m) { m.impl("op", &fn); }   TORCH_LIBRARY_IMPL(fastformer, CUDA, m), or
+//                                            TORCH_LIBRARY_IMPL(fastformer_simt, CPU, m)
+//   ff_check_tensor(t, "name"[, op])         defined and on the kernel device (CUDA / CPU)
+//   ff_dtype_code(t, "name"[, op])           0 float32, 1 float16, 2 bfloat16, else TORCH_CHECK
+//   ff_stream(t)                             the current stream of t's device as void*
+//   FF_CHECK_LAUNCH(launch_xxx(...))         TORCH_CHECK on a launcher's returned error string
+//   ff_check_dropout_p(p, op)                p in [0, 1)
+//   ff_philox_args(philox, op)               the (seed, offset) the launchers take, from `Tensor philox`
+//   ff_check_aligned(t, "name", bytes, op)   the data pointer is a multiple of bytes
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/library.h>
+
+#include "../philox_arg.h"
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef FF_SIMT
+#define FF_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(fastformer_simt, CPU, m)
+constexpr c10::DeviceType kFfKernelDevice = c10::DeviceType::CPU;
+constexpr const char* kFfKernelDeviceName = "CPU (the SIMT harness)";
+#else
+#define FF_CUDA_IMPL(m) TORCH_LIBRARY_IMPL(fastformer, CUDA, m)
+constexpr c10::DeviceType kFfKernelDevice = c10::DeviceType::CUDA;
+constexpr const char* kFfKernelDeviceName = "CUDA";
+#endif
+
+#define FF_CHECK_LAUNCH(call)                                                          \
+  do {                                                                                 \
+    const char* ff_launch_error_ = (call);                                             \
+    TORCH_CHECK(ff_launch_error_ == nullptr, "fastformer CUDA kernel launch failed: ", \
+                ff_launch_error_, " (", __FILE__, ":", __LINE__, ")");                \
+  } while (0)
+
+inline void ff_check_tensor(const at::Tensor& t, const char* name, const char* op = nullptr) {
+  TORCH_CHECK(t.defined(), op ? op : "fastformer", ": ", name, " must be a defined tensor");
+  TORCH_CHECK(t.device().type() == kFfKernelDevice, op ? op : "fastformer", ": ", name,
+              " must be a ", kFfKernelDeviceName, " tensor, got ", t.device());
+}
+
+// The launchers' dtype code of t: 0 float32, 1 float16, 2 bfloat16.
+inline int ff_dtype_code(const at::Tensor& t, const char* name, const char* op = nullptr) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kHalf: return 1;
+    case at::kBFloat16: return 2;
+    default:
+      TORCH_CHECK(false, op ? op : "fastformer", ": ", name,
+                  " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return -1;
+}
+
+// The current stream of t's device (nullptr under the harness, which has no streams), through
+// c10's device-agnostic guard interface: no CUDA header needed.
+inline void* ff_stream(const at::Tensor& t) {
+#ifdef FF_SIMT
+  (void)t;
+  return nullptr;
+#else
+  const c10::impl::VirtualGuardImpl impl(t.device().type());
+  return impl.getStreamNativeHandle(impl.getStream(t.device()));
+#endif
+}
+
+inline void ff_check_dropout_p(double p, const char* op) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, op, ": dropout_p must be in [0, 1), got ", p);
+}
+
+// The dropout RNG state the launchers take, read from the op's `Tensor philox` ((2,) int64 CPU
+// tensor = (seed, offset), checked by fastformer::read_philox): the one place the glue reads it.
+struct FfPhiloxArgs {
+  uint64_t seed;
+  uint64_t offset;
+};
+
+inline FfPhiloxArgs ff_philox_args(const at::Tensor& philox, const char* op) {
+  const auto [seed, offset] = fastformer::read_philox(op, philox);
+  return {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset)};
+}
+
+inline void ff_check_aligned(const at::Tensor& t, const char* name, int64_t bytes, const char* op) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(bytes) == 0,
+              op, ": ", name, " must be ", bytes, "-byte aligned (its data pointer is not)");
+}

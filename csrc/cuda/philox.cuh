@@ -1,0 +1,105 @@
+// Philox 4x32-10 for the CUDA kernels, host and device ("Philox v2", defined in
+// fastformer/philox.py; the same bits as csrc/cpu/philox.h and triton_kernels/utils.py).
+//
+// An op's dropout tensor is viewed as rows of C columns (its last dimension). Row r is split into
+// G = ceil(C / 8) groups of eight columns; group g makes ONE Philox call with counter
+// (lo32(n), hi32(n), 0, 0), n = offset + r * G + g, and key (lo32(seed), hi32(seed)). Column
+// 8 g + j takes the 16 bits u = (w[j / 2] >> (16 * (j % 2))) & 0xFFFF and is kept iff u >= T,
+// T = round(p * 2^16) half up (T = 0 keeps everything, T = 65536 nothing); kept values are
+// scaled by 1 / (1 - p).
+//
+//   FfPhilox4 w = ff_philox4x32_10(seed, n);          the four words of counter n
+//   uint32_t u = ff_philox_u16(w, j);                  column j's 16 bits
+//   uint32_t keep = ff_dropout_keep8(seed, n, T);      bit j set iff column j of group n is kept
+//   uint32_t T = ff_dropout_threshold(p);              host side, once per launch
+//   uint64_t n = ff_dropout_counter(offset, r, C, g);  the counter of group g of row r
+#pragma once
+
+#include "common.cuh"
+
+constexpr uint32_t kFfPhiloxRoundA = 0xD2511F53u, kFfPhiloxRoundB = 0xCD9E8D57u;
+constexpr uint32_t kFfPhiloxKeyA = 0x9E3779B9u, kFfPhiloxKeyB = 0xBB67AE85u;
+constexpr int kFfDropoutGroup = 8;  // columns per Philox call
+
+struct FfPhilox4 {
+  uint32_t w[4];
+};
+
+// (hi, lo) 32-bit halves of a * b.
+FF_HOST_DEVICE uint32_t ff_mulhilo32(uint32_t a, uint32_t b, uint32_t* hi) {
+#if defined(__CUDA_ARCH__)
+  *hi = __umulhi(a, b);
+  return a * b;
+#else
+  const uint64_t p = static_cast<uint64_t>(a) * b;
+  *hi = static_cast<uint32_t>(p >> 32);
+  return static_cast<uint32_t>(p);
+#endif
+}
+
+// The four output words of Philox-4x32-10 for counter (lo32(counter), hi32(counter), 0, 0) and
+// key (lo32(seed), hi32(seed)).
+FF_HOST_DEVICE FfPhilox4 ff_philox4x32_10(uint64_t seed, uint64_t counter) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
+  uint32_t c2 = 0u, c3 = 0u;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi_b, hi_a;
+    const uint32_t lo_b = ff_mulhilo32(kFfPhiloxRoundB, c2, &hi_b);
+    const uint32_t lo_a = ff_mulhilo32(kFfPhiloxRoundA, c0, &hi_a);
+    c0 = hi_b ^ c1 ^ k0;
+    c2 = hi_a ^ c3 ^ k1;
+    c1 = lo_b;
+    c3 = lo_a;
+    k0 += kFfPhiloxKeyA;
+    k1 += kFfPhiloxKeyB;
+  }
+  FfPhilox4 out;
+  out.w[0] = c0;
+  out.w[1] = c1;
+  out.w[2] = c2;
+  out.w[3] = c3;
+  return out;
+}
+
+// The 16 random bits of column j (0..7) of a group.
+FF_HOST_DEVICE uint32_t ff_philox_u16(const FfPhilox4& w, int j) {
+  return (w.w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
+}
+
+// The eight 16-bit values of group counter n, in column order.
+FF_HOST_DEVICE void ff_philox_group_u16(uint64_t seed, uint64_t n, uint32_t (&u)[8]) {
+  const FfPhilox4 w = ff_philox4x32_10(seed, n);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) u[j] = ff_philox_u16(w, j);
+}
+
+// The keep decisions of the eight columns of group counter n: bit j set iff column j is kept
+// (u >= threshold). threshold 0 keeps all eight without a Philox call.
+FF_HOST_DEVICE uint32_t ff_dropout_keep8(uint64_t seed, uint64_t n, uint32_t threshold) {
+  if (threshold == 0u) return 0xFFu;
+  const FfPhilox4 w = ff_philox4x32_10(seed, n);
+  uint32_t keep = 0u;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) keep |= (ff_philox_u16(w, j) >= threshold ? 1u : 0u) << j;
+  return keep;
+}
+
+// Philox calls (groups) per row of C columns.
+FF_HOST_DEVICE int64_t ff_dropout_groups(int64_t C) {
+  return (C + kFfDropoutGroup - 1) / kFfDropoutGroup;
+}
+
+// The counter of group g of row r of a dropout tensor with C columns: offset + r * G + g.
+FF_HOST_DEVICE uint64_t ff_dropout_counter(uint64_t offset, int64_t r, int64_t C, int64_t g) {
+  return offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(ff_dropout_groups(C)) +
+         static_cast<uint64_t>(g);
+}
+
+// T = round(p * 2^16), half up, in [0, 65536] (p * 2^16 is exact in double), for p in [0, 1).
+inline uint32_t ff_dropout_threshold(double p) {
+  const double t = p * 65536.0 + 0.5;
+  if (!(t >= 1.0)) return 0u;  // also p = nan: the glue rejects it before
+  return t >= 65536.0 ? 65536u : static_cast<uint32_t>(t);
+}
