@@ -442,9 +442,10 @@ def test_cuda_float16_and_determinism(backend):
     rng = (77, 3)
 
     def kernel(*args):
-        out, pre = backends.Kernels(backend).feed_forward_fwd(*args, "gelu", 0.2, *rng)
+        out, pre = backends.Kernels(backend).feed_forward_fwd(*args, "gelu", 0.2, philox.pack(*rng))
         grads = backends.Kernels(backend).feed_forward_bwd(upstream.to(args[0].dtype), args[0], args[1],
-                                                           args[3], pre, True, True, "gelu", 0.2, *rng)
+                                                           args[3], pre, True, True, "gelu", 0.2,
+                                                           philox.pack(*rng))
         return out, dict(zip(INPUT_NAMES, grads))
 
     def ref(*args):

@@ -108,10 +108,11 @@ def test_add_layer_norm_wide_rows_chunked_backward(monkeypatch, N, C, chunk):
     p, seed, offset = 0.25, 2**33 + 1, 2**32 - 3
     x, r = _rand(N, C, scale=2.0), _rand(N, C)
     w, b = 1.0 + _rand(C), _rand(C)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, seed, offset)
+    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(seed, offset))
     dy, dh = _rand(N, C), _rand(N, C)
     _, grads = _ln_reference(x, r, w, b, p, (seed, offset), dy, dh)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, seed, offset, True)
+    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, philox.pack(seed, offset),
+                                                          True)
     for name, got, want in zip(("dx", "dresidual", "dweight", "dbias"), (dx, dres, dw, db), grads):
         assert_close(name, got.double(), want, atol=1e-4, rtol=1e-5)
 
@@ -356,10 +357,11 @@ def test_opcheck_registered_ops():
     """Schemas, fake implementations and the dispatcher path of every registered triton op."""
     x, r, w, b = _rand(5, 37), _rand(5, 37), _rand(37), _rand(37)
     for residual, p in ((r, 0.2), (None, 0.0)):
-        torch.library.opcheck(triton_kernels.add_layer_norm_fwd, (x, residual, w, b, 1e-5, p, 7, 3))
+        torch.library.opcheck(triton_kernels.add_layer_norm_fwd, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
         _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
         torch.library.opcheck(triton_kernels.add_layer_norm_bwd,
-                              (_rand(5, 37), _rand(5, 37), h, w, mean, rstd, p, 7, 3, residual is not None))
+                              (_rand(5, 37), _rand(5, 37), h, w, mean, rstd, p, philox.pack(7, 3),
+                               residual is not None))
     logits, target = _rand(4, 21), torch.tensor([0, 5, -100, 20], device=DEVICE)
     for reduction, grad in ((0, True), (1, True), (2, False)):
         torch.library.opcheck(triton_kernels.cross_entropy_fwd, (logits, target, 0.1, -100, reduction, grad))
