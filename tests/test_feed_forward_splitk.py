@@ -190,3 +190,28 @@ def test_chooser(M, N, K, sms, want):
 
 def test_sm_count_of_cpu_tensors_is_an_h100s():
     assert matmul.sm_count(torch.device("cpu")) == 132
+
+
+def test_aot_specs_cover_the_split_k_launches():
+    """triton_kernels.aot compiles both split-K passes at the configs the host launches: the first
+    pass in each operand layout (TN with row sums for the weight gradients), the second pass for
+    each epilogue, in bf16 and fp32, every argument typed."""
+    specs = [s for s in ff.aot_specs() if s["fn"] in (matmul._matmul_split_k, matmul._split_k_reduce)]
+    for spec in specs:
+        assert set(spec["signature"]) == set(spec["fn"].arg_names), spec["name"]
+        assert all(spec["signature"][k] == "constexpr" for k in spec["constexprs"]), spec["name"]
+    for dt, config in (("*bf16", matmul.SPLIT_K_CONFIG_16BIT), ("*fp32", matmul.SPLIT_K_CONFIG_32BIT)):
+        partial = [s for s in specs if s["fn"] is matmul._matmul_split_k and s["signature"]["a_ptr"] == dt]
+        assert all((s["num_warps"], s["num_stages"]) == (config.num_warps, config.num_stages)
+                   and {k: s["constexprs"][k] for k in config.kwargs} == config.kwargs for s in partial)
+        layouts = {(s["signature"]["stride_am"], s["signature"]["stride_bn"], s["constexprs"]["ROW_SUM_A"])
+                   for s in partial}
+        # TN (A column-major) with row sums; NT (B = W^T: stride_bn not 1); NN
+        assert layouts == {("constexpr", "constexpr", True), ("i32", "i32", False),
+                           ("i32", "constexpr", False)}
+        reduce = [s["constexprs"] for s in specs
+                  if s["fn"] is matmul._split_k_reduce and s["signature"]["c_ptr"] == dt]
+        assert {(c["EPILOGUE"], c["HAS_BIAS"], c["ROW_SUM_A"]) for c in reduce} == {
+            ("none", False, True), ("none", True, False), ("act_fwd", True, False), ("act_bwd", False, False)}
+        red = matmul.REDUCE_CONFIG.kwargs
+        assert all({k: c[k] for k in red} == red for c in reduce)

@@ -21,6 +21,20 @@ Philox call on counter ``offset + m * ceil(N / 8) + n // 8`` (column tiles start
 
 Any M, N, K (no multiple-of-block rule: every load and store is masked). Accumulation is fp32;
 fp32 inputs use ``input_precision="ieee"`` unless ``torch.backends.cuda.matmul.allow_tf32``.
+
+Split-K. One program per (M, N) tile leaves most of the GPU idle when the tiles are few and K is
+long: the feed-forward weight gradients ``dW = dY^T X`` reduce over every token, and a 512 x 2048
+weight is 64 tiles of 128 x 128, under half of an H100's 132 SMs. :func:`launch` then cuts K into
+S slices of whole BLOCK_K steps (:func:`choose_split_k`: the fewest S with tiles x S >= the SM
+count, read from the device at the first launch and cached, 132 under the interpreter; at most
+K / MIN_K_PER_SPLIT slices and SPLIT_K_WORKSPACE_BYTES of workspace; S = 1, the single-kernel
+path above, when the tiles already fill the SMs or K is short). Program (tile, s) of
+:func:`_matmul_split_k` writes its fp32 partial tile to an (S, M, N) workspace (and, for
+``ROW_SUM_A``, its partial row sums to (S, M)); :func:`_split_k_reduce` then adds the S partials
+of each output block in slice order 0..S-1 and applies the same epilogue (bias, cast,
+activation/dropout, row sums). A fixed summation order and no float atomics: the same bits on
+every run (for a given device, as S follows its SM count). The split path runs one fixed tile
+config (the tile count must be known to choose S), never the autotuner.
 """
 import functools
 import os
@@ -284,7 +298,8 @@ def _matmul_split_k(
     a_slice = a_ptr + k0 * stride_ak
     acc = _dot_tile(a_slice, b_ptr + k0 * stride_bk, rm, rn, mask_m, mask_n, k_len, stride_am, stride_ak,
                     stride_bk, stride_bn, EMULATE_BF16, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    ws_offs = pid_s.to(tl.int64) * stride_ws + rm[:, None].to(tl.int64) * N + rn[None, :]  # (BLOCK_M, BLOCK_N)
+    ws_offs = (pid_s.to(tl.int64) * stride_ws + rm[:, None].to(tl.int64) * N
+               + rn[None, :])  # (BLOCK_M, BLOCK_N)
     tl.store(ws_ptr + ws_offs, acc, mask=mask_m[:, None] & mask_n[None, :])
     if ROW_SUM_A:
         if pid_n == 0:
@@ -364,8 +379,10 @@ def input_precision(dtype: torch.dtype) -> str:
 # Split-K: when the (M, N) tiles cannot fill the GPU and K is long
 # ---------------------------------------------------------------------------------------------
 # The tile of the split-K first pass (one config, no autotuning: the tile count, and so the split,
-# must be known before launch): the 128x128 tiles of the autotune lists, spill-free on sm_80/sm_90.
-SPLIT_K_CONFIG_16BIT = _config(128, 128, 64, 4, 4)
+# must be known before launch): 128 x 128, as in the autotune lists. A split launches about one
+# program per SM, so 16-bit takes 8 warps per program (4 warps there also reach 255 registers and
+# spill on sm_80); fp32 is the first fp32 autotune config. Both spill-free on sm_80 and sm_90.
+SPLIT_K_CONFIG_16BIT = _config(128, 128, 64, 8, 3)
 SPLIT_K_CONFIG_32BIT = _config(128, 128, 16, 8, 3)
 # The reduction pass: 16 x 128 outputs per 4-warp program (16 per thread), the sub-tile shape of
 # _matmul's activation/dropout tail. The interpreter uses narrower blocks, so test shapes span
@@ -567,4 +584,68 @@ def aot_spec(name, dtype, layout, config, *, epilogue="none", activation="relu",
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
         "divisible_by_16": aligned,
+    }
+
+
+def _layout_signature(dt, layout):
+    """Operand pointer types and the int/constexpr sizes and strides of a layout's launch."""
+    unit = _UNIT_STRIDES[layout]
+    signature = {"a_ptr": "*" + dt, "b_ptr": "*" + dt}
+    for arg in ("stride_am", "stride_ak", "stride_bk", "stride_bn"):
+        signature[arg] = "constexpr" if arg in unit else "i32"
+    return signature, {arg: 1 for arg in unit}
+
+
+def aot_spec_split_k(name, dtype, layout, config, *, row_sum_a=False):
+    """One compile specialisation of :func:`_matmul_split_k` (the first split-K pass), in the
+    format of ``aot_specs()``; sizes, strides and pointers 16-divisible as in :func:`aot_spec`."""
+    dt = _TRITON_DTYPE[dtype]
+    signature, constexprs = _layout_signature(dt, layout)
+    signature.update(ws_ptr="*fp32", M="i32", N="i32", K="i32", K_SLICE="i32", stride_ws="i32")
+    if row_sum_a:
+        signature["ws_rowsum_ptr"] = "*fp32"
+    else:
+        constexprs["ws_rowsum_ptr"] = None
+    constexprs.update(ROW_SUM_A=row_sum_a, EMULATE_BF16=False, INPUT_PRECISION=input_precision(dtype))
+    constexprs.update(config.kwargs)
+    for arg in constexprs:
+        signature[arg] = "constexpr"
+    kw = config.kwargs
+    tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"
+    return {
+        "name": f"{name}[{dt},{tile},w{config.num_warps},s{config.num_stages}]",
+        "fn": _matmul_split_k,
+        "signature": signature,
+        "constexprs": constexprs,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "divisible_by_16": [arg for arg, ty in signature.items() if ty != "constexpr"],
+    }
+
+
+def aot_spec_split_k_reduce(name, dtype, *, epilogue="none", activation="relu", has_bias=False,
+                            dropout=False, row_sum_a=False, config=REDUCE_CONFIG):
+    """One compile specialisation of :func:`_split_k_reduce` (the second split-K pass)."""
+    dt = _TRITON_DTYPE[dtype]
+    used = {"ws_ptr": True, "ws_rowsum_ptr": row_sum_a, "c_ptr": True, "d_ptr": epilogue != "none",
+            "pre_ptr": epilogue == "act_bwd", "bias_ptr": has_bias, "rowsum_ptr": row_sum_a}
+    signature = {arg: "*fp32" if arg.startswith("ws") else "*" + dt for arg, on in used.items() if on}
+    signature.update(M="i32", N="i32", SPLITS="i32", stride_ws="i32", stride_cm="i32", seed="i64",
+                     offset="i64", threshold="i32", scale="fp32")
+    constexprs = {arg: None for arg, on in used.items() if not on}
+    constexprs.update(EPILOGUE=epilogue, ACTIVATION=activation, HAS_BIAS=has_bias, DROPOUT=dropout,
+                      ROW_SUM_A=row_sum_a, EMULATE_BF16=False)
+    constexprs.update(config.kwargs)
+    for arg in constexprs:
+        signature[arg] = "constexpr"
+    kw = config.kwargs
+    return {
+        "name": f"{name}[{dt},{kw['BLOCK_M']}x{kw['BLOCK_N']},w{config.num_warps}]",
+        "fn": _split_k_reduce,
+        "signature": signature,
+        "constexprs": constexprs,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "divisible_by_16": [arg for arg, ty in signature.items() if ty.startswith("*")]
+        + ["M", "N", "stride_ws", "stride_cm"],
     }
