@@ -26,9 +26,10 @@ Split-K. One program per (M, N) tile leaves most of the GPU idle when the tiles 
 long: the feed-forward weight gradients ``dW = dY^T X`` reduce over every token, and a 512 x 2048
 weight is 64 tiles of 128 x 128, under half of an H100's 132 SMs. :func:`launch` then cuts K into
 S slices of whole BLOCK_K steps (:func:`choose_split_k`: the fewest S with tiles x S >= the SM
-count, read from the device at the first launch and cached, 132 under the interpreter; at most
-K / MIN_K_PER_SPLIT slices and SPLIT_K_WORKSPACE_BYTES of workspace; S = 1, the single-kernel
-path above, when the tiles already fill the SMs or K is short). Program (tile, s) of
+count whose last wave of programs is also well filled; the SM count read from the device at the
+first launch and cached, 132 under the interpreter; at most K / MIN_K_PER_SPLIT slices and
+SPLIT_K_WORKSPACE_BYTES of workspace; S = 1, the single-kernel path above, when the tiles
+already fill the SMs or K is short). Program (tile, s) of
 :func:`_matmul_split_k` writes its fp32 partial tile to an (S, M, N) workspace (and, for
 ``ROW_SUM_A``, its partial row sums to (S, M)); :func:`_split_k_reduce` then adds the S partials
 of each output block in slice order 0..S-1 and applies the same epilogue (bias, cast,
@@ -390,6 +391,7 @@ SPLIT_K_CONFIG_32BIT = _config(128, 128, 16, 8, 3)
 REDUCE_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=4, num_stages=1)
 REDUCE_CONFIG_INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)
 MIN_K_PER_SPLIT = 256  # a slice shorter than this costs more in workspace traffic than it gains
+WAVE_FILL = 0.8  # the split's last wave of programs must keep this share of the SMs busy
 SPLIT_K_WORKSPACE_BYTES = 64 << 20  # the most fp32 workspace, (S, M, N) + (S, M), one launch may take
 INTERPRET_SM_COUNT = 132  # CPU tensors under the interpreter: an H100's SM count
 # Tests set this to force a split count on every launch (None: choose from the SM count).
@@ -423,17 +425,34 @@ def split_k_slices(K: int, splits: int, block_k: int):
 
 
 def choose_split_k(M: int, N: int, K: int, sms: int, block_m: int, block_n: int, block_k: int) -> int:
-    """How many K slices an (M, N, K) GEMM with (block_m, block_n) tiles runs on ``sms`` SMs: 1
-    (no split) when its tiles already fill the SMs; else the fewest slices with tiles x S >= sms,
-    bounded by slices of at least MIN_K_PER_SPLIT and by SPLIT_K_WORKSPACE_BYTES."""
+    """How many K slices an (M, N, K) GEMM with (block_m, block_n) tiles runs on ``sms`` SMs.
+
+    1 (no split) when its tiles already fill the SMs, or K holds fewer than two slices of
+    MIN_K_PER_SPLIT. Else the fewest slices with tiles x S >= sms whose programs also fill their
+    last wave to WAVE_FILL: one program per SM at a time (the split tiles hold one per SM), so 192
+    programs on 132 SMs take two full waves' time, as long as 264 would (64 tiles: S = 4, not 3).
+    At most K / MIN_K_PER_SPLIT slices and SPLIT_K_WORKSPACE_BYTES of workspace: when that bound
+    is below tiles x S >= sms, the bound (every program then runs in the first wave). S counts
+    slices of whole BLOCK_K steps (:func:`split_k_slices`).
+    """
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     if tiles >= sms:
         return 1
-    splits = min(triton.cdiv(sms, tiles), K // MIN_K_PER_SPLIT,
-                 SPLIT_K_WORKSPACE_BYTES // (4 * (M * N + M)))
-    if splits < 2:
+    most = min(K // MIN_K_PER_SPLIT, SPLIT_K_WORKSPACE_BYTES // (4 * (M * N + M)))
+    if most < 2:
         return 1
-    return split_k_slices(K, splits, block_k)[0]
+    best, best_fill = 1, 0.0
+    for wanted in range(triton.cdiv(sms, tiles), most + 1):
+        splits = split_k_slices(K, wanted, block_k)[0]
+        programs = tiles * splits
+        fill = programs / (triton.cdiv(programs, sms) * sms)  # busy share of the waves' SM time
+        if programs >= sms and fill >= WAVE_FILL:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    if tiles * split_k_slices(K, most, block_k)[0] < sms:  # K or the workspace caps S: all of it
+        return split_k_slices(K, most, block_k)[0]
+    return best
 
 
 def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none", activation="relu",
