@@ -216,3 +216,10 @@ def test_aot_specs_cover_the_split_k_launches():
             ("none", False, True), ("none", True, False), ("act_fwd", True, False), ("act_bwd", False, False)}
         red = matmul.REDUCE_CONFIG.kwargs
         assert all({k: c[k] for k in red} == red for c in reduce)
+
+
+def test_reduce_blocks_hold_whole_dropout_groups():
+    """The second pass draws the dropout mask per block of columns starting at pid_n * BLOCK_N:
+    one Philox call per 8 columns, so BLOCK_N must be a multiple of 8."""
+    for config in (matmul.REDUCE_CONFIG, matmul.REDUCE_CONFIG_INTERPRET):
+        assert config.kwargs["BLOCK_N"] % 8 == 0, config
