@@ -17,6 +17,13 @@ Backward, dout (N, E):
     dw1 = dpre^T @ x,  db1 = dpre.sum(0)       one GEMM, likewise
     dx  = dpre @ w1                            one GEMM
 Only ``pre`` (N, F) is kept between forward and backward.
+
+The weight-gradient GEMMs reduce over the N tokens into an (F, E) / (E, F) output that may hold
+fewer 128 x 128 tiles than the GPU has SMs (E = 512, F = 2048: 64 tiles for 132 SMs). Every GEMM
+above goes through ``matmul.launch``, which then splits K (split-K, see triton_kernels/matmul.py):
+fp32 partials per K slice, summed in a fixed slice order by a second kernel that applies the same
+epilogue, bias gradients included, so the results are deterministic. GEMMs whose tiles fill the
+GPU, or whose K is short, keep the single fused kernel.
 """
 import contextlib
 from typing import Optional, Tuple
@@ -192,4 +199,42 @@ def aot_specs():
                     matmul.aot_spec("feed_forward_bwd.dpre_relu", dtype, "nn", config,
                                     epilogue="act_bwd", activation="relu", dropout=True),
                 ]
+    specs += _split_k_aot_specs()
+    return specs
+
+
+def _split_k_aot_specs():
+    """The split-K passes (matmul._launch_split_k) at their one config each: the first pass per
+    operand layout (the weight gradients' TN with row sums; NT and NN for the other GEMMs when
+    few tokens leave them short of tiles), the second pass per epilogue, in bf16 and fp32; fp16
+    (bf16's code but for conversions) at the weight gradients' pair and the heaviest epilogue."""
+    specs = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        config = matmul.SPLIT_K_CONFIG_32BIT if dtype == torch.float32 else matmul.SPLIT_K_CONFIG_16BIT
+        specs += [
+            matmul.aot_spec_split_k("feed_forward_bwd.dweight_dbias.split_k", dtype, "tn", config,
+                                    row_sum_a=True),
+            matmul.aot_spec_split_k_reduce("feed_forward_bwd.dweight_dbias.split_k_reduce", dtype,
+                                           row_sum_a=True),
+            matmul.aot_spec_split_k_reduce("feed_forward_fwd.linear1_gelu.split_k_reduce", dtype,
+                                           epilogue="act_fwd", activation="gelu", has_bias=True,
+                                           dropout=True),
+        ]
+        if dtype == torch.float16:
+            continue
+        specs += [
+            matmul.aot_spec_split_k("feed_forward.nt.split_k", dtype, "nt", config),
+            matmul.aot_spec_split_k("feed_forward.nn.split_k", dtype, "nn", config),
+            matmul.aot_spec_split_k_reduce("feed_forward_fwd.linear2.split_k_reduce", dtype, has_bias=True),
+            matmul.aot_spec_split_k_reduce("feed_forward_bwd.dpre_gelu.split_k_reduce", dtype,
+                                           epilogue="act_bwd", activation="gelu", dropout=True),
+        ]
+        if dtype == torch.bfloat16:
+            specs += [
+                matmul.aot_spec_split_k_reduce("feed_forward_fwd.linear1_relu.split_k_reduce", dtype,
+                                               epilogue="act_fwd", activation="relu", has_bias=True,
+                                               dropout=True),
+                matmul.aot_spec_split_k_reduce("feed_forward_bwd.dpre_relu.split_k_reduce", dtype,
+                                               epilogue="act_bwd", activation="relu", dropout=True),
+            ]
     return specs

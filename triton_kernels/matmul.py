@@ -21,7 +21,23 @@ Philox call on counter ``offset + m * ceil(N / 8) + n // 8`` (column tiles start
 
 Any M, N, K (no multiple-of-block rule: every load and store is masked). Accumulation is fp32;
 fp32 inputs use ``input_precision="ieee"`` unless ``torch.backends.cuda.matmul.allow_tf32``.
+
+Split-K. One program per (M, N) tile leaves most of the GPU idle when the tiles are few and K is
+long: the feed-forward weight gradients ``dW = dY^T X`` reduce over every token, and a 512 x 2048
+weight is 64 tiles of 128 x 128, under half of an H100's 132 SMs. :func:`launch` then cuts K into
+S slices of whole BLOCK_K steps (:func:`choose_split_k`: the fewest S with tiles x S >= the SM
+count whose last wave of programs is also well filled; the SM count read from the device at the
+first launch and cached, 132 under the interpreter; at most K / MIN_K_PER_SPLIT slices and
+SPLIT_K_WORKSPACE_BYTES of workspace; S = 1, the single-kernel path above, when the tiles
+already fill the SMs or K is short). Program (tile, s) of
+:func:`_matmul_split_k` writes its fp32 partial tile to an (S, M, N) workspace (and, for
+``ROW_SUM_A``, its partial row sums to (S, M)); :func:`_split_k_reduce` then adds the S partials
+of each output block in slice order 0..S-1 and applies the same epilogue (bias, cast,
+activation/dropout, row sums). A fixed summation order and no float atomics: the same bits on
+every run (for a given device, as S follows its SM count). The split path runs one fixed tile
+config (the tile count must be known to choose S), never the autotuner.
 """
+import functools
 import os
 
 import torch
@@ -97,6 +113,81 @@ def _cast(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` in the grouped order: GROUP_M row blocks sweep the column
+    blocks together, so their B tiles stay in L2 while they are reused."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot_tile(a_ptr, b_ptr, rm, rn, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
+               EMULATE_BF16: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N) tile of ``A[rm, :K] @ B[:K, rn]`` in steps of BLOCK_K (rows and
+    columns outside the masks, and k past K, read as 0). A split-K slice passes pointers already
+    advanced to its first k."""
+    rk = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+    # int64 row/column offsets: M * stride can pass 2**31 for large token counts.
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn  # (BLOCK_K, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if EMULATE_BF16:  # the interpreter's tl.dot multiplies bf16 bit patterns as integers
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _row_sums(a_ptr, rm, mask_m, K, stride_am, stride_ak, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 (BLOCK_M,) sums ``A[rm, :K].sum(1)``. Called after the tile is stored: summing inside
+    the main loop keeps a second accumulator live there and spills on sm_80."""
+    rk = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < K - k * BLOCK_K), other=0.0)
+        row_sum += tl.sum(a.to(tl.float32), axis=1)
+        a_ptrs += BLOCK_K * stride_ak
+    return row_sum
+
+
+@triton.jit
+def _act_tail(c, pre, rows, c0, N, seed, offset, threshold, scale, EPILOGUE: tl.constexpr,
+              ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The activation/dropout epilogue on fp32 (R, BLOCK_N) values of rows ``rows`` and columns
+    ``c0 + arange(BLOCK_N)`` (c0 a multiple of 8). ``c`` is C as stored (rounded to the output
+    dtype): pre (act_fwd) or dD (act_bwd); ``pre`` the pre-activation (act_bwd; act_fwd passes c).
+    Returns (C, D): act_fwd (pre, dropout(act(pre))); act_bwd (dpre, dropout(act(pre)))."""
+    if EPILOGUE == "act_fwd":
+        # act of the stored (rounded) pre: exactly what backward recomputes.
+        d = _activation(c, ACTIVATION)
+    else:
+        d = _activation(pre, ACTIVATION)
+        c = c * _activation_grad(pre, ACTIVATION)
+    if DROPOUT:
+        keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(N, 8), c0, threshold, BLOCK_N)  # (R, BLOCK_N)
+        d = tl.where(keep, d * scale, 0.0)
+        if EPILOGUE == "act_bwd":
+            c = tl.where(keep, c * scale, 0.0)
+    return c, d
+
+
+@triton.jit
 def _matmul(
     a_ptr,  # (M, K) operand A, element (m, k) at m * stride_am + k * stride_ak
     b_ptr,  # (K, N) operand B, element (k, n) at k * stride_bk + n * stride_bn
@@ -131,38 +222,13 @@ def _matmul(
     BLOCK_K: tl.constexpr,  # reduction step
     GROUP_M: tl.constexpr,  # row blocks per group in the L2-friendly program order
 ):
-    # Grouped ordering: GROUP_M row blocks sweep the column blocks together, so their B tiles
-    # stay in L2 while they are reused.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    rk = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
     mask_m = rm < M
     mask_n = rn < N
-    # int64 row/column offsets: M * stride can pass 2**31 for large token counts.
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn  # (BLOCK_K, BLOCK_N)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if EMULATE_BF16:  # the interpreter's tl.dot multiplies bf16 bit patterns as integers
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = _dot_tile(a_ptr, b_ptr, rm, rn, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
+                     EMULATE_BF16, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     mask = mask_m[:, None] & mask_n[None, :]  # (BLOCK_M, BLOCK_N)
     c_offs = rm[:, None].to(tl.int64) * stride_cm + rn[None, :]  # (BLOCK_M, BLOCK_N)
@@ -183,19 +249,12 @@ def _matmul(
             sub_mask = (r[:, None] < M) & mask_n[None, :]  # (EPILOGUE_ROWS, BLOCK_N)
             sub_offs = r[:, None].to(tl.int64) * stride_cm + rn[None, :]
             c_sub = tl.load(c_ptr + sub_offs, mask=sub_mask, other=0.0).to(tl.float32)
-            if EPILOGUE == "act_fwd":
-                # act of the stored (rounded) pre: exactly what backward recomputes.
-                d_sub = _activation(c_sub, ACTIVATION)
-            else:
+            if EPILOGUE == "act_bwd":
                 pre = tl.load(pre_ptr + sub_offs, mask=sub_mask, other=0.0).to(tl.float32)
-                d_sub = _activation(pre, ACTIVATION)
-                c_sub = c_sub * _activation_grad(pre, ACTIVATION)
-            if DROPOUT:
-                keep = dropout_keep_tile(seed, offset, r, tl.cdiv(N, 8), pid_n * BLOCK_N, threshold,
-                                         BLOCK_N)  # (EPILOGUE_ROWS, BLOCK_N)
-                d_sub = tl.where(keep, d_sub * scale, 0.0)
-                if EPILOGUE == "act_bwd":
-                    c_sub = tl.where(keep, c_sub * scale, 0.0)
+            else:
+                pre = c_sub
+            c_sub, d_sub = _act_tail(c_sub, pre, r, pid_n * BLOCK_N, N, seed, offset, threshold, scale,
+                                     EPILOGUE, ACTIVATION, DROPOUT, BLOCK_N)
             tl.store(d_ptr + sub_offs, _cast(d_sub, d_ptr.dtype.element_ty, EMULATE_BF16), mask=sub_mask)
             if EPILOGUE == "act_bwd":
                 tl.store(c_ptr + sub_offs, _cast(c_sub, c_ptr.dtype.element_ty, EMULATE_BF16),
@@ -205,17 +264,106 @@ def _matmul(
         # The first column block's program sums its A rows once more, after the tile is stored:
         # summing inside the main loop keeps a second accumulator live there and spills on sm_80.
         if pid_n == 0:
-            row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < K - k * BLOCK_K), other=0.0)
-                row_sum += tl.sum(a.to(tl.float32), axis=1)
-                a_ptrs += BLOCK_K * stride_ak
+            row_sum = _row_sums(a_ptr, rm, mask_m, K, stride_am, stride_ak, BLOCK_M, BLOCK_K)
             tl.store(rowsum_ptr + rm, _cast(row_sum, rowsum_ptr.dtype.element_ty, EMULATE_BF16), mask=mask_m)
 
 
 _matmul_16bit = triton.autotune(configs=CONFIGS_INTERPRET if INTERPRET else CONFIGS_16BIT, key=_KEY)(_matmul)
 _matmul_32bit = triton.autotune(configs=CONFIGS_INTERPRET if INTERPRET else CONFIGS_32BIT, key=_KEY)(_matmul)
+
+
+@triton.jit
+def _matmul_split_k(
+    a_ptr,  # (M, K) operand A, as in _matmul
+    b_ptr,  # (K, N) operand B, as in _matmul
+    ws_ptr,  # (S, M, N) fp32 workspace, contiguous: slice s's partial tile of A @ B
+    ws_rowsum_ptr,  # (S, M) fp32 workspace, contiguous: slice s's partial row sums of A (ROW_SUM_A only)
+    M, N, K,  # the GEMM's sizes
+    K_SLICE,  # k per slice, a multiple of BLOCK_K: slice s covers [s * K_SLICE, min(K, (s + 1) * K_SLICE))
+    stride_ws,  # M * N: distance between workspace slices
+    stride_am, stride_ak, stride_bk, stride_bn,  # operand strides, as in _matmul
+    ROW_SUM_A: tl.constexpr,  # also write the slice's row sums of A
+    EMULATE_BF16: tl.constexpr,  # interpreter + bf16 only: fp32 tl.dot
+    INPUT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Split-K, first pass: program (tile, s) stores the fp32 tile of A[:, slice s] @ B[slice s, :]."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_s = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask_m = rm < M
+    mask_n = rn < N
+    k0 = pid_s.to(tl.int64) * K_SLICE
+    k_len = tl.minimum(K - k0, K_SLICE).to(tl.int32)
+    a_slice = a_ptr + k0 * stride_ak
+    acc = _dot_tile(a_slice, b_ptr + k0 * stride_bk, rm, rn, mask_m, mask_n, k_len, stride_am, stride_ak,
+                    stride_bk, stride_bn, EMULATE_BF16, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    ws_offs = (pid_s.to(tl.int64) * stride_ws + rm[:, None].to(tl.int64) * N
+               + rn[None, :])  # (BLOCK_M, BLOCK_N)
+    tl.store(ws_ptr + ws_offs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    if ROW_SUM_A:
+        if pid_n == 0:
+            row_sum = _row_sums(a_slice, rm, mask_m, k_len, stride_am, stride_ak, BLOCK_M, BLOCK_K)
+            tl.store(ws_rowsum_ptr + pid_s.to(tl.int64) * M + rm, row_sum, mask=mask_m)
+
+
+@triton.jit
+def _split_k_reduce(
+    ws_ptr,  # (S, M, N) fp32 partial tiles from _matmul_split_k
+    ws_rowsum_ptr,  # (S, M) fp32 partial row sums (ROW_SUM_A only)
+    c_ptr, d_ptr, pre_ptr, bias_ptr, rowsum_ptr,  # as in _matmul
+    M, N,  # the output's sizes
+    SPLITS,  # S, the number of slices
+    stride_ws,  # M * N
+    stride_cm,  # row stride of C, D and pre
+    seed, offset, threshold, scale,  # dropout, as in _matmul
+    EPILOGUE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    ROW_SUM_A: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per program, a multiple of 8 (whole dropout groups)
+):
+    """Split-K, second pass: sums the S partials of its (BLOCK_M, BLOCK_N) block in slice order
+    0, 1, ..., S - 1 (a fixed order: the same bits every run) and applies _matmul's epilogue."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask_m = rm < M
+    mask_n = rn < N
+    mask = mask_m[:, None] & mask_n[None, :]  # (BLOCK_M, BLOCK_N)
+    ws_ptrs = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]  # (BLOCK_M, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, SPLITS):
+        acc += tl.load(ws_ptrs, mask=mask, other=0.0)
+        ws_ptrs += stride_ws
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_offs = rm[:, None].to(tl.int64) * stride_cm + rn[None, :]  # (BLOCK_M, BLOCK_N)
+    c = _cast(acc, c_ptr.dtype.element_ty, EMULATE_BF16)
+    if EPILOGUE == "none":
+        tl.store(c_ptr + c_offs, c, mask=mask)
+    else:
+        c32 = c.to(tl.float32)  # C as _matmul stores and rereads it: rounded to the output dtype
+        if EPILOGUE == "act_bwd":
+            pre = tl.load(pre_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            pre = c32
+        c32, d = _act_tail(c32, pre, rm, pid_n * BLOCK_N, N, seed, offset, threshold, scale, EPILOGUE,
+                           ACTIVATION, DROPOUT, BLOCK_N)
+        tl.store(d_ptr + c_offs, _cast(d, d_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+        if EPILOGUE == "act_fwd":
+            tl.store(c_ptr + c_offs, c, mask=mask)
+        else:
+            tl.store(c_ptr + c_offs, _cast(c32, c_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    if ROW_SUM_A:
+        if pid_n == 0:
+            rs_ptrs = ws_rowsum_ptr + rm  # (BLOCK_M,)
+            row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for _ in range(0, SPLITS):
+                row_sum += tl.load(rs_ptrs, mask=mask_m, other=0.0)
+                rs_ptrs += M
+            tl.store(rowsum_ptr + rm, _cast(row_sum, rowsum_ptr.dtype.element_ty, EMULATE_BF16), mask=mask_m)
 
 
 def kernel_for(dtype: torch.dtype):
@@ -228,25 +376,130 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+# ---------------------------------------------------------------------------------------------
+# Split-K: when the (M, N) tiles cannot fill the GPU and K is long
+# ---------------------------------------------------------------------------------------------
+# The tile of the split-K first pass (one config, no autotuning: the tile count, and so the split,
+# must be known before launch): 128 x 128, as in the autotune lists. A split launches about one
+# program per SM, so 16-bit takes 8 warps per program (4 warps there also reach 255 registers and
+# spill on sm_80); fp32 is the first fp32 autotune config. Both spill-free on sm_80 and sm_90.
+SPLIT_K_CONFIG_16BIT = _config(128, 128, 64, 8, 3)
+SPLIT_K_CONFIG_32BIT = _config(128, 128, 16, 8, 3)
+# The reduction pass: 16 x 128 outputs per 4-warp program (16 per thread), the sub-tile shape of
+# _matmul's activation/dropout tail. The interpreter uses narrower blocks, so test shapes span
+# several of them.
+REDUCE_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=4, num_stages=1)
+REDUCE_CONFIG_INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)
+MIN_K_PER_SPLIT = 256  # a slice shorter than this costs more in workspace traffic than it gains
+WAVE_FILL = 0.8  # the split's last wave of programs must keep this share of the SMs busy
+SPLIT_K_WORKSPACE_BYTES = 64 << 20  # the most fp32 workspace, (S, M, N) + (S, M), one launch may take
+INTERPRET_SM_COUNT = 132  # CPU tensors under the interpreter: an H100's SM count
+# Tests set this to force a split count on every launch (None: choose from the SM count).
+FORCE_SPLIT_K = None
+
+
+def split_k_config(dtype: torch.dtype) -> triton.Config:
+    if INTERPRET:
+        return CONFIGS_INTERPRET[0]
+    return SPLIT_K_CONFIG_32BIT if dtype == torch.float32 else SPLIT_K_CONFIG_16BIT
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, read once per device (at the first launch, never at
+    import); ``INTERPRET_SM_COUNT`` for CPU tensors (the interpreter)."""
+    if device.type != "cuda":
+        return INTERPRET_SM_COUNT
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_k_slices(K: int, splits: int, block_k: int):
+    """``(S, K_SLICE)``: ``splits`` cut to slices of whole BLOCK_K steps with none empty
+    (S <= splits, S * K_SLICE >= K > (S - 1) * K_SLICE)."""
+    k_slice = triton.cdiv(triton.cdiv(K, max(splits, 1)), block_k) * block_k
+    return triton.cdiv(K, k_slice), k_slice
+
+
+def choose_split_k(M: int, N: int, K: int, sms: int, block_m: int, block_n: int, block_k: int) -> int:
+    """How many K slices an (M, N, K) GEMM with (block_m, block_n) tiles runs on ``sms`` SMs.
+
+    1 (no split) when its tiles already fill the SMs, or K holds fewer than two slices of
+    MIN_K_PER_SPLIT. Else the fewest slices with tiles x S >= sms whose programs also fill their
+    last wave to WAVE_FILL: one program per SM at a time (the split tiles hold one per SM), so 192
+    programs on 132 SMs take two full waves' time, as long as 264 would (64 tiles: S = 4, not 3).
+    At most K / MIN_K_PER_SPLIT slices and SPLIT_K_WORKSPACE_BYTES of workspace: when that bound
+    is below tiles x S >= sms, the bound (every program then runs in the first wave). S counts
+    slices of whole BLOCK_K steps (:func:`split_k_slices`).
+    """
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if tiles >= sms:
+        return 1
+    most = min(K // MIN_K_PER_SPLIT, SPLIT_K_WORKSPACE_BYTES // (4 * (M * N + M)))
+    if most < 2:
+        return 1
+    best, best_fill = 1, 0.0
+    for wanted in range(triton.cdiv(sms, tiles), most + 1):
+        splits = split_k_slices(K, wanted, block_k)[0]
+        programs = tiles * splits
+        fill = programs / (triton.cdiv(programs, sms) * sms)  # busy share of the waves' SM time
+        if programs >= sms and fill >= WAVE_FILL:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    if tiles * split_k_slices(K, most, block_k)[0] < sms:  # K or the workspace caps S: all of it
+        return split_k_slices(K, most, block_k)[0]
+    return best
+
+
 def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none", activation="relu",
-           dropout_p=0.0, seed=0, offset=0, wrap=None, config=None):
+           dropout_p=0.0, seed=0, offset=0, wrap=None, config=None, split_k=None):
     """``c = A @ B`` with the chosen epilogue; ``a`` (M, K) and ``b`` (K, N) may be transposed
-    views, ``c`` (and ``d``, ``pre``) must be (M, N) with unit column stride.
+    views, ``c`` (and ``d``, ``pre``) must be (M, N) with unit column stride. Returns the number
+    of K slices it ran (1: one kernel, no split).
 
     ``wrap``: ``torch.library.wrap_triton`` when called from a ``triton_op`` (so torch.compile
     sees the kernel), else None. ``config``: a ``triton.Config`` to run instead of autotuning
     (tests and benchmarks of single configs); under ``torch.use_deterministic_algorithms(True)``
-    the first autotune candidate is run instead of autotuning.
+    the first autotune candidate is run instead of autotuning. ``split_k``: the number of K
+    slices to ask for (default ``FORCE_SPLIT_K``, else :func:`choose_split_k` from the device's SM
+    count); cut to whole ``BLOCK_K`` steps, so a short K may still run unsplit.
     """
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:  # nothing to launch (K == 0 does launch: C = bias, row sums 0)
         if rowsum is not None and M > 0:
             rowsum.copy_(a.sum(1, dtype=torch.float32))
-        return
+        return 1
     assert c.stride(1) == 1 and c.shape == (M, N)
     for name, t in (("d", d), ("pre", pre)):
         assert t is None or (t.shape == c.shape and t.stride() == c.stride()), name
+    dropout = dropout_p > 0.0 and epilogue != "none"
+    args = dict(
+        EPILOGUE=epilogue,
+        ACTIVATION=activation,
+        HAS_BIAS=bias is not None,
+        DROPOUT=dropout,
+        ROW_SUM_A=rowsum is not None,
+        EMULATE_BF16=INTERPRET and a.dtype == torch.bfloat16,
+    )
+    threshold = dropout_threshold(dropout_p) if dropout else 0
+    scale = 1.0 / (1.0 - dropout_p) if dropout else 1.0
+    split_config = config or split_k_config(a.dtype)
+    kw = split_config.kwargs
+    if split_k is None:
+        split_k = FORCE_SPLIT_K
+    if split_k is None:
+        split_k = choose_split_k(M, N, K, sm_count(a.device), kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"])
+    splits, k_slice = split_k_slices(K, split_k, kw["BLOCK_K"]) if K > 0 else (1, 0)
+    if splits > 1:
+        _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, split_config, args,
+                        seed, offset, threshold, scale, wrap)
+        return splits
+
     if config is None and not INTERPRET and torch.are_deterministic_algorithms_enabled():
         # the autotuner's pick may differ between processes and BLOCK_K changes the summation
         # order: run the first listed config, the same in every process
@@ -256,24 +509,48 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
         kernel = wrap(kernel)
     explicit = {} if config is None else dict(config.kwargs, num_warps=config.num_warps,
                                               num_stages=config.num_stages)
-    dropout = dropout_p > 0.0 and epilogue != "none"
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
         a, b, c, d, pre, bias, rowsum,  # absent ones are None: constexpr, never touched
         M, N, K,
         triton.next_power_of_2(max(M, 1)), triton.next_power_of_2(max(K, 1)),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
-        seed, offset,
-        dropout_threshold(dropout_p) if dropout else 0,
-        1.0 / (1.0 - dropout_p) if dropout else 1.0,
-        EPILOGUE=epilogue,
-        ACTIVATION=activation,
-        HAS_BIAS=bias is not None,
-        DROPOUT=dropout,
-        ROW_SUM_A=rowsum is not None,
-        EMULATE_BF16=INTERPRET and a.dtype == torch.bfloat16,
+        seed, offset, threshold, scale,
         INPUT_PRECISION=input_precision(a.dtype),
+        **args,
         **explicit,
+    )
+    return 1
+
+
+def _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, config, args, seed, offset,
+                    threshold, scale, wrap):
+    """The two split-K passes: fp32 partials of each K slice into a workspace, then their sum in
+    slice order with the epilogue."""
+    M, K = a.shape
+    N = b.shape[1]
+    ws = torch.empty((splits, M, N), device=a.device, dtype=torch.float32)
+    ws_rowsum = torch.empty((splits, M), device=a.device, dtype=torch.float32) if rowsum is not None else None
+    partial, reduce = _matmul_split_k, _split_k_reduce
+    if wrap is not None:
+        partial, reduce = wrap(partial), wrap(reduce)
+    kw = config.kwargs
+    grid = (triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"]), splits)
+    partial[grid](
+        a, b, ws, ws_rowsum,
+        M, N, K, k_slice, M * N,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        ROW_SUM_A=args["ROW_SUM_A"], EMULATE_BF16=args["EMULATE_BF16"],
+        INPUT_PRECISION=input_precision(a.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages, **kw,
+    )
+    red = REDUCE_CONFIG_INTERPRET if INTERPRET else REDUCE_CONFIG
+    grid = (triton.cdiv(M, red.kwargs["BLOCK_M"]), triton.cdiv(N, red.kwargs["BLOCK_N"]))
+    reduce[grid](
+        ws, ws_rowsum, c, d, pre, bias, rowsum,
+        M, N, splits, M * N, c.stride(0),
+        seed, offset, threshold, scale,
+        num_warps=red.num_warps, num_stages=red.num_stages, **red.kwargs, **args,
     )
 
 
@@ -326,4 +603,68 @@ def aot_spec(name, dtype, layout, config, *, epilogue="none", activation="relu",
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
         "divisible_by_16": aligned,
+    }
+
+
+def _layout_signature(dt, layout):
+    """Operand pointer types and the int/constexpr sizes and strides of a layout's launch."""
+    unit = _UNIT_STRIDES[layout]
+    signature = {"a_ptr": "*" + dt, "b_ptr": "*" + dt}
+    for arg in ("stride_am", "stride_ak", "stride_bk", "stride_bn"):
+        signature[arg] = "constexpr" if arg in unit else "i32"
+    return signature, {arg: 1 for arg in unit}
+
+
+def aot_spec_split_k(name, dtype, layout, config, *, row_sum_a=False):
+    """One compile specialisation of :func:`_matmul_split_k` (the first split-K pass), in the
+    format of ``aot_specs()``; sizes, strides and pointers 16-divisible as in :func:`aot_spec`."""
+    dt = _TRITON_DTYPE[dtype]
+    signature, constexprs = _layout_signature(dt, layout)
+    signature.update(ws_ptr="*fp32", M="i32", N="i32", K="i32", K_SLICE="i32", stride_ws="i32")
+    if row_sum_a:
+        signature["ws_rowsum_ptr"] = "*fp32"
+    else:
+        constexprs["ws_rowsum_ptr"] = None
+    constexprs.update(ROW_SUM_A=row_sum_a, EMULATE_BF16=False, INPUT_PRECISION=input_precision(dtype))
+    constexprs.update(config.kwargs)
+    for arg in constexprs:
+        signature[arg] = "constexpr"
+    kw = config.kwargs
+    tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"
+    return {
+        "name": f"{name}[{dt},{tile},w{config.num_warps},s{config.num_stages}]",
+        "fn": _matmul_split_k,
+        "signature": signature,
+        "constexprs": constexprs,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "divisible_by_16": [arg for arg, ty in signature.items() if ty != "constexpr"],
+    }
+
+
+def aot_spec_split_k_reduce(name, dtype, *, epilogue="none", activation="relu", has_bias=False,
+                            dropout=False, row_sum_a=False, config=REDUCE_CONFIG):
+    """One compile specialisation of :func:`_split_k_reduce` (the second split-K pass)."""
+    dt = _TRITON_DTYPE[dtype]
+    used = {"ws_ptr": True, "ws_rowsum_ptr": row_sum_a, "c_ptr": True, "d_ptr": epilogue != "none",
+            "pre_ptr": epilogue == "act_bwd", "bias_ptr": has_bias, "rowsum_ptr": row_sum_a}
+    signature = {arg: "*fp32" if arg.startswith("ws") else "*" + dt for arg, on in used.items() if on}
+    signature.update(M="i32", N="i32", SPLITS="i32", stride_ws="i32", stride_cm="i32", seed="i64",
+                     offset="i64", threshold="i32", scale="fp32")
+    constexprs = {arg: None for arg, on in used.items() if not on}
+    constexprs.update(EPILOGUE=epilogue, ACTIVATION=activation, HAS_BIAS=has_bias, DROPOUT=dropout,
+                      ROW_SUM_A=row_sum_a, EMULATE_BF16=False)
+    constexprs.update(config.kwargs)
+    for arg in constexprs:
+        signature[arg] = "constexpr"
+    kw = config.kwargs
+    return {
+        "name": f"{name}[{dt},{kw['BLOCK_M']}x{kw['BLOCK_N']},w{config.num_warps}]",
+        "fn": _split_k_reduce,
+        "signature": signature,
+        "constexprs": constexprs,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "divisible_by_16": [arg for arg, ty in signature.items() if ty.startswith("*")]
+        + ["M", "N", "stride_ws", "stride_cm"],
     }
