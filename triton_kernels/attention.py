@@ -308,8 +308,8 @@ BLOCK_D_BUCKETS = (32, 64, 128, 256)
 # BLOCK_M queries streamed. "heavy" launches (dropout or an additive mask) get smaller score
 # tiles: the Philox state (one call per 8 scores) and the fp32 mask tile would otherwise spill
 # registers.
-# fp32 (rare on a GPU; full-precision FMA dots, which want small tiles and 8 warps) runs one
-# config. Every first choice compiles for sm_80 and sm_90 with all features of its class on and
+# fp32 (rare on a GPU; full-precision FMA dots, or tf32 ones, which want small tiles) runs one
+# config, chosen to compile without spills for ieee and tf32 dots, light and heavy. Every first choice compiles for sm_80 and sm_90 with all features of its class on and
 # no register spill (python -m triton_kernels.aot --module attention; tests/test_triton_compile.py
 # fails on any); alternates may spill a little and the autotuner then only picks them if faster.
 _CONFIGS_LOWP = {
@@ -334,8 +334,8 @@ _CONFIGS_LOWP = {
 }
 _CONFIGS_FP32 = {
     "fwd": {32: (64, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
-    "dkdv": {32: (16, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
-    "dq": {32: (32, 32, 4, 3), 64: (32, 32, 4, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
+    "dkdv": {32: (16, 16, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 16, 8, 2)},
+    "dq": {32: (16, 32, 4, 3), 64: (32, 32, 4, 2), 128: (16, 32, 8, 2), 256: (16, 16, 4, 2)},
 }
 
 
