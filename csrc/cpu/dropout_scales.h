@@ -15,6 +15,9 @@
 // exactly the bits of fastformer/philox.py (AVX-512 CPUs run the AVX2 path; there is no separate
 // AVX-512 code to keep in step).
 #pragma once
+#ifndef CPU_CAPABILITY
+#error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
+#endif
 #include <algorithm>
 #include <cstdint>
 
@@ -25,6 +28,7 @@
 #endif
 
 namespace fastformer {
+namespace CPU_CAPABILITY {
 namespace dropout_detail {
 
 #if defined(__AVX2__)
@@ -191,4 +195,5 @@ class DropoutScales {
   A scale_;
 };
 
+}  // namespace CPU_CAPABILITY
 }  // namespace fastformer
