@@ -87,26 +87,33 @@ def mask(name, kept, shape, seed, offset):
 
 g = torch.Generator().manual_seed(0)
 r = lambda *s: torch.randn(*s, generator=g)
-B, H, Sq, Sk, D = 2, 3, 13, 17, 40
-kpm = torch.zeros(B, Sk, dtype=torch.bool)
-kpm[1, -4:] = True
-run("attention", lambda q, k, v, rng: ops.attention(q, k, v, key_padding_mask=kpm, is_causal=True, dropout_p=P),
-    lambda q, k, v, rng: reference.attention(q, k, v, key_padding_mask=kpm, is_causal=True, dropout_p=P, rng=rng),
-    [r(B, H, Sq, D), r(B, H, Sk, D), r(B, H, Sk, D)], 2e-5)
-run("add_layer_norm", lambda x, res, w, b, rng: ops.add_layer_norm(x, res, w, b, 1e-5, P),
-    lambda x, res, w, b, rng: reference.add_layer_norm(x, res, w, b, 1e-5, P, rng=rng),
-    [r(7, 203), r(7, 203), 1 + r(203), r(203)], 2e-5)
-run("feed_forward", lambda x, w1, b1, w2, b2, rng: ops.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=P),
-    lambda x, w1, b1, w2, b2, rng: reference.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=P, rng=rng),
-    [r(9, 24), r(37, 24) / 5, r(37), r(24, 37) / 6, r(24)], 2e-5)
-t = torch.randint(0, 103, (11,), generator=g)
-t[4] = -100
-run("cross_entropy", lambda x, rng: ops.cross_entropy(x, t, label_smoothing=0.1),
-    lambda x, rng: reference.cross_entropy(x, t, label_smoothing=0.1), [3 * r(11, 103)], 2e-5)
-t2 = torch.randint(0, 101, (10,), generator=g)
-run("linear_cross_entropy", lambda h, w, b, rng: ops.linear_cross_entropy(h, w, b, t2, label_smoothing=0.1, reduction="sum"),
-    lambda h, w, b, rng: reference.linear_cross_entropy(h, w, b, t2, label_smoothing=0.1, reduction="sum"),
-    [r(10, 24), r(101, 24) / 5, r(101)], 2e-5)
+# two odd shapes per op: (B, H, Sq, Sk, D), (N, C), (N, E, F), (N, V), (N, D, V)
+for i, (attn, ln, ff, ce, lce) in enumerate([((2, 3, 13, 17, 40), (7, 203), (9, 24, 37), (11, 103), (10, 24, 101)),
+                                              ((1, 2, 1, 70, 59), (3, 1023), (5, 7, 131), (4, 1001), (3, 59, 9))]):
+    B, H, Sq, Sk, D = attn
+    kpm = torch.zeros(B, Sk, dtype=torch.bool)
+    kpm[-1, -4:] = True
+    run(f"attention{i}", lambda q, k, v, rng: ops.attention(q, k, v, key_padding_mask=kpm, is_causal=True, dropout_p=P),
+        lambda q, k, v, rng: reference.attention(q, k, v, key_padding_mask=kpm, is_causal=True, dropout_p=P, rng=rng),
+        [r(B, H, Sq, D), r(B, H, Sk, D), r(B, H, Sk, D)], 2e-5)
+    N, C = ln
+    run(f"add_layer_norm{i}", lambda x, res, w, b, rng: ops.add_layer_norm(x, res, w, b, 1e-5, P),
+        lambda x, res, w, b, rng: reference.add_layer_norm(x, res, w, b, 1e-5, P, rng=rng),
+        [r(N, C), r(N, C), 1 + r(C), r(C)], 2e-5)
+    N, E, F = ff
+    run(f"feed_forward{i}", lambda x, w1, b1, w2, b2, rng: ops.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=P),
+        lambda x, w1, b1, w2, b2, rng: reference.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=P, rng=rng),
+        [r(N, E), r(F, E) / 5, r(F), r(E, F) / 6, r(E)], 2e-5)
+    N, V = ce
+    t = torch.randint(0, V, (N,), generator=g)
+    t[N // 2] = -100
+    run(f"cross_entropy{i}", lambda x, rng: ops.cross_entropy(x, t, label_smoothing=0.1),
+        lambda x, rng: reference.cross_entropy(x, t, label_smoothing=0.1), [3 * r(N, V)], 2e-5)
+    N, D, V = lce
+    t2 = torch.randint(0, V, (N,), generator=g)
+    run(f"linear_cross_entropy{i}", lambda h, w, b, rng: ops.linear_cross_entropy(h, w, b, t2, label_smoothing=0.1, reduction="sum"),
+        lambda h, w, b, rng: reference.linear_cross_entropy(h, w, b, t2, label_smoothing=0.1, reduction="sum"),
+        [r(N, D), r(V, D) / 5, r(V)], 2e-5)
 
 # The raw ops' masks, made visible: uniform attention over v = I, h = dropout(1), a = dropout(relu(1)) I.
 seed, offset = 12345, 678

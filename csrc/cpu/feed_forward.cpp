@@ -120,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
     double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_fwd";
   check_x(x, op);
-  const int64_t N = x.size(0), E = x.size(1);
+  const int64_t E = x.size(1);
   check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
   const int64_t F = w1.size(0);
   check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
