@@ -58,6 +58,10 @@ assert _ext.load_error() is None, _ext.load_error()
 torch.set_num_threads(2)
 P = 0.1
 out = {"level": torch.ops.fastformer.cpu_capability()}
+# the level is shown where a reader looks: available_backends()'s text, the bench's machine info
+assert out["level"] in fastformer.available_backends()["cpu"].reason, fastformer.available_backends()["cpu"]
+from fastformer.bench.report import machine_info
+assert machine_info(torch.device("cpu"))["cpu_capability"] == out["level"]
 
 
 def run(name, fn, ref, inputs, tol):
