@@ -34,9 +34,16 @@ def main(ops):
     build = os.path.join("/tmp", name)
     ext = ff_setup.extension(name, ops=None if ops == ["all"] else ops, cuda=False)
     os.chdir(ROOT)  # the extension's sources are relative to the checkout
-    setup(name=name, ext_modules=[ext], script_args=[
-        "--quiet", "build_ext", "--build-temp", os.path.join(build, "tmp"), "--build-lib", build],
-        cmdclass={"build_ext": ff_setup.BuildExtension.with_options(use_ninja=True)})
+    stdout = os.dup(1)
+    os.dup2(2, 1)  # the compilers' output goes to stderr: stdout is only the library's path
+    try:
+        setup(name=name, ext_modules=[ext], script_args=[
+            "--quiet", "build_ext", "--build-temp", os.path.join(build, "tmp"), "--build-lib", build],
+            cmdclass={"build_ext": ff_setup.BuildExtension.with_options(use_ninja=True)})
+    finally:
+        sys.stdout.flush()
+        os.dup2(stdout, 1)
+        os.close(stdout)
     print(max(glob.glob(os.path.join(build, name + "*.so")), key=os.path.getmtime))
 
 
