@@ -2,12 +2,13 @@
 
 Build without build isolation so the installed torch is used, never a second one:
     pip install --no-build-isolation -e .
+The CPU kernels are compiled for the ISA levels DEFAULT, AVX2 and AVX512 (x86-64; DEFAULT only
+elsewhere) and the level is chosen at run time (csrc/cpu/isa.h; ATEN_CPU_CAPABILITY forces one).
 The CUDA sources in csrc/cuda/ are added only when the installed torch has CUDA.
 """
 import glob
 import os
 import platform
-import subprocess
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -17,32 +18,51 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def _compiler_defines(march):
-    """The macros the C++ compiler predefines for -march=<march> (empty if it cannot say)."""
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        out = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
-                             capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.stdout if out.returncode == 0 else ""
+# The ISA levels the CPU kernels (csrc/cpu/*_kernel.cpp) are compiled for, each from the same
+# source into its own namespace fastformer::<level>; csrc/cpu/isa.h picks one at run time. The
+# flags are ATen's for the same CPU_CAPABILITY, so at::vec::Vectorized has the same width there.
+ISA_FLAGS = {
+    "DEFAULT": ["-O2"],  # x86-64 baseline (or the only level off x86); the fallback, built smaller
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-mbmi2"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+               "-mbmi2"],
+}
+
+
+def isa_levels():
+    """The levels this build compiles: all three on x86-64, DEFAULT elsewhere (isa.h agrees)."""
+    return list(ISA_FLAGS) if platform.machine().lower() in ("x86_64", "amd64") else ["DEFAULT"]
+
+
+def isa_flags(level):
+    """The extra compiler flags of one ISA level's kernel objects (after cpu_flags())."""
+    return ISA_FLAGS[level] + [f"-DCPU_CAPABILITY={level}", f"-DCPU_CAPABILITY_{level}"]
 
 
 def cpu_flags():
-    """Compiler flags for the CPU kernels: OpenMP, -O3 and the widest vector ISA at::vec knows.
+    """Compiler flags of every CPU object: OpenMP, -O3, no -march (the build runs on any x86-64
+    CPU; the vector code is in the ISA levels' objects, see isa_flags), and -g0: no debug info
+    (Python's own CFLAGS ask for -g, which costs build time the three ISA copies cannot spare)."""
+    return ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", "-g0"]
 
-    FASTFORMER_CPU_ARCH picks -march (default native; "generic" adds none)."""
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
-    arch = os.environ.get("FASTFORMER_CPU_ARCH", "native")
-    if platform.machine() in ("x86_64", "AMD64") and arch != "generic":
-        flags.append(f"-march={arch}")
-        defines = _compiler_defines(arch)
-        # at::vec::Vectorized picks its width from CPU_CAPABILITY_*, not from -march.
-        if "__AVX512F__" in defines and "__AVX512BW__" in defines:
-            flags += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-        elif "__AVX2__" in defines:
-            flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return flags
+
+def cpu_sources(ops=None):
+    """(baseline sources, per-ISA kernel sources) of the CPU extension, paths relative to ROOT:
+    csrc/ops.cpp, csrc/cpu/isa.cpp, philox.cpp and each op's <op>.cpp are compiled once,
+    csrc/cpu/<op>_kernel.cpp once per ISA level. ops: op file names to take (None: all)."""
+    cpu = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    always = {"isa.cpp", "philox.cpp"}
+    # linear_cross_entropy runs the cross_entropy row kernel
+    wanted = None if ops is None else set(ops) | ({"cross_entropy"} if "linear_cross_entropy" in ops else set())
+
+    def take(name):
+        op = name[:-len("_kernel.cpp")] if name.endswith("_kernel.cpp") else name[:-len(".cpp")]
+        return wanted is None or name in always or op in wanted
+
+    base = [os.path.join("csrc", "ops.cpp")] + [os.path.join("csrc", "cpu", f) for f in cpu
+                                                 if not f.endswith("_kernel.cpp") and take(f)]
+    kernels = [os.path.join("csrc", "cpu", f) for f in cpu if f.endswith("_kernel.cpp") and take(f)]
+    return base, kernels
 
 
 def build_cuda():
@@ -52,21 +72,26 @@ def build_cuda():
             and os.environ.get("FASTFORMER_BUILD_CUDA", "1") == "1")
 
 
-def extension():
-    sources = [os.path.join("csrc", "ops.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+def extension(name="fastformer._C", ops=None, cuda=None):
+    """The extension: the CPU sources of cpu_sources(ops) and, when cuda (default: build_cuda()),
+    csrc/cuda. The per-ISA kernel sources ride along as ext.isa_sources (BuildExtension builds them)."""
+    sources, isa_sources = cpu_sources(ops)
     include_dirs = [os.path.join(ROOT, "csrc")]
     extra = {"cxx": cpu_flags()}
-    if build_cuda():
+    if build_cuda() if cuda is None else cuda:
         # csrc/cuda/*.cu through nvcc, the glue csrc/cuda/*.cpp through the C++ compiler (cxx flags).
         # No --use_fast_math: the kernels use fast intrinsics (__expf) only where they chose to,
         # so the GPU's results stay within the tolerances the tests check on the SIMT harness.
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         extra["nvcc"] = ["-O3", "-std=c++17", "-lineinfo"]
-        return cpp_extension.CUDAExtension("fastformer._C", sources, include_dirs=include_dirs,
-                                           extra_compile_args=extra, extra_link_args=["-fopenmp"])
-    return cpp_extension.CppExtension("fastformer._C", sources, include_dirs=include_dirs,
-                                      extra_compile_args=extra, extra_link_args=["-fopenmp"])
+        ext = cpp_extension.CUDAExtension(name, sources, include_dirs=include_dirs,
+                                          extra_compile_args=extra, extra_link_args=["-fopenmp"])
+    else:
+        ext = cpp_extension.CppExtension(name, sources, include_dirs=include_dirs,
+                                         extra_compile_args=extra, extra_link_args=["-fopenmp"])
+    ext.isa_sources = isa_sources
+    return ext
 
 
 def distinct_cu_objects(object_filenames):
@@ -80,11 +105,29 @@ def distinct_cu_objects(object_filenames):
 
 
 class BuildExtension(cpp_extension.BuildExtension):
-    """torch's BuildExtension with distinct object names for <op>.cu and <op>.cpp."""
+    """torch's BuildExtension with distinct object names for <op>.cu and <op>.cpp, which also
+    compiles ext.isa_sources once per ISA level (isa_flags) into <build_temp>/isa_<level>/ and
+    links those objects after the baseline ones, DEFAULT first (so that where two objects hold one
+    inline function, the linker keeps a baseline copy)."""
 
     def build_extensions(self):
         self.compiler.object_filenames = distinct_cu_objects(self.compiler.object_filenames)
         super().build_extensions()
+
+    def build_extension(self, ext):
+        isa_sources = getattr(ext, "isa_sources", [])
+        if isa_sources:
+            cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+            objects = []
+            for level in isa_levels():
+                out = os.path.join(self.build_temp, f"isa_{level}")
+                os.makedirs(out, exist_ok=True)
+                objects += self.compiler.compile(isa_sources, output_dir=out, macros=ext.define_macros,
+                                                 include_dirs=ext.include_dirs, debug=self.debug,
+                                                 extra_postargs={"cxx": list(cxx) + isa_flags(level)},
+                                                 depends=ext.depends)
+            ext.extra_objects = [o for o in ext.extra_objects or [] if o not in objects] + objects
+        super().build_extension(ext)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,17 @@ def simt_load_error() -> Optional[str]:
     return None
 
 
+def cpu_capability() -> Optional[str]:
+    """The ISA level the CPU kernels run at ("DEFAULT", "AVX2" or "AVX512": ``at::get_cpu_capability()``,
+    ``ATEN_CPU_CAPABILITY`` included, never above what the CPU runs), or None without the extension."""
+    if load_error() is not None:
+        return None
+    try:
+        return str(torch.ops.fastformer.cpu_capability())
+    except (AttributeError, RuntimeError):  # a library built before the ISA levels existed
+        return None
+
+
 def has_kernel(op: str, dispatch_key: str, namespace: str = "fastformer") -> bool:
     """Whether ``<namespace>::<op>`` has a kernel registered for ``dispatch_key`` (CPU, CUDA);
     namespace ``fastformer_simt`` is the SIMT harness's."""

@@ -101,7 +101,11 @@ def availability(name: str, device_type: Optional[str] = None) -> Availability:
         if device_type not in (None, "cpu"):
             return Availability(False, f"the cpu backend runs CPU tensors, not {device_type} tensors")
         err = _ext.load_error()
-        return Availability(err is None, err or "")
+        if err is not None:
+            return Availability(False, err)
+        level = _ext.cpu_capability()
+        return Availability(True, f"C++ kernels at ISA level {level}, chosen at run time "
+                                  "(ATEN_CPU_CAPABILITY=default|avx2|avx512 forces one)" if level else "")
     if name == "cuda":
         if device_type == "cpu":  # only the SIMT test harness runs the CUDA kernels on CPU tensors
             err = _ext.simt_load_error()

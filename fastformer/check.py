@@ -176,7 +176,7 @@ def run(backend_names: Optional[Sequence[str]] = None, op_names: Optional[Sequen
     """Print the availability table and one line per (op, backend, dtype); the number of failures."""
     print_fn("backends:")
     for name, avail in backends.available_backends().items():
-        print_fn(f"  {name:<10} {'available' if avail else 'unavailable: ' + avail.reason}")
+        print_fn(f"  {name:<10} {'available' if avail else 'unavailable'}{': ' + avail.reason if avail.reason else ''}")
     failures = ran = 0
     for backend, device, why in targets(backend_names):
         if why is not None:

@@ -4,9 +4,13 @@ For kernel development: several people can each build their own op without one
 half-written file breaking everybody's build. Prints the library path; run the tests
 against it with FASTFORMER_EXT_LIBRARY=<path> (fastformer loads it instead of _C).
 
-    python tools/dev_build.py attention            # csrc/ops.cpp + csrc/cpu/attention.cpp + philox.cpp
+    python tools/dev_build.py attention            # csrc/ops.cpp, isa.cpp, philox.cpp + attention
     python tools/dev_build.py add_layer_norm feed_forward
-    python tools/dev_build.py all                  # every csrc/cpu/*.cpp
+    python tools/dev_build.py all                  # every op
+
+An op is csrc/cpu/<op>.cpp (checks, registration) and csrc/cpu/<op>_kernel.cpp (the math, built
+once per ISA level). The build is setup.py's own (its extension() and BuildExtension), CPU only,
+incremental (ninja), in /tmp/<name>/; MAX_JOBS limits the parallel compile jobs as for setup.py.
 
 FF_DEV_TAG=<name> gives the build its own directory and library name, so builds of the same
 ops from different checkouts never overwrite each other.
@@ -15,25 +19,32 @@ import glob
 import os
 import sys
 
-from torch.utils.cpp_extension import load
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from setup import cpu_flags  # noqa: E402
+import setup as ff_setup  # noqa: E402
+
+from setuptools import setup  # noqa: E402
 
 
 def main(ops):
-    if ops == ["all"]:
-        ops = [os.path.splitext(os.path.basename(f))[0] for f in sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))]
+    if not ops:
+        sys.exit(__doc__)
     tag = os.environ.get("FF_DEV_TAG", "")
-    name = "ff_dev_" + (tag + "_" if tag else "") + ("all" if len(ops) > 4 else "_".join(ops))
+    name = "ff_dev_" + (tag + "_" if tag else "") + ("all" if ops == ["all"] or len(ops) > 4 else "_".join(ops))
     build = os.path.join("/tmp", name)
-    os.makedirs(build, exist_ok=True)
-    sources = [os.path.join(ROOT, "csrc", "ops.cpp"), os.path.join(ROOT, "csrc", "cpu", "philox.cpp")]
-    sources += [os.path.join(ROOT, "csrc", "cpu", f"{op}.cpp") for op in ops if op != "philox"]
-    load(name=name, sources=sources, build_directory=build, extra_cflags=cpu_flags(),
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    print(os.path.join(build, name + ".so"))
+    ext = ff_setup.extension(name, ops=None if ops == ["all"] else ops, cuda=False)
+    os.chdir(ROOT)  # the extension's sources are relative to the checkout
+    stdout = os.dup(1)
+    os.dup2(2, 1)  # the compilers' output goes to stderr: stdout is only the library's path
+    try:
+        setup(name=name, ext_modules=[ext], script_args=[
+            "--quiet", "build_ext", "--build-temp", os.path.join(build, "tmp"), "--build-lib", build],
+            cmdclass={"build_ext": ff_setup.BuildExtension.with_options(use_ninja=True)})
+    finally:
+        sys.stdout.flush()
+        os.dup2(stdout, 1)
+        os.close(stdout)
+    print(max(glob.glob(os.path.join(build, name + "*.so")), key=os.path.getmtime))
 
 
 if __name__ == "__main__":

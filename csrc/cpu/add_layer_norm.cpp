@@ -1,30 +1,16 @@
-// Fused dropout + residual add + LayerNorm on (N, C) rows, forward and backward, for CPU.
-//
-// Forward, one row at a time (rows in parallel): h = residual + dropout(x) is formed in fp32 (fp64
-// for fp64) and stored, its mean and variance come from the stored row (still in L1), and
-// y = (h - mean) * rstd * weight + bias is written: x and residual are read once, y and h written
-// once. Backward regenerates the dropout mask from (seed, offset) and makes two sweeps of
-// each row, the first for the two row sums LayerNorm's gradient needs, the second writing dx (and
-// dresidual); dweight / dbias are summed per block of rows and the blocks' sums added at the end,
-// so no two threads ever write one location.
+// add_layer_norm_fwd / add_layer_norm_bwd on CPU: the argument checks and the op registration,
+// compiled once; the math is add_layer_norm_kernel.cpp, run at the ISA level isa.h chose.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
-#include <memory>
+#include <tuple>
 
-#include "dropout_scales.h"
-#include "philox.h"
+#include "add_layer_norm.h"
 #include "../philox_arg.h"
-#include "vec_io.h"
 
 namespace fastformer {
 namespace {
-
-// Rows per parallel task: about 16K elements, at least one row.
-int64_t row_grain(int64_t C) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)); }
 
 void check_dropout(double dropout_p, const char* op) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
@@ -68,159 +54,6 @@ void check_stat(const at::Tensor& s, const char* name, int64_t N, const char* op
   TORCH_CHECK(s.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// The parameter row as acc_t: the tensor's own memory when T is acc_t, else widened into buf.
-template <typename T>
-const acc_t<T>* widen_param(const T* p, int64_t C, std::unique_ptr<acc_t<T>[]>& buf) {
-  if constexpr (std::is_same_v<T, acc_t<T>>) {
-    return p;
-  } else {
-    buf.reset(new acc_t<T>[C]);
-    for (int64_t j = 0; j < C; ++j) buf[j] = static_cast<acc_t<T>>(p[j]);
-    return buf.get();
-  }
-}
-
-// One row of the forward. keep: the row's dropout factors or nullptr; res: nullptr without a
-// residual. Every pointer and flag is a by-value argument, so the compiler keeps them in registers
-// across the vector stores.
-template <typename T>
-inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* keep,
-                                   const acc_t<T>* w, const acc_t<T>* b, T* hr, T* yr, int64_t C,
-                                   acc_t<T> eps, float* mean, float* rstd) {
-  using A = acc_t<T>;
-  using V = AccVec<T>;
-  constexpr int64_t W = V::size();
-  // h = residual + dropout(x), rounded to T as stored; the statistics and y see the stored h
-  V sum(A(0));
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    V v = load(xr + j, n);
-    if (keep) v = v * V::loadu(keep + j, n);
-    if (rr) v = v + load(rr + j, n);
-    v = store_rounded(hr + j, v, n);
-    sum = sum + v;  // lanes past n are 0
-  });
-  const A mu = hsum(sum) / static_cast<A>(C);
-  const V vmu(mu);
-  V sq(A(0));
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    V d = load(hr + j, n) - vmu;
-    if (n < W) d = V::set(V(A(0)), d, n);
-    sq = at::vec::fmadd(d, d, sq);
-  });
-  const A rs = static_cast<A>(1) / std::sqrt(hsum(sq) / static_cast<A>(C) + eps);
-  const V vrs(rs);
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    const V xhat = (load(hr + j, n) - vmu) * vrs;
-    store(yr + j, at::vec::fmadd(xhat, V::loadu(w + j, n), V::loadu(b + j, n)), n);
-  });
-  *mean = static_cast<float>(mu);
-  *rstd = static_cast<float>(rs);
-}
-
-template <typename T>
-void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T* bias, T* y, T* h,
-                             float* mean, float* rstd, int64_t N, int64_t C, double eps,
-                             double dropout_p, uint64_t seed, uint64_t offset) {
-  using A = acc_t<T>;
-  const bool drop = dropout_p > 0.0;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
-  std::unique_ptr<A[]> wbuf, bbuf;
-  const A* w = widen_param(weight, C, wbuf);
-  const A* b = widen_param(bias, C, bbuf);
-  at::parallel_for(0, N, row_grain(C), [&](int64_t begin, int64_t end) {
-    std::unique_ptr<A[]> keep_buf(new A[drop ? C : 0]);  // dropout factors of one row
-    A* const keep = drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, threshold, scale);
-    for (int64_t row = begin; row < end; ++row) {
-      if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
-      add_layer_norm_fwd_row<T>(x + row * C, res ? res + row * C : nullptr, keep, w, b, h + row * C,
-                                y + row * C, C, static_cast<A>(eps), mean + row, rstd + row);
-    }
-  });
-}
-
-// One row of the backward: dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh] with
-// g = dy * weight; dx = dh_total * keep, dresidual = dh_total; dw_sum += dy * xhat, db_sum += dy.
-template <typename T>
-inline void add_layer_norm_bwd_row(const T* hr, const T* dyr, const T* dhr, const acc_t<T>* keep,
-                                   const acc_t<T>* w, acc_t<T> mu, acc_t<T> rs, T* dxr, T* drr,
-                                   acc_t<T>* dw_sum, acc_t<T>* db_sum, int64_t C) {
-  using A = acc_t<T>;
-  using V = AccVec<T>;
-  constexpr int64_t W = V::size();
-  const V vmu(mu), vrs(rs);
-  // sweep 1: the two row sums, and this row's share of dweight / dbias
-  V sum_g(A(0)), sum_gx(A(0));
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    const V xhat = (load(hr + j, n) - vmu) * vrs;
-    const V dyv = load(dyr + j, n);  // 0 past n, so g and the sums get nothing there
-    const V g = dyv * V::loadu(w + j, n);
-    sum_g = sum_g + g;
-    sum_gx = at::vec::fmadd(g, xhat, sum_gx);
-    at::vec::fmadd(dyv, xhat, V::loadu(dw_sum + j, n)).store(dw_sum + j, n);
-    (V::loadu(db_sum + j, n) + dyv).store(db_sum + j, n);
-  });
-  const A inv_c = static_cast<A>(1) / static_cast<A>(C);
-  const V c1(hsum(sum_g) * inv_c), c2(hsum(sum_gx) * inv_c);
-  // sweep 2: dx and dresidual
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    const V xhat = (load(hr + j, n) - vmu) * vrs;
-    const V g = load(dyr + j, n) * V::loadu(w + j, n);
-    V dht = (g - c1 - xhat * c2) * vrs;
-    if (dhr) dht = dht + load(dhr + j, n);
-    if (drr) store(drr + j, dht, n);
-    store(dxr + j, keep ? dht * V::loadu(keep + j, n) : dht, n);
-  });
-}
-
-template <typename T>
-void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weight,
-                             const float* mean, const float* rstd, T* dx, T* dres, T* dweight,
-                             T* dbias, int64_t N, int64_t C, double dropout_p, uint64_t seed,
-                             uint64_t offset) {
-  using A = acc_t<T>;
-  using V = AccVec<T>;
-  constexpr int64_t W = V::size();
-  const bool drop = dropout_p > 0.0;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
-  std::unique_ptr<A[]> wbuf;
-  const A* w = widen_param(weight, C, wbuf);
-  // Contiguous blocks of rows, one per thread at most; each block sums its own dweight / dbias.
-  const int64_t nblocks = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), (N + row_grain(C) - 1) / row_grain(C)));
-  const int64_t rows_per_block = (N + nblocks - 1) / nblocks;
-  std::unique_ptr<A[]> partial_buf(new A[nblocks * 2 * C]());  // (nblocks, 2, C): dweight, dbias
-  A* const partial = partial_buf.get();
-  at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::unique_ptr<A[]> keep_buf(new A[drop ? C : 0]);  // dropout factors of one row
-    A* const keep = drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, threshold, scale);
-    for (int64_t block = block_begin; block < block_end; ++block) {
-      A* const dw_sum = partial + block * 2 * C;
-      const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
-      for (int64_t row = block * rows_per_block; row < row_end; ++row) {
-        if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
-        add_layer_norm_bwd_row<T>(h + row * C, dy + row * C, dh ? dh + row * C : nullptr, keep, w,
-                                  static_cast<A>(mean[row]), static_cast<A>(rstd[row]),
-                                  dx + row * C, dres ? dres + row * C : nullptr, dw_sum,
-                                  dw_sum + C, C);
-      }
-    }
-  });
-  // dweight / dbias: add the blocks' sums, in block order (deterministic for a thread count)
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    V sw(A(0)), sb(A(0));
-    for (int64_t block = 0; block < nblocks; ++block) {
-      sw = sw + V::loadu(partial + block * 2 * C + j, n);
-      sb = sb + V::loadu(partial + block * 2 * C + C + j, n);
-    }
-    store(dweight + j, sw, n);
-    store(dbias + j, sb, n);
-  });
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cpu(
@@ -241,13 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
   at::Tensor mean = at::empty({N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
   if (N == 0 || C == 0) return {y, h, mean, rstd};
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_layer_norm_fwd", [&] {
-    add_layer_norm_fwd_rows<scalar_t>(
-        x.data_ptr<scalar_t>(), has_res ? residual->data_ptr<scalar_t>() : nullptr,
-        weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
-        h.data_ptr<scalar_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), N, C, eps,
-        dropout_p, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
-  });
+  FF_ISA(add_layer_norm_fwd_kernel)(x, has_res ? *residual : at::Tensor(), weight, bias, y, h,
+                                    mean, rstd, eps, dropout_p, static_cast<uint64_t>(seed),
+                                    static_cast<uint64_t>(offset));
   return {y, h, mean, rstd};
 }
 
@@ -277,15 +106,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cp
     dbias.zero_();
     return {dx, dres, dweight, dbias};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_layer_norm_bwd", [&] {
-    add_layer_norm_bwd_rows<scalar_t>(
-        dy.data_ptr<scalar_t>(), has_dh ? dh->data_ptr<scalar_t>() : nullptr,
-        h.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), mean.data_ptr<float>(),
-        rstd.data_ptr<float>(), dx.data_ptr<scalar_t>(),
-        separate_dres ? dres.data_ptr<scalar_t>() : nullptr, dweight.data_ptr<scalar_t>(),
-        dbias.data_ptr<scalar_t>(), N, C, dropout_p, static_cast<uint64_t>(seed),
-        static_cast<uint64_t>(offset));
-  });
+  FF_ISA(add_layer_norm_bwd_kernel)(dy, has_dh ? *dh : at::Tensor(), h, weight, mean, rstd, dx,
+                                    dres, dweight, dbias, dropout_p, static_cast<uint64_t>(seed),
+                                    static_cast<uint64_t>(offset));
   return {dx, dres, dweight, dbias};
 }
 

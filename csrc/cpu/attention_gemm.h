@@ -12,6 +12,9 @@
 // take ~50 ms for one 64^3 product on AMD EPYC whenever torch ran more than one thread, and
 // oneDNN's bf16 brgemm wants B in the VNNI layout (which torch packs only on AMX CPUs).
 #pragma once
+#ifndef CPU_CAPABILITY
+#error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
+#endif
 #include <ATen/ATen.h>
 #include <ATen/Config.h>
 #include <ATen/native/CPUBlas.h>
@@ -29,6 +32,7 @@ int MKL_Set_Num_Threads_Local(int nthreads);
 #endif
 
 namespace fastformer {
+namespace CPU_CAPABILITY {
 namespace attn {
 
 inline void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
@@ -80,4 +84,5 @@ class BlasSingleThread {};
 #endif
 
 }  // namespace attn
+}  // namespace CPU_CAPABILITY
 }  // namespace fastformer

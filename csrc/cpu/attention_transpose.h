@@ -6,6 +6,9 @@
 // shuffles, 16 stores); at::vec::transpose_mxn, which round-trips its block through memory, was
 // measured 3-4x slower and does the ragged edges here. Other types / ISAs use at::vec throughout.
 #pragma once
+#ifndef CPU_CAPABILITY
+#error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
+#endif
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -17,6 +20,7 @@
 #endif
 
 namespace fastformer {
+namespace CPU_CAPABILITY {
 namespace attn {
 
 #if defined(__AVX512F__)
@@ -74,4 +78,5 @@ void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst,
 }
 
 }  // namespace attn
+}  // namespace CPU_CAPABILITY
 }  // namespace fastformer

@@ -1,9 +1,12 @@
 // The fused cross-entropy row kernel, shared by cross_entropy_fwd (csrc/cpu/cross_entropy.cpp)
-// and the chunked linear_cross_entropy ops (csrc/cpu/linear_cross_entropy.cpp).
+// and the chunked linear_cross_entropy ops (csrc/cpu/linear_cross_entropy.cpp). The kernels are
+// compiled once per ISA level (cross_entropy_kernel.cpp, isa.h): call them as FF_ISA(fn)(...).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
+
+#include "isa.h"
 
 namespace fastformer {
 
@@ -22,10 +25,14 @@ struct RowScale {
 // parallel; target values must already be checked. grad_colsum, when defined with grad, is a
 // zeroed-or-accumulating (at::get_num_threads(), V) tensor in the math type (fp32 for bf16):
 // each thread adds the gradient rows it writes into its own row (the bias gradient, unrounded).
-void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias, const int64_t* target,
-                        double label_smoothing, int64_t ignore_index, RowScale scale,
-                        const at::Tensor& grad, double* loss_rows,
-                        const at::Tensor& grad_colsum = at::Tensor());
+// grad_colsum: undefined when not wanted.
+FF_ISA_DECLARE(void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias,
+                                       const int64_t* target, double label_smoothing,
+                                       int64_t ignore_index, RowScale scale, const at::Tensor& grad,
+                                       double* loss_rows, const at::Tensor& grad_colsum))
+
+// acc[i] += src[i] for i in [0, n) (linear_cross_entropy's bf16 dweight into its fp32 sum).
+FF_ISA_DECLARE(void accumulate_bf16(const at::BFloat16* src, int64_t n, float* acc))
 
 // TORCH_CHECKs shared by the ops: `what` names the op in the messages.
 void check_reduction(const char* what, int64_t reduction);

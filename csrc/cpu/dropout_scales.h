@@ -11,10 +11,13 @@
 // With AVX2 one vector Philox call runs 8 counters (8 groups = 64 columns) side by side. The four
 // words of a group, stored little-endian, are its 8 uint16 values in column order, so a 4 x 8 word
 // transpose gives the 64 columns' 16-bit values in order, and one unsigned 16-bit compare against
-// T the keep masks. Without AVX2 the scalar definition of philox.h runs per group. Both give
-// exactly the bits of fastformer/philox.py (AVX-512 CPUs run the AVX2 path; there is no separate
-// AVX-512 code to keep in step).
+// T the keep masks. Without AVX2 (the DEFAULT level of isa.h) the scalar definition of philox.h
+// runs per group. Both give exactly the bits of fastformer/philox.py (the AVX512 level runs the
+// AVX2 path; there is no separate AVX-512 code to keep in step). This is the only vector Philox.
 #pragma once
+#ifndef CPU_CAPABILITY
+#error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
+#endif
 #include <algorithm>
 #include <cstdint>
 
@@ -25,6 +28,7 @@
 #endif
 
 namespace fastformer {
+namespace CPU_CAPABILITY {
 namespace dropout_detail {
 
 #if defined(__AVX2__)
@@ -191,4 +195,5 @@ class DropoutScales {
   A scale_;
 };
 
+}  // namespace CPU_CAPABILITY
 }  // namespace fastformer

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "cross_entropy.h"
-#include "vec_io.h"
 
 #ifndef FASTFORMER_LCE_CHUNK_BYTES
 #define FASTFORMER_LCE_CHUNK_BYTES (16 << 20)
@@ -21,17 +20,6 @@
 
 namespace fastformer {
 namespace {
-
-// acc[i] += src[i] for n elements (the bf16 partial dweight into its fp32 accumulator).
-void accumulate(const at::BFloat16* src, int64_t n, float* acc) {
-  constexpr int64_t kW = Vectorized<float>::size();
-  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
-    vec_loop<kW>(end - begin, [&](int64_t k, int64_t cnt) {
-      const int64_t i = begin + k;
-      (Vectorized<float>::loadu(acc + i, cnt) + load(src + i, cnt)).store(acc + i, cnt);
-    });
-  });
-}
 
 // Rows per chunk: a chunk of logits takes about FASTFORMER_LCE_CHUNK_BYTES (16 MB), but at least
 // 256 rows. Each chunk costs three GEMMs with M or K = rows and a few parallel regions; with
@@ -80,16 +68,17 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
     at::mm_out(logits, h, weight_t);                   // the row kernel adds it as it reads
     RowScale chunk_scale = scale;
     if (scale.row_scale != nullptr) chunk_scale.row_scale = scale.row_scale + c0;
-    cross_entropy_rows(logits, has_bias ? *bias : at::Tensor(), target + c0, label_smoothing,
-                       ignore_index, chunk_scale, compute_grad ? logits : at::Tensor(),
-                       loss_rows + c0, dbias_partial);
+    FF_ISA(cross_entropy_rows)(logits, has_bias ? *bias : at::Tensor(), target + c0,
+                               label_smoothing, ignore_index, chunk_scale,
+                               compute_grad ? logits : at::Tensor(), loss_rows + c0, dbias_partial);
     if (!compute_grad) continue;
     // logits now holds dlogits (rows, V).
     at::Tensor dh = out.dhidden.narrow(0, c0, rows);
     at::mm_out(dh, logits, weight);  // (rows, V) @ (V, D)
     if (lowp) {
       at::mm_out(dweight_part, logits.t(), h);  // (V, rows) @ (rows, D) in bf16, then into fp32
-      accumulate(dweight_part.const_data_ptr<at::BFloat16>(), V * D, dweight_acc.data_ptr<float>());
+      FF_ISA(accumulate_bf16)(dweight_part.const_data_ptr<at::BFloat16>(), V * D,
+                                dweight_acc.data_ptr<float>());
     } else {
       dweight_acc.addmm_(logits.t(), h);  // (V, rows) @ (rows, D)
     }

@@ -7,7 +7,10 @@
 // triton.language.randint4x(seed, n) returns. Column 8 g + j takes the 16 bits
 // u = (w[j / 2] >> (16 * (j % 2))) & 0xFFFF, so the four words stored little-endian are the group's
 // eight uint16 values in column order. The element is kept iff u >= T, T = round(p * 2^16) (half up).
-// This file is the scalar definition; dropout_scales.h is the vectorised one the kernels use.
+// This file is the scalar definition (and the one C++ home of the Philox constants);
+// dropout_scales.h is the vectorised one the kernels use. The functions are static: this header
+// is compiled into every ISA level's kernels (isa.h) and into baseline code, and each must keep
+// its own copy (one shared inline copy would be taken from whichever object the linker saw first).
 #pragma once
 #include <cstdint>
 
@@ -22,7 +25,7 @@ struct PhiloxWords {
 };
 
 // The four output words of Philox-4x32-10 for counter (lo32(counter), hi32(counter), 0, 0).
-inline PhiloxWords philox4x32(uint64_t seed, uint64_t counter) {
+static inline PhiloxWords philox4x32(uint64_t seed, uint64_t counter) {
   uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
   uint32_t c2 = 0, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
@@ -42,32 +45,34 @@ inline PhiloxWords philox4x32(uint64_t seed, uint64_t counter) {
 }
 
 // The first word (the philox_bits op and triton.language.randint).
-inline uint32_t philox_bits(uint64_t seed, uint64_t counter) { return philox4x32(seed, counter).w[0]; }
+static inline uint32_t philox_bits(uint64_t seed, uint64_t counter) {
+  return philox4x32(seed, counter).w[0];
+}
 
 // Philox calls per row of C columns.
-inline int64_t dropout_groups(int64_t C) { return (C + kDropoutGroup - 1) / kDropoutGroup; }
+static inline int64_t dropout_groups(int64_t C) { return (C + kDropoutGroup - 1) / kDropoutGroup; }
 
 // The first counter of row r of a dropout tensor with C columns: offset + r * G.
-inline uint64_t dropout_row_counter(uint64_t offset, int64_t row, int64_t C) {
+static inline uint64_t dropout_row_counter(uint64_t offset, int64_t row, int64_t C) {
   return offset + static_cast<uint64_t>(row) * static_cast<uint64_t>(dropout_groups(C));
 }
 
 // The 16-bit keep threshold T = round(p * 2^16), half up, in [0, 65536]: kept iff u >= T
 // (T = 65536 keeps nothing). p * 2^16 is exact, so this equals fastformer.philox.drop_threshold.
-inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * 65536.0 + 0.5); }
+static inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * 65536.0 + 0.5); }
 
 // The 16 random bits of column j (0..7) of a group.
-inline uint32_t group_random16(const PhiloxWords& w, int64_t j) {
+static inline uint32_t group_random16(const PhiloxWords& w, int64_t j) {
   return (w.w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
 }
 
 // The 16 random bits of column c of the row whose first counter is row_counter.
-inline uint32_t dropout_random16(uint64_t seed, uint64_t row_counter, int64_t c) {
+static inline uint32_t dropout_random16(uint64_t seed, uint64_t row_counter, int64_t c) {
   const PhiloxWords w = philox4x32(seed, row_counter + static_cast<uint64_t>(c / kDropoutGroup));
   return group_random16(w, c % kDropoutGroup);
 }
 
-inline bool dropout_keep(uint64_t seed, uint64_t row_counter, int64_t c, uint32_t threshold) {
+static inline bool dropout_keep(uint64_t seed, uint64_t row_counter, int64_t c, uint32_t threshold) {
   return dropout_random16(seed, row_counter, c) >= threshold;
 }
 

@@ -6,6 +6,9 @@
 // (round to nearest even), store_rounded also returns the value stored, widened again.
 // vec_loop runs a body over a row in full vectors and one partial tail vector.
 #pragma once
+#ifndef CPU_CAPABILITY
+#error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
+#endif
 #include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -14,6 +17,7 @@
 #include <tuple>
 
 namespace fastformer {
+namespace CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 
@@ -106,4 +110,5 @@ inline void vec_loop(int64_t len, Body&& body) {
   if (j < len) body(j, len - j);
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace fastformer

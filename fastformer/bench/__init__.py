@@ -267,7 +267,8 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
     doc = report.write_json(os.path.join(out, "results.json"), machine, settings, records)
     table = report.markdown(records)
     header = (f"fastformer bench ({size}) on {machine['gpu'] or machine['cpu']}, {machine['torch_threads']} threads, "
-              f"torch {machine['torch']}, triton {machine['triton']}, load average {load_before} before the run, "
+              f"torch {machine['torch']}, triton {machine['triton']}, cpu kernels {machine['cpu_capability']}, "
+              f"load average {load_before} before the run, "
               f"{settings['load_average_after']} after\n\n**{verdict}**\n\n"
               + (f"{warning}\n\n" if warning else ""))
     with open(os.path.join(out, "results.md"), "w") as f:

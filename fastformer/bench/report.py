@@ -73,6 +73,7 @@ def quiet_verdict(load: Optional[float], cores: int, load_after: Optional[float]
 def machine_info(device: torch.device) -> Dict:
     """What the numbers were measured on (triton's version is read without importing it)."""
     import fastformer
+    from fastformer import _ext
 
     info = {
         "cpu": _cpu_model(),
@@ -88,6 +89,9 @@ def machine_info(device: torch.device) -> Dict:
         "platform": platform.platform(),
         "load_average": _load_average(),
         "backends": {name: (a.available, a.reason) for name, a in fastformer.available_backends().items()},
+        # the ISA level of the cpu backend's kernels (ATEN_CPU_CAPABILITY forces one: time AVX2 against
+        # AVX-512 with two runs of `python -m fastformer bench`, ATEN_CPU_CAPABILITY=avx2 and =avx512)
+        "cpu_capability": _ext.cpu_capability(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     return info

@@ -1,0 +1,25 @@
+// The per-ISA entry points of add_layer_norm (add_layer_norm_kernel.cpp, one copy per level of
+// isa.h), called by add_layer_norm.cpp once the arguments are checked and the outputs allocated.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "isa.h"
+
+namespace fastformer {
+
+// x, residual (undefined: none) (N, C); weight, bias (C,); writes y, h (N, C), mean, rstd (N,).
+// N, C > 0.
+FF_ISA_DECLARE(void add_layer_norm_fwd_kernel(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+    const at::Tensor& bias, at::Tensor& y, at::Tensor& h, at::Tensor& mean, at::Tensor& rstd,
+    double eps, double dropout_p, uint64_t seed, uint64_t offset))
+
+// dh: undefined when there is none; dres: empty when it is not written (it equals dx).
+FF_ISA_DECLARE(void add_layer_norm_bwd_kernel(
+    const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h, const at::Tensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dres,
+    at::Tensor& dweight, at::Tensor& dbias, double dropout_p, uint64_t seed, uint64_t offset))
+
+}  // namespace fastformer

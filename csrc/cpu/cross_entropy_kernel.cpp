@@ -1,0 +1,187 @@
+// Fused label-smoothed cross-entropy on CPU: log-softmax, smoothing, NLL and the gradient in
+// one kernel. Math in fp32 for fp32 / bf16 logits (fp64 for fp64); at::vec vectorised,
+// parallel over rows. This file is the row kernel (and the bf16 accumulation linear_cross_entropy
+// uses), compiled once per ISA level into fastformer::<level> (isa.h); cross_entropy.cpp checks
+// the arguments, reduces the rows' losses in a fixed order (deterministic) and registers the op.
+#include "cross_entropy.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "vec_io.h"
+
+namespace fastformer {
+namespace CPU_CAPABILITY {
+namespace {
+
+// exp with ~20 ulp in fp32 (a polynomial, about twice Sleef's u10 speed); full precision in fp64.
+inline Vectorized<float> fast_exp(const Vectorized<float>& x) { return x.exp_u20(); }
+inline Vectorized<double> fast_exp(const Vectorized<double>& x) { return x.exp(); }
+
+template <typename A>
+inline A hmax(const Vectorized<A>& v) {
+  return at::vec::vec_reduce_all<A>(
+      [](const Vectorized<A>& a, const Vectorized<A>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// Online max / sum-of-exp over blocks of vectors: the block max is taken first, the running
+// sum is rescaled once per block when the max grows, so each element costs one exp.
+template <typename A>
+struct OnlineLse {
+  using Vec = Vectorized<A>;
+  A m = -std::numeric_limits<A>::infinity();
+  Vec s = Vec(A(0));
+
+  inline void absorb(const Vec* v, int count) {
+    Vec bm = v[0];
+    for (int u = 1; u < count; ++u) bm = at::vec::maximum(bm, v[u]);
+    const A block_max = hmax<A>(bm);
+    if (block_max > m) {
+      s = s * Vec(std::exp(m - block_max));
+      m = block_max;
+    }
+    if (m == -std::numeric_limits<A>::infinity()) return;  // only -inf so far: adds 0
+    const Vec mv(m);
+    for (int u = 0; u < count; ++u) s = s + fast_exp(v[u] - mv);
+  }
+
+  inline A lse() const { return m + std::log(hsum<A>(s)); }
+};
+
+template <typename T, bool kBias>
+void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* grad_colsum,
+                             int64_t n, int64_t V, const int64_t* target, double label_smoothing,
+                             int64_t ignore_index, RowScale rs, double* loss_rows) {
+  using A = acc_t<T>;
+  using Vec = AccVec<T>;
+  constexpr int64_t kW = Vec::size();
+  constexpr int kUnroll = 8;
+  const A eps = static_cast<A>(label_smoothing);
+  const A inv_v = A(1) / static_cast<A>(V);
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  const int64_t grain = std::max<int64_t>(1, 16384 / V);
+  // count elements of x (+ bias) from column j in the math type, zero past count.
+  auto row = [bias](const T* x, int64_t j, int64_t count) {
+    if constexpr (kBias) return load(x + j, count) + load(bias + j, count);
+    return load(x + j, count);
+  };
+
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* x = logits + i * V;  // (V,)
+      const int64_t t = target[i];
+      const bool valid = t != ignore_index;
+      A x_t = 0;  // read before the gradient overwrites the row
+      if (valid) x_t = static_cast<A>(x[t]) + (kBias ? static_cast<A>(bias[t]) : A(0));
+
+      // Pass 1: max, sum of exp and sum of logits, online over blocks of kUnroll vectors.
+      OnlineLse<A> stats;
+      Vec sx(A(0));
+      Vec v[kUnroll];
+      int64_t j = 0;
+      for (; j + kUnroll * kW <= V; j += kUnroll * kW) {
+        for (int u = 0; u < kUnroll; ++u) {
+          v[u] = row(x, j + u * kW, kW);
+          sx = sx + v[u];
+        }
+        stats.absorb(v, kUnroll);
+      }
+      int count = 0;
+      for (; j + kW <= V; j += kW, ++count) {
+        v[count] = row(x, j, kW);
+        sx = sx + v[count];
+      }
+      if (j < V) {  // the tail: zero-padded for the sum, -inf-padded for max / exp
+        const Vec tail = row(x, j, V - j);
+        sx = sx + tail;
+        v[count++] = Vec::set(Vec(neg_inf), tail, V - j);
+      }
+      if (count > 0) stats.absorb(v, count);
+      // A NaN or +inf logit (the logits' sum is then NaN or +inf) or a row of only -inf logits has
+      // no finite log-sum-exp: the reference and F.cross_entropy give NaN, and so does the kernel.
+      // The running max alone would skip a NaN (a comparison with NaN is false).
+      const A sum_x = hsum<A>(sx);
+      const bool no_lse = std::isnan(sum_x) || sum_x == -neg_inf || stats.m == neg_inf;
+      const A lse = no_lse ? std::numeric_limits<A>::quiet_NaN() : stats.lse();
+
+      A loss = 0;
+      if (valid) {
+        loss = lse - (A(1) - eps) * x_t;
+        if (eps > A(0)) loss -= eps * sum_x * inv_v;
+      }
+      loss_rows[i] = static_cast<double>(loss);
+
+      // Pass 2: grad = (softmax - (1 - eps) onehot - eps / V) * scale, while the row is in cache.
+      if (grad == nullptr) continue;
+      T* g = grad + i * V;
+      const A sc = valid ? static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale) : A(0);
+      if (sc == A(0)) {  // an ignored row: zero gradient, whatever its logits
+        std::fill(g, g + V, T(0));
+        continue;
+      }
+      if (no_lse) {  // the whole row's gradient is NaN, as the reference's (fast_exp would clamp it)
+        const A nan = std::numeric_limits<A>::quiet_NaN();
+        std::fill(g, g + V, static_cast<T>(nan));
+        if (grad_colsum != nullptr) {
+          A* cs = grad_colsum + at::get_thread_num() * V;
+          for (int64_t k = 0; k < V; ++k) cs[k] += nan;
+        }
+        continue;
+      }
+      const Vec lse_v(lse), sc_v(sc), c_v(eps * inv_v * sc);
+      if (grad_colsum == nullptr) {
+        vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+          store(g + k, fast_exp(row(x, k, cnt) - lse_v) * sc_v - c_v, cnt);
+        });
+      } else {  // also add the row into this thread's column sums (the bias gradient)
+        A* cs = grad_colsum + at::get_thread_num() * V;
+        vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+          const Vec gv = fast_exp(row(x, k, cnt) - lse_v) * sc_v - c_v;
+          store(g + k, gv, cnt);
+          (Vec::loadu(cs + k, cnt) + gv).store(cs + k, cnt);
+        });
+        cs[t] -= (A(1) - eps) * sc;
+      }
+      g[t] = static_cast<T>((std::exp(x_t - lse) - eps * inv_v - (A(1) - eps)) * sc);
+    }
+  });
+}
+
+}  // namespace
+
+void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias, const int64_t* target,
+                        double label_smoothing, int64_t ignore_index, RowScale scale,
+                        const at::Tensor& grad, double* loss_rows, const at::Tensor& grad_colsum) {
+  const int64_t n = logits.size(0), V = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "cross_entropy_rows", [&] {
+    const scalar_t* x = logits.const_data_ptr<scalar_t>();
+    scalar_t* g = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
+    acc_t<scalar_t>* cs =
+        (g != nullptr && grad_colsum.defined()) ? grad_colsum.data_ptr<acc_t<scalar_t>>() : nullptr;
+    if (bias.defined()) {
+      cross_entropy_rows_impl<scalar_t, true>(x, bias.const_data_ptr<scalar_t>(), g, cs, n, V, target,
+                                              label_smoothing, ignore_index, scale, loss_rows);
+    } else {
+      cross_entropy_rows_impl<scalar_t, false>(x, nullptr, g, cs, n, V, target, label_smoothing,
+                                               ignore_index, scale, loss_rows);
+    }
+  });
+}
+
+// acc[i] += src[i] for n elements (the bf16 partial dweight into its fp32 accumulator).
+void accumulate_bf16(const at::BFloat16* src, int64_t n, float* acc) {
+  constexpr int64_t kW = Vectorized<float>::size();
+  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+    vec_loop<kW>(end - begin, [&](int64_t k, int64_t cnt) {
+      const int64_t i = begin + k;
+      (Vectorized<float>::loadu(acc + i, cnt) + load(src + i, cnt)).store(acc + i, cnt);
+    });
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fastformer

@@ -1,0 +1,25 @@
+// The per-ISA entry points of feed_forward (feed_forward_kernel.cpp, one copy per level of isa.h):
+// the one pass between the GEMMs each way, called by feed_forward.cpp.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "isa.h"
+
+namespace fastformer {
+
+enum class Activation { kRelu, kGelu };
+
+// a = dropout(act(pre)); pre, a (N, F) contiguous.
+FF_ISA_DECLARE(void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act,
+                                           double dropout_p, uint64_t seed, uint64_t offset))
+
+// a = dropout(act(pre)) and dpre = da * keep * act'(pre) written over dpre (which holds da on
+// entry); db1 (F,) = column sums of dpre, db2 (E,) = column sums of dout, each only when not empty.
+FF_ISA_DECLARE(void act_dropout_bwd_kernel(const at::Tensor& pre, at::Tensor& dpre,
+                                           const at::Tensor& dout, at::Tensor& a, at::Tensor& db1,
+                                           at::Tensor& db2, Activation act, double dropout_p,
+                                           uint64_t seed, uint64_t offset))
+
+}  // namespace fastformer

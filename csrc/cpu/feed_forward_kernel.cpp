@@ -1,0 +1,186 @@
+// The position-wise feed-forward block linear(dropout(act(linear(x, w1, b1))), w2, b2) for CPU.
+//
+// The GEMMs of forward and backward go to ATen's BLAS (oneDNN / MKL, see matmul_nt); everything
+// between them is one vectorised parallel pass each way:
+//   forward:  pre = x w1^T + b1 (bias in the GEMM), then ONE pass a = dropout(act(pre)),
+//             then out = a w2^T + b2.
+//   backward: da = dout w2, then ONE pass over (pre, da) that regenerates the dropout mask and
+//             writes a = dropout(act(pre)) (dw2 needs it) and dpre = da * keep * scale * act'(pre)
+//             over da in place, summing db1 (columns of dpre) and db2 (columns of dout) per block
+//             of rows on the way; then dw2 = dout^T a, dw1 = dpre^T x, dx = dpre w1.
+// Only pre (N, F) is kept between forward and backward.
+//
+// This file is the pass between the GEMMs, compiled once per ISA level into fastformer::<level>
+// (isa.h); feed_forward.cpp checks the arguments, runs the GEMMs and calls the chosen level.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "dropout_scales.h"
+#include "feed_forward.h"
+#include "philox.h"
+#include "vec_io.h"
+
+namespace fastformer {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename A>
+inline Vectorized<A> activate(const Vectorized<A>& p, Activation act) {
+  using V = Vectorized<A>;
+  if (act == Activation::kRelu) return at::vec::clamp_min(p, V(A(0)));
+  // exact gelu: 0.5 p (1 + erf(p / sqrt(2)))
+  const V half(A(0.5));
+  return p * (half + half * (p * V(static_cast<A>(M_SQRT1_2))).erf());
+}
+
+// d act / d p. relu: 1 where p > 0 (F.relu's convention at 0); gelu: Phi(p) + p phi(p).
+template <typename A>
+inline Vectorized<A> activate_grad(const Vectorized<A>& p, Activation act) {
+  using V = Vectorized<A>;
+  if (act == Activation::kRelu) return V::blendv(V(A(0)), V(A(1)), p > V(A(0)));
+  const V half(A(0.5));
+  const V cdf = half + half * (p * V(static_cast<A>(M_SQRT1_2))).erf();
+  const V pdf = (p * p * V(A(-0.5))).exp() * V(static_cast<A>(0.3989422804014327));  // 1/sqrt(2 pi)
+  return at::vec::fmadd(p, pdf, cdf);
+}
+
+// a = dropout(act(pre)) over the flat (N * F) element range, in chunks that may span rows: the
+// dropout factors of element e are those of column e % F of row e / F.
+template <typename T>
+void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, double dropout_p,
+                     uint64_t seed, uint64_t offset) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  constexpr int64_t W = V::size();
+  constexpr int64_t kChunk = 2048;  // elements per dropout-factor buffer (8 KiB of fp32)
+  const int64_t total = N * F;
+  const bool drop = dropout_p > 0.0;
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
+  at::parallel_for(0, total, 8 * kChunk, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<A[]> keep_buf(new A[drop ? kChunk : 0]);
+    A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
+    for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, end - c0);
+      for (int64_t e = c0; keep && e < c0 + len;) {  // the chunk's pieces of rows
+        const int64_t row = e / F, col = e % F, n = std::min(F - col, c0 + len - e);
+        dropout.fill(keep + (e - c0), col, n, dropout_row_counter(offset, row, F));
+        e += n;
+      }
+      const T* const p = pre + c0;
+      T* const out = a + c0;
+      vec_loop<W>(len, [&](int64_t j, int64_t n) {
+        V v = activate(load(p + j, n), act);
+        if (keep) v = v * V::loadu(keep + j, n);
+        store(out + j, v, n);
+      });
+    }
+  });
+}
+
+// One row of the backward pass: a = dropout(act(pre)) and dpre = da * keep * act'(pre) written over
+// da; db1_sum += dpre, db2_sum += dout (each when not nullptr). keep: nullptr without dropout.
+template <typename T>
+inline void act_dropout_bwd_row(const T* pr, T* dr, T* ar, const acc_t<T>* keep, const T* gr,
+                                acc_t<T>* db1_sum, acc_t<T>* db2_sum, int64_t F, int64_t E,
+                                Activation act) {
+  using V = AccVec<T>;
+  constexpr int64_t W = V::size();
+  vec_loop<W>(F, [&](int64_t j, int64_t n) {
+    const V p = load(pr + j, n);
+    V av = activate(p, act);
+    V d = load(dr + j, n) * activate_grad(p, act);
+    if (keep) {
+      const V f = V::loadu(keep + j, n);
+      av = av * f;
+      d = d * f;
+    }
+    store(ar + j, av, n);
+    store(dr + j, d, n);
+    if (db1_sum) (V::loadu(db1_sum + j, n) + d).store(db1_sum + j, n);
+  });
+  if (db2_sum) {
+    vec_loop<W>(E, [&](int64_t j, int64_t n) {
+      (V::loadu(db2_sum + j, n) + load(gr + j, n)).store(db2_sum + j, n);
+    });
+  }
+}
+
+// The backward's one pass over rows (see act_dropout_bwd_row); db1 / db2 (nullptr: not wanted)
+// are summed per block of rows, then the blocks' sums added in block order.
+template <typename T>
+void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* db2, int64_t N,
+                     int64_t F, int64_t E, Activation act, double dropout_p, uint64_t seed,
+                     uint64_t offset) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  constexpr int64_t W = V::size();
+  const bool drop = dropout_p > 0.0;
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));
+  const int64_t nblocks =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain));
+  const int64_t rows_per_block = (N + nblocks - 1) / nblocks;
+  const int64_t F1 = db1 ? F : 0, E2 = db2 ? E : 0;
+  std::unique_ptr<A[]> partial_buf(new A[nblocks * (F1 + E2)]());  // per block: db1 (F1), db2 (E2)
+  A* const partial = partial_buf.get();
+  at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::unique_ptr<A[]> keep_buf(new A[drop ? F : 0]);
+    A* const keep = drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, threshold, scale);
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      A* const db1_sum = F1 ? partial + block * (F1 + E2) : nullptr;
+      A* const db2_sum = E2 ? partial + block * (F1 + E2) + F1 : nullptr;
+      const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
+      for (int64_t row = block * rows_per_block; row < row_end; ++row) {
+        if (keep) dropout.fill(keep, 0, F, dropout_row_counter(offset, row, F));
+        act_dropout_bwd_row<T>(pre + row * F, da_dpre + row * F, a + row * F, keep, dout + row * E,
+                               db1_sum, db2_sum, F, E, act);
+      }
+    }
+  });
+  auto reduce = [&](T* out, int64_t len, int64_t at) {
+    vec_loop<W>(len, [&](int64_t j, int64_t n) {
+      V s(A(0));
+      for (int64_t block = 0; block < nblocks; ++block) {
+        s = s + V::loadu(partial + block * (F1 + E2) + at + j, n);
+      }
+      store(out + j, s, n);
+    });
+  };
+  if (F1) reduce(db1, F1, 0);
+  if (E2) reduce(db2, E2, F1);
+}
+
+}  // namespace
+
+void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act, double dropout_p,
+                            uint64_t seed, uint64_t offset) {
+  const int64_t N = pre.size(0), F = pre.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, pre.scalar_type(), "feed_forward_fwd", [&] {
+    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), N, F, act,
+                              dropout_p, seed, offset);
+  });
+}
+
+void act_dropout_bwd_kernel(const at::Tensor& pre, at::Tensor& dpre, const at::Tensor& dout,
+                            at::Tensor& a, at::Tensor& db1, at::Tensor& db2, Activation act,
+                            double dropout_p, uint64_t seed, uint64_t offset) {
+  const int64_t N = pre.size(0), F = pre.size(1), E = dout.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, pre.scalar_type(), "feed_forward_bwd", [&] {
+    act_dropout_bwd<scalar_t>(pre.data_ptr<scalar_t>(), dpre.data_ptr<scalar_t>(),
+                              dout.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
+                              db1.numel() > 0 ? db1.data_ptr<scalar_t>() : nullptr,
+                              db2.numel() > 0 ? db2.data_ptr<scalar_t>() : nullptr, N, F, E, act,
+                              dropout_p, seed, offset);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fastformer
