@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from fastformer import _ext, backends
+from fastformer import _ext, backends, philox
 
 TARGETS = {"attention": 1.10, "add_layer_norm": 1.25}
 
@@ -35,8 +35,8 @@ def attention_case(B, H, S, D, seed=0):
     scale = D ** -0.5
 
     def run(p):
-        out, lse = kern.attention_fwd(q, k, v, kpm, None, False, scale, p, 1234, 0)
-        kern.attention_bwd(dout, q, k, v, out, lse, kpm, None, False, scale, p, 1234, 0)
+        out, lse = kern.attention_fwd(q, k, v, kpm, None, False, scale, p, philox.pack(1234, 0))
+        kern.attention_bwd(dout, q, k, v, out, lse, kpm, None, False, scale, p, philox.pack(1234, 0))
 
     return f"attention B{B} H{H} S{S} D{D} fp32 kpm", run
 
@@ -49,8 +49,8 @@ def add_layer_norm_case(N, C, seed=0):
     kern = backends.Kernels("cpu")
 
     def run(p):
-        _, h, mean, rstd = kern.add_layer_norm_fwd(x, res, w, b, 1e-5, p, 1234, 0)
-        kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, 1234, 0, True)
+        _, h, mean, rstd = kern.add_layer_norm_fwd(x, res, w, b, 1e-5, p, philox.pack(1234, 0))
+        kern.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(1234, 0), True)
 
     return f"add_layer_norm {N}x{C} fp32 residual", run
 
