@@ -47,31 +47,10 @@ inline void store(float* p, const Vectorized<float>& v, int64_t n = Vectorized<f
 inline void store(double* p, const Vectorized<double>& v, int64_t n = Vectorized<double>::size()) {
   v.store(p, n);
 }
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-// One instruction (vcvtneps2bf16, round to nearest even) instead of at::vec's integer sequence.
-inline __m256i narrow_bf16(const Vectorized<float>& v) {
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-}
-inline Vectorized<float> widen_bf16(__m256i r) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
-}
-inline void store_bf16(c10::BFloat16* p, __m256i r, int64_t n) {
-  if (n == 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
-  } else {
-    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), r);
-  }
-}
-inline void store(c10::BFloat16* p, const Vectorized<float>& v,
-                  int64_t n = Vectorized<float>::size()) {
-  store_bf16(p, narrow_bf16(v), n);
-}
-#else
 inline void store(c10::BFloat16* p, const Vectorized<float>& v,
                   int64_t n = Vectorized<float>::size()) {
   at::vec::convert_from_float<c10::BFloat16>(v, v).store(p, n);
 }
-#endif
 
 // Stores v to p as T and returns what was stored, widened back (v rounded to T's precision).
 inline Vectorized<float> store_rounded(float* p, const Vectorized<float>& v,
@@ -86,15 +65,9 @@ inline Vectorized<double> store_rounded(double* p, const Vectorized<double>& v,
 }
 inline Vectorized<float> store_rounded(c10::BFloat16* p, const Vectorized<float>& v,
                                        int64_t n = Vectorized<float>::size()) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-  const __m256i r = narrow_bf16(v);
-  store_bf16(p, r, n);
-  return widen_bf16(r);
-#else
   const Vectorized<c10::BFloat16> r = at::vec::convert_from_float<c10::BFloat16>(v, v);
   r.store(p, n);
   return std::get<0>(at::vec::convert_to_float(r));
-#endif
 }
 
 template <typename A>
