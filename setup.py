@@ -77,6 +77,9 @@ def extension(name="fastformer._C", ops=None, cuda=None):
     csrc/cuda. The per-ISA kernel sources ride along as ext.isa_sources (BuildExtension builds them)."""
     sources, isa_sources = cpu_sources(ops)
     include_dirs = [os.path.join(ROOT, "csrc")]
+    # every header, so an incremental build (tools/dev_build.py) recompiles what includes an edited one
+    depends = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)
+                     + glob.glob(os.path.join("csrc", "**", "*.cuh"), recursive=True))
     extra = {"cxx": cpu_flags()}
     if build_cuda() if cuda is None else cuda:
         # csrc/cuda/*.cu through nvcc, the glue csrc/cuda/*.cpp through the C++ compiler (cxx flags).
@@ -85,10 +88,10 @@ def extension(name="fastformer._C", ops=None, cuda=None):
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         extra["nvcc"] = ["-O3", "-std=c++17", "-lineinfo"]
-        ext = cpp_extension.CUDAExtension(name, sources, include_dirs=include_dirs,
+        ext = cpp_extension.CUDAExtension(name, sources, include_dirs=include_dirs, depends=depends,
                                           extra_compile_args=extra, extra_link_args=["-fopenmp"])
     else:
-        ext = cpp_extension.CppExtension(name, sources, include_dirs=include_dirs,
+        ext = cpp_extension.CppExtension(name, sources, include_dirs=include_dirs, depends=depends,
                                          extra_compile_args=extra, extra_link_args=["-fopenmp"])
     ext.isa_sources = isa_sources
     return ext

@@ -7,18 +7,16 @@
 // triton.language.randint4x(seed, n) returns. Column 8 g + j takes the 16 bits
 // u = (w[j / 2] >> (16 * (j % 2))) & 0xFFFF, so the four words stored little-endian are the group's
 // eight uint16 values in column order. The element is kept iff u >= T, T = round(p * 2^16) (half up).
-// This file is the scalar definition (and the one C++ home of the Philox constants);
+// This file is the scalar definition (the constants are in csrc/philox_constants.h);
 // dropout_scales.h is the vectorised one the kernels use. The functions are static: this header
 // is compiled into every ISA level's kernels (isa.h) and into baseline code, and each must keep
 // its own copy (one shared inline copy would be taken from whichever object the linker saw first).
 #pragma once
 #include <cstdint>
 
-namespace fastformer {
+#include "../philox_constants.h"
 
-constexpr uint32_t kPhiloxRoundA = 0xD2511F53u, kPhiloxRoundB = 0xCD9E8D57u;
-constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
-constexpr int64_t kDropoutGroup = 8;  // columns per Philox call
+namespace fastformer {
 
 struct PhiloxWords {
   uint32_t w[4];

@@ -15,11 +15,13 @@
 //   uint64_t n = ff_dropout_counter(offset, r, C, g);  the counter of group g of row r
 #pragma once
 
+#include "../philox_constants.h"
 #include "common.cuh"
 
-constexpr uint32_t kFfPhiloxRoundA = 0xD2511F53u, kFfPhiloxRoundB = 0xCD9E8D57u;
-constexpr uint32_t kFfPhiloxKeyA = 0x9E3779B9u, kFfPhiloxKeyB = 0xBB67AE85u;
-constexpr int kFfDropoutGroup = 8;  // columns per Philox call
+// The constants of csrc/philox_constants.h, under the names the CUDA sources use.
+constexpr uint32_t kFfPhiloxRoundA = fastformer::kPhiloxRoundA, kFfPhiloxRoundB = fastformer::kPhiloxRoundB;
+constexpr uint32_t kFfPhiloxKeyA = fastformer::kPhiloxKeyA, kFfPhiloxKeyB = fastformer::kPhiloxKeyB;
+constexpr int kFfDropoutGroup = fastformer::kDropoutGroup;
 
 struct FfPhilox4 {
   uint32_t w[4];
