@@ -4,13 +4,37 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/large_buffers.h"
 #include "schemas.h"
 
+namespace {
+
+// fastformer._C.cpu_pool_stats() -> dict: the CPU buffer pool's counters (csrc/cpu/large_buffers.h).
+PyObject* cpu_pool_stats(PyObject*, PyObject*) {
+  const fastformer::PoolStats s = fastformer::pool_stats();
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L}", "in_use_bytes", static_cast<long long>(s.in_use_bytes),
+                       "cached_bytes", static_cast<long long>(s.cached_bytes), "cap_bytes",
+                       static_cast<long long>(s.cap_bytes), "hits", static_cast<long long>(s.hits),
+                       "misses", static_cast<long long>(s.misses));
+}
+
+// fastformer._C.cpu_pool_empty_cache() -> int: frees the pool's kept blocks, returns their bytes.
+PyObject* cpu_pool_empty_cache(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(static_cast<long long>(fastformer::pool_empty_cache()));
+}
+
+PyMethodDef methods[] = {
+    {"cpu_pool_stats", cpu_pool_stats, METH_NOARGS, "The CPU buffer pool's counters."},
+    {"cpu_pool_empty_cache", cpu_pool_empty_cache, METH_NOARGS, "Free the CPU buffer pool's kept blocks."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 extern "C" {
-// `import fastformer._C` only has to load this library: the ops register
-// themselves with the dispatcher through the static initialisers below.
+// `import fastformer._C` loads this library: the ops register themselves with the dispatcher
+// through the static initialisers below; the module's functions are the CPU pool's controls.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }

@@ -173,3 +173,30 @@ def test_step_gemms_are_the_models_matrix_products():
     per_layer = 4 * B * h * dh * (Ss * Ss + St * St + St * Ss)  # encoder self, decoder self, cross
     assert sum(2 * b * m * k * n for b, m, k, n in gemms if b > 1) == shape["layers"] * per_layer
     assert ts.step_gemm_flops(gemms) == 3 * (linear + shape["layers"] * per_layer)
+
+
+def test_copy_yardstick_moves_the_ops_bytes_and_gives_the_fraction_of_copy_bandwidth(tmp_path, capsys, one_thread):
+    spec = bench_ops.OPS["cross_entropy"]
+    shape = spec.sweep("cpu", "smoke")[0]
+    case = registry.build_case("cross_entropy", registry.COPY, shape, torch.device("cpu"), torch.float32)
+    assert set(case.calls) == {"fwd", "bwd", "fwd_bwd"}
+    for mode, call in case.calls.items():
+        src, dst = case.buffers[mode]
+        assert src.numel() * 2 * 4 == spec.bytes(shape, mode, 4)  # read + write = the op's traffic model
+        call()
+        assert torch.equal(dst, src)
+    reasons = dict((p.name, r) for p, r in registry.providers_for("attention", torch.device("cpu"), torch.float32))
+    assert "memory-bound" in reasons[registry.COPY]  # no GB/s yardstick for a FLOP-bound op
+    code = main(["bench", "--quick", "--sweep", "smoke", "--ops", "cross_entropy", "--no-plots",
+                 "--providers", "torch-eager", "fastformer-cpu", registry.COPY, "--out", str(tmp_path)])
+    assert code == 0
+    assert "of copy GB/s" in capsys.readouterr().out
+    ok = [r for r in json.load(open(tmp_path / "results.json"))["results"] if r["status"] == "ok"]
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        rows = {r["provider"]: r for r in ok if r["mode"] == mode}
+        copy = rows[registry.COPY]
+        # the copy moves the bytes the op's traffic model counts, so its GB/s is over the same volume
+        assert copy["throughput"] == pytest.approx(spec.bytes(shape, mode, 4) / (copy["min_ms"] / 1e3) / 1e9)
+        assert copy["speedup_vs_eager"] is None and copy["copy_fraction"] is None
+        for name in ("torch-eager", "fastformer-cpu"):
+            assert rows[name]["copy_fraction"] == pytest.approx(copy["min_ms"] / rows[name]["min_ms"])

@@ -5,6 +5,8 @@
 
 #include <torch/library.h>
 
+#include "large_buffers.h"
+
 #include <algorithm>
 #include <tuple>
 #include <vector>
@@ -81,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cpu(const at::Tensor& logit
   check_label_smoothing(what, label_smoothing);
   const int64_t num_valid = check_target(what, target, n, V, ignore_index);
 
-  at::Tensor grad = compute_grad ? at::empty(logits.sizes(), logits.options())
+  at::Tensor grad = compute_grad ? empty_large_like(logits)  // (N, V): pooled, see large_buffers.h
                                  : at::empty({0}, logits.options());
   RowScale rs;
   rs.scale = reduction == 1 ? (num_valid > 0 ? 1.0 / static_cast<double>(num_valid) : 0.0) : 1.0;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 
 #include "vec_io.h"
 
@@ -71,24 +72,36 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
   };
 
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<A[]> exp_buf(new A[grad != nullptr ? V : 0]);  // exp(x - max) of one row
+    A* const e = exp_buf.get();
     for (int64_t i = begin; i < end; ++i) {
       const T* x = logits + i * V;  // (V,)
       const int64_t t = target[i];
       const bool valid = t != ignore_index;
-      A x_t = 0;  // read before the gradient overwrites the row
-      if (valid) x_t = static_cast<A>(x[t]) + (kBias ? static_cast<A>(bias[t]) : A(0));
+      T* g = grad != nullptr ? grad + i * V : nullptr;
+      if (!valid) {  // an ignored row: loss 0 and zero gradient, whatever its logits
+        loss_rows[i] = 0.0;
+        if (g != nullptr) std::fill(g, g + V, T(0));
+        continue;
+      }
+      const A x_t = static_cast<A>(x[t]) + (kBias ? static_cast<A>(bias[t]) : A(0));  // before g overwrites x
+      const A sc = static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale);
 
-      // Pass 1: max, sum of exp and sum of logits, online over blocks of kUnroll vectors.
+      // Pass 1: the row's max and sum of logits, and (without a gradient to write) its sum of exp,
+      // online over blocks of kUnroll vectors. With a gradient, pass 2 takes the exps once, after
+      // the max is known, and keeps them for pass 3: one exp per element either way.
+      const bool with_grad = g != nullptr && sc != A(0);
       OnlineLse<A> stats;
-      Vec sx(A(0));
+      Vec vmax(neg_inf), sx(A(0));
       Vec v[kUnroll];
       int64_t j = 0;
       for (; j + kUnroll * kW <= V; j += kUnroll * kW) {
         for (int u = 0; u < kUnroll; ++u) {
           v[u] = row(x, j + u * kW, kW);
           sx = sx + v[u];
+          if (with_grad) vmax = at::vec::maximum(vmax, v[u]);
         }
-        stats.absorb(v, kUnroll);
+        if (!with_grad) stats.absorb(v, kUnroll);
       }
       int count = 0;
       for (; j + kW <= V; j += kW, ++count) {
@@ -100,26 +113,36 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
         sx = sx + tail;
         v[count++] = Vec::set(Vec(neg_inf), tail, V - j);
       }
-      if (count > 0) stats.absorb(v, count);
+      if (with_grad) {
+        for (int u = 0; u < count; ++u) vmax = at::vec::maximum(vmax, v[u]);
+        stats.m = hmax<A>(vmax);
+      } else if (count > 0) {
+        stats.absorb(v, count);
+      }
       // A NaN or +inf logit (the logits' sum is then NaN or +inf) or a row of only -inf logits has
       // no finite log-sum-exp: the reference and F.cross_entropy give NaN, and so does the kernel.
       // The running max alone would skip a NaN (a comparison with NaN is false).
       const A sum_x = hsum<A>(sx);
       const bool no_lse = std::isnan(sum_x) || sum_x == -neg_inf || stats.m == neg_inf;
-      const A lse = no_lse ? std::numeric_limits<A>::quiet_NaN() : stats.lse();
-
-      A loss = 0;
-      if (valid) {
-        loss = lse - (A(1) - eps) * x_t;
-        if (eps > A(0)) loss -= eps * sum_x * inv_v;
+      if (with_grad && !no_lse) {  // Pass 2: e = exp(x - max) into the row buffer, and its sum
+        const Vec mv(stats.m);
+        Vec se(A(0));
+        vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+          Vec ev = fast_exp(row(x, k, cnt) - mv);
+          if (cnt < kW) ev = Vec::set(Vec(A(0)), ev, cnt);
+          ev.store(e + k, cnt);
+          se = se + ev;
+        });
+        stats.s = se;
       }
+      const A lse = no_lse ? std::numeric_limits<A>::quiet_NaN() : stats.lse();
+      A loss = lse - (A(1) - eps) * x_t;
+      if (eps > A(0)) loss -= eps * sum_x * inv_v;
       loss_rows[i] = static_cast<double>(loss);
 
-      // Pass 2: grad = (softmax - (1 - eps) onehot - eps / V) * scale, while the row is in cache.
-      if (grad == nullptr) continue;
-      T* g = grad + i * V;
-      const A sc = valid ? static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale) : A(0);
-      if (sc == A(0)) {  // an ignored row: zero gradient, whatever its logits
+      // Pass 3: grad = (softmax - (1 - eps) onehot - eps / V) * scale, from the row buffer.
+      if (g == nullptr) continue;
+      if (sc == A(0)) {  // a zero row scale: zero gradient, whatever its logits
         std::fill(g, g + V, T(0));
         continue;
       }
@@ -132,15 +155,15 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
         }
         continue;
       }
-      const Vec lse_v(lse), sc_v(sc), c_v(eps * inv_v * sc);
+      const Vec p_v(sc / hsum<A>(stats.s)), c_v(eps * inv_v * sc);  // softmax = e / sum(e)
       if (grad_colsum == nullptr) {
         vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
-          store(g + k, fast_exp(row(x, k, cnt) - lse_v) * sc_v - c_v, cnt);
+          store(g + k, at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, c_v), cnt);
         });
       } else {  // also add the row into this thread's column sums (the bias gradient)
         A* cs = grad_colsum + at::get_thread_num() * V;
         vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
-          const Vec gv = fast_exp(row(x, k, cnt) - lse_v) * sc_v - c_v;
+          const Vec gv = at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, c_v);
           store(g + k, gv, cnt);
           (Vec::loadu(cs + k, cnt) + gv).store(cs + k, cnt);
         });

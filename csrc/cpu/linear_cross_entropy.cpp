@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cross_entropy.h"
+#include "large_buffers.h"
 
 #ifndef FASTFORMER_LCE_CHUNK_BYTES
 #define FASTFORMER_LCE_CHUNK_BYTES (16 << 20)
@@ -54,11 +55,11 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
   at::Tensor dweight_acc, dbias_partial, dweight_part;
   if (compute_grad) {
     out.dhidden = at::empty({n, D}, hidden.options());
-    dweight_acc = at::zeros({V, D}, acc_opts);
+    dweight_acc = empty_large({V, D}, acc_opts).zero_();  // pooled: no fresh pages a call
     if (has_bias) dbias_partial = at::zeros({at::get_num_threads(), V}, acc_opts);  // per thread
     if (lowp) dweight_part = at::empty({V, D}, weight.options());
   }
-  at::Tensor buffer = at::empty({rows_per_chunk, V}, hidden.options());  // (C, V) logits, then dlogits
+  at::Tensor buffer = empty_large({rows_per_chunk, V}, hidden.options());  // (C, V) logits, then dlogits
   const at::Tensor weight_t = weight.t();                                  // (D, V) view
 
   for (int64_t c0 = 0; c0 < n; c0 += rows_per_chunk) {

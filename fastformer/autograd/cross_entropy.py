@@ -2,7 +2,7 @@ import math
 
 import torch
 
-_REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
+REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 
 
 def _scale_rows(ctx, index: int, grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, kernels):
         loss, grad = kernels.cross_entropy_fwd(logits, target, label_smoothing, ignore_index,
-                                               _REDUCTION_CODE[reduction], logits.requires_grad)
+                                               REDUCTION_CODE[reduction], logits.requires_grad)
         ctx.save_for_backward(grad)  # (N, V): d(loss)/d(logits) for an upstream gradient of 1
         _unscaled(ctx, 1)
         return loss
@@ -79,7 +79,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         in_forward = needs_grad and reduction != "none"
         loss, dh, dw, db = kernels.linear_cross_entropy_fwd(
             hidden, weight, bias, target, label_smoothing, ignore_index,
-            _REDUCTION_CODE[reduction], in_forward)
+            REDUCTION_CODE[reduction], in_forward)
         if in_forward:
             ctx.save_for_backward(dh, dw, db if bias is not None else None)
             _unscaled(ctx, 3)

@@ -27,7 +27,7 @@ import torch
 
 from . import report, train_step
 from .ops import MODES, OPS
-from .providers import REGISTRY, build_case, default_dtypes, providers_for
+from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
 from .timing import measure_interleaved, peak_memory_bytes
 
 ALL_OPS = list(OPS) + ["train_step"]
@@ -139,6 +139,10 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
                                    tokens_per_s=spec.tokens(shape) / seconds)
                     except Exception as e:
                         rec["status"] = _error(e)
+                copy = recs.get(COPY)
+                for name, rec in recs.items():  # the share of the machine's copy bandwidth reached
+                    ok = rec["status"] == "ok" and copy is not None and copy["status"] == "ok" and name != COPY
+                    rec["copy_fraction"] = copy["min_ms"] / rec["min_ms"] if ok else None
                 for rec in recs.values():
                     records.append(rec)
                     if log:

@@ -145,6 +145,34 @@ register(Provider("sdpa-flash", factory=_sdpa_factory("flash"), why_not=_sdpa_wh
                   devices=("cuda",)))
 
 
+# -- the machine's own yardstick for memory-bound ops: a plain copy of the same bytes ---------------
+COPY = "torch-copy-alone"
+
+
+def _copy_why_not(spec, device, dtype) -> Optional[str]:
+    return None if spec.bytes is not None else "a yardstick for memory-bound ops (GB/s)"
+
+
+register(Provider(COPY, factory=lambda spec: None, why_not=_copy_why_not, tags=["torch", "yardstick"]))
+
+
+def _copy_case(op: str, shape: Dict, device: torch.device, dtype: torch.dtype, modes) -> "Case":
+    """``dst.copy_(src)`` moving, read plus write, the bytes the op's traffic model counts for each
+    mode (so its GB/s is the machine's copy bandwidth at that volume, and copy time / op time is the
+    fraction of it the op reaches); both buffers are allocated once, outside the timed call."""
+    spec = OPS[op]
+    elem = torch.finfo(dtype).bits // 8
+    calls: Dict[str, Callable[[], object]] = {}
+    buffers = {}
+    for mode in modes:
+        n = max(1, int(spec.bytes(shape, mode, elem)) // (2 * elem))
+        src = torch.randn(n, device=device).to(dtype)
+        dst = torch.empty_like(src)
+        buffers[mode] = (src, dst)
+        calls[mode] = synchronized(lambda d=dst, s=src: d.copy_(s), device)
+    return Case(op, COPY, shape, dtype, device, calls, lambda: None, buffers)
+
+
 # -- selection and cases --------------------------------------------------------------------------
 def default_dtypes(device: torch.device) -> List[torch.dtype]:
     return [torch.bfloat16] if device.type == "cuda" else [torch.float32]
@@ -177,6 +205,7 @@ class Case:
     device: torch.device
     calls: Dict[str, Callable[[], object]]
     reset: Callable[[], None]  # drops the gradients the previous call left (before memory measurement)
+    buffers: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # COPY: mode -> (src, dst)
 
     @property
     def label(self) -> str:
@@ -187,6 +216,8 @@ def build_case(op: str, provider: str, shape: Dict, device: torch.device, dtype:
                modes=MODES) -> Case:
     """Inputs on ``device`` and the callables for each mode (``fwd``, ``bwd``: backward only,
     through a graph kept with ``retain_graph``, and ``fwd_bwd``)."""
+    if provider == COPY:
+        return _copy_case(op, shape, device, dtype, modes)
     spec = OPS[op]
     forward = REGISTRY[provider].factory(spec)
     x = spec.make_inputs(shape, device, dtype)

@@ -4,6 +4,7 @@ import torch
 
 from .. import backends
 from ..autograd import CrossEntropyFunction, LinearCrossEntropyFunction
+from ..autograd.cross_entropy import REDUCTION_CODE
 from . import _checks, reference
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -62,9 +63,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
         return reference.cross_entropy(logits, target, label_smoothing=label_smoothing,
                                        ignore_index=ignore_index, reduction=reduction)
     logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
+    logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
     with torch.autocast(logits.device.type, enabled=False):
-        loss = CrossEntropyFunction.apply(logits2d.contiguous(), target1d.contiguous(),
-                                          float(label_smoothing), ignore_index, reduction, kernels)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
+                                              reduction, kernels)
+        else:  # no gradient wanted (evaluation, no_grad): the kernel skips writing it
+            loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
+                                                REDUCTION_CODE[reduction], False)
     return loss.reshape(shape) if reduction == "none" else loss
 
 
@@ -105,8 +111,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     if kernels is None:
         return reference.linear_cross_entropy(hidden, weight, bias, target, label_smoothing=label_smoothing,
                                               ignore_index=ignore_index, reduction=reduction)
+    hidden2d, weight, target1d = hidden.reshape(-1, D).contiguous(), weight.contiguous(), target.reshape(-1).contiguous()
     with torch.autocast(hidden.device.type, enabled=False):
-        loss = LinearCrossEntropyFunction.apply(hidden.reshape(-1, D).contiguous(), weight.contiguous(),
-                                                bias, target.reshape(-1).contiguous(),
-                                                float(label_smoothing), ignore_index, reduction, kernels)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+            loss = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, target1d, float(label_smoothing),
+                                                    ignore_index, reduction, kernels)
+        else:  # no gradient wanted: the logits chunks are reduced to the loss, nothing else is kept
+            loss = kernels.linear_cross_entropy_fwd(hidden2d, weight, bias, target1d, float(label_smoothing),
+                                                    ignore_index, REDUCTION_CODE[reduction], False)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss

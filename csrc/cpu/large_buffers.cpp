@@ -1,0 +1,182 @@
+// The pool of large CPU output buffers (large_buffers.h).
+#include "large_buffers.h"
+
+#include <ATen/EmptyTensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace fastformer {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+constexpr int64_t kDefaultCapMiB = 1024;
+
+// FASTFORMER_CPU_POOL_MB as bytes; the default when unset.
+size_t cap_from_env() {
+  const char* env = std::getenv("FASTFORMER_CPU_POOL_MB");
+  if (env == nullptr || *env == '\0') return static_cast<size_t>(kDefaultCapMiB) << 20;
+  char* end = nullptr;
+  errno = 0;
+  const long long mib = std::strtoll(env, &end, 10);
+  TORCH_CHECK(errno == 0 && *end == '\0' && mib >= 0 && mib < (1LL << 40),
+              "FASTFORMER_CPU_POOL_MB must be a whole number of MiB >= 0 (the most memory the "
+              "CPU buffer pool keeps free), got '", env, "'");
+  return static_cast<size_t>(mib) << 20;
+}
+
+struct Block {
+  void* ptr;
+  size_t bytes;  // a multiple of kHugePage
+};
+
+class Pool final : public c10::Allocator {
+ public:
+  static Pool& instance();
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    const size_t bytes = (std::max<size_t>(nbytes, 1) + kHugePage - 1) / kHugePage * kHugePage;
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      init_locked();
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        ptr = it->second.back();
+        it->second.pop_back();
+        cached_ -= bytes;
+        ++hits_;
+      } else {
+        ++misses_;
+      }
+      in_use_ += bytes;  // counted before mapping: a failed mapping takes it back below
+    }
+    if (ptr == nullptr) ptr = map_block(bytes);
+    report(ptr, static_cast<int64_t>(bytes));
+    return {ptr, new Block{ptr, bytes}, &Pool::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  PoolStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    init_locked();
+    return {static_cast<int64_t>(in_use_), static_cast<int64_t>(cached_),
+            static_cast<int64_t>(cap_), hits_, misses_};
+  }
+
+  int64_t empty_cache() {
+    std::vector<Block> drop;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [bytes, ptrs] : free_) {
+        for (void* p : ptrs) drop.push_back({p, bytes});
+        ptrs.clear();
+      }
+      free_.clear();
+      cached_ = 0;
+    }
+    int64_t total = 0;
+    for (const Block& b : drop) {
+      std::free(b.ptr);
+      total += static_cast<int64_t>(b.bytes);
+    }
+    return total;
+  }
+
+ private:
+  void init_locked() {
+    if (!cap_read_) {
+      cap_ = cap_from_env();
+      cap_read_ = true;
+    }
+  }
+
+  // A new 2 MiB-aligned block of `bytes`, marked for transparent huge pages.
+  void* map_block(size_t bytes) {
+    void* ptr = nullptr;
+    const int rc = posix_memalign(&ptr, kHugePage, bytes);
+    if (rc != 0 || ptr == nullptr) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        in_use_ -= bytes;
+      }
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "fastformer CPU buffer pool: could not allocate ",
+                       bytes, " bytes (posix_memalign: ", std::strerror(rc), ")");
+    }
+    // Advice only: where transparent huge pages are off the block works with 4 KiB pages.
+    (void)madvise(ptr, bytes, MADV_HUGEPAGE);
+    return ptr;
+  }
+
+  void report(void* ptr, int64_t delta) {
+    if (!c10::memoryProfilingEnabled()) return;
+    size_t in_use, reserved;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      in_use = in_use_;
+      reserved = in_use_ + cached_;
+    }
+    c10::reportMemoryUsageToProfiler(ptr, delta, in_use, reserved, c10::Device(c10::DeviceType::CPU));
+  }
+
+  static void release(void* ctx) {
+    Block* block = static_cast<Block*>(ctx);
+    Pool& pool = instance();
+    bool keep;
+    {
+      std::lock_guard<std::mutex> lock(pool.mutex_);
+      pool.in_use_ -= block->bytes;
+      keep = pool.cached_ + block->bytes <= pool.cap_;
+      if (keep) {
+        pool.free_[block->bytes].push_back(block->ptr);
+        pool.cached_ += block->bytes;
+      }
+    }
+    pool.report(block->ptr, -static_cast<int64_t>(block->bytes));
+    if (!keep) std::free(block->ptr);
+    delete block;
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<size_t, std::vector<void*>> free_;  // rounded size -> kept blocks
+  size_t in_use_ = 0, cached_ = 0, cap_ = 0;
+  bool cap_read_ = false;
+  int64_t hits_ = 0, misses_ = 0;
+};
+
+Pool& Pool::instance() {
+  // Never destroyed: tensors freed during interpreter shutdown still find their pool.
+  static Pool* pool = new Pool();
+  return *pool;
+}
+
+}  // namespace
+
+at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  TORCH_CHECK(options.device().is_cpu(), "empty_large: CPU tensors only, got device ",
+              options.device());
+  const size_t nbytes = at::detail::computeStorageNbytesContiguous(
+      sizes, c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
+  if (nbytes < kPoolMinBytes) return at::empty(sizes, options);
+  return at::detail::empty_generic(sizes, &Pool::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   c10::typeMetaToScalarType(options.dtype()), c10::nullopt);
+}
+
+at::Tensor empty_large_like(const at::Tensor& t) { return empty_large(t.sizes(), t.options()); }
+
+PoolStats pool_stats() { return Pool::instance().stats(); }
+
+int64_t pool_empty_cache() { return Pool::instance().empty_cache(); }
+
+}  // namespace fastformer

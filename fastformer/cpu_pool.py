@@ -1,0 +1,45 @@
+"""The CPU buffer pool: where the C++ CPU kernels take their large outputs from.
+
+A tensor of 4 MiB or more that a CPU kernel returns (cross_entropy's ``(N, V)`` gradient,
+linear_cross_entropy's logits chunk and weight-gradient accumulator) comes from a pool of
+2 MiB-aligned blocks marked for transparent huge pages. When the last tensor using a block is
+freed the block is kept, up to a cap, and the next request of the same size reuses it, already
+mapped: without it, glibc returns blocks over 32 MiB to the kernel on free and every call pays
+the page faults of a fresh buffer again (on a VM, more than the kernel's own pass over it).
+
+    >>> import fastformer.cpu_pool as pool
+    >>> pool.stats()          # {'in_use_bytes': ..., 'cached_bytes': ..., 'cap_bytes': ..., 'hits': ..., 'misses': ...}
+    >>> pool.empty_cache()    # frees the kept blocks, returns the bytes given back
+
+``FASTFORMER_CPU_POOL_MB`` (read once, at the pool's first allocation; default 1024) caps the
+memory kept free; ``0`` keeps nothing (blocks are freed at once, still on huge pages). Allocations
+and frees are reported to the torch profiler (``profile_memory=True``) like torch's own.
+"""
+import os
+from typing import Dict
+
+from . import _ext
+
+
+def _module():
+    if os.environ.get("FASTFORMER_EXT_LIBRARY"):
+        raise RuntimeError("fastformer.cpu_pool needs the installed extension fastformer._C; it is not "
+                           "available while FASTFORMER_EXT_LIBRARY loads a private build")
+    error = _ext.load_error()
+    if error is not None:
+        raise RuntimeError(error)
+    from . import _C
+    return _C
+
+
+def stats() -> Dict[str, int]:
+    """The pool's counters: ``in_use_bytes`` (held by live tensors), ``cached_bytes`` (kept free for
+    reuse), ``cap_bytes`` (the most kept free), ``hits`` (requests served by a kept block) and
+    ``misses`` (requests that allocated a new block)."""
+    return dict(_module().cpu_pool_stats())
+
+
+def empty_cache() -> int:
+    """Free every block the pool keeps; returns the number of bytes given back to the system.
+    Blocks held by live tensors are untouched (they return to the pool when freed)."""
+    return int(_module().cpu_pool_empty_cache())
