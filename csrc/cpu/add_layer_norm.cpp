@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "add_layer_norm.h"
+#include "large_buffers.h"
 #include "../philox_arg.h"
 
 namespace fastformer {
@@ -70,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = x.size(0), C = x.size(1);
-  at::Tensor y = at::empty_like(x), h = at::empty_like(x);
+  at::Tensor y = empty_large_like(x), h = empty_large_like(x);  // pooled when large (large_buffers.h)
   at::Tensor mean = at::empty({N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
   if (N == 0 || C == 0) return {y, h, mean, rstd};
@@ -98,8 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cp
   const int64_t N = h.size(0), C = h.size(1);
   // dresidual = dh_total differs from dx only under dropout; otherwise it is returned empty
   const bool separate_dres = has_residual && dropout_p > 0.0;
-  at::Tensor dx = at::empty_like(h);
-  at::Tensor dres = separate_dres ? at::empty_like(h) : at::empty({0}, h.options());
+  at::Tensor dx = empty_large_like(h);
+  at::Tensor dres = separate_dres ? empty_large_like(h) : at::empty({0}, h.options());
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
   if (N == 0 || C == 0) {
     dweight.zero_();

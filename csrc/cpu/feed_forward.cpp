@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "feed_forward.h"
+#include "large_buffers.h"
 #include "../philox_arg.h"
 
 namespace fastformer {
@@ -133,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
   std::tie(seed, offset) = read_philox(op, philox);
 
   at::Tensor pre = matmul_nt(x, w1, b1).contiguous();  // (N, F)
-  at::Tensor a = at::empty_like(pre);                                         // (N, F)
+  at::Tensor a = empty_large_like(pre);  // (N, F); pooled when large (large_buffers.h)
   FF_ISA(act_dropout_fwd_kernel)(pre, a, act, dropout_p, static_cast<uint64_t>(seed),
                                  static_cast<uint64_t>(offset));
   at::Tensor out = matmul_nt(a, w2, b2);  // (N, E)
@@ -158,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   std::tie(seed, offset) = read_philox(op, philox);
 
   at::Tensor dpre = matmul_nt(dout, w2.t(), c10::nullopt).contiguous();  // (N, F): da, then dpre
-  at::Tensor a = at::empty_like(pre);   // (N, F)
+  at::Tensor a = empty_large_like(pre);  // (N, F), freed after dw2: its block is reused
   at::Tensor db1 = has_b1 ? at::empty({F}, x.options()) : at::empty({0}, w1.options());
   at::Tensor db2 = has_b2 ? at::empty({E}, x.options()) : at::empty({0}, w2.options());
   FF_ISA(act_dropout_bwd_kernel)(pre, dpre, dout, a, db1, db2, act, dropout_p,
