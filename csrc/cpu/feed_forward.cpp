@@ -71,12 +71,11 @@ at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::option
   return has_bias ? at::addmm(*bias, a, b.t()) : at::mm(a, b.t());
 }
 
-// A weight gradient g^T inp, (g.size(1), inp.size(1)), summed over the N rows both share. Run with
-// the shorter side as the product's rows (then transposed back), which oneDNN does fastest.
-at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& inp) {
-  if (g.size(1) > inp.size(1)) return matmul_nt(inp.t(), g.t(), c10::nullopt).t().contiguous();
-  return matmul_nt(g.t(), inp.t(), c10::nullopt);
-}
+// A weight gradient g^T inp, (g.size(1), inp.size(1)), summed over the N rows both share: one
+// BLAS GEMM that reads g transposed in place, as torch's own Linear backward does. (oneDNN's linear
+// wants its input contiguous: g^T, and for the wider side the product too, would be transposed
+// copies, 1.3 ms apiece at N 2048 x E 256, about 20 ms of the base training step.)
+at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& inp) { return at::mm(g.t(), inp); }
 
 void check_dropout(double dropout_p, const char* op) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
