@@ -498,3 +498,17 @@ def test_cuda_vector_and_scalar_rows_with_non_finite_logits(backend):
             loss, grad = kern.cross_entropy_fwd(logits, t, eps, -100, 0, True)
             torch.testing.assert_close(loss, want_loss, equal_nan=True, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(grad, want_grad, equal_nan=True, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_no_grad_loss_is_the_reference_loss(backend, reduction):
+    """Under no_grad (evaluation) the kernel writes no gradient; the loss must not change."""
+    device = device_for(backend)
+    x, t = _inputs(113, 1023, device)
+    x.requires_grad_(True)
+    with torch.no_grad(), fastformer.use_backend(backend):
+        loss = cross_entropy(x, t, label_smoothing=0.1, reduction=reduction)
+    assert not loss.requires_grad and loss.grad_fn is None
+    ref = reference.cross_entropy(x.detach(), t, label_smoothing=0.1, reduction=reduction)
+    assert_close("loss", loss, ref, *FP32_TOL[backend]["loss"])

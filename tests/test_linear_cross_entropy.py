@@ -421,3 +421,18 @@ def test_cuda_kernel_checks_name_the_argument(backend):
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):
             kern.linear_cross_entropy_bwd(*args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_no_grad_loss_is_the_reference_loss(backend, reduction):
+    """Under no_grad (evaluation) no gradient is computed or kept; the loss must not change."""
+    hidden, weight, bias, target = _inputs(37, 48, 1023, True, device_for(backend))
+    for t in (hidden, weight, bias):
+        t.requires_grad_(True)
+    with torch.no_grad(), fastformer.use_backend(backend):
+        loss = linear_cross_entropy(hidden, weight, bias, target, label_smoothing=0.1, reduction=reduction)
+    assert not loss.requires_grad and loss.grad_fn is None
+    ref = reference.linear_cross_entropy(hidden.detach(), weight.detach(), bias.detach(), target,
+                                         label_smoothing=0.1, reduction=reduction)
+    assert_close("loss", loss, ref, 1e-5, 1e-5)
