@@ -9,10 +9,10 @@ Each repeat times one forward + backward call at every p in turn (best of --repe
 noisy neighbour slows both sides alike; the table gives the best times, their ratio and the target.
 --count runs one warm-up-free call of one op at one p (for callgrind / perf instruction counts).
 
-With dropout and a residual, add_layer_norm's backward returns dresidual as a second (N, C) tensor.
-glibc gives such large blocks back to the kernel on free, so every call page-faults them in again,
-which can cost more than the dropout itself on a VM; MALLOC_MMAP_THRESHOLD_=1073741824
-MALLOC_TRIM_THRESHOLD_=4294967296 keeps them in the heap (kernel time only).
+With dropout and a residual, add_layer_norm's backward returns dresidual as a second (N, C) tensor
+(without dropout it is dx itself), so part of the added cost is that tensor's writing, not the random
+bits. Outputs of 4 MiB or more come from the CPU buffer pool (fastformer.cpu_pool), already mapped,
+so both sides time the kernels, not page faults of fresh blocks.
 """
 import argparse
 import os
