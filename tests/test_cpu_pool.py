@@ -60,7 +60,7 @@ def test_large_gradient_comes_from_the_pool_and_its_block_is_reused():
     assert cpu_pool.empty_cache() == 8 * MiB and cpu_pool.stats()["cached_bytes"] == 0
 
 
-@pytest.mark.parametrize("N, V", [(1024, 2048), (700, 1503)])  # 8 MiB; 4.01 MiB with a ragged row tail
+@pytest.mark.parametrize("N, V", [(1024, 2048), (700, 1503)])  # 8 MiB; 4 MiB with a ragged row tail
 def test_reused_dirty_block_gives_the_reference_gradient(N, V):
     cpu_pool.empty_cache()
     for seed in (1, 2):  # the second call writes into the block the first one dirtied
@@ -152,3 +152,20 @@ def test_bad_cap_is_a_clear_error(value):
     proc = _run(_CE_TWICE, FASTFORMER_CPU_POOL_MB=value)
     assert proc.returncode != 0
     assert "FASTFORMER_CPU_POOL_MB must be a whole number of MiB >= 0" in proc.stderr and f"'{value}'" in proc.stderr
+
+
+def test_a_kept_block_serves_a_smaller_request_if_it_wastes_at_most_half():
+    cpu_pool.empty_cache()
+    _, grad = _ce_grad(*_inputs(1024, 2048, 7))  # 8 MiB
+    del grad
+    before = cpu_pool.stats()
+    _, grad = _ce_grad(*_inputs(768, 2048, 8))  # 6 MiB: the 8 MiB block fits
+    during = cpu_pool.stats()
+    assert (during["hits"], during["misses"]) == (before["hits"] + 1, before["misses"])
+    assert during["in_use_bytes"] == 8 * MiB and during["cached_bytes"] == 0
+    del grad
+    _, grad = _ce_grad(*_inputs(256, 2048, 9))  # 2 MiB: the 8 MiB block would waste 3/4 of itself
+    after = cpu_pool.stats()
+    assert after["misses"] == during["misses"] + 1 and after["cached_bytes"] == 8 * MiB
+    del grad
+    cpu_pool.empty_cache()

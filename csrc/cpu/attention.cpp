@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "large_buffers.h"
 #include "../philox_arg.h"
 
 namespace fastformer {
@@ -133,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
   Masks mask;
   const auto keep_alive = prepare_masks(op, key_padding_mask, attn_mask, is_causal, dims, mask);
   const auto [B, H, Sq, Sk, D] = dims;
-  at::Tensor out = at::empty({B, H, Sq, D}, q_in.options());
+  at::Tensor out = empty_large({B, H, Sq, D}, q_in.options());  // pooled when large
   at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor q = as_blas_rows(q_in), k = as_blas_rows(k_in), v = as_blas_rows(v_in);
@@ -144,6 +145,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
 
 // The gradient of x, laid out like empty_like(x) (as the fake implementation promises).
 at::Tensor grad_like(const at::Tensor& x) {
+  if (x.is_contiguous()) return empty_large_like(x);  // pooled when large (large_buffers.h)
   at::Tensor g = at::empty_like(x);
   return g.stride(3) == 1 || g.size(3) == 1 ? g : at::empty(x.sizes(), x.options());
 }

@@ -9,9 +9,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 namespace fastformer {
@@ -43,15 +43,18 @@ class Pool final : public c10::Allocator {
   static Pool& instance();
 
   c10::DataPtr allocate(size_t nbytes) override {
-    const size_t bytes = (std::max<size_t>(nbytes, 1) + kHugePage - 1) / kHugePage * kHugePage;
+    size_t bytes = (std::max<size_t>(nbytes, 1) + kHugePage - 1) / kHugePage * kHugePage;
     void* ptr = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       init_locked();
-      auto it = free_.find(bytes);
-      if (it != free_.end() && !it->second.empty()) {
-        ptr = it->second.back();
-        it->second.pop_back();
+      // the smallest kept block that fits, if it wastes at most half of itself (shapes that vary
+      // from batch to batch still find blocks; a small tensor never pins a huge one)
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes) {
+        bytes = it->first;
+        ptr = it->second;
+        free_.erase(it);
         cached_ -= bytes;
         ++hits_;
       } else {
@@ -79,10 +82,7 @@ class Pool final : public c10::Allocator {
     std::vector<Block> drop;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (auto& [bytes, ptrs] : free_) {
-        for (void* p : ptrs) drop.push_back({p, bytes});
-        ptrs.clear();
-      }
+      for (const auto& [bytes, ptr] : free_) drop.push_back({ptr, bytes});
       free_.clear();
       cached_ = 0;
     }
@@ -139,7 +139,7 @@ class Pool final : public c10::Allocator {
       pool.in_use_ -= block->bytes;
       keep = pool.cached_ + block->bytes <= pool.cap_;
       if (keep) {
-        pool.free_[block->bytes].push_back(block->ptr);
+        pool.free_.emplace(block->bytes, block->ptr);
         pool.cached_ += block->bytes;
       }
     }
@@ -149,7 +149,7 @@ class Pool final : public c10::Allocator {
   }
 
   std::mutex mutex_;
-  std::unordered_map<size_t, std::vector<void*>> free_;  // rounded size -> kept blocks
+  std::multimap<size_t, void*> free_;  // kept blocks by size (a multiple of kHugePage)
   size_t in_use_ = 0, cached_ = 0, cap_ = 0;
   bool cap_read_ = false;
   int64_t hits_ = 0, misses_ = 0;

@@ -1,13 +1,15 @@
 // Large output tensors of the CPU kernels, from a pool that keeps freed blocks for reuse.
 //
-// glibc gives a block above its mmap threshold (32 MiB at most) back to the kernel on free, so an
-// output of that size -- cross_entropy's (N, V) gradient is 65 MB at 2048 x 8000 in fp32 -- is
-// page-faulted in again, 4 KiB at a time, on every call; on a VM that costs more than the
-// kernel's own pass over it. empty_large() takes tensors of at least kPoolMinBytes from a pool of
-// 2 MiB-aligned blocks marked for transparent huge pages (madvise MADV_HUGEPAGE: a first touch
-// faults in 2 MiB, not 4 KiB). A block freed by its last tensor is kept, up to a cap, and handed to
-// the next request of the same rounded size, already mapped. Smaller tensors come from torch's
-// CPU allocator as usual.
+// glibc gives freed memory back to the kernel -- every block above its mmap threshold (32 MiB at
+// most), and the heap's free top once it passes the trim threshold (a few MiB) -- so the next
+// output of that size is page-faulted in again, 4 KiB at a time; on a VM that can cost more than
+// the kernel's own pass over it (attention's forward + backward in the base training step ran
+// 7.3 ms with fresh pages, 4.3 ms with reused ones). empty_large() takes tensors of at least
+// kPoolMinBytes from a pool of 2 MiB-aligned blocks marked for transparent huge pages (madvise
+// MADV_HUGEPAGE: a first touch faults in 2 MiB, not 4 KiB). A block freed by its last tensor is
+// kept, up to a cap, and handed to the next request it fits (if it is at most twice the request's
+// size, rounded up to 2 MiB), already mapped.
+// Smaller tensors come from torch's CPU allocator as usual.
 //
 // The pool is the CPU twin of a GPU caching allocator: every allocation and free is reported to
 // the torch profiler (so profile_memory and the benchmarks' peak memory see it), the blocks it
@@ -23,7 +25,7 @@
 namespace fastformer {
 
 // Tensors of at least this many bytes come from the pool.
-constexpr size_t kPoolMinBytes = size_t{4} << 20;
+constexpr size_t kPoolMinBytes = size_t{1} << 20;
 
 // at::empty(sizes, options) (contiguous, CPU); from the pool when it holds >= kPoolMinBytes.
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options);
