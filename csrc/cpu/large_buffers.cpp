@@ -48,10 +48,11 @@ class Pool final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       init_locked();
-      // the smallest kept block that fits, if it wastes at most half of itself (shapes that vary
-      // from batch to batch still find blocks; a small tensor never pins a huge one)
+      // the smallest kept block that fits, if it is at most a quarter larger (shapes that vary from
+      // batch to batch still find blocks; a small tensor never pins a much larger one, which would
+      // count against the peak memory)
       auto it = free_.lower_bound(bytes);
-      if (it != free_.end() && it->first <= 2 * bytes) {
+      if (it != free_.end() && it->first <= bytes + bytes / 4) {
         bytes = it->first;
         ptr = it->second;
         free_.erase(it);
