@@ -169,3 +169,28 @@ def test_a_kept_block_serves_a_smaller_request_if_it_is_at_most_a_quarter_larger
     assert after["misses"] == during["misses"] + 1 and after["cached_bytes"] == 10 * MiB
     del grad
     cpu_pool.empty_cache()
+
+
+_EVICT = """
+import torch, fastformer
+from fastformer import cpu_pool
+
+def grad_of(n):  # an (n, 2048) fp32 cross-entropy gradient, freed on return
+    x = torch.randn(n, 2048, requires_grad=True)
+    with fastformer.use_backend("cpu"):
+        fastformer.ops.cross_entropy(x, torch.randint(0, 2048, (n,))).backward()
+
+grad_of(1024)  # 8 MiB kept
+grad_of(768)   # 6 MiB: 8 + 6 > the 12 MiB cap, so the 8 MiB block (kept longest) is freed
+s = cpu_pool.stats()
+print(s["cached_bytes"] // 2**20, s["misses"], s["hits"])
+grad_of(1024)  # no 8 MiB block any more: a new one, and the 6 MiB one goes to make room
+s = cpu_pool.stats()
+print(s["cached_bytes"] // 2**20, s["misses"], s["hits"])
+"""
+
+
+def test_cap_frees_the_blocks_kept_longest_first():
+    proc = _run(_EVICT, FASTFORMER_CPU_POOL_MB="12")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["6", "2", "0", "8", "3", "0"]

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -54,7 +55,7 @@ class Pool final : public c10::Allocator {
       auto it = free_.lower_bound(bytes);
       if (it != free_.end() && it->first <= bytes + bytes / 4) {
         bytes = it->first;
-        ptr = it->second;
+        ptr = it->second.ptr;
         free_.erase(it);
         cached_ -= bytes;
         ++hits_;
@@ -83,7 +84,7 @@ class Pool final : public c10::Allocator {
     std::vector<Block> drop;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (const auto& [bytes, ptr] : free_) drop.push_back({ptr, bytes});
+      for (const auto& [bytes, kept] : free_) drop.push_back({kept.ptr, bytes});
       free_.clear();
       cached_ = 0;
     }
@@ -131,26 +132,44 @@ class Pool final : public c10::Allocator {
     c10::reportMemoryUsageToProfiler(ptr, delta, in_use, reserved, c10::Device(c10::DeviceType::CPU));
   }
 
+  // A tensor's block comes back: kept for reuse, making room under the cap by freeing the blocks
+  // kept longest (shapes no longer asked for); a block larger than the cap itself is freed.
   static void release(void* ctx) {
     Block* block = static_cast<Block*>(ctx);
     Pool& pool = instance();
+    std::vector<void*> evicted;
     bool keep;
     {
       std::lock_guard<std::mutex> lock(pool.mutex_);
       pool.in_use_ -= block->bytes;
-      keep = pool.cached_ + block->bytes <= pool.cap_;
+      keep = block->bytes <= pool.cap_;
       if (keep) {
-        pool.free_.emplace(block->bytes, block->ptr);
+        while (pool.cached_ + block->bytes > pool.cap_) {
+          auto oldest = std::min_element(pool.free_.begin(), pool.free_.end(), [](const auto& a, const auto& b) {
+            return a.second.stamp < b.second.stamp;
+          });
+          evicted.push_back(oldest->second.ptr);
+          pool.cached_ -= oldest->first;
+          pool.free_.erase(oldest);
+        }
+        pool.free_.emplace(block->bytes, Kept{block->ptr, ++pool.clock_});
         pool.cached_ += block->bytes;
       }
     }
     pool.report(block->ptr, -static_cast<int64_t>(block->bytes));
     if (!keep) std::free(block->ptr);
+    for (void* p : evicted) std::free(p);
     delete block;
   }
 
+  struct Kept {
+    void* ptr;
+    uint64_t stamp;  // when it was kept: the smallest is evicted first
+  };
+
   std::mutex mutex_;
-  std::multimap<size_t, void*> free_;  // kept blocks by size (a multiple of kHugePage)
+  std::multimap<size_t, Kept> free_;  // kept blocks by size (a multiple of kHugePage)
+  uint64_t clock_ = 0;
   size_t in_use_ = 0, cached_ = 0, cap_ = 0;
   bool cap_read_ = false;
   int64_t hits_ = 0, misses_ = 0;

@@ -7,15 +7,15 @@
 // 7.3 ms with fresh pages, 4.3 ms with reused ones). empty_large() takes tensors of at least
 // kPoolMinBytes from a pool of 2 MiB-aligned blocks marked for transparent huge pages (madvise
 // MADV_HUGEPAGE: a first touch faults in 2 MiB, not 4 KiB). A block freed by its last tensor is
-// kept, up to a cap, and handed to the next request it fits (if it is at most a quarter larger than
+// kept (under a cap: the blocks kept longest make room) and handed to the next request it fits (if it is at most a quarter larger than
 // the request's size rounded up to 2 MiB), already mapped.
 // Smaller tensors come from torch's CPU allocator as usual.
 //
 // The pool is the CPU twin of a GPU caching allocator: every allocation and free is reported to
 // the torch profiler (so profile_memory and the benchmarks' peak memory see it), the blocks it
 // keeps free count as reserved, and fastformer.cpu_pool.empty_cache() returns them to the system.
-// FASTFORMER_CPU_POOL_MB (read once, at the first allocation) caps the bytes kept free; 0 keeps
-// none (each block is freed at once, still on huge pages).
+// FASTFORMER_CPU_POOL_MB (read once, at the first allocation) caps the bytes kept free, freeing
+// the blocks kept longest first; 0 keeps none (each block is freed at once, still on huge pages).
 #pragma once
 #include <ATen/ATen.h>
 
