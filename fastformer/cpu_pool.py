@@ -15,8 +15,9 @@ step, and 70% of cross_entropy's.
     >>> pool.empty_cache()    # frees the kept blocks, returns the bytes given back
 
 ``FASTFORMER_CPU_POOL_MB`` (read once, at the pool's first allocation; default 1024) caps the
-memory kept free, freeing the blocks kept longest first to make room; ``0`` keeps nothing (blocks are freed at once, still on huge pages). Allocations
-and frees are reported to the torch profiler (``profile_memory=True``) like torch's own.
+memory kept free, freeing the blocks kept longest first to make room; ``0`` keeps nothing
+(blocks are freed at once, still on huge pages). Allocations and frees are reported to the torch
+profiler (``profile_memory=True``) like torch's own.
 """
 import os
 from typing import Dict

@@ -7,9 +7,9 @@
 // 7.3 ms with fresh pages, 4.3 ms with reused ones). empty_large() takes tensors of at least
 // kPoolMinBytes from a pool of 2 MiB-aligned blocks marked for transparent huge pages (madvise
 // MADV_HUGEPAGE: a first touch faults in 2 MiB, not 4 KiB). A block freed by its last tensor is
-// kept (under a cap: the blocks kept longest make room) and handed to the next request it fits (if it is at most a quarter larger than
-// the request's size rounded up to 2 MiB), already mapped.
-// Smaller tensors come from torch's CPU allocator as usual.
+// kept (under a cap: the blocks kept longest make room) and handed to the next request it fits
+// (if it is at most a quarter larger than the request's size rounded up to 2 MiB), already
+// mapped. Smaller tensors come from torch's CPU allocator as usual.
 //
 // The pool is the CPU twin of a GPU caching allocator: every allocation and free is reported to
 // the torch profiler (so profile_memory and the benchmarks' peak memory see it), the blocks it

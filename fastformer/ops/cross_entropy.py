@@ -111,7 +111,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     if kernels is None:
         return reference.linear_cross_entropy(hidden, weight, bias, target, label_smoothing=label_smoothing,
                                               ignore_index=ignore_index, reduction=reduction)
-    hidden2d, weight, target1d = hidden.reshape(-1, D).contiguous(), weight.contiguous(), target.reshape(-1).contiguous()
+    hidden2d, target1d = hidden.reshape(-1, D).contiguous(), target.reshape(-1).contiguous()  # (N, D), (N,)
+    weight = weight.contiguous()
     with torch.autocast(hidden.device.type, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
             loss = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, target1d, float(label_smoothing),
