@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import fastformer
 from fastformer.__main__ import main
 from fastformer.bench import ops as bench_ops
 from fastformer.bench import providers as registry
@@ -114,6 +115,14 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path, capsys, one_thread):
     assert {r["mode"] for r in eager} == {"fwd", "bwd", "fwd_bwd"}
     assert all(r["speedup_vs_eager"] == pytest.approx(1.0) and r["throughput"] > 0 for r in eager)
     assert {r["dtype"] for r in ok if r["op"] == "train_step"} == {"fp32", "bf16"}
+    for dtype in ("fp32", "bf16"):  # each step against both yardsticks of its run
+        steps = {r["provider"]: r for r in ok if r["op"] == "train_step" and r["dtype"] == dtype}
+        padded, real = steps["torch-gemms-alone"], steps["torch-gemms-real-tokens-alone"]
+        for name in ("torch-eager", "fastformer-cpu"):
+            assert steps[name]["gemm_share"] == pytest.approx(padded["min_ms"] / steps[name]["min_ms"])
+            assert steps[name]["gemm_share_real_tokens"] == pytest.approx(real["min_ms"] / steps[name]["min_ms"])
+        assert padded["gemm_share"] is None and padded["speedup_vs_eager"] is None
+    assert "| GEMM share | GEMM share, real tokens |" in table
     for op in ("add_layer_norm", "train_step"):
         with open(out / f"{op}.png", "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -173,6 +182,33 @@ def test_step_gemms_are_the_models_matrix_products():
     per_layer = 4 * B * h * dh * (Ss * Ss + St * St + St * Ss)  # encoder self, decoder self, cross
     assert sum(2 * b * m * k * n for b, m, k, n in gemms if b > 1) == shape["layers"] * per_layer
     assert ts.step_gemm_flops(gemms) == 3 * (linear + shape["layers"] * per_layer)
+
+
+def test_real_token_gemms_are_the_packed_models_linear_products():
+    """Over the real tokens only: the linear products are what the flop counter sees in
+    fastformer's model skipping padding (its fused ops report no flops, so the counter sees
+    the projections outside them; the feed-forward and output projection are counted from the
+    model's sizes over the real tokens), and attention's products stay padded."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fastformer.bench import train_step as ts
+
+    shape = dict(ts.sweep("cpu", "smoke")[0], B=3, S=12, dropout=0.0)
+    src, tgt = ts.make_batch(shape, torch.device("cpu"))
+    ns, nt = int((src != ts.PAD).sum()), int((tgt[:, :-1] != ts.PAD).sum())
+    assert ns < src.numel() and nt < tgt[:, :-1].numel(), "the batch must hold padding"
+    padded, real = ts.step_gemms(shape, src, tgt), ts.step_gemms(shape, src, tgt, real_tokens=True)
+    assert [g for g in real if g[0] > 1] == [g for g in padded if g[0] > 1]  # attention: padded
+    d, F, V, L = shape["d_model"], shape["ffn"], shape["vocab"], shape["layers"]
+    model = fastformer.Seq2SeqTransformer(V, V, d_model=d, nhead=shape["heads"], num_encoder_layers=L,
+                                          num_decoder_layers=L, dim_feedforward=F, dropout=0.0)
+    with FlopCounterMode(display=False) as counter, fastformer.use_backend("reference"):
+        model.loss(src, tgt)  # the reference ops are torch ops: every product is counted
+    attention = sum(2 * b * m * k * n for b, m, k, n in real if b > 1)
+    linear = sum(2 * b * m * k * n for b, m, k, n in real if b == 1)
+    assert linear + attention == counter.get_total_flops()
+    assert linear == 2 * (ns * L * (4 * d * d + 2 * d * F) + nt * L * (6 * d * d + 2 * d * F)  # self, FFN
+                          + ns * L * 2 * d * d + nt * d * V)  # cross-attention K V of the memory; vocabulary
 
 
 def test_copy_yardstick_moves_the_ops_bytes_and_gives_the_fraction_of_copy_bandwidth(tmp_path, capsys, one_thread):

@@ -95,7 +95,8 @@ def test_op_with_dropout_compiles_to_one_graph_equal_to_eager(backend, op):
 def _model_and_batch():
     torch.manual_seed(0)
     model = fastformer.Seq2SeqTransformer(11, 13, d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
-                                          dim_feedforward=32, dropout=P, max_len=16)
+                                          dim_feedforward=32, dropout=P, max_len=16,
+                                          skip_padding=False)  # compiled, the padding is computed too
     g = torch.Generator().manual_seed(5)
     src, tgt = torch.randint(3, 11, (2, 7), generator=g), torch.randint(3, 13, (2, 6), generator=g)
     src[1, 5:] = 0  # padding: pad_idx 0
@@ -135,6 +136,8 @@ def test_model_loss_and_backward_with_dropout_compile_to_one_graph_equal_to_eage
     projection + loss) is one graph with no break; compiled forward and backward equal eager
     bitwise, each fused op drawing its own seed in eager order (AOTAutograd's CSE must not merge
     the draws). The embedding dropout is torch's own, which aot_eager also runs as in eager.
+    The model computes its padded positions (``skip_padding=False``) as a compiled loss does:
+    skipping them in eager would draw the dropout masks over other rows.
     ``fullgraph=True`` raises at any graph break, and one graph is compiled; ``explain`` (a third
     trace of the model: seconds here) runs on the cpu backend only."""
     model, src, tgt = _model_and_batch()

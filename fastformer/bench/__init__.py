@@ -154,13 +154,18 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
 
 
 GEMMS = "torch-gemms-alone"  # the yardstick: the step's matrix products alone, torch's GEMMs
+# the same over the real tokens only: what is left of the yardstick when padding is skipped
+GEMMS_REAL = "torch-gemms-real-tokens-alone"
+YARDSTICKS = {GEMMS: ("gemm_share", False), GEMMS_REAL: ("gemm_share_real_tokens", True)}
 
 
 def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None,
                      dtypes: Optional[List[str]] = None) -> List[Dict]:
     """Records of the training step for each provider and dtype (fp32, bf16 autocast; ``dtypes``
     keeps a subset), the providers timed interleaved within each repetition, beside the time of
-    the step's matrix products alone (``torch-gemms-alone``) measured in the same interleaved run."""
+    the step's matrix products alone (``torch-gemms-alone``) measured in the same interleaved run,
+    and those over the real tokens only (``torch-gemms-real-tokens-alone``: fastformer's model
+    skips padding in the position-wise layers, so its step can take less than the first)."""
     names = providers or train_step.providers_for(device)
     if providers is None and size in ("quick", "smoke"):
         names = [n for n in names if n not in ("torch-compile", "fastformer-reference")]
@@ -173,16 +178,19 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
         flops = train_step.step_gemm_flops(train_step.step_gemms(shape, src, tgt))
         for dtype in [d for d in train_step.DTYPES if dtypes is None or d in dtypes]:
             steps, recs = {}, {}
-            for provider in names + [GEMMS]:
+            for provider in names + list(YARDSTICKS):
                 rec = recs[provider] = _record("train_step", provider, shape, label, "step", dtype, "")
                 rec["unit"] = "TFLOP/s"
-                reason = None if provider == GEMMS else train_step.why_not(provider, device)
+                reason = None if provider in YARDSTICKS else train_step.why_not(provider, device)
                 if reason is not None:
                     del recs[provider]
                     continue
                 try:
-                    build = train_step.build_gemms if provider == GEMMS else \
-                        (lambda s, d, t, p=provider: train_step.build_step(p, s, d, t))
+                    if provider in YARDSTICKS:
+                        build = (lambda s, d, t, real=YARDSTICKS[provider][1]:
+                                 train_step.build_gemms(s, d, t, real_tokens=real))
+                    else:
+                        build = (lambda s, d, t, p=provider: train_step.build_step(p, s, d, t))
                     steps[provider] = build(shape, device, dtype)
                 except Exception as e:
                     rec["status"] = _error(e)
@@ -195,16 +203,17 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
                     recs[p]["status"] = _error(e)
             for provider, t in timings.items():
                 rec, step = recs[provider], steps[provider]
-                peak = peak_memory_bytes(step.run, device, reset=step.reset) if provider != GEMMS else None
+                peak = peak_memory_bytes(step.run, device, reset=step.reset) if provider not in YARDSTICKS else None
                 rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
                            iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms,
                            peak_mem_mb=peak / 2**20 if peak is not None else None,
                            tokens_per_s=step.tokens / (t.median_ms / 1e3),
                            throughput=flops / (t.min_ms / 1e3) / 1e12)
-            gemms = recs.get(GEMMS)
             for provider, rec in recs.items():
-                ok = rec["status"] == "ok" and gemms is not None and gemms["status"] == "ok"
-                rec["gemm_share"] = gemms["min_ms"] / rec["min_ms"] if ok and provider != GEMMS else None
+                for yardstick, (key, _) in YARDSTICKS.items():
+                    gemms = recs.get(yardstick)
+                    ok = rec["status"] == "ok" and gemms is not None and gemms["status"] == "ok"
+                    rec[key] = gemms["min_ms"] / rec["min_ms"] if ok and provider not in YARDSTICKS else None
                 records.append(rec)
                 if log:
                     log(f"  train_step {dtype} {provider}: "

@@ -192,14 +192,20 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
 
 
 # -- the machine's own yardstick: the step's matrix products alone -------------------------------
-def step_gemms(shape: Dict, src: torch.Tensor, tgt: torch.Tensor) -> List[Tuple[int, int, int, int]]:
+def step_gemms(shape: Dict, src: torch.Tensor, tgt: torch.Tensor,
+               real_tokens: bool = False) -> List[Tuple[int, int, int, int]]:
     """Every forward matrix product of one training step of the model on this padded batch, as
     ``(batch, M, K, N)`` for ``(M, K) @ (K, N)``: the linear layers (QKV, output, cross-attention
-    Q and KV, FFN, the vocabulary projection) and attention's two products per head."""
+    Q and KV, FFN, the vocabulary projection) and attention's two products per head.
+
+    ``real_tokens``: the linear layers' products over the real (non-pad) tokens only, as a
+    model that skips padding computes them (attention's products stay padded)."""
     B, Ss = src.shape
     St = tgt.shape[1] - 1
     d, h, F, V, L = shape["d_model"], shape["heads"], shape["ffn"], shape["vocab"], shape["layers"]
     Ns, Nt, dh = B * Ss, B * St, d // h
+    if real_tokens:
+        Ns, Nt = int((src != PAD).sum()), int((tgt[:, :-1] != PAD).sum())
 
     def attention(n_q, n_k):  # per head: scores = q k^T, out = p v
         return [(B * h, n_q, dh, n_k), (B * h, n_q, n_k, dh)]
@@ -216,11 +222,12 @@ def step_gemm_flops(gemms: List[Tuple[int, int, int, int]]) -> float:
     return 3 * sum(2.0 * b * m * k * n for b, m, k, n in gemms)
 
 
-def build_gemms(shape: Dict, device: torch.device, dtype: str) -> Step:
+def build_gemms(shape: Dict, device: torch.device, dtype: str, real_tokens: bool = False) -> Step:
     """The step's matrix products alone, forward and both backward products of each (``dA = dC
-    B^T``, ``dB = A^T dC``), with torch's GEMMs in the step's compute dtype, back to back."""
+    B^T``, ``dB = A^T dC``), with torch's GEMMs in the step's compute dtype, back to back
+    (``real_tokens``: see :func:`step_gemms`)."""
     src, tgt = make_batch(shape, device)
-    gemms = step_gemms(shape, src, tgt)
+    gemms = step_gemms(shape, src, tgt, real_tokens)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
 

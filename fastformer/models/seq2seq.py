@@ -6,6 +6,7 @@ import torch
 from .. import nn as fnn
 from .. import ops
 from ..nn import _validate
+from ..nn.packing import Packing
 from ..ops import _checks
 from .generation import generate
 from .masks import padding_mask
@@ -28,13 +29,24 @@ class Seq2SeqTransformer(torch.nn.Module):
     Initialisation: Xavier-uniform weight matrices (the packed q/k/v projection as one
     matrix, as torch does), zero biases, LayerNorm weight 1 and bias 0, embeddings
     ``N(0, d_model^-0.5)`` (unit variance after the ``sqrt(d_model)`` scaling).
+
+    ``skip_padding`` (default True): :meth:`loss` runs every position-wise part (embeddings,
+    projections, feed-forward, add & LayerNorm, output projection and loss) on the real
+    tokens only, packed into rows of their own (:mod:`fastformer.nn.packing`), and moves to
+    the padded layout only around the attention op. Padding never reaches a real token, so
+    the loss and the gradients are those of the padded computation (up to rounding); with
+    dropout on, the dropout masks are drawn over the packed rows, so they are other (equally
+    distributed) draws than the padded computation's, unless nothing is padded. Under
+    ``torch.compile`` (the number of real tokens is data-dependent) and with
+    ``skip_padding=False``, :meth:`loss` computes the padded positions too. :meth:`forward`
+    always returns the logits of every position.
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 512, nhead: int = 8,
                  num_encoder_layers: int = 6, num_decoder_layers: int = 6, dim_feedforward: int = 2048,
                  dropout: float = 0.1, activation: str = "relu", norm_first: bool = False,
                  share_embeddings: bool = False, tie_output: bool = True, pad_idx: int = 0, bos_idx: int = 1,
-                 eos_idx: int = 2, max_len: int = 1024):
+                 eos_idx: int = 2, max_len: int = 1024, skip_padding: bool = True):
         super().__init__()
         _checks.positive_int("src_vocab_size", src_vocab_size)
         _checks.positive_int("tgt_vocab_size", tgt_vocab_size)
@@ -56,7 +68,10 @@ class Seq2SeqTransformer(torch.nn.Module):
         if num_encoder_layers < 1 or num_decoder_layers < 1:
             raise ValueError(f"num_encoder_layers and num_decoder_layers must be >= 1, got "
                              f"{num_encoder_layers} and {num_decoder_layers}")
+        if not isinstance(skip_padding, bool):
+            raise TypeError(f"skip_padding must be a bool, got {type(skip_padding).__name__}")
         self.d_model, self.pad_idx, self.bos_idx, self.eos_idx = d_model, pad_idx, bos_idx, eos_idx
+        self.skip_padding = skip_padding
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
 
         self.src_embed = torch.nn.Embedding(src_vocab_size, d_model)
@@ -124,6 +139,12 @@ class Seq2SeqTransformer(torch.nn.Module):
         x = x + self.positional(tokens.shape[1], offset).to(x.dtype)
         return self.embed_dropout(x)
 
+    def embed_packed(self, embedding: torch.nn.Embedding, tokens: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """:meth:`embed` of the real tokens only -> (n, d_model) rows, in ``packing``'s order."""
+        x = embedding(packing.pack(tokens)) * math.sqrt(self.d_model)  # (n, d)
+        x = x + self.positional(tokens.shape[1])[packing.positions].to(x.dtype)
+        return self.embed_dropout(x)
+
     def encode(self, src: torch.Tensor):
         """Source ids (B, Ss) -> (memory (B, Ss, d_model), source padding mask (B, Ss) bool)."""
         self._check_tokens("src", src)
@@ -156,10 +177,26 @@ class Seq2SeqTransformer(torch.nn.Module):
         self._check_tokens("tgt", tgt)
         if tgt.shape[1] < 2:
             raise ValueError(f"tgt must hold at least 2 positions (input and target), got shape {tuple(tgt.shape)}")
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:].long()
+        if self.skip_padding and not torch.compiler.is_compiling():
+            self._check_tokens("src", src)
+            src_packing = Packing(padding_mask(src, self.pad_idx))
+            tgt_packing = Packing(padding_mask(tgt_in, self.pad_idx))
+            if src_packing.num_tokens and tgt_packing.num_tokens and tgt.shape[0] == src.shape[0]:
+                return self._packed_loss(src, tgt_in, tgt_out, src_packing, tgt_packing, label_smoothing)
         memory, src_kpm = self.encode(src)
-        hidden = self.decode(tgt[:, :-1], memory, src_kpm)  # (B, St - 1, d)
+        hidden = self.decode(tgt_in, memory, src_kpm)  # (B, St - 1, d)
         return ops.linear_cross_entropy(hidden, self.output_proj.weight, self.output_proj.bias,
-                                        tgt[:, 1:].long(), label_smoothing=label_smoothing,
+                                        tgt_out, label_smoothing=label_smoothing, ignore_index=self.pad_idx)
+
+    def _packed_loss(self, src, tgt_in, tgt_out, src_packing: Packing, tgt_packing: Packing,
+                     label_smoothing: float) -> torch.Tensor:
+        """:meth:`loss` on the real tokens only (``skip_padding``)."""
+        memory = self.encoder(self.embed_packed(self.src_embed, src, src_packing), packing=src_packing)  # (n_s, d)
+        hidden = self.decoder(self.embed_packed(self.tgt_embed, tgt_in, tgt_packing), memory,
+                              tgt_is_causal=True, packing=(tgt_packing, src_packing))  # (n_t, d)
+        return ops.linear_cross_entropy(hidden, self.output_proj.weight, self.output_proj.bias,
+                                        tgt_packing.pack(tgt_out), label_smoothing=label_smoothing,
                                         ignore_index=self.pad_idx)
 
     def generate(self, src: torch.Tensor, max_len=None, beam_size: int = 1) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from .. import ops, philox
 from . import _validate
 from ._twin import share_state, twin_of
+from .packing import Packing
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
@@ -174,7 +175,18 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                is_causal: bool = False, *,
+                packing: Optional[Tuple[Packing, Packing]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """torch's contract; with ``packing`` (see :mod:`fastformer.nn.packing`), attention
+        between packed tokens: ``packing = (query_packing, key_packing)``, ``query`` the
+        ``(n_q, E)`` real rows of the query batch, ``key`` / ``value`` the ``(n_k, E)`` real
+        rows of the key batch; the padding masks come from the packings. Returns the
+        ``(n_q, E)`` output and None (no weights)."""
+        if packing is not None:
+            if need_weights or attn_mask is not None or key_padding_mask is not None:
+                raise ValueError("with packing, the padding masks come from the packings: attn_mask and "
+                                 "key_padding_mask must be None and need_weights False")
+            return self._packed_forward(query, key, value, *packing, is_causal), None
         like = self.out_proj.weight
         for name, t in (("query", query), ("key", key), ("value", value)):
             _validate.hidden(name, t, t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 0, like,
@@ -239,6 +251,37 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return out, weights
+
+    # ------------------------------------------------------------------- packed tokens
+    def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        q_packing: Packing, kv_packing: Packing, is_causal: bool) -> torch.Tensor:
+        """Projections on the packed rows, attention in the padded layout, output rows packed."""
+        if not self._qkv_same_embed_dim or self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("packed attention needs the packed q/k/v projection (kdim = vdim = embed_dim) and "
+                             "no add_bias_kv / add_zero_attn")
+        E = self.embed_dim
+        for name, t, packing in (("query", query, q_packing), ("key", key, kv_packing), ("value", value, kv_packing)):
+            _validate.hidden(name, t, E, self.out_proj.weight, ranks=(2,), width_name="embed_dim")
+            if t.shape[0] != packing.num_tokens:
+                raise ValueError(f"packed {name} must have one row per real token, {packing.num_tokens}, got "
+                                 f"shape {tuple(t.shape)}")
+        if q_packing.batch_size != kv_packing.batch_size:
+            raise ValueError(f"query and key packings must have the same batch size, got {q_packing.batch_size} "
+                             f"and {kv_packing.batch_size}")
+        w, b = self.in_proj_weight, self.in_proj_bias  # (3E, E), (3E,)
+        if query is key and key is value:  # self-attention: one GEMM, one move to the padded layout
+            q, k, v = q_packing.unpack(F.linear(query, w, b)).chunk(3, dim=-1)  # (B, S, E) each
+        else:
+            q = q_packing.unpack(F.linear(query, w[:E], b[:E] if b is not None else None))  # (B, L, E)
+            if key is not value:
+                raise ValueError("packed cross-attention needs key is value (the memory)")
+            k, v = kv_packing.unpack(F.linear(key, w[E:], b[E:] if b is not None else None)).chunk(2, dim=-1)
+        q, k, v = (self._split_heads(t) for t in (q, k, v))  # (B, H, S, D)
+        out = ops.attention(q, k, v, key_padding_mask=kv_packing.padding_mask, is_causal=is_causal,
+                            scale=1.0 / math.sqrt(self.head_dim),
+                            dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, D)
+        out = q_packing.pack(out.transpose(1, 2)).reshape(q_packing.num_tokens, E)  # (n_q, E)
+        return F.linear(out, self.out_proj.weight, self.out_proj.bias)
 
     # -------------------------------------------------------------- incremental decoding
     def memory_key_value(self, memory: torch.Tensor) -> KV:

@@ -29,6 +29,7 @@ from .. import ops
 from . import _validate
 from ._twin import share_state, swap_children, twin_of
 from .multihead_attention import KV
+from .packing import Packing
 
 ACTIVATIONS = ("relu", "gelu")
 
@@ -133,6 +134,23 @@ def _check_decoder_input(layer, tgt, memory, tgt_mask, memory_mask, tgt_kpm, mem
                           "memory_key_padding_mask", keys=memory)
 
 
+def _check_packed_input(layer, name: str, x: Hidden, packing: Packing, **must_be_none) -> None:
+    """Packed rows ``(n, E)`` for ``packing`` (see :mod:`fastformer.nn.packing`); the masks of the
+    padded layout must be None (the packings carry the padding)."""
+    if not isinstance(packing, Packing):
+        raise TypeError(f"packing must be a fastformer.nn.packing.Packing, got {type(packing).__name__}")
+    for arg, value in must_be_none.items():
+        if value is not None:
+            raise ValueError(f"{arg} must be None with packing (the packing carries the padding; packed layers "
+                             "support no other mask)")
+    if isinstance(x, Pending):
+        x = x.f
+    _validate.hidden(name, x, layer.self_attn.embed_dim, layer.linear1.weight, ranks=(2,))
+    if x.shape[0] != packing.num_tokens:
+        raise ValueError(f"packed {name} must have one row per real token, {packing.num_tokens}, got shape "
+                         f"{tuple(x.shape)}")
+
+
 class _FeedForwardMixin:
     def _dropout_p(self, dropout: torch.nn.Dropout) -> float:
         return dropout.p if self.training else 0.0
@@ -162,21 +180,30 @@ class TransformerEncoderLayer(_FeedForwardMixin, torch.nn.TransformerEncoderLaye
 
     def forward(self, src: torch.Tensor, src_mask: Optional[torch.Tensor] = None,
                 src_key_padding_mask: Optional[torch.Tensor] = None, is_causal: bool = False, *,
-                pending_output: bool = False) -> Hidden:
+                pending_output: bool = False, packing: Optional[Packing] = None) -> Hidden:
         """torch's contract. ``pending_output=True`` is for stacks (the encoder calls each layer
         through ``__call__``, so module hooks such as FSDP's fire): ``src`` may then be a
         :class:`Pending` residual add and a pre-LN layer returns one, fused by the next layer
-        into its first LayerNorm."""
-        if not pending_output:
-            _check_encoder_input(self, src, src_mask, src_key_padding_mask)
-        out = self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        into its first LayerNorm. With ``packing`` (:mod:`fastformer.nn.packing`), ``src`` holds
+        the ``(n, E)`` real rows of a padded batch (batch first) and so does the output; the
+        padding comes from the packing, so ``src_mask`` and ``src_key_padding_mask`` must be None."""
+        if packing is not None:
+            _check_packed_input(self, "src", src, packing, src_mask=src_mask,
+                                src_key_padding_mask=src_key_padding_mask)
+
+            def self_attend(y):
+                return self.self_attn(y, y, y, need_weights=False, is_causal=is_causal, packing=(packing, packing))[0]
+        else:
+            if not pending_output:
+                _check_encoder_input(self, src, src_mask, src_key_padding_mask)
+
+            def self_attend(y):
+                return self.self_attn(y, y, y, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
+                                      need_weights=False, is_causal=is_causal)[0]
+        out = self._forward(src, self_attend)
         return out if pending_output else resolve(out)
 
-    def _forward(self, x: Hidden, src_mask, src_key_padding_mask, is_causal) -> Hidden:
-        def self_attend(y):
-            return self.self_attn(y, y, y, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
-                                  need_weights=False, is_causal=is_causal)[0]
-
+    def _forward(self, x: Hidden, self_attend) -> Hidden:
         p1, p2 = self._dropout_p(self.dropout1), self._dropout_p(self.dropout2)
         if self.norm_first:
             y, x = _norm_input(x, self.norm1)
@@ -213,14 +240,37 @@ class TransformerDecoderLayer(_FeedForwardMixin, torch.nn.TransformerDecoderLaye
     def forward(self, tgt: torch.Tensor, memory: torch.Tensor, tgt_mask: Optional[torch.Tensor] = None,
                 memory_mask: Optional[torch.Tensor] = None, tgt_key_padding_mask: Optional[torch.Tensor] = None,
                 memory_key_padding_mask: Optional[torch.Tensor] = None, tgt_is_causal: bool = False,
-                memory_is_causal: bool = False, *, pending_output: bool = False) -> Hidden:
-        """torch's contract; ``pending_output`` as in :meth:`TransformerEncoderLayer.forward`."""
-        if not pending_output:
-            _check_decoder_input(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                 memory_key_padding_mask)
-        out = self._forward(tgt, *self._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                                  memory_key_padding_mask, tgt_is_causal, memory_is_causal))
+                memory_is_causal: bool = False, *, pending_output: bool = False,
+                packing: Optional[Tuple[Packing, Packing]] = None) -> Hidden:
+        """torch's contract; ``pending_output`` as in :meth:`TransformerEncoderLayer.forward`.
+        With ``packing = (tgt_packing, memory_packing)``, ``tgt`` and ``memory`` hold the real rows
+        ``(n_t, E)`` and ``(n_s, E)`` of their padded batches and the output those of ``tgt``; the
+        masks but ``tgt_is_causal`` must then be None (the packings carry the padding)."""
+        if packing is not None:
+            tgt_packing, memory_packing = packing
+            _check_packed_input(self, "tgt", tgt, tgt_packing, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                                tgt_key_padding_mask=tgt_key_padding_mask,
+                                memory_key_padding_mask=memory_key_padding_mask)
+            _check_packed_input(self, "memory", memory, memory_packing)
+            attenders = self._packed_attenders(memory, tgt_packing, memory_packing, tgt_is_causal)
+        else:
+            if not pending_output:
+                _check_decoder_input(self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                     memory_key_padding_mask)
+            attenders = self._attenders(memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                        memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+        out = self._forward(tgt, *attenders)
         return out if pending_output else resolve(out)
+
+    def _packed_attenders(self, memory, tgt_packing: Packing, memory_packing: Packing, tgt_is_causal):
+        def self_attend(y):
+            return self.self_attn(y, y, y, need_weights=False, is_causal=tgt_is_causal,
+                                  packing=(tgt_packing, tgt_packing))[0]
+
+        def cross_attend(y):
+            return self.multihead_attn(y, memory, memory, need_weights=False,
+                                       packing=(tgt_packing, memory_packing))[0]
+        return self_attend, cross_attend
 
     def _attenders(self, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                    tgt_is_causal, memory_is_causal):
@@ -282,6 +332,15 @@ class TransformerDecoderLayer(_FeedForwardMixin, torch.nn.TransformerDecoderLaye
         return share_state(cls, module)
 
 
+def _packed_stack(stack, x: Hidden, packing, call_layer) -> torch.Tensor:
+    """A stack's layers on packed rows (each through ``__call__``), then its final norm."""
+    for layer in stack.layers:
+        if not isinstance(layer, (TransformerEncoderLayer, TransformerDecoderLayer)):
+            raise TypeError(f"packed rows need fastformer.nn layers, got {type(layer).__name__}")
+        x = call_layer(layer, x)
+    return _final_norm(x, stack.norm)
+
+
 @twin_of(torch.nn.TransformerEncoder)
 class TransformerEncoder(torch.nn.TransformerEncoder):
     """Drop-in twin of :class:`torch.nn.TransformerEncoder`. Never uses nested tensors:
@@ -297,7 +356,14 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
 
     def forward(self, src: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 src_key_padding_mask: Optional[torch.Tensor] = None,
-                is_causal: Optional[bool] = None) -> torch.Tensor:
+                is_causal: Optional[bool] = None, *, packing: Optional[Packing] = None) -> torch.Tensor:
+        """torch's contract; with ``packing``, ``src`` and the output are the ``(n, E)`` real rows
+        of a padded batch (see :meth:`TransformerEncoderLayer.forward`)."""
+        if packing is not None:
+            _check_packed_input(self.layers[0], "src", src, packing, mask=mask,
+                                src_key_padding_mask=src_key_padding_mask)
+            return _packed_stack(self, src, packing, lambda layer, x: layer(
+                x, None, None, bool(is_causal), pending_output=True, packing=packing))
         _check_encoder_input(self.layers[0], src, mask, src_key_padding_mask, mask_name="mask")
         batch_first = self.layers[0].self_attn.batch_first
         is_causal = detect_is_causal_mask(mask, is_causal, _seq_len(src, batch_first))
@@ -330,7 +396,17 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
     def forward(self, tgt: torch.Tensor, memory: torch.Tensor, tgt_mask: Optional[torch.Tensor] = None,
                 memory_mask: Optional[torch.Tensor] = None, tgt_key_padding_mask: Optional[torch.Tensor] = None,
                 memory_key_padding_mask: Optional[torch.Tensor] = None, tgt_is_causal: Optional[bool] = None,
-                memory_is_causal: bool = False) -> torch.Tensor:
+                memory_is_causal: bool = False, *,
+                packing: Optional[Tuple[Packing, Packing]] = None) -> torch.Tensor:
+        """torch's contract; with ``packing = (tgt_packing, memory_packing)``, ``tgt``, ``memory``
+        and the output are real rows (see :meth:`TransformerDecoderLayer.forward`)."""
+        if packing is not None:
+            _check_packed_input(self.layers[0], "tgt", tgt, packing[0], tgt_mask=tgt_mask, memory_mask=memory_mask,
+                                tgt_key_padding_mask=tgt_key_padding_mask,
+                                memory_key_padding_mask=memory_key_padding_mask)
+            _check_packed_input(self.layers[0], "memory", memory, packing[1])
+            return _packed_stack(self, tgt, packing, lambda layer, x: layer(
+                x, memory, tgt_is_causal=bool(tgt_is_causal), pending_output=True, packing=packing))
         _check_decoder_input(self.layers[0], tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
                              memory_key_padding_mask)
         batch_first = self.layers[0].self_attn.batch_first
