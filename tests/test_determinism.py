@@ -4,7 +4,9 @@ backend, and a whole training run, are bit-identical from run to run, also under
 
 No fastformer kernel has a reduction whose order depends on thread scheduling: the C++ kernels
 split work by thread index (at::parallel_for hands thread i a fixed range) and add per-block
-partial sums in block order, the Triton kernels use no atomics, so none needs another path.
+partial sums in block order, or (attention) let threads take whole tasks from a shared counter,
+each task writing only its own rows, so which thread ran a task changes no bit; the Triton
+kernels use no atomics, so none needs another path.
 What can change from process to process is the Triton autotuner's pick of tile sizes on a GPU
 (a tile size changes the summation order); under deterministic mode the kernels skip autotuning
 and run their first listed config. Results depend on the thread count (the C++ kernels' partial
@@ -164,6 +166,25 @@ def test_op_forward_and_backward_are_bit_identical(backend, threads, case, set_t
     if case in DROPOUT_CASES:  # the equality is not vacuous: the dropout mask follows the seed
         other = _forward_backward(case, backend, seed=SEED + 1, backward=False)
         assert not torch.equal(other[0], first[0]), f"{case}: dropout ignored the seed"
+
+
+@pytest.mark.parametrize("backend", kernel_backends("cpu"))
+def test_cpu_attention_does_not_depend_on_which_thread_runs_a_task(backend, set_threads):
+    """The cpu attention's threads take (batch, head, block) tasks from a shared counter, so
+    that rows of different lengths balance; each task writes only its rows, so 1 and 2 threads
+    (which split the tasks differently, and differently from run to run) give the same bits."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(8, 2, 150, 24, generator=g) for _ in range(4))
+    kpm = torch.arange(150)[None] >= torch.tensor([150, 140, 130, 120, 40, 30, 20, 10])[:, None]
+    results = []
+    for threads in (1, 2):
+        set_threads(threads)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(SEED)
+        with fastformer.use_backend(backend):
+            out = ops.attention(*leaves, key_padding_mask=kpm, dropout_p=0.1)
+        results.append([out.detach()] + list(torch.autograd.grad(out, leaves, dout)))
+    _assert_identical(results[0], results[1], "attention on 1 and on 2 threads")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -15,7 +15,8 @@
 //   * otherwise two passes: dK and dV per (batch, head, key block), then dQ per
 //     (batch, head, query block), recomputing S and dP in each (seven products per tile).
 // Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
-// are skipped.
+// are skipped. Threads take tasks one at a time from a shared counter (parallel_tasks), so
+// rows of different lengths do not leave a thread waiting for another.
 //
 // The tile products are plain row-major C (+)= A B (attention_gemm.h: oneDNN's brgemm ukernel
 // through at::native::cpublas for fp32, MKL for fp64); the transposed operands (K^T, V^T,
@@ -37,6 +38,7 @@
 #include <array>
 #include <climits>
 #include <cmath>
+#include <atomic>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -67,6 +69,35 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // ~2^17 of them, so tiny problems (gradcheck sizes) run inline instead of waking threads.
 int64_t grain_for(int64_t work) {
   return std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, work));
+}
+
+// Tasks handed out one at a time from a shared counter (see parallel_tasks).
+class TaskQueue {
+ public:
+  explicit TaskQueue(int64_t n) : n_(n) {}
+  // The next task not yet taken by any thread; false when none is left.
+  bool pop(int64_t& task) {
+    task = next_.fetch_add(1, std::memory_order_relaxed);
+    return task < n_;
+  }
+
+ private:
+  const int64_t n_;
+  std::atomic<int64_t> next_{0};
+};
+
+// Runs fn(queue) on as many of at::parallel_for's threads as tasks [0, n) of `grain` tasks each
+// keep busy (one thread, inline, for small problems); each thread sets up its scratch once and
+// then pops tasks until none is left. at::parallel_for alone hands each thread one contiguous
+// range of tasks, and under key padding (batch rows of different lengths) or a causal mask one
+// range can hold much more work than another while the other threads wait at the barrier. Each
+// task writes only its own rows, so which thread runs it does not change a bit of the result.
+template <typename Fn>
+void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
+  if (n <= 0) return;
+  const int64_t threads = std::clamp<int64_t>(ceil_div(n, grain), 1, at::get_num_threads());
+  TaskQueue queue(n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { fn(queue); });
 }
 
 template <typename T>
@@ -338,13 +369,13 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
   const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
 
   const int64_t grain = grain_for(2 * std::min(kBlockQ, p.Sq) * p.Sk * D);
-  at::parallel_for(0, p.B * p.H * nqb, grain, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.B * p.H * nqb, grain, [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kBlockK);
     const DropoutScales<acc_t> drop(p.seed, p.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.pop(task);) {
       const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
       const int64_t i0 = qb * kBlockQ, mq = std::min(kBlockQ, p.Sq - i0);
       std::fill(m.begin(), m.end(), neg_inf<acc_t>());
@@ -586,10 +617,10 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
 
   if (!two_pass) {
     // One task per head: key blocks in turn, dQ accumulated over the whole head.
-    at::parallel_for(0, heads, grain_for(5 * p.Sq * p.Sk * D), [&](int64_t begin, int64_t end) {
+    parallel_tasks(heads, grain_for(5 * p.Sq * p.Sk * D), [&](TaskQueue& tasks) {
       attn::BlasSingleThread blas;
       BwdScratch<scalar_t> w(dropout, D, p.Sq, kBlockK);
-      for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t bh; tasks.pop(bh);) {
         const int64_t b = bh / p.H, h = bh % p.H;
         int64_t ld;
         w.q.get(p.q, b, h, 0, p.Sq, ld);  // bf16: convert the head's q and dout once
@@ -604,22 +635,20 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
     return;
   }
   // Pass 1: dK, dV, each (b, h, key block) task owning its rows.
-  at::parallel_for(0, heads * nkb, grain_for(4 * p.Sq * std::min(kBlockK, p.Sk) * D),
-                   [&](int64_t begin, int64_t end) {
+  parallel_tasks(heads * nkb, grain_for(4 * p.Sq * std::min(kBlockK, p.Sk) * D), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     BwdScratch<scalar_t> w(dropout, D, 0, kBlockK);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.pop(task);) {
       const int64_t kb = task % nkb, h = (task / nkb) % p.H, b = task / (nkb * p.H);
       const int64_t jb = kb * kBlockK;
       backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, p.Sk - jb), nullptr);
     }
   });
   // Pass 2: dQ, each (b, h, query block) task owning its rows.
-  at::parallel_for(0, heads * nqb, grain_for(3 * std::min(kBlockQ, p.Sq) * p.Sk * D),
-                   [&](int64_t begin, int64_t end) {
+  parallel_tasks(heads * nqb, grain_for(3 * std::min(kBlockQ, p.Sq) * p.Sk * D), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     BwdScratch<scalar_t> w(dropout, D, kBlockQ, 0);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; tasks.pop(task);) {
       const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
       const int64_t i0 = qb * kBlockQ, mq = std::min(kBlockQ, p.Sq - i0);
       const auto [kbegin, kend] = p.key_span(b, i0 + mq);
