@@ -49,3 +49,14 @@ def _seed_and_backend():
     fastformer.set_backend("auto")
     yield
     fastformer.set_backend("auto")
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """One torch thread for a whole module of tiny shapes (``pytestmark = pytest.mark.usefixtures(
+    "one_thread_module")``): there, OpenMP start-up and stalls on the shared 2-core machine cost
+    more than the work."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

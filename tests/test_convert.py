@@ -8,7 +8,8 @@ from fastformer import nn as fnn
 from utils import assert_close
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Support for mismatched:UserWarning"),
-              pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")]
+              pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
+              pytest.mark.usefixtures("one_thread_module")]  # tiny shapes
 
 BACKENDS = ["reference", "auto"]
 TOL = {"reference": {"out": (2e-5, 1e-4), "grad": (5e-5, 1e-4)},
@@ -19,15 +20,6 @@ TWINNED = {torch.nn.MultiheadAttention: fnn.MultiheadAttention, torch.nn.LayerNo
            torch.nn.TransformerEncoder: fnn.TransformerEncoder, torch.nn.TransformerDecoder: fnn.TransformerDecoder,
            torch.nn.Transformer: fnn.Transformer}
 D, NHEAD, FF, VOCAB = 32, 4, 64, 17
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes; one thread avoids OpenMP stalls on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Translator(torch.nn.Module):

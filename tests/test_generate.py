@@ -13,17 +13,10 @@ from fastformer.models.generation import IncrementalDecoder
 from fastformer.optim import NoamScheduler, make_optimizer
 from utils import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
+
 PAD, BOS, EOS = 0, 1, 2
 SRC_V, TGT_V, D, NHEAD, FF = 21, 17, 32, 4, 48
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes; one thread avoids OpenMP stalls on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_model(seed=0, tgt_vocab=TGT_V, **kwargs):

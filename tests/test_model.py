@@ -12,20 +12,13 @@ from fastformer.models import Seq2SeqTransformer
 from fastformer.optim import NoamScheduler, make_optimizer, noam_lambda
 from utils import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
+
 BACKENDS = ["reference", "auto"]
 TOL = {"reference": {"out": (5e-5, 1e-4), "grad": (1e-4, 1e-4)},
        "auto": {"out": (1e-4, 1e-3), "grad": (5e-4, 1e-3)}}
 PAD, BOS, EOS = 0, 1, 2
 SRC_V, TGT_V, D, NHEAD, FF = 23, 19, 32, 4, 48
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes; one thread avoids OpenMP stalls on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_model(seed=0, **kwargs):

@@ -11,7 +11,8 @@ from utils import assert_close
 
 # torch's own modules warn about mask types and nested tensors; the twins do not.
 pytestmark = [pytest.mark.filterwarnings("ignore:Support for mismatched:UserWarning"),
-              pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")]
+              pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
+              pytest.mark.usefixtures("one_thread_module")]  # tiny shapes
 
 # Every twin runs on the reference backend and on whatever "auto" picks here (the C++ CPU
 # kernels once built). fp32 tolerances (atol, rtol) for outputs and for gradients.
@@ -20,15 +21,6 @@ TOL = {
     "reference": {"out": (2e-5, 1e-4), "grad": (5e-5, 1e-4)},
     "auto": {"out": (5e-5, 1e-4), "grad": (2e-4, 1e-3)},
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These shapes are tiny; one thread avoids OpenMP stalls on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def twins(torch_cls, twin_cls, *args, seed=0, **kwargs):

@@ -10,18 +10,11 @@ from fastformer.nn import MultiheadAttention, TransformerDecoderLayer, Transform
 from fastformer.nn.packing import Packing
 from utils import assert_close, kernel_backends
 
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
+
 BACKENDS = ["reference"] + kernel_backends("cpu")
 TOL = {"out": (2e-5, 1e-4), "grad": (5e-5, 5e-4)}
 E, H = 24, 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes; one thread avoids OpenMP stalls on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def padding(lengths, S):

@@ -54,7 +54,7 @@ class Packing:
             raise ValueError(f"x must have shape (B, S, ...) = ({B}, {S}, ...), got {tuple(x.shape)}")
         if self.dense:
             return x.reshape(B * S, *x.shape[2:])
-        return _Pack.apply(x, self)
+        return _Move.apply(x, self, True)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``(n, *rest)`` -> ``(B, S, *rest)``, zeros at the padded positions."""
@@ -63,7 +63,7 @@ class Packing:
             raise ValueError(f"x must hold one row per real token, {n}, got shape {tuple(x.shape)}")
         if self.dense:
             return x.reshape(B, S, *x.shape[1:])
-        return _Unpack.apply(x, self)
+        return _Move.apply(x, self, False)
 
     # the two moves, each the other's gradient (the indices are unique: no accumulation)
     def _gather(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, *rest) -> (n, *rest)
@@ -81,23 +81,15 @@ class Packing:
         return f"Packing(batch_size={self.batch_size}, seq_len={self.seq_len}, num_tokens={self.num_tokens})"
 
 
-class _Pack(torch.autograd.Function):
+class _Move(torch.autograd.Function):
+    """``packing.pack`` (``to_rows``) or ``packing.unpack``; the gradient is the other move."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        ctx.packing = packing
-        return packing._gather(x)
+    def forward(ctx, x: torch.Tensor, packing: Packing, to_rows: bool) -> torch.Tensor:
+        ctx.packing, ctx.to_rows = packing, to_rows
+        return packing._gather(x) if to_rows else packing._scatter(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.packing._scatter(grad), None
-
-
-class _Unpack(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        ctx.packing = packing
-        return packing._scatter(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.packing._gather(grad), None
+        move = ctx.packing._scatter if ctx.to_rows else ctx.packing._gather
+        return move(grad), None, None
