@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     sys.path.insert(0, ROOT)
-    from fastformer.bench.report import device_name
+    from fastformer.jobs.bench.report import device_name
 
     out = os.path.join(ROOT, "benchmarks", "results", device_name(torch.device("cuda")))
     os.makedirs(out, exist_ok=True)

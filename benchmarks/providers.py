@@ -1,4 +1,4 @@
-"""pytest parameters for the benchmark suite, drawn from :mod:`fastformer.bench` (the same
+"""pytest parameters for the benchmark suite, drawn from :mod:`fastformer.jobs.bench` (the same
 providers, shapes and callables ``python -m fastformer bench`` times; nothing is duplicated).
 
 Environment knobs:
@@ -12,12 +12,13 @@ from typing import Dict, List
 import pytest
 import torch
 
-from fastformer.bench import ops as bench_ops
-from fastformer.bench import providers as registry
-from fastformer.bench import train_step
+from fastformer.jobs.bench import ops as bench_ops
+from fastformer.jobs.bench import providers as registry
+from fastformer.jobs.bench import train_step
+from fastformer.jobs.devices import pick_device
 
 SWEEP = os.environ.get("FASTFORMER_BENCH_SWEEP", "full")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = pick_device("auto")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE = _DTYPES[os.environ["FASTFORMER_BENCH_DTYPE"]] if os.environ.get("FASTFORMER_BENCH_DTYPE") \
     else registry.default_dtypes(DEVICE)[0]
@@ -57,6 +58,17 @@ def run_op(benchmark, op: str, mode: str, provider: str, shape: Dict) -> None:
     benchmark.extra_info.update(op=op, mode=mode, provider=provider, shape=label, dtype=DTYPE_NAME,
                                 tokens=spec.tokens(shape))
     benchmark(case.calls[mode])
+
+
+def op_benchmark(op: str):
+    """The benchmark test of ``op``, for a ``bench_<op>.py`` file to bind to a ``test_`` name:
+    one case per mode x chosen provider x shape (ids ``<mode>-<provider>-<shape>``), each mode
+    its own pytest-benchmark group."""
+    @pytest.mark.parametrize("provider, shape", op_params(op))
+    @pytest.mark.parametrize("mode", bench_ops.MODES)
+    def test(benchmark, mode, provider, shape):
+        run_op(benchmark, op, mode, provider, shape)
+    return test
 
 
 def train_step_params() -> List:

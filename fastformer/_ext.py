@@ -2,10 +2,6 @@
 
 ``FASTFORMER_EXT_LIBRARY=/path/lib.so`` loads a privately built copy instead
 (``tools/dev_build.py``), so kernel work can be tested without a full build.
-
-``FASTFORMER_CUDA_SIMT=/path/fastformer_simt.so`` names the SIMT test harness (the CUDA kernels
-compiled as host C++, ``tests/simt/build.py``; ``tests/conftest.py`` builds it and sets the
-variable): its ops ``torch.ops.fastformer_simt.<op>`` run the ``cuda`` backend on CPU tensors.
 """
 import functools
 import importlib
@@ -27,21 +23,9 @@ def load_error() -> Optional[str]:
     except (ImportError, OSError) as exc:
         return (f"the C++ extension fastformer._C is not built ({exc}); build it with "
                 "`make build` or `pip install --no-build-isolation -e .`")
-    from . import fake_ops  # noqa: F401  (fake implementations so torch.compile traces the ops)
-    return None
+    from . import fake_ops
 
-
-@functools.lru_cache(maxsize=None)
-def simt_load_error() -> Optional[str]:
-    """None once the SIMT harness library (``FASTFORMER_CUDA_SIMT``) is loaded, else why not."""
-    path = os.environ.get("FASTFORMER_CUDA_SIMT", "")
-    if path in ("", "0", "off"):
-        return ("the SIMT harness is not loaded (FASTFORMER_CUDA_SIMT is not set; tests/conftest.py "
-                "builds it with tests/simt/build.py)")
-    try:
-        torch.ops.load_library(path)
-    except (OSError, RuntimeError) as exc:
-        return f"cannot load the SIMT harness FASTFORMER_CUDA_SIMT={path} ({exc})"
+    fake_ops.register("fastformer")  # so torch.compile traces the ops
     return None
 
 
@@ -57,8 +41,11 @@ def cpu_capability() -> Optional[str]:
 
 
 def has_kernel(op: str, dispatch_key: str, namespace: str = "fastformer") -> bool:
-    """Whether ``<namespace>::<op>`` has a kernel registered for ``dispatch_key`` (CPU, CUDA);
-    namespace ``fastformer_simt`` is the SIMT harness's."""
-    if (simt_load_error() if namespace == "fastformer_simt" else load_error()) is not None:
+    """Whether ``<namespace>::<op>`` has a kernel registered for ``dispatch_key`` (CPU, CUDA). The
+    ``fastformer`` namespace is loaded first; another (a test harness's) must be loaded already."""
+    if namespace == "fastformer" and load_error() is not None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{op}", dispatch_key)
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{op}", dispatch_key)
+    except RuntimeError:  # no such op in the namespace
+        return False

@@ -4,7 +4,7 @@ from copy import deepcopy
 import torch
 
 from . import nn as _nn  # noqa: F401  (importing the twins registers them)
-from .nn._twin import TWINS, swap_tree
+from .internal.twins import TWINS, swap_tree
 
 _INPLACE_REMOVED = (
     "convert(): the 'inplace' argument was removed. convert(model) now always swaps the modules "

@@ -14,13 +14,14 @@ from fastformer.ops import reference
 from utils import assert_close, assert_close_lowp, device_for, kernel_backends
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
-A = pytest.importorskip("triton_kernels.attention", reason="triton is not installed")
+A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
+T = pytest.importorskip("fastformer.triton_kernels.attention_tiles", reason="triton is not installed")
 DEVICE = device_for("triton")
 
 # fp32 (atol, rtol): outputs and lse, then gradients (sums over up to 256 keys / queries).
 TOL = {"out": (2e-5, 1e-4), "grad": (1e-4, 1e-4)}
 # Low precision, FlashAttention's rule against the fp32 reference. The kernels round fp32 -> bf16
-# to nearest even in the interpreter too (attention._cast), so the GPU's factor applies.
+# to nearest even in the interpreter too (attention_tiles.cast), so the GPU's factor applies.
 LOWP_FACTOR = 2.0
 
 
@@ -216,7 +217,7 @@ def test_dropout_non_square_tiles(block_m, block_n, Sq, Sk, causal, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision(dtype, small_blocks):
     """fp16 / bf16 inputs, fp32 accumulation: FlashAttention's rule against the fp32 reference
-    (in the interpreter bf16 dot operands are widened, attention._dot, since its tl.dot would
+    (in the interpreter bf16 dot operands are widened, attention_tiles.dot, since its tl.dot would
     multiply the bf16 storage as integers)."""
     B, H, Sq, Sk, D = 1, 2, 45, 29, 40
     q, k, v, kpm, am, dout = _inputs(B, H, Sq, Sk, D, dtype=dtype, kpm_frac=0.2, mask="broadcast")
@@ -240,7 +241,7 @@ def test_bf16_conversion_rounds_to_nearest_even():
     @triton.jit
     def _convert(x_ptr, y_ptr, N: tl.constexpr):
         offs = tl.arange(0, N)
-        tl.store(y_ptr + offs, A._cast(tl.load(x_ptr + offs), tl.bfloat16))
+        tl.store(y_ptr + offs, T.cast(tl.load(x_ptr + offs), tl.bfloat16))
 
     x = torch.randn(1024, generator=torch.Generator().manual_seed(1)) * 10
     x[:5] = torch.tensor([float("inf"), -float("inf"), 0.99999, 1.0 - 2**-9, 1.0 + 3 * 2**-9])

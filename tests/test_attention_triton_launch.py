@@ -14,7 +14,7 @@ import torch
 from utils import assert_close, assert_close_lowp, kernel_backends
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
-A = pytest.importorskip("triton_kernels.attention", reason="triton is not installed")
+A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
 
 from test_attention_triton import LOWP_FACTOR, _check_fp32, _inputs, _kernels, _reference  # noqa: E402
 
@@ -130,9 +130,9 @@ def test_fp32_dot_precision_follows_torch(monkeypatch, precision, want):
 def test_every_triton_host_function_guards_the_cuda_device():
     """Each host function runs under torch.cuda.device of its tensors (a launch otherwise goes to
     the current device); feed_forward's host functions have their own guard."""
-    from triton_kernels import add_layer_norm as aln
-    from triton_kernels import cross_entropy as ce
-    from triton_kernels import feed_forward as ff
+    from fastformer.triton_kernels import add_layer_norm as aln
+    from fastformer.triton_kernels import cross_entropy as ce
+    from fastformer.triton_kernels import feed_forward as ff
     hosts = (A._attention_fwd_host, A._attention_bwd_host, aln._add_layer_norm_fwd_impl,
              aln._add_layer_norm_bwd_impl, ce._cross_entropy_fwd_impl, ce._linear_cross_entropy_fwd_impl,
              ce._linear_cross_entropy_bwd_impl)
@@ -144,7 +144,7 @@ def test_every_triton_host_function_guards_the_cuda_device():
 def test_device_guard_enters_the_first_tensors_cuda_device(monkeypatch):
     """The guard enters torch.cuda.device(t.device) for a CUDA tensor (stood in for here by an
     object with a CUDA device) and is a no-op for CPU tensors."""
-    from triton_kernels.utils import on_device_of_first_tensor
+    from fastformer.triton_kernels.utils import on_device_of_first_tensor
     entered = []
 
     @contextlib.contextmanager

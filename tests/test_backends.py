@@ -32,11 +32,13 @@ def test_available_backends_gives_a_reason_for_each_unavailable_one():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU reason; this machine has a GPU")
 def test_forcing_cuda_without_gpu_names_why(monkeypatch):
-    # without the SIMT harness (tests/conftest.py loads it), as on a user's machine
-    monkeypatch.setattr(_ext, "simt_load_error", lambda: "the SIMT harness is not loaded")
+    # without the SIMT harness's emulated CPU device (tests/simt/plugin.py adds it), as on a user's machine
+    cuda = backends.BACKENDS["cuda"]
+    monkeypatch.setattr(cuda, "devices", tuple(d for d in cuda.devices if not d.emulated))
     x = torch.randn(4, 8)
     with fastformer.use_backend("cuda"):
-        with pytest.raises(RuntimeError, match="forced but cannot run add_layer_norm: .*runs CUDA tensors, not cpu"):
+        with pytest.raises(RuntimeError, match="backend 'cuda' was forced but cannot run add_layer_norm: "
+                                               "the cuda backend runs CUDA tensors, not cpu tensors"):
             fastformer.ops.add_layer_norm(x, None, None, None)
     assert "no CUDA GPU" in fastformer.available_backends()["cuda"].reason
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fastformer
-from fastformer.__main__ import main
-from fastformer.bench import ops as bench_ops
-from fastformer.bench import providers as registry
-from fastformer.bench.timing import measure, peak_memory_bytes
+from fastformer.jobs.cli import main
+from fastformer.jobs.bench import ops as bench_ops
+from fastformer.jobs.bench import providers as registry
+from fastformer.jobs.bench.timing import measure, peak_memory_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_FILES = ["bench_attention.py", "bench_add_layer_norm.py", "bench_feed_forward.py",
@@ -59,6 +59,42 @@ def test_providers_listed_for_cpu():
     assert not names & {"fastformer-triton", "fastformer-cuda", "sdpa", "sdpa-flash"}  # not CPU timing providers
     with pytest.raises(ValueError, match="unknown provider"):
         registry.providers_for("attention", torch.device("cpu"), torch.float32, ["nope"])
+
+
+TORCH_LCE = ["torch-linear-cross-entropy", "torch-linear-cross-entropy-chunked"]
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"),
+                    reason="torch has no F.linear_cross_entropy before 2.13")
+def test_torchs_linear_cross_entropy_is_a_provider_of_that_op_only():
+    reasons = {p.name: r for p, r in registry.providers_for("linear_cross_entropy", torch.device("cpu"),
+                                                            torch.float32)}
+    assert {"torch-eager", "torch-compile", "fastformer-cpu", *TORCH_LCE} <= set(reasons)
+    assert all(reasons[name] is None for name in TORCH_LCE)
+    others = {p.name for op in bench_ops.OPS if op != "linear_cross_entropy"
+              for p, _ in registry.providers_for(op, torch.device("cpu"), torch.float32)}
+    assert not others & set(TORCH_LCE)
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"),
+                    reason="torch has no F.linear_cross_entropy before 2.13")
+@pytest.mark.parametrize("provider", TORCH_LCE)
+def test_torchs_linear_cross_entropy_gives_fastformers_loss_and_gradients(provider):
+    """Each provider times the same computation: torch's op and fastformer's, on the benchmark's
+    own inputs (label smoothing, ignored rows, bias), agree on the loss and every gradient."""
+    spec = bench_ops.OPS["linear_cross_entropy"]
+    shape = spec.sweep("cpu", "smoke")[0]
+    results = {}
+    for name in (provider, "fastformer-cpu"):
+        x = spec.make_inputs(shape, torch.device("cpu"), torch.float32)  # (N, D), (V, D), (V,), (N,)
+        loss = registry.REGISTRY[name].factory(spec)(x, shape)
+        loss.backward()
+        results[name] = [loss.detach()] + [x[leaf].grad for leaf in spec.leaves]
+    for what, got, want in zip(["loss"] + spec.leaves, results["fastformer-cpu"], results[provider]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+    # the comparison means something: the inputs hold ignored rows and the loss is smoothed
+    x = spec.make_inputs(shape, torch.device("cpu"), torch.float32)
+    assert (x["target"] == -100).any() and (x["target"] >= 0).any()
 
 
 def test_torch_compile_provider_runs_the_composition():
@@ -129,7 +165,7 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path, capsys, one_thread):
 
 
 def test_measure_interleaved_calls_each_once_per_repetition_in_rotated_order():
-    from fastformer.bench.timing import measure_interleaved
+    from fastformer.jobs.bench.timing import measure_interleaved
 
     order = []
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
@@ -142,7 +178,7 @@ def test_measure_interleaved_calls_each_once_per_repetition_in_rotated_order():
 
 
 def test_quiet_verdict_needs_a_load_of_at_most_a_quarter_of_the_cores():
-    from fastformer.bench.report import quiet_verdict
+    from fastformer.jobs.bench.report import quiet_verdict
 
     assert quiet_verdict(0.3, 2)[0] and quiet_verdict(1.0, 4)[0]
     quiet, why = quiet_verdict(0.9, 2)
@@ -153,7 +189,7 @@ def test_quiet_verdict_needs_a_load_of_at_most_a_quarter_of_the_cores():
 def test_quiet_verdict_rejects_a_run_that_other_work_joined(monkeypatch):
     """The load after the run may include the benchmark's own threads, but no more than a quarter
     of the cores beyond them."""
-    from fastformer.bench.report import quiet_verdict
+    from fastformer.jobs.bench.report import quiet_verdict
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     quiet, why = quiet_verdict(0.2, 2, 2.4)
@@ -167,7 +203,7 @@ def test_step_gemms_are_the_models_matrix_products():
     model's forward (which does not count attention's products); attention adds q k^T and p v."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fastformer.bench import train_step as ts
+    from fastformer.jobs.bench import train_step as ts
 
     shape = dict(ts.sweep("cpu", "smoke")[0], B=3, S=12, dropout=0.0)
     src, tgt = ts.make_batch(shape, torch.device("cpu"))
@@ -191,7 +227,7 @@ def test_real_token_gemms_are_the_packed_models_linear_products():
     model's sizes over the real tokens), and attention's products stay padded."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fastformer.bench import train_step as ts
+    from fastformer.jobs.bench import train_step as ts
 
     shape = dict(ts.sweep("cpu", "smoke")[0], B=3, S=12, dropout=0.0)
     src, tgt = ts.make_batch(shape, torch.device("cpu"))

@@ -4,8 +4,9 @@ backward."""
 import pytest
 import torch
 
-from fastformer import backends, check
-from fastformer.__main__ import main
+from fastformer import backends
+from fastformer.jobs import check
+from fastformer.jobs.cli import main
 
 CPU = pytest.mark.skipif(not backends.availability("cpu", "cpu"),
                          reason=backends.availability("cpu", "cpu").reason or "")
@@ -31,22 +32,21 @@ def test_check_lists_every_backend_and_why(capsys):
             assert avail.reason in out
 
 
-class _Faulty(backends.Kernels):
-    """The cpu kernels with one function's first result scaled by 1.01."""
+def _use_cpu_kernels(monkeypatch, replace):
+    """Make the cpu backend run its own kernels but with ``replace`` (name -> function taking
+    the real kernel) swapped in, for this test only."""
+    kernels = backends.Kernels("cpu")
+    for name, wrap in replace.items():
+        setattr(kernels, name, wrap(getattr(kernels, name)))
+    monkeypatch.setattr(backends.BACKENDS["cpu"].device("cpu"), "_kernels", kernels)
 
-    def __init__(self, fn):
-        super().__init__("cpu")
-        self.fn = fn
 
-    def __getattr__(self, name):
-        real = super().__getattr__(name)
-        if name != self.fn:
-            return real
-
-        def wrong(*args, **kwargs):
-            first, *rest = real(*args, **kwargs)
-            return (first * 1.01, *rest)
-        return wrong
+def _scaled_first_result(real):
+    """The kernel with its first result scaled by 1.01."""
+    def wrong(*args, **kwargs):
+        first, *rest = real(*args, **kwargs)
+        return (first * 1.01, *rest)
+    return wrong
 
 
 @CPU
@@ -54,7 +54,7 @@ class _Faulty(backends.Kernels):
                                     ("attention", "attention_bwd"),                # dq only
                                     ("add_layer_norm", "add_layer_norm_bwd")])     # dx only
 def test_check_fails_on_a_wrong_kernel(op, fn, monkeypatch, capsys):
-    monkeypatch.setitem(backends._KERNELS, "cpu", _Faulty(fn))
+    _use_cpu_kernels(monkeypatch, {fn: _scaled_first_result})
     code = main(["check", "--backend", "cpu", "--op", op])
     out = capsys.readouterr().out
     assert code == 1, out
@@ -67,11 +67,7 @@ def test_check_fails_on_a_kernel_that_raises(monkeypatch, capsys):
     def boom(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    class Raising(backends.Kernels):
-        def __getattr__(self, name):
-            return boom if name == "feed_forward_fwd" else super().__getattr__(name)
-
-    monkeypatch.setitem(backends._KERNELS, "cpu", Raising("cpu"))
+    _use_cpu_kernels(monkeypatch, {"feed_forward_fwd": lambda real: boom})
     assert main(["check", "--backend", "cpu", "--op", "feed_forward"]) == 1
     out = capsys.readouterr().out
     assert "FAIL feed_forward" in out and "kernel exploded" in out

@@ -5,8 +5,9 @@ import signal
 import pytest
 import torch
 
-from fastformer import checkpoint as ckpt
-from fastformer.train import Trainer, resolve_config
+from fastformer.jobs import checkpoint as ckpt
+from fastformer.jobs.config import resolve_config
+from fastformer.jobs.train import Trainer
 
 # a few steps of a very small model; ~7 batches per epoch, so 10 steps cross an epoch boundary
 TINY = dict(task_train=240, task_test=8, d_model=32, heads=2, layers=1, ffn=64, batch_tokens=800, warmup=4,

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from fastformer import checkpoint as ckpt
-from fastformer.__main__ import main
+from fastformer.jobs import checkpoint as ckpt
+from fastformer.jobs.cli import main
 
 TINY = ["--d-model", "32", "--heads", "2", "--layers", "1", "--ffn", "64", "--batch-tokens", "600",
         "--warmup", "10", "--threads", "1", "--no-progress", "--examples", "3"]
@@ -52,7 +52,7 @@ def test_train_writes_checkpoint_and_results(trained):
 
 @pytest.mark.parametrize("beam", [1, 3])
 def test_translate_reads_stdin(trained, monkeypatch, capsys, beam):
-    from fastformer.translate import load_model
+    from fastformer.jobs.translate import load_model
 
     lines = ["March 21st, 1999", "", "3/4/2010", "the first of May, two thousand and five"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
@@ -72,7 +72,7 @@ def test_translate_reads_stdin(trained, monkeypatch, capsys, beam):
 
 
 def test_train_on_tsv_with_bpe_and_resume(tmp_path, restore_threads):
-    from fastformer.data import make_task
+    from fastformer.jobs.data import make_task
 
     pairs, _ = make_task("dates", 300, 10, seed=0)
     data = tmp_path / "pairs.tsv"
@@ -118,7 +118,7 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
 
 
 def test_dtype_auto_is_bf16_on_a_cuda_gpu_with_bf16_and_fp32_elsewhere(monkeypatch):
-    from fastformer.train import resolve_dtype
+    from fastformer.jobs.devices import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cpu")) == "fp32"
     assert resolve_dtype("bf16", torch.device("cpu")) == "bf16"

@@ -60,7 +60,7 @@ P = 0.1
 out = {"level": torch.ops.fastformer.cpu_capability()}
 # the level is shown where a reader looks: available_backends()'s text, the bench's machine info
 assert out["level"] in fastformer.available_backends()["cpu"].reason, fastformer.available_backends()["cpu"]
-from fastformer.bench.report import machine_info
+from fastformer.jobs.bench.report import machine_info
 assert machine_info(torch.device("cpu"))["cpu_capability"] == out["level"]
 
 
@@ -115,8 +115,8 @@ for i, (attn, ln, ff, ce, lce) in enumerate([((2, 3, 13, 17, 40), (7, 203), (9, 
         lambda x, rng: reference.cross_entropy(x, t, label_smoothing=0.1), [3 * r(N, V)], 2e-5)
     N, D, V = lce
     t2 = torch.randint(0, V, (N,), generator=g)
-    run(f"linear_cross_entropy{i}", lambda h, w, b, rng: ops.linear_cross_entropy(h, w, b, t2, label_smoothing=0.1, reduction="sum"),
-        lambda h, w, b, rng: reference.linear_cross_entropy(h, w, b, t2, label_smoothing=0.1, reduction="sum"),
+    run(f"linear_cross_entropy{i}", lambda h, w, b, rng: ops.linear_cross_entropy(h, w, t2, linear_bias=b, label_smoothing=0.1, reduction="sum"),
+        lambda h, w, b, rng: reference.linear_cross_entropy(h, w, t2, linear_bias=b, label_smoothing=0.1, reduction="sum"),
         [r(N, D), r(V, D) / 5, r(V)], 2e-5)
 
 # The raw ops' masks, made visible: uniform attention over v = I, h = dropout(1), a = dropout(relu(1)) I.

@@ -10,7 +10,7 @@ import torch
 
 import fastformer
 from fastformer import cpu_pool
-from fastformer.bench.timing import peak_memory_bytes
+from fastformer.jobs.bench.timing import peak_memory_bytes
 from fastformer.ops import reference
 
 pytestmark = pytest.mark.skipif(not fastformer.backends.availability("cpu", "cpu"),
@@ -86,9 +86,9 @@ def test_linear_cross_entropy_scratch_is_pooled_and_zeroed_on_reuse():
         b = torch.randn(V, generator=g, requires_grad=True)
         t = torch.randint(0, V, (N,), generator=g)
         with fastformer.use_backend("cpu"):
-            fastformer.ops.linear_cross_entropy(h, w, b, t, label_smoothing=0.1).backward()
+            fastformer.ops.linear_cross_entropy(h, w, t, linear_bias=b, label_smoothing=0.1).backward()
         refs = [a.detach().double().requires_grad_(True) for a in (h, w, b)]
-        reference.linear_cross_entropy(*refs, t, label_smoothing=0.1).backward()
+        reference.linear_cross_entropy(refs[0], refs[1], t, linear_bias=refs[2], label_smoothing=0.1).backward()
         for got, ref in zip((h.grad, w.grad, b.grad), refs):
             torch.testing.assert_close(got.double(), ref.grad, atol=1e-6, rtol=1e-4)
     assert cpu_pool.stats()["in_use_bytes"] >= V * D * 4  # w.grad is the fp32 accumulator itself

@@ -4,11 +4,11 @@ import re
 
 import pytest
 
-from fastformer.data import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, BPETokenizer, CharTokenizer, CorpusError,
+from fastformer.jobs.data import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, BPETokenizer, CharTokenizer, CorpusError,
                              TokenBatches, Tokenizer, collate, encode_pairs, load_corpus, load_parallel,
                              load_tsv, make_task, split_pairs)
-from fastformer.data import tasks
-from fastformer.data.batching import example_size
+from fastformer.jobs.data import tasks
+from fastformer.jobs.data.batching import example_size
 
 
 # -- built-in tasks -------------------------------------------------------------------------------

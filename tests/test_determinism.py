@@ -21,7 +21,8 @@ import torch
 
 import fastformer
 from fastformer import ops
-from fastformer.train import Trainer, resolve_config
+from fastformer.jobs.config import resolve_config
+from fastformer.jobs.train import Trainer
 from utils import device_for, kernel_backends, skip_without_kernels
 
 BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends()
@@ -120,7 +121,7 @@ def _linear_cross_entropy(g, dev, big):
     hidden = torch.randn(n, 32, generator=g).to(dev)
     weight, bias = (0.2 * torch.randn(50, 32, generator=g)).to(dev), (0.1 * torch.randn(50, generator=g)).to(dev)
     target = _targets(g, n, 50, dev)
-    return (hidden, weight, bias), lambda h, w, b: ops.linear_cross_entropy(h, w, b, target, label_smoothing=0.1)
+    return (hidden, weight, bias), lambda h, w, b: ops.linear_cross_entropy(h, w, target, linear_bias=b, label_smoothing=0.1)
 
 
 CASES = {"attention_masks": _attention_masks, "attention_causal": _attention_causal,
@@ -231,7 +232,8 @@ def test_training_run_is_bit_identical(tmp_path, backend, threads, deterministic
 
 _TRAIN_IN_A_NEW_PROCESS = """
 import torch
-from fastformer.train import Trainer, resolve_config
+from fastformer.jobs.config import resolve_config
+from fastformer.jobs.train import Trainer
 trainer = Trainer(resolve_config({options!r}))
 torch.save((trainer.fit(), trainer.model.state_dict()), {result!r})
 """
@@ -278,7 +280,7 @@ class _RecordLaunch:
 def test_triton_attention_on_gpu_runs_a_fixed_config_under_deterministic_mode(monkeypatch, deterministic_mode,
                                                                               request):
     pytest.importorskip("triton", reason="the Triton kernels need triton")
-    from triton_kernels import attention as tk
+    from fastformer.triton_kernels import attention as tk
 
     if deterministic_mode:
         request.getfixturevalue("deterministic")
@@ -303,7 +305,7 @@ def test_triton_attention_on_gpu_runs_a_fixed_config_under_deterministic_mode(mo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matmul_on_gpu_runs_a_fixed_config_under_deterministic_mode(monkeypatch, deterministic, dtype):
     pytest.importorskip("triton", reason="the Triton kernels need triton")
-    from triton_kernels import matmul
+    from fastformer.triton_kernels import matmul
 
     record = _RecordLaunch()
     monkeypatch.setattr(matmul, "INTERPRET", False)

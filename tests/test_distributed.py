@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastformer import checkpoint as ckpt
-from fastformer.distributed import World, shard_rows, step_seed
+from fastformer.jobs import checkpoint as ckpt
+from fastformer.jobs.distributed import World, shard_rows, step_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--task-train", "120", "--task-test", "4", "--preset", "tiny", "--dropout", "0", "--no-progress",
@@ -91,7 +91,7 @@ def _no_sync_worker(rank, size, store_path, result_path):
     from torch.nn.parallel import DistributedDataParallel
 
     from fastformer.models import Seq2SeqTransformer
-    from fastformer.train import LossModule
+    from fastformer.jobs.train import LossModule
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=size)
@@ -135,7 +135,7 @@ def _fsdp_worker(rank, size, store_path, result_path):
     (all-gathered) gradients are saved by rank 0."""
     from torch.distributed.fsdp import fully_shard
 
-    from fastformer.train import LossModule
+    from fastformer.jobs.train import LossModule
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=size)

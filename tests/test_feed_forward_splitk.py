@@ -18,8 +18,8 @@ if not backends.availability("triton", device_for("triton")):
     pytest.skip(f"triton cannot run here: {backends.availability('triton', device_for('triton')).reason}",
                 allow_module_level=True)
 
-from triton_kernels import feed_forward as ff  # noqa: E402
-from triton_kernels import matmul  # noqa: E402
+from fastformer.triton_kernels import feed_forward as ff  # noqa: E402
+from fastformer.triton_kernels import matmul  # noqa: E402
 
 DEVICE = device_for("triton")
 NAMES = ("x", "w1", "b1", "w2", "b2")
@@ -194,7 +194,7 @@ def test_sm_count_of_cpu_tensors_is_an_h100s():
 
 
 def test_aot_specs_cover_the_split_k_launches():
-    """triton_kernels.aot compiles both split-K passes at the configs the host launches: the first
+    """fastformer.triton_kernels.aot compiles both split-K passes at the configs the host launches: the first
     pass in each operand layout (TN with row sums for the weight gradients), the second pass for
     each epilogue, in bf16 and fp32, every argument typed."""
     specs = [s for s in ff.aot_specs() if s["fn"] in (matmul._matmul_split_k, matmul._split_k_reduce)]

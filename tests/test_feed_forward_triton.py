@@ -18,8 +18,8 @@ if not backends.availability("triton", device_for("triton")):
     pytest.skip(f"triton cannot run here: {backends.availability('triton', device_for('triton')).reason}",
                 allow_module_level=True)
 
-from triton_kernels import feed_forward as ff  # noqa: E402
-from triton_kernels import matmul  # noqa: E402
+from fastformer.triton_kernels import feed_forward as ff  # noqa: E402
+from fastformer.triton_kernels import matmul  # noqa: E402
 
 DEVICE = device_for("triton")
 GPU = torch.cuda.is_available()
@@ -301,7 +301,7 @@ def test_host_functions_name_the_bad_argument():
 
 
 def test_aot_specs_cover_every_autotune_config():
-    """triton_kernels.aot compiles these: every GPU config of bf16 and fp32 for the four kernels
+    """fastformer.triton_kernels.aot compiles these: every GPU config of bf16 and fp32 for the four kernels
     that differ in code, each spec typing every argument of the kernel."""
     specs = ff.aot_specs()
     for spec in specs:

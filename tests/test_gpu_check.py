@@ -39,7 +39,7 @@ def test_a_failing_step_fails_the_run(tmp_path, monkeypatch):
             ("two", [sys.executable, "-c", "import sys; print('second'); sys.exit(3)"]),
             ("three", [sys.executable, "-c", "print('third')"])]
     monkeypatch.setattr(gpu_check, "steps", lambda out, python=None: cmds)
-    import fastformer.bench.report as report
+    import fastformer.jobs.bench.report as report
     monkeypatch.setattr(report, "device_name", lambda device: "fake-gpu")
     assert gpu_check.main([]) == 1
     out = tmp_path / "benchmarks" / "results" / "fake-gpu"

@@ -6,7 +6,8 @@ kernels). ``make gpu-check`` runs them with every other gpu-marked test."""
 import pytest
 import torch
 
-from fastformer import backends, check
+from fastformer import backends
+from fastformer.jobs import check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fastformer.__main__ import main
+from fastformer.jobs.cli import main
 
 TRAIN = {
     "heads_indivisible": (["--d-model", "30", "--heads", "4"], "--d-model \\(30\\) must be divisible by --heads \\(4\\)"),
@@ -111,7 +111,7 @@ def test_translate_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys, cont
 def test_train_resume_from_unreadable_checkpoint_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    from fastformer import checkpoint as ckpt
+    from fastformer.jobs import checkpoint as ckpt
 
     open(ckpt.checkpoint_path(str(out)), "wb").write(b"garbage")
     code = main(["train", "--resume", "--no-progress", "--out", str(out)])

@@ -121,10 +121,10 @@ def test_linear_cross_entropy_empty(backend, reduction, lead):
     target = torch.zeros(lead, dtype=torch.long)
 
     def fn(h, w, b):
-        return ops.linear_cross_entropy(h, w, b, target, reduction=reduction)
+        return ops.linear_cross_entropy(h, w, target, linear_bias=b, reduction=reduction)
 
     def ref(h, w, b):
-        return reference.linear_cross_entropy(h, w, b, target, reduction=reduction)
+        return reference.linear_cross_entropy(h, w, target, linear_bias=b, reduction=reduction)
     _same(backend, fn, ref, leaves)
 
 

@@ -179,28 +179,28 @@ CROSS_ENTROPY = {
 
 
 # -------------------------------------------------------------------- linear_cross_entropy
-def _lce(hidden=None, weight=None, bias="ok", target=None, **kw):
+def _lce(hidden=None, weight=None, bias="ok", target=None, class_weight=None, **kw):
     hidden = _t(4, 6) if hidden is None else hidden
     weight = _t(9, 6) if weight is None else weight
     bias = _t(9) if isinstance(bias, str) else bias
     target = torch.tensor([0, 3, 8, 1]) if target is None else target
-    return lambda: ops.linear_cross_entropy(hidden, weight, bias, target, **kw)
+    return lambda: ops.linear_cross_entropy(hidden, weight, target, linear_bias=bias, weight=class_weight, **kw)
 
 
 LINEAR_CROSS_ENTROPY = {
     "hidden_0d": (_lce(hidden=torch.tensor(1.0), target=torch.tensor(0)), ValueError,
-                  "hidden must have at least 1 dimensions"),
-    "hidden_int": (_lce(hidden=torch.ones(4, 6, dtype=torch.int64)), TypeError, "hidden must be a floating"),
-    "hidden_width": (_lce(hidden=_t(4, 5)), ValueError, "hidden's last dimension must equal"),
-    "hidden_width_0": (_lce(hidden=_t(4, 0), weight=_t(9, 0)), ValueError, "hidden's last dimension \\(the hidden"),
-    "weight_1d": (_lce(weight=_t(54)), ValueError, "weight must have 2 dimensions"),
-    "weight_int": (_lce(weight=torch.ones(9, 6, dtype=torch.int32)), TypeError, "weight must be a floating"),
+                  "input must have at least 1 dimensions"),
+    "hidden_int": (_lce(hidden=torch.ones(4, 6, dtype=torch.int64)), TypeError, "input must be a floating"),
+    "hidden_width": (_lce(hidden=_t(4, 5)), ValueError, "input's last dimension must equal"),
+    "hidden_width_0": (_lce(hidden=_t(4, 0), weight=_t(9, 0)), ValueError, "input's last dimension \\(the hidden"),
+    "weight_1d": (_lce(weight=_t(54)), ValueError, "linear_weight must have 2 dimensions"),
+    "weight_int": (_lce(weight=torch.ones(9, 6, dtype=torch.int32)), TypeError, "linear_weight must be a floating"),
     "weight_rows_0": (_lce(weight=_t(0, 6), bias=None, target=torch.full((4,), -100)), ValueError,
                       "at least one class"),
-    "weight_dtype": (_lce(weight=_t(9, 6, dtype=torch.float64)), TypeError, "weight has dtype"),
-    "weight_device": (_lce(weight=_t(9, 6, device="meta")), ValueError, "weight is on meta"),
-    "bias_shape": (_lce(bias=_t(6)), ValueError, "bias must have shape"),
-    "bias_dtype": (_lce(bias=_t(9, dtype=torch.bfloat16)), TypeError, "bias has dtype"),
+    "weight_dtype": (_lce(weight=_t(9, 6, dtype=torch.float64)), TypeError, "linear_weight has dtype"),
+    "weight_device": (_lce(weight=_t(9, 6, device="meta")), ValueError, "linear_weight is on meta"),
+    "bias_shape": (_lce(bias=_t(6)), ValueError, "linear_bias must have shape"),
+    "bias_dtype": (_lce(bias=_t(9, dtype=torch.bfloat16)), TypeError, "linear_bias has dtype"),
     "target_float": (_lce(target=torch.zeros(4)), TypeError, "target must hold class indices"),
     "target_shape": (_lce(target=torch.zeros(3, dtype=torch.long)), ValueError, "target must have shape"),
     "target_negative": (_lce(target=torch.tensor([0, -5, 1, 1])), ValueError, "target values must be in"),
@@ -209,6 +209,7 @@ LINEAR_CROSS_ENTROPY = {
                       "target is on meta"),
     "smoothing_big": (_lce(label_smoothing=1.01), ValueError, "label_smoothing"),
     "reduction": (_lce(reduction=None), ValueError, "reduction must be one of"),
+    "class_weight": (_lce(weight=None, class_weight=_t(9)), ValueError, "weight \\(per-class rescaling"),
 }
 
 ALL = {"attention": ATTENTION, "add_layer_norm": ADD_LAYER_NORM, "feed_forward": FEED_FORWARD,

@@ -202,6 +202,6 @@ def test_linear_cross_entropy_matches_reference(backend):
     @given(case=linear_cross_entropy_cases(), dtype=dtypes)
     def check(case, dtype):
         inputs, kw = case
-        _check(backend, dtype, lambda h, w, b, t: ops.linear_cross_entropy(h, w, b, t, **kw),
-               lambda h, w, b, t: reference.linear_cross_entropy(h, w, b, t, **kw), inputs)
+        _check(backend, dtype, lambda h, w, b, t: ops.linear_cross_entropy(h, w, t, linear_bias=b, **kw),
+               lambda h, w, b, t: reference.linear_cross_entropy(h, w, t, linear_bias=b, **kw), inputs)
     check()

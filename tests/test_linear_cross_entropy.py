@@ -105,12 +105,12 @@ def _loss_and_grads(fn, inputs, upstream):
 def _kernel_fn(backend, target, **kwargs):
     def fn(h, w, b):
         with fastformer.use_backend(backend):
-            return linear_cross_entropy(h, w, b, target, **kwargs)
+            return linear_cross_entropy(h, w, target, linear_bias=b, **kwargs)
     return fn
 
 
 def _reference_fn(target, **kwargs):
-    return lambda h, w, b: reference.linear_cross_entropy(h, w, b, target, **kwargs)
+    return lambda h, w, b: reference.linear_cross_entropy(h, w, target, linear_bias=b, **kwargs)
 
 
 # ---------------------------------------------------------------- the reference against torch
@@ -185,14 +185,14 @@ def test_leading_dims_and_only_some_inputs_requiring_grad(backend):
         kwargs = dict(label_smoothing=0.1, reduction=reduction)
         w_leaf = w.clone().requires_grad_()
         with fastformer.use_backend(backend):
-            loss = linear_cross_entropy(h, w_leaf, b, t, **kwargs)
-        ref = reference.linear_cross_entropy(h, w, b, t, **kwargs)
+            loss = linear_cross_entropy(h, w_leaf, t, linear_bias=b, **kwargs)
+        ref = reference.linear_cross_entropy(h, w, t, linear_bias=b, **kwargs)
         assert loss.shape == ref.shape == (t.shape if reduction == "none" else ())
         assert_close("loss", loss.detach(), ref, atol=1e-5, rtol=1e-5)
         up = _upstream(reduction, t.shape, device)
         (dw,) = torch.autograd.grad(loss, w_leaf, up)
         w_ref = w.clone().requires_grad_()
-        (dw_ref,) = torch.autograd.grad(reference.linear_cross_entropy(h, w_ref, b, t, **kwargs), w_ref, up)
+        (dw_ref,) = torch.autograd.grad(reference.linear_cross_entropy(h, w_ref, t, linear_bias=b, **kwargs), w_ref, up)
         assert_close("dweight", dw, dw_ref, atol=1e-5, rtol=1e-4)
 
 
@@ -204,7 +204,8 @@ def test_all_rows_ignored_gives_what_torch_gives(backend):
     for reduction in REDUCTIONS:
         leaves = [a.clone().requires_grad_() for a in (h, w, b)]
         with fastformer.use_backend(backend):
-            loss = linear_cross_entropy(*leaves, t, label_smoothing=0.1, reduction=reduction)
+            loss = linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], label_smoothing=0.1,
+                                            reduction=reduction)
         want = F.cross_entropy(F.linear(h, w, b), t, label_smoothing=0.1, reduction=reduction)
         assert torch.equal(loss.isnan(), want.isnan()) and torch.equal(loss.nan_to_num(), want.nan_to_num())
         up = torch.ones_like(loss)
@@ -218,7 +219,7 @@ def test_kernel_returns_empty_gradients_without_compute_grad(backend):
     h, w, b, t = _inputs(7, 16, 20, True, device)
     loss, dh, dw, db = backends.Kernels(backend).linear_cross_entropy_fwd(h, w, b, t, 0.1, -100, 1, False)
     assert dh.numel() == dw.numel() == db.numel() == 0
-    assert_close("loss", loss, reference.linear_cross_entropy(h, w, b, t, label_smoothing=0.1),
+    assert_close("loss", loss, reference.linear_cross_entropy(h, w, t, linear_bias=b, label_smoothing=0.1),
                  atol=1e-5, rtol=1e-5)
     _, _, _, db = backends.Kernels(backend).linear_cross_entropy_fwd(h, w, None, t, 0.1, -100, 2, True)
     assert db.numel() == 0
@@ -240,7 +241,7 @@ def test_gradcheck_float64(backend, eps, has_bias, reduction):
 
     def fn(h, w, b):
         with fastformer.use_backend(backend):
-            return linear_cross_entropy(h, w, b, t, label_smoothing=eps, reduction=reduction)
+            return linear_cross_entropy(h, w, t, linear_bias=b, label_smoothing=eps, reduction=reduction)
 
     assert torch.autograd.gradcheck(fn, (h, w, b), eps=1e-6, atol=1e-6, rtol=1e-4)
 
@@ -269,23 +270,23 @@ def test_bad_input_raises_clear_errors(backend):
     t = torch.tensor([0, 1, 9, -100], device=device)
     with fastformer.use_backend(backend):
         with pytest.raises(ValueError, match=r"target values must be in \[0, 10\)"):
-            linear_cross_entropy(h, w, b, torch.tensor([0, 10, 1, 2], device=device))
+            linear_cross_entropy(h, w, torch.tensor([0, 10, 1, 2], device=device), linear_bias=b)
         with pytest.raises(TypeError, match="target must hold class indices as int64"):
-            linear_cross_entropy(h, w, b, t.int())
+            linear_cross_entropy(h, w, t.int(), linear_bias=b)
         with pytest.raises(ValueError, match=r"target must have shape \(4,\)"):
-            linear_cross_entropy(h, w, b, t[:2])
-        with pytest.raises(ValueError, match="hidden's last dimension must equal weight.shape"):
-            linear_cross_entropy(h[:, :7], w, b, t)
-        with pytest.raises(ValueError, match=r"bias must have shape \(10,\)"):
-            linear_cross_entropy(h, w, b[:9], t)
-        with pytest.raises(TypeError, match="weight has dtype"):
-            linear_cross_entropy(h, w.double(), None, t)
+            linear_cross_entropy(h, w, t[:2], linear_bias=b)
+        with pytest.raises(ValueError, match="input's last dimension must equal linear_weight.shape"):
+            linear_cross_entropy(h[:, :7], w, t, linear_bias=b)
+        with pytest.raises(ValueError, match=r"linear_bias must have shape \(10,\)"):
+            linear_cross_entropy(h, w, t, linear_bias=b[:9])
+        with pytest.raises(TypeError, match="linear_weight has dtype"):
+            linear_cross_entropy(h, w.double(), t, linear_bias=None)
         with pytest.raises(ValueError, match="reduction must be one of"):
-            linear_cross_entropy(h, w, b, t, reduction="batchmean")
+            linear_cross_entropy(h, w, t, linear_bias=b, reduction="batchmean")
         with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\]"):
-            linear_cross_entropy(h, w, b, t, label_smoothing=2.0)
-        with pytest.raises(ValueError, match="weight must have 2 dimensions"):
-            linear_cross_entropy(h, w[0], b, t)
+            linear_cross_entropy(h, w, t, linear_bias=b, label_smoothing=2.0)
+        with pytest.raises(ValueError, match="linear_weight must have 2 dimensions"):
+            linear_cross_entropy(h, w[0], t, linear_bias=b)
 
 
 @pytest.mark.parametrize("backend", CPU)
@@ -431,8 +432,29 @@ def test_no_grad_loss_is_the_reference_loss(backend, reduction):
     for t in (hidden, weight, bias):
         t.requires_grad_(True)
     with torch.no_grad(), fastformer.use_backend(backend):
-        loss = linear_cross_entropy(hidden, weight, bias, target, label_smoothing=0.1, reduction=reduction)
+        loss = linear_cross_entropy(hidden, weight, target, linear_bias=bias, label_smoothing=0.1, reduction=reduction)
     assert not loss.requires_grad and loss.grad_fn is None
-    ref = reference.linear_cross_entropy(hidden.detach(), weight.detach(), bias.detach(), target,
+    ref = reference.linear_cross_entropy(hidden.detach(), weight.detach(), target, linear_bias=bias.detach(),
                                          label_smoothing=0.1, reduction=reduction)
     assert_close("loss", loss, ref, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + CPU)
+@pytest.mark.parametrize("kwargs", [dict(label_smoothing=0.1, reduction="sum"), dict(ignore_index=None),
+                                    dict(ignore_index=3, reduction="none")])
+def test_takes_torchs_own_call(backend, kwargs):
+    """A call written for torch's F.linear_cross_entropy (argument order, linear_bias=, ignore_index=None
+    for "ignore nothing") gives torch's loss and gradients."""
+    h, w, b, t = _inputs(6, 8, 10, True, "cpu")
+    t = t.clamp(min=0)  # torch rejects -100 with ignore_index=None
+    t[1] = 3
+    leaves = [x.detach().double().requires_grad_(True) for x in (h, w, b)]
+    want = F.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], **kwargs)
+    want_grads = torch.autograd.grad(want.sum(), leaves)
+    mine = [x.detach().requires_grad_(True) for x in (h, w, b)]
+    with fastformer.use_backend(backend):
+        got = linear_cross_entropy(mine[0], mine[1], t, linear_bias=mine[2], **kwargs)
+    got_grads = torch.autograd.grad(got.sum(), mine)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for name, g, r in zip(("input", "linear_weight", "linear_bias"), got_grads, want_grads):
+        torch.testing.assert_close(g.double(), r, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")

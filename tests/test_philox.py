@@ -12,7 +12,7 @@ try:  # conftest sets TRITON_INTERPRET=1 before this import when there is no GPU
     import triton
     import triton.language as tl
 
-    from triton_kernels.utils import dropout_keep_tile
+    from fastformer.triton_kernels.utils import dropout_keep_tile
 except ImportError:  # the triton tests are skipped (kernel_backends says why)
     triton = None
 

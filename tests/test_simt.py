@@ -3,16 +3,16 @@ csrc/cuda kernels are) against torch -- warp shuffles and ballots, a shared-memo
 barriers, dynamic shared memory and integer atomics, detection of barriers and warp intrinsics that
 only part of the threads reach, launch-configuration errors, fp16 / bf16 conversions bit for bit
 against torch's."""
-import os
 import time
 
 import pytest
 import torch
 
-from fastformer import _ext, backends
+import fastformer
+from fastformer import backends
+from simt import plugin
 
-pytestmark = pytest.mark.skipif(_ext.simt_load_error() is not None,
-                                reason=str(_ext.simt_load_error()))
+pytestmark = pytest.mark.skipif(plugin.load_error() is not None, reason=str(plugin.load_error()))
 
 
 def ops():
@@ -126,8 +126,13 @@ def test_half_conversions_match_torch_bit_for_bit(kind, dtype):
 def test_backend_uses_the_harness_for_cpu_tensors_only_when_forced():
     assert backends.availability("cuda", "cpu").available
     assert not backends.availability("cuda", "meta").available
-    # auto never picks the harness
-    assert backends.resolve("add_layer_norm", torch.device("cpu"), torch.float32) != "cuda"
+    cpu = torch.device("cpu")
+    with fastformer.use_backend("cuda"):
+        kernels = backends.select("add_layer_norm", cpu, torch.float32)
+    assert kernels.add_layer_norm_fwd is getattr(torch.ops, plugin.NAMESPACE).add_layer_norm_fwd
+    # auto never picks the harness, even where its priority list would name the cuda backend
+    assert backends.resolve("add_layer_norm", cpu, torch.float32) != "cuda"
+    assert "only emulated" in backends.BACKENDS["cuda"].why_not("add_layer_norm", "cpu", torch.float32, auto=True)
     if not torch.cuda.is_available():
+        assert not backends.available_backends()["cuda"].available
         assert "no CUDA GPU" in backends.available_backends()["cuda"].reason
-    assert os.path.exists(os.environ["FASTFORMER_CUDA_SIMT"])

@@ -1,8 +1,8 @@
 """Every Triton kernel compiles ahead of time for sm_80 (A100) and sm_90 (H100), no GPU needed.
 
-Runs ``python -m triton_kernels.aot --cc 80 --cc 90 --configs first`` in a subprocess with
+Runs ``python -m fastformer.triton_kernels.aot --cc 80 --cc 90 --configs first`` in a subprocess with
 TRITON_INTERPRET removed (the interpreter replaces @triton.jit functions by numpy emulations),
-then checks its report: every module of ``triton_kernels.MODULES`` contributes ``aot_specs()``,
+then checks its report: every module of ``fastformer.triton_kernels.MODULES`` contributes ``aot_specs()``,
 every selected spec compiles for both targets, no kernel spills registers to local memory, and
 no kernel needs more shared memory than the target gives one block. The table of registers,
 spills and shared memory per kernel prints with ``pytest -s`` and is attached to every failure
@@ -41,7 +41,7 @@ def aot(tmp_path_factory):
     path = tmp_path_factory.mktemp("aot") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "triton_kernels.aot", "--json", str(path), "--jobs", "2",
+    cmd = [sys.executable, "-m", "fastformer.triton_kernels.aot", "--json", str(path), "--jobs", "2",
            "--configs", CONFIGS]
     for cc in CCS:
         cmd += ["--cc", str(cc)]
@@ -64,7 +64,7 @@ def aot(tmp_path_factory):
 
 def test_every_module_contributes_specs(aot):
     report, table = aot
-    from triton_kernels import MODULES
+    from fastformer.triton_kernels import MODULES
     assert set(report["modules"]) == set(MODULES), table
     for name, info in report["modules"].items():
         assert info["error"] is None, f"module {name}: {info['error']}{table}"
@@ -93,7 +93,7 @@ def test_shared_memory_fits_each_target(aot):
 
 
 def test_no_kernel_spills(aot):
-    from triton_kernels.aot import spill_message, spills
+    from fastformer.triton_kernels.aot import spill_message, spills
     report, table = aot
     spilling = [spill_message(r) for r in report["kernels"] if "error" not in r and spills(r)]
     assert not spilling, (f"{len(spilling)} kernel/config/arch combinations spill registers:\n"

@@ -17,9 +17,8 @@ if not backends.availability("triton", device_for("triton")):
     pytest.skip(f"triton cannot run here: {backends.availability('triton', device_for('triton')).reason}",
                 allow_module_level=True)
 
-import triton_kernels  # noqa: E402
-from triton_kernels import add_layer_norm as aln  # noqa: E402
-from triton_kernels import cross_entropy as ce  # noqa: E402
+from fastformer.triton_kernels import add_layer_norm as aln  # noqa: E402
+from fastformer.triton_kernels import cross_entropy as ce  # noqa: E402
 
 DEVICE = device_for("triton")
 # The interpreter rounds fp32 -> bf16/fp16 by truncation (a whole ulp, not half): twice the factor.
@@ -50,7 +49,7 @@ def test_add_layer_norm_masked_columns(C, p):
     N, seed, offset = 6, 2**41 + 5, 13
     x, r = _rand(N, C, scale=2.0), _rand(N, C)
     w, b = 1.0 + _rand(C), _rand(C)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(seed, offset))
+    y, h, mean, rstd = aln.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(seed, offset))
     var, mu = torch.var_mean(h.double(), dim=1, unbiased=False)
     assert_close("mean", mean.double(), mu, atol=1e-6, rtol=1e-6)
     assert_close("rstd", rstd.double(), torch.rsqrt(var + 1e-5), atol=1e-5, rtol=1e-5)
@@ -58,7 +57,7 @@ def test_add_layer_norm_masked_columns(C, p):
     (y_ref, h_ref), grads = _ln_reference(x, r, w, b, p, (seed, offset), dy, dh)
     assert_close("y", y.double(), y_ref, atol=2e-5, rtol=1e-5)
     assert_close("h", h.double(), h_ref, atol=1e-6, rtol=1e-6)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, philox.pack(seed, offset), True)
+    dx, dres, dw, db = aln.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, philox.pack(seed, offset), True)
     if p == 0.0:
         assert dres.numel() == 0  # the residual's gradient is dx
         dres = dx
@@ -84,9 +83,9 @@ def test_add_layer_norm_dweight_dbias_across_partial_blocks(monkeypatch, N, C, p
     if partial is not None:
         monkeypatch.setattr(aln, "_partial_rows", lambda n, device: partial)
     x, w, b = _rand(N, C), 1.0 + _rand(C), _rand(C)
-    _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, philox.pack(0, 0))
+    _, h, mean, rstd = aln.add_layer_norm_fwd(x, None, w, b, 1e-5, 0.0, philox.pack(0, 0))
     dy = _rand(N, C)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, 0.0, philox.pack(0, 0), False)
+    dx, dres, dw, db = aln.add_layer_norm_bwd(dy, None, h, w, mean, rstd, 0.0, philox.pack(0, 0), False)
     assert dres.numel() == 0
     _, (gx, _, gw, gb) = _ln_reference(x, torch.zeros_like(x), w, b, 0.0, None, dy, None)
     assert_close("dx", dx.double(), gx, atol=1e-4, rtol=1e-5)
@@ -108,10 +107,10 @@ def test_add_layer_norm_wide_rows_chunked_backward(monkeypatch, N, C, chunk):
     p, seed, offset = 0.25, 2**33 + 1, 2**32 - 3
     x, r = _rand(N, C, scale=2.0), _rand(N, C)
     w, b = 1.0 + _rand(C), _rand(C)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(seed, offset))
+    y, h, mean, rstd = aln.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(seed, offset))
     dy, dh = _rand(N, C), _rand(N, C)
     _, grads = _ln_reference(x, r, w, b, p, (seed, offset), dy, dh)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, philox.pack(seed, offset),
+    dx, dres, dw, db = aln.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, p, philox.pack(seed, offset),
                                                           True)
     for name, got, want in zip(("dx", "dresidual", "dweight", "dbias"), (dx, dres, dw, db), grads):
         assert_close(name, got.double(), want, atol=1e-4, rtol=1e-5)
@@ -124,9 +123,9 @@ def test_add_layer_norm_low_precision_dtypes(dtype):
     x, r = _rand(N, C, dtype=dtype), _rand(N, C, dtype=dtype)
     w, b = (1.0 + _rand(C)).to(dtype), _rand(C, dtype=dtype)
     dy = _rand(N, C, dtype=dtype)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(*rng))
+    y, h, mean, rstd = aln.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(*rng))
     assert (y.dtype, h.dtype, mean.dtype, rstd.dtype) == (dtype, dtype, torch.float32, torch.float32)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(*rng), True)
+    dx, dres, dw, db = aln.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(*rng), True)
     assert dw.dtype == dtype and db.dtype == dtype
 
     def ref(dt):
@@ -142,9 +141,9 @@ def test_add_layer_norm_low_precision_dtypes(dtype):
 
 def test_add_layer_norm_zero_rows():
     x, w = _rand(0, 16), _rand(16)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.1, philox.pack(1, 0))
+    y, h, mean, rstd = aln.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.1, philox.pack(1, 0))
     assert y.shape == h.shape == (0, 16) and mean.shape == rstd.shape == (0,)
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(x, None, h, w, mean, rstd, 0.1, philox.pack(1, 0), True)
+    dx, dres, dw, db = aln.add_layer_norm_bwd(x, None, h, w, mean, rstd, 0.1, philox.pack(1, 0), True)
     assert dx.shape == (0, 16) and dres.shape == (0, 16)
     assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(w))
 
@@ -152,25 +151,25 @@ def test_add_layer_norm_zero_rows():
 def test_add_layer_norm_host_errors_name_the_argument():
     x, w = _rand(4, 8), _rand(8)
     with pytest.raises(ValueError, match="x must be 2-D"):
-        triton_kernels.add_layer_norm_fwd(_rand(8), None, w, w, 1e-5, 0.0, philox.pack(0, 0))
+        aln.add_layer_norm_fwd(_rand(8), None, w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="x must be fp16, bf16 or fp32"):
-        triton_kernels.add_layer_norm_fwd(x.double(), None, w, w, 1e-5, 0.0, philox.pack(0, 0))
+        aln.add_layer_norm_fwd(x.double(), None, w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="x must be contiguous"):
-        triton_kernels.add_layer_norm_fwd(_rand(8, 4).t(), None, w[:4], w[:4], 1e-5, 0.0, philox.pack(0, 0))
+        aln.add_layer_norm_fwd(_rand(8, 4).t(), None, w[:4], w[:4], 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match="residual must have shape"):
-        triton_kernels.add_layer_norm_fwd(x, _rand(4, 7), w, w, 1e-5, 0.0, philox.pack(0, 0))
+        aln.add_layer_norm_fwd(x, _rand(4, 7), w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
-        triton_kernels.add_layer_norm_fwd(x, None, _rand(7), w, 1e-5, 0.0, philox.pack(0, 0))
+        aln.add_layer_norm_fwd(x, None, _rand(7), w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=f"hidden sizes up to {aln.MAX_C}"):
-        triton_kernels.add_layer_norm_fwd(_rand(1, aln.MAX_C + 1), None, _rand(aln.MAX_C + 1),
+        aln.add_layer_norm_fwd(_rand(1, aln.MAX_C + 1), None, _rand(aln.MAX_C + 1),
                                           _rand(aln.MAX_C + 1), 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
-        triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 1.0, philox.pack(0, 0))
-    _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.0, philox.pack(0, 0))
+        aln.add_layer_norm_fwd(x, None, w, w, 1e-5, 1.0, philox.pack(0, 0))
+    _, h, mean, rstd = aln.add_layer_norm_fwd(x, None, w, w, 1e-5, 0.0, philox.pack(0, 0))
     with pytest.raises(TypeError, match="mean must have dtype torch.float32"):
-        triton_kernels.add_layer_norm_bwd(x, None, h, w, mean.double(), rstd, 0.0, philox.pack(0, 0), False)
+        aln.add_layer_norm_bwd(x, None, h, w, mean.double(), rstd, 0.0, philox.pack(0, 0), False)
     with pytest.raises(ValueError, match="dh must have shape"):
-        triton_kernels.add_layer_norm_bwd(x, _rand(3, 8), h, w, mean, rstd, 0.0, philox.pack(0, 0), False)
+        aln.add_layer_norm_bwd(x, _rand(3, 8), h, w, mean, rstd, 0.0, philox.pack(0, 0), False)
 
 
 # ---------------------------------------------------------------- cross_entropy
@@ -199,7 +198,7 @@ def test_cross_entropy_v_across_blocks(monkeypatch, V, block, reduction):
     logits[1, 0] = -60.0
     target = torch.randint(0, V, (N,), device=DEVICE)
     target[2] = -100
-    loss, grad = triton_kernels.cross_entropy_fwd(logits, target, ls, -100, reduction, True)
+    loss, grad = ce.cross_entropy_fwd(logits, target, ls, -100, reduction, True)
     loss_ref, grad_ref = _ce_reference(logits, target, ls, -100, reduction)
     assert loss.dtype == logits.dtype and loss.shape == loss_ref.shape
     assert_close("loss", loss.double(), loss_ref, atol=2e-5, rtol=1e-5)
@@ -213,15 +212,15 @@ def test_cross_entropy_ignore_index_inside_the_classes_and_all_ignored():
     logits = _rand(4, 10)
     target = torch.tensor([0, 3, 0, 9], device=DEVICE)
     for reduction in (0, 1, 2):
-        loss, grad = triton_kernels.cross_entropy_fwd(logits, target, 0.2, 0, reduction, True)
+        loss, grad = ce.cross_entropy_fwd(logits, target, 0.2, 0, reduction, True)
         loss_ref, grad_ref = _ce_reference(logits, target, 0.2, 0, reduction)
         assert_close("loss", loss.double(), loss_ref, atol=2e-5, rtol=1e-5)
         assert_close("grad", grad.double(), grad_ref, atol=1e-6, rtol=1e-5)
     all_ignored = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    loss, grad = triton_kernels.cross_entropy_fwd(logits, all_ignored, 0.0, 0, 1, True)
+    loss, grad = ce.cross_entropy_fwd(logits, all_ignored, 0.0, 0, 1, True)
     assert math.isnan(loss.item()) and math.isnan(F.cross_entropy(logits, all_ignored, ignore_index=0).item())
     assert torch.equal(grad, torch.zeros_like(grad))
-    loss, _ = triton_kernels.cross_entropy_fwd(logits, all_ignored, 0.0, 0, 2, False)
+    loss, _ = ce.cross_entropy_fwd(logits, all_ignored, 0.0, 0, 2, False)
     assert loss.item() == 0.0
 
 
@@ -229,7 +228,7 @@ def test_cross_entropy_ignore_index_inside_the_classes_and_all_ignored():
 def test_cross_entropy_low_precision(dtype):
     """16-bit logits, fp32 softmax: the loss in the logits dtype, within the low-precision rule."""
     logits, target = _rand(5, 300, dtype=dtype, scale=4.0), torch.randint(0, 300, (5,), device=DEVICE)
-    loss, grad = triton_kernels.cross_entropy_fwd(logits, target, 0.1, -100, 1, True)
+    loss, grad = ce.cross_entropy_fwd(logits, target, 0.1, -100, 1, True)
     assert loss.dtype == dtype and grad.dtype == dtype
     ref32 = _ce_reference(logits.float(), target, 0.1, -100, 1)
     lg = logits.clone().requires_grad_()
@@ -241,26 +240,26 @@ def test_cross_entropy_low_precision(dtype):
 
 def test_cross_entropy_without_grad_and_zero_rows():
     logits, target = _rand(3, 11), torch.tensor([1, 2, 3], device=DEVICE)
-    loss, grad = triton_kernels.cross_entropy_fwd(logits, target, 0.0, -100, 1, False)
+    loss, grad = ce.cross_entropy_fwd(logits, target, 0.0, -100, 1, False)
     assert grad.numel() == 0
     assert_close("loss", loss.double(), _ce_reference(logits, target, 0.0, -100, 1)[0], atol=2e-5, rtol=1e-5)
     empty = _rand(0, 11)
-    loss, grad = triton_kernels.cross_entropy_fwd(empty, target[:0], 0.0, -100, 0, True)
+    loss, grad = ce.cross_entropy_fwd(empty, target[:0], 0.0, -100, 0, True)
     assert loss.shape == (0,) and grad.shape == (0, 11)
-    loss, _ = triton_kernels.cross_entropy_fwd(empty, target[:0], 0.0, -100, 2, True)
+    loss, _ = ce.cross_entropy_fwd(empty, target[:0], 0.0, -100, 2, True)
     assert loss.item() == 0.0
 
 
 def test_cross_entropy_host_errors_name_the_argument():
     logits, target = _rand(3, 11), torch.tensor([1, 2, 3], device=DEVICE)
     with pytest.raises(ValueError, match="logits must have 2 dimensions"):
-        triton_kernels.cross_entropy_fwd(_rand(11), target, 0.0, -100, 1, True)
+        ce.cross_entropy_fwd(_rand(11), target, 0.0, -100, 1, True)
     with pytest.raises(TypeError, match="target must have dtype torch.int64"):
-        triton_kernels.cross_entropy_fwd(logits, target.int(), 0.0, -100, 1, True)
+        ce.cross_entropy_fwd(logits, target.int(), 0.0, -100, 1, True)
     with pytest.raises(ValueError, match="target must have shape"):
-        triton_kernels.cross_entropy_fwd(logits, target[:2], 0.0, -100, 1, True)
+        ce.cross_entropy_fwd(logits, target[:2], 0.0, -100, 1, True)
     with pytest.raises(ValueError, match="reduction must be 0"):
-        triton_kernels.cross_entropy_fwd(logits, target, 0.0, -100, 3, True)
+        ce.cross_entropy_fwd(logits, target, 0.0, -100, 3, True)
 
 
 # ---------------------------------------------------------------- linear_cross_entropy
@@ -291,11 +290,11 @@ def test_linear_cross_entropy_across_chunks(monkeypatch, rows, has_bias, reducti
     grad_loss = _rand(N) if reduction == 0 else torch.ones((), device=DEVICE)
     loss_ref, grads_ref = _lce_reference(hidden, weight, bias, target, ls, reduction, grad_loss)
     if reduction == 0:
-        loss, dh, dw, db = triton_kernels.linear_cross_entropy_fwd(hidden, weight, bias, target, ls, -100, 0, False)
+        loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, bias, target, ls, -100, 0, False)
         assert dh.numel() == dw.numel() == db.numel() == 0
-        dh, dw, db = triton_kernels.linear_cross_entropy_bwd(grad_loss, hidden, weight, bias, target, ls, -100)
+        dh, dw, db = ce.linear_cross_entropy_bwd(grad_loss, hidden, weight, bias, target, ls, -100)
     else:
-        loss, dh, dw, db = triton_kernels.linear_cross_entropy_fwd(hidden, weight, bias, target, ls, -100,
+        loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, bias, target, ls, -100,
                                                                    reduction, True)
     assert_close("loss", loss.double(), loss_ref, atol=2e-5, rtol=1e-5)
     assert_close("dhidden", dh.double(), grads_ref[0], atol=1e-5, rtol=1e-5)
@@ -323,12 +322,12 @@ def test_linear_cross_entropy_low_precision(monkeypatch, dtype):
     N, D, V = 9, 16, 40
     hidden, weight, bias = _rand(N, D, dtype=dtype), _rand(V, D, dtype=dtype, scale=0.5), _rand(V, dtype=dtype)
     target = torch.randint(0, V, (N,), device=DEVICE)
-    loss, dh, dw, db = triton_kernels.linear_cross_entropy_fwd(hidden, weight, bias, target, 0.1, -100, 1, True)
+    loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, bias, target, 0.1, -100, 1, True)
     assert loss.dtype == dh.dtype == dw.dtype == db.dtype == dtype
 
     def ref(dt):
         leaves = [t.to(dt).requires_grad_() for t in (hidden, weight, bias)]
-        out = reference.linear_cross_entropy(*leaves, target, label_smoothing=0.1)
+        out = reference.linear_cross_entropy(leaves[0], leaves[1], target, linear_bias=leaves[2], label_smoothing=0.1)
         return (out.detach(),) + torch.autograd.grad(out, leaves)
 
     ref32, ref_lp = ref(torch.float32), ref(dtype)
@@ -338,15 +337,15 @@ def test_linear_cross_entropy_low_precision(monkeypatch, dtype):
 
 def test_linear_cross_entropy_zero_rows_and_errors():
     hidden, weight, target = _rand(0, 8), _rand(5, 8), torch.zeros(0, dtype=torch.int64, device=DEVICE)
-    loss, dh, dw, db = triton_kernels.linear_cross_entropy_fwd(hidden, weight, None, target, 0.0, -100, 2, True)
+    loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, None, target, 0.0, -100, 2, True)
     assert loss.item() == 0.0 and dh.shape == (0, 8) and torch.equal(dw, torch.zeros_like(weight))
     with pytest.raises(ValueError, match=r"weight must have shape \(V, 8\)"):
-        triton_kernels.linear_cross_entropy_fwd(_rand(2, 8), _rand(5, 7), None, target, 0.0, -100, 1, True)
+        ce.linear_cross_entropy_fwd(_rand(2, 8), _rand(5, 7), None, target, 0.0, -100, 1, True)
     with pytest.raises(ValueError, match="bias must have shape"):
-        triton_kernels.linear_cross_entropy_fwd(_rand(2, 8), weight, _rand(4), target[:0].new_zeros(2),
+        ce.linear_cross_entropy_fwd(_rand(2, 8), weight, _rand(4), target[:0].new_zeros(2),
                                                 0.0, -100, 1, True)
     with pytest.raises(ValueError, match="grad_loss must have shape"):
-        triton_kernels.linear_cross_entropy_bwd(_rand(3), _rand(2, 8), weight, None,
+        ce.linear_cross_entropy_bwd(_rand(3), _rand(2, 8), weight, None,
                                                 torch.zeros(2, dtype=torch.int64, device=DEVICE), 0.0, -100)
 
 
@@ -357,19 +356,19 @@ def test_opcheck_registered_ops():
     """Schemas, fake implementations and the dispatcher path of every registered triton op."""
     x, r, w, b = _rand(5, 37), _rand(5, 37), _rand(37), _rand(37)
     for residual, p in ((r, 0.2), (None, 0.0)):
-        torch.library.opcheck(triton_kernels.add_layer_norm_fwd, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
-        _, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
-        torch.library.opcheck(triton_kernels.add_layer_norm_bwd,
+        torch.library.opcheck(aln.add_layer_norm_fwd, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
+        _, h, mean, rstd = aln.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
+        torch.library.opcheck(aln.add_layer_norm_bwd,
                               (_rand(5, 37), _rand(5, 37), h, w, mean, rstd, p, philox.pack(7, 3),
                                residual is not None))
     logits, target = _rand(4, 21), torch.tensor([0, 5, -100, 20], device=DEVICE)
     for reduction, grad in ((0, True), (1, True), (2, False)):
-        torch.library.opcheck(triton_kernels.cross_entropy_fwd, (logits, target, 0.1, -100, reduction, grad))
+        torch.library.opcheck(ce.cross_entropy_fwd, (logits, target, 0.1, -100, reduction, grad))
     hidden, weight, bias = _rand(4, 6), _rand(21, 6), _rand(21)
     for b_, reduction, grad in ((bias, 1, True), (None, 0, False)):
-        torch.library.opcheck(triton_kernels.linear_cross_entropy_fwd,
+        torch.library.opcheck(ce.linear_cross_entropy_fwd,
                               (hidden, weight, b_, target, 0.1, -100, reduction, grad))
-    torch.library.opcheck(triton_kernels.linear_cross_entropy_bwd,
+    torch.library.opcheck(ce.linear_cross_entropy_bwd,
                           (_rand(4), hidden, weight, bias, target, 0.1, -100))
 
 
@@ -377,7 +376,7 @@ def test_registered_op_compiles_without_graph_break():
     x, w = _rand(6, 40), _rand(40)
 
     def fn(x, w):
-        y, h, _, _ = triton_kernels.add_layer_norm_fwd(x, x, w, w, 1e-5, 0.1, philox.pack(2**40, 0))
+        y, h, _, _ = aln.add_layer_norm_fwd(x, x, w, w, 1e-5, 0.1, philox.pack(2**40, 0))
         return y * 2 + h
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -396,8 +395,8 @@ def test_gpu_add_layer_norm_large_hidden(dtype, C):
     x, r = _rand(N, C, dtype=dtype), _rand(N, C, dtype=dtype)
     w, b = (1 + _rand(C)).to(dtype), _rand(C, dtype=dtype)
     dy = _rand(N, C, dtype=dtype)
-    y, h, mean, rstd = triton_kernels.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(*rng))
-    dx, dres, dw, db = triton_kernels.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(*rng), True)
+    y, h, mean, rstd = aln.add_layer_norm_fwd(x, r, w, b, 1e-5, p, philox.pack(*rng))
+    dx, dres, dw, db = aln.add_layer_norm_bwd(dy, None, h, w, mean, rstd, p, philox.pack(*rng), True)
 
     def ref(dt):
         leaves = [t.to(dt).requires_grad_() for t in (x, r, w, b)]
@@ -418,11 +417,11 @@ def test_gpu_linear_cross_entropy_large_vocab(dtype):
     bias, target = _rand(V, dtype=dtype), torch.randint(0, V, (N,), device=DEVICE)
     target[::7] = -100
     assert ce._chunk_rows(N, D, V) < N
-    loss, dh, dw, db = triton_kernels.linear_cross_entropy_fwd(hidden, weight, bias, target, 0.1, -100, 1, True)
+    loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, bias, target, 0.1, -100, 1, True)
 
     def ref(dt):
         leaves = [t.to(dt).requires_grad_() for t in (hidden, weight, bias)]
-        out = reference.linear_cross_entropy(*leaves, target, label_smoothing=0.1)
+        out = reference.linear_cross_entropy(leaves[0], leaves[1], target, linear_bias=leaves[2], label_smoothing=0.1)
         return (out.detach(),) + torch.autograd.grad(out, leaves)
 
     ref32, ref_lp = ref(torch.float32), ref(dtype)

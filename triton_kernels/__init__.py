@@ -1,28 +1,15 @@
-"""Triton kernels for fastformer's ops, one module per op.
+"""Triton kernels for fastformer's ops, one module per op, installed as ``fastformer.triton_kernels``.
 
-Each module exposes host functions with the C++ ops' signatures (csrc/ops.cpp):
-``attention_fwd``/``attention_bwd``, ``add_layer_norm_fwd``/``_bwd``, ``feed_forward_fwd``/``_bwd``,
-``cross_entropy_fwd``, ``linear_cross_entropy_fwd``/``_bwd``. They are imported lazily, on
-first use, so importing this package never imports triton by itself.
+The source lives in the repository's top-level ``triton_kernels/`` folder; setup.py maps it into
+fastformer's namespace (``package_dir``), so a top-level ``import triton_kernels`` keeps meaning
+the Triton project's own package. Import it as ``fastformer.triton_kernels`` only.
+
+Each module of ``MODULES`` defines the host functions of its ops, with the C++ ops' signatures
+(csrc/ops.cpp), as plain module attributes registered as ``fastformer_triton::<name>`` torch ops:
+``attention.attention_fwd`` / ``attention_bwd``, ``add_layer_norm.add_layer_norm_fwd`` / ``_bwd``,
+``feed_forward.feed_forward_fwd`` / ``_bwd``, ``cross_entropy.cross_entropy_fwd`` and
+``cross_entropy.linear_cross_entropy_fwd`` / ``_bwd``. Importing this package imports neither
+triton nor any of them; importing a module imports triton.
 """
-import importlib
 
-_MODULE_OF = {
-    "attention": "attention",
-    "add_layer_norm": "add_layer_norm",
-    "feed_forward": "feed_forward",
-    "cross_entropy": "cross_entropy",
-    "linear_cross_entropy": "cross_entropy",
-}
-MODULES = tuple(sorted(set(_MODULE_OF.values())))
-
-
-def __getattr__(name):
-    op = name.rsplit("_", 1)[0]
-    if op not in _MODULE_OF or not name.endswith(("_fwd", "_bwd")):
-        raise AttributeError(f"module 'triton_kernels' has no attribute {name!r}")
-    try:
-        module = importlib.import_module(f".{_MODULE_OF[op]}", __name__)
-    except ImportError as exc:
-        raise AttributeError(f"triton_kernels.{_MODULE_OF[op]} cannot be imported: {exc}") from exc
-    return getattr(module, name)
+MODULES = ("add_layer_norm", "attention", "cross_entropy", "feed_forward")

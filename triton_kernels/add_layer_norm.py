@@ -15,14 +15,15 @@ from the Philox call on counter ``offset + row * ceil(C / 8) + col // 8``; the b
 forward's mask from ``(seed, offset)``, read on the host from the ops' ``philox`` tensor.
 """
 import functools
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
+from .registration import register_op
+from .utils import (check_tensor, dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor,
+                    read_philox)
 
 MAX_C = 16384  # the widest row one program keeps in registers
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -294,15 +295,6 @@ def _partial_rows(n: int, device: torch.device) -> Tuple[int, int]:
     return rows_per_program, triton.cdiv(n, rows_per_program)
 
 
-def _check_rows(name: str, t: torch.Tensor, shape, dtype=None) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def _check_x(x: torch.Tensor, name: str = "x") -> Tuple[int, int]:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D (N, C), got shape {tuple(x.shape)}")
@@ -331,9 +323,9 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     N, C = _check_x(x)
     seed, offset = read_philox(philox, "add_layer_norm_fwd")
     if residual is not None:
-        _check_rows("residual", residual, (N, C), x.dtype)
-    _check_rows("weight", weight, (C,))
-    _check_rows("bias", bias, (C,))
+        check_tensor("residual", residual, (N, C), x.dtype)
+    check_tensor("weight", weight, (C,))
+    check_tensor("bias", bias, (C,))
     y = torch.empty_like(x)  # (N, C)
     h = torch.empty_like(x)  # (N, C)
     mean = torch.empty(N, dtype=torch.float32, device=x.device)
@@ -357,12 +349,12 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
                              has_residual: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(h, "h")
     seed, offset = read_philox(philox, "add_layer_norm_bwd")
-    _check_rows("dy", dy, (N, C), h.dtype)
+    check_tensor("dy", dy, (N, C), h.dtype)
     if dh is not None:
-        _check_rows("dh", dh, (N, C), h.dtype)
-    _check_rows("weight", weight, (C,))
-    _check_rows("mean", mean, (N,), torch.float32)
-    _check_rows("rstd", rstd, (N,), torch.float32)
+        check_tensor("dh", dh, (N, C), h.dtype)
+    check_tensor("weight", weight, (C,))
+    check_tensor("mean", mean, (N,), torch.float32)
+    check_tensor("rstd", rstd, (N,), torch.float32)
     has_dropout, threshold, scale = _dropout_args(dropout_p)
     store_dres = has_residual and has_dropout
     dx = torch.empty_like(h)  # (N, C)
@@ -395,33 +387,10 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     return dx, dres, dweight, dbias
 
 
-def _fwd_fake(x, residual, weight, bias, eps, dropout_p, philox):
-    N = x.shape[0]
-    return (torch.empty_like(x), torch.empty_like(x), x.new_empty(N, dtype=torch.float32),
-            x.new_empty(N, dtype=torch.float32))
-
-
-def _bwd_fake(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual):
-    dres = torch.empty_like(h) if (has_residual and dropout_p > 0.0) else h.new_empty(0)
-    return torch.empty_like(h), dres, torch.empty_like(weight), torch.empty_like(weight)
-
-
-def _register(name: str, impl, fake):
-    """``torch.library.triton_op`` (torch.compile sees the kernels) when the kernels are
-    compiled. Under TRITON_INTERPRET=1 ``wrap_triton`` cannot trace interpreted kernels with
-    fake tensors, so there the op is a ``custom_op`` with an explicit fake implementation."""
-    qualname = f"fastformer_triton::{name}"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        op = torch.library.custom_op(qualname, impl, mutates_args=())
-        op.register_fake(fake)
-        return op
-    return torch.library.triton_op(qualname, impl, mutates_args=())
-
-
 # x, residual (N, C); weight, bias (C,) -> y (N, C), h (N, C), mean (N,) fp32, rstd (N,) fp32
-add_layer_norm_fwd = _register("add_layer_norm_fwd", _add_layer_norm_fwd_impl, _fwd_fake)
+add_layer_norm_fwd = register_op("add_layer_norm_fwd", _add_layer_norm_fwd_impl)
 # -> dx (N, C), dresidual (N, C) or empty (it equals dx), dweight (C,), dbias (C,)
-add_layer_norm_bwd = _register("add_layer_norm_bwd", _add_layer_norm_bwd_impl, _bwd_fake)
+add_layer_norm_bwd = register_op("add_layer_norm_bwd", _add_layer_norm_bwd_impl)
 
 
 def aot_specs() -> List[dict]:

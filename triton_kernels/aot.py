@@ -1,9 +1,9 @@
 """Ahead-of-time compile every Triton kernel specialisation for real GPU targets, no GPU needed.
 
-    python -m triton_kernels.aot --cc 80 --cc 90 [--configs first|all] [--json PATH] [--jobs 2]
-                                 [--module NAME ...]
+    python -m fastformer.triton_kernels.aot --cc 80 --cc 90 [--configs first|all] [--json PATH] [--jobs 2]
+                                            [--module NAME ...]
 
-Each module in ``triton_kernels.MODULES`` defines ``aot_specs()``: a list of dicts, one per kernel
+Each module in ``fastformer.triton_kernels.MODULES`` defines ``aot_specs()``: a list of dicts, one per kernel
 specialisation its host functions can launch, with keys
 
     name         a readable label (op, variant, dtype, tile)
@@ -50,7 +50,7 @@ import traceback
 # Largest shared memory one block can opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
-_PACKAGE = "triton_kernels"
+_PACKAGE = "fastformer.triton_kernels"  # the installed name (setup.py maps triton_kernels/ there)
 # Constexprs that are autotune choices (tile shape), not part of what a specialisation computes.
 TILE_CONSTEXPRS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "ROWS_PER_STEP"})
 
@@ -62,12 +62,12 @@ def _no_interpreter():
 
 
 def _modules(names=None):
-    from triton_kernels import MODULES
+    from . import MODULES
     return list(names) if names else list(MODULES)
 
 
 def load_specs(module_name):
-    """``aot_specs()`` of ``triton_kernels.<module_name>`` (raises what importing raises)."""
+    """``aot_specs()`` of ``fastformer.triton_kernels.<module_name>`` (raises what importing raises)."""
     module = importlib.import_module(f"{_PACKAGE}.{module_name}")
     if not hasattr(module, "aot_specs"):
         raise AttributeError(f"{_PACKAGE}.{module_name} defines no aot_specs()")
@@ -307,13 +307,13 @@ def format_table(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m triton_kernels.aot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastformer.triton_kernels.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--cc", type=int, action="append", required=True,
                         help="compute capability to build for (80 = A100, 90 = H100); repeatable")
     parser.add_argument("--json", help="also write the full report (with tracebacks) to this file")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="compile processes (default: 2)")
-    parser.add_argument("--module", action="append", help="only these modules of triton_kernels.MODULES")
+    parser.add_argument("--module", action="append", help="only these modules of MODULES")
     parser.add_argument("--configs", choices=("first", "all"), default="first",
                         help="first: each specialisation's first-choice config (default); "
                              "all: every autotune candidate")

@@ -1,7 +1,7 @@
-"""Flash-attention-2 style Triton kernels for ``fastformer.ops.attention``: the forward kernel,
-the tile helpers the backward kernels share (triton_kernels/attention_backward.py), the host
-functions with the C++ schema's semantics (csrc/ops.cpp), their registration as
-``torch.library`` ops and the ahead-of-time compile specs.
+"""Flash-attention-2 style Triton kernels for ``fastformer.ops.attention``: the forward kernel
+(its tile helpers, shared with the backward kernels of attention_backward.py, are in
+attention_tiles.py), the host functions with the C++ schema's semantics (csrc/ops.cpp), their
+registration as ``torch.library`` ops and the ahead-of-time compile specs.
 
 Semantics (the contract, ``fastformer.ops.reference.attention`` is the definition):
 ``out = dropout(softmax(q k^T * scale + attn_mask, masked)) v`` with q ``(B, H, Sq, D)`` and
@@ -14,156 +14,20 @@ from the Philox call on counter ``offset + ((b*H + h)*Sq + i) * ceil(Sk / 8) + j
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
 """
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import attention_backward as kernels
+from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, load_rows,
+                              mask_bases, masked_scores, program_ids, store_rows)
 from .matmul import input_precision
-from .utils import dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
+from .registration import register_op
+from .utils import INTERPRET, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
 
 MAX_HEAD_DIM = 256
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
-LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
-FLT_MAX = tl.constexpr(3.4028234663852886e38)
-# Additive-mask values below this are finite but would overflow to -inf once turned into log2
-# units; they are clamped to -FLT_MAX (still finite, so the key stays "visible" as in the reference).
-MASK_FLOOR = tl.constexpr(-3.4028234663852886e38 / 1.4426950408889634)
-# The interpreter's tl.dot multiplies bf16 storage as integers: widen bf16 operands there.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_WIDEN_DOT = tl.constexpr(INTERPRET)  # see _dot and _cast
-
-
-# ----------------------------------------------------------------------------------------------
-# Tile helpers shared with the backward kernels
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` with fp32 accumulation. fp32 operands are multiplied with
-    ``INPUT_PRECISION``: "ieee" (full fp32, torch's default matmul) or "tf32" (tensor cores, when
-    torch allows tf32 matmuls: triton_kernels.matmul.input_precision); fp16 / bf16 go to the
-    tensor cores."""
-    if _WIDEN_DOT:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif a.dtype == tl.float32:
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """``x.to(dtype)`` rounding to nearest even, as the GPU converts fp32 -> bf16. The interpreter
-    truncates instead (a whole bf16 ulp, always towards zero: P just below 1 became 0.996 and
-    dV, a sum of such P, drifted), so there the rounding is done on the fp32 bits first."""
-    if _WIDEN_DOT:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _load_rows(base, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
-    """Rows ``rows`` (R,) of a (n_rows, D) matrix -> (R, BLOCK_D) tile, zero outside. Row
-    offsets in int64 with LARGE_OFFSETS (``n_rows * stride_row`` passes 2**31 within one head;
-    int32 otherwise: int64 offsets cost the heavy configs registers, up to spilling)."""
-    if LARGE_OFFSETS:
-        rows = rows.to(tl.int64)
-    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
-    if EVEN_D:
-        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-    else:
-        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
-    return tile
-
-
-@triton.jit
-def _store_rows(base, tile, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr,
-                LARGE_OFFSETS: tl.constexpr):
-    """Store a (R, BLOCK_D) tile into rows ``rows`` of a (n_rows, D) matrix (int64 row offsets
-    with LARGE_OFFSETS, as _load_rows)."""
-    if LARGE_OFFSETS:
-        rows = rows.to(tl.int64)
-    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
-    if EVEN_D:
-        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
-    else:
-        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D))
-
-
-@triton.jit
-def _masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed (BN, BM)
-                   qi,  # query indices, broadcastable to qk's shape
-                   kj,  # key indices, broadcastable to qk's shape
-                   kpm_base,  # key padding mask row of this batch (u8, 1 = padded)
-                   stride_kpm_n,  # its key stride
-                   am_base,  # additive mask of this (b, h), fp32
-                   stride_am_m,  # its query stride (0 when broadcast)
-                   stride_am_n,  # its key stride (0 when broadcast)
-                   Sq,  # number of queries
-                   Sk,  # number of keys
-                   qk_scale,  # scale * log2(e)
-                   MASK_EDGE: tl.constexpr,  # apply the causal and key-bound masks (edge tiles)
-                   HAS_KPM: tl.constexpr,  # apply the key padding mask
-                   HAS_MASK: tl.constexpr,  # add the additive mask
-                   IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
-                   LARGE_OFFSETS: tl.constexpr):  # int64 mask offsets (the mask passes 2**31)
-    """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
-    s = qk * qk_scale
-    if HAS_MASK:
-        # -inf hides the key whatever its score (also a NaN score: NaN + -inf would stay NaN); tile
-        # rows and columns past Sq / Sk read -inf, so a NaN key never leaks into a padding row's P
-        if LARGE_OFFSETS:  # the (Sq, Sk) mask of one head spans more than 2**31 elements
-            am_ptrs = am_base + qi.to(tl.int64) * stride_am_m + kj.to(tl.int64) * stride_am_n
-        else:
-            am_ptrs = am_base + qi * stride_am_m + kj * stride_am_n
-        am = tl.load(am_ptrs, mask=(qi < Sq) & (kj < Sk), other=float("-inf"))
-        s = tl.where(am == float("-inf"), float("-inf"), s + tl.maximum(am, MASK_FLOOR) * LOG2E)
-    if MASK_EDGE:
-        visible = kj < Sk
-        if IS_CAUSAL:
-            visible = visible & (kj <= qi + (Sk - Sq))
-        s = tl.where(visible, s, float("-inf"))
-    if HAS_KPM:
-        kpm_off = kj.to(tl.int64) * stride_kpm_n if LARGE_OFFSETS else kj * stride_kpm_n
-        padded = tl.load(kpm_base + kpm_off, mask=kj < Sk, other=1)
-        s = tl.where(padded == 0, s, float("-inf"))
-    return s
-
-
-@triton.jit
-def _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
-    """Philox counter of head (b, h)'s first group: the probabilities are rows of ``Sk`` keys,
-    ``ceil(Sk / 8)`` counters a row, the ``B*H*Sq`` query rows in order (fastformer/philox.py)."""
-    return rng_offset + (b64 * H + h) * Sq * tl.cdiv(Sk, 8)
-
-
-@triton.jit
-def _dropout_keep_tile(seed, rng_base, qi, start_n, Sk, threshold, BLOCK_N: tl.constexpr):
-    """Keep-mask (BM, BLOCK_N) of queries ``qi`` (BM,) and keys ``start_n + arange(BLOCK_N)``
-    (``start_n`` a multiple of BLOCK_N, itself a multiple of 8), ``rng_base`` from
-    :func:`_dropout_rng_base`."""
-    return dropout_keep_tile(seed, rng_base, qi, tl.cdiv(Sk, 8), start_n, threshold, BLOCK_N)
-
-
-@triton.jit
-def _causal_key_bounds(start_m, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       IS_CAUSAL: tl.constexpr):
-    """For the query tile starting at ``start_m``: (full_hi, hi) such that key tiles in
-    [0, full_hi) are entirely visible to every query of the tile (no causal or bound mask)
-    and keys >= hi are hidden from all of them (whole tiles skipped)."""
-    if IS_CAUSAL:
-        hi = tl.minimum(Sk, start_m + BLOCK_M + Sk - Sq)
-        full_hi = tl.maximum(tl.minimum(start_m + Sk - Sq + 1, Sk), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = Sk
-        full_hi = Sk // BLOCK_N * BLOCK_N
-    return full_hi, hi
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,10 +43,10 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """One key tile of the online softmax: returns the updated (acc, l_i, m_i)."""
     kn = start_n + offs_n
-    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
-    s = _masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
+    k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
+    s = masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
                        stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
                        IS_CAUSAL, LARGE_OFFSETS)
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
@@ -191,9 +55,9 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
     p = tl.exp2(s - m_safe[:, None])  # (BM, BN)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        keep = _dropout_keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
+        keep = keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
         p = tl.where(keep, p * drop_scale, 0.0)
-    acc = _dot(_cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
+    acc = dot(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -246,30 +110,23 @@ def _attention_fwd(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
 ):
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:  # heaviest first: the last query tiles see the most keys
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
+    start_m, h, b64, h64 = program_ids(BLOCK_M, IS_CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
-    k_base = K + b64 * stride_kb + h64 * stride_kh
-    v_base = V + b64 * stride_vb + h64 * stride_vh
-    kpm_base = KPM + b64 * stride_kpm_b
-    am_base = AM + b64 * stride_am_b + h64 * stride_am_h
-    rng_base = _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
+    q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh), offs_m, stride_qm, offs_d, Sq, D, EVEN_D,
+                  LARGE_OFFSETS)
+    k_base = head_base(K, b64, h64, stride_kb, stride_kh)
+    v_base = head_base(V, b64, h64, stride_vb, stride_vh)
+    kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
+                                             stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = _causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    full_hi, hi = causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
@@ -287,8 +144,8 @@ def _attention_fwd(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
-    _store_rows(Out + b64 * stride_ob + h64 * stride_oh, _cast(out, Out.dtype.element_ty), offs_m,
-                stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(Out, b64, h64, stride_ob, stride_oh), cast(out, Out.dtype.element_ty), offs_m,
+               stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     tl.store(Lse + (b64 * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
@@ -310,7 +167,7 @@ BLOCK_D_BUCKETS = (32, 64, 128, 256)
 # registers.
 # fp32 (rare on a GPU; full-precision FMA dots, or tf32 ones, which want small tiles) runs one
 # config, chosen to compile without spills for ieee and tf32 dots, light and heavy. Every first choice compiles for sm_80 and sm_90 with all features of its class on and
-# no register spill (python -m triton_kernels.aot --module attention; tests/test_triton_compile.py
+# no register spill (python -m fastformer.triton_kernels.aot --module attention; tests/test_triton_compile.py
 # fails on any); alternates may spill a little and the autotuner then only picks them if faster.
 _CONFIGS_LOWP = {
     "fwd": {
@@ -483,6 +340,11 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
             wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
 
 
+def _grad_like(x: torch.Tensor) -> torch.Tensor:
+    g = torch.empty_like(x)
+    return g if g.stride(-1) == 1 or g.shape[-1] == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 @on_device_of_first_tensor
 def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
@@ -521,8 +383,6 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
                         dropout_p: float,
                         philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from . import attention_backward as kernels
-
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
     seed, offset = read_philox(philox, "attention_bwd")
     B, H, Sq, D = q.shape
@@ -534,13 +394,16 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         raise ValueError("attention_bwd: dout and out must have a contiguous last dimension")
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("attention_bwd: lse must be a contiguous fp32 (B, H, Sq) tensor")
-    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, Sk, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, H, Sk, D), dtype=v.dtype, device=v.device)
+    # laid out like empty_like(q / k / v), as every backend's kernels and the shared fake promise
+    # (a transposed (B, S, H, D) input gets a gradient of that layout); the kernel writes dk and dv
+    # with one set of strides, so a dv laid out otherwise than dk is written to a copy of dk's layout
+    dq, dk = _grad_like(q), _grad_like(k)
+    dv_out = _grad_like(v)
+    dv = dv_out if dv_out.stride() == dk.stride() else torch.empty_like(dk)
     if B * H == 0 or D == 0:
-        return dq, dk, dv
+        return dq, dk, dv_out
     if Sq == 0:
-        return dq, dk.zero_(), dv.zero_()
+        return dq, dk.zero_(), dv_out.zero_()
     kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
     has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
     block_d = _block_d(D)
@@ -569,36 +432,15 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                 meta)
     _launch("dq", kernels._attention_bwd_dq, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B),
             block_d, elt, (*common, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars), meta)
-    return dq, dk, dv
+    if dv is not dv_out:
+        dv_out.copy_(dv)
+    return dq, dk, dv_out
 
 
-# ----------------------------------------------------------------------------------------------
-# Registration: torch.compile sees one op per call, never a graph break
-# ----------------------------------------------------------------------------------------------
-def _attention_fwd_fake(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox):
-    B, H, Sq, D = q.shape
-    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
-
-
-def _attention_bwd_fake(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causal, scale,
-                        dropout_p, philox):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-if INTERPRET:
-    # Under TRITON_INTERPRET=1 wrap_triton hands back the interpreted kernel unchanged, which can
-    # run real CPU tensors but not trace fake ones: register a custom op with a fake instead.
-    attention_fwd = torch.library.custom_op("fastformer_triton::attention_fwd", _attention_fwd_host,
-                                            mutates_args=())
-    attention_fwd.register_fake(_attention_fwd_fake)
-    attention_bwd = torch.library.custom_op("fastformer_triton::attention_bwd", _attention_bwd_host,
-                                            mutates_args=())
-    attention_bwd.register_fake(_attention_bwd_fake)
-else:
-    attention_fwd = torch.library.triton_op("fastformer_triton::attention_fwd", _attention_fwd_host,
-                                            mutates_args=())
-    attention_bwd = torch.library.triton_op("fastformer_triton::attention_bwd", _attention_bwd_host,
-                                            mutates_args=())
+# q, k, v (B, H, S, D) -> out (B, H, Sq, D), lse (B, H, Sq) fp32
+attention_fwd = register_op("attention_fwd", _attention_fwd_host)
+# -> dq, dk, dv, laid out as q, k, v
+attention_bwd = register_op("attention_bwd", _attention_bwd_host)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -641,8 +483,6 @@ def aot_specs() -> List[dict]:
     with all of its features on, its largest code and register footprint: "light" = padding
     mask + causal, "heavy" = those + additive mask + dropout. The preprocess kernel runs at its
     one fixed block."""
-    from . import attention_backward as kernels
-
     specs = []
     kinds = {"fwd": _attention_fwd, "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():

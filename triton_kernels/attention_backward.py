@@ -1,4 +1,5 @@
-"""Backward kernels of the flash attention in triton_kernels/attention.py (FlashAttention-2).
+"""Backward kernels of the flash attention in attention.py (FlashAttention-2), on the tile helpers
+of attention_tiles.py that the forward kernel shares.
 
 With P = softmax(S) recomputed from the saved lse, Z the dropout keep-mask scaled by
 1 / (1 - p), and O = (P * Z) V:
@@ -14,8 +15,8 @@ forward made them; rows with lse = +inf (nothing visible) get P = 0, hence zero 
 import triton
 import triton.language as tl
 
-from .attention import (FLT_MAX, LOG2E, _cast, _causal_key_bounds, _dot, _dropout_keep_tile,
-                        _dropout_rng_base, _load_rows, _masked_scores, _store_rows)
+from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, load_rows,
+                              mask_bases, masked_scores, program_ids, store_rows)
 
 
 @triton.jit
@@ -41,8 +42,8 @@ def _attention_bwd_preprocess(
     b = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
-    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    o = load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    do = load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BM,)
     tl.store(Delta + (b * H + h) * Sq + offs_m, delta, mask=offs_m < Sq)
 
@@ -69,24 +70,24 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one query tile's contribution to this key tile's dK and dV."""
     qm = start_m + offs_m
-    q = _load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
-    do = _load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
+    q = load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
+    do = load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     lse2, delta = _load_row_stats(lse_row, delta_row, qm, Sq)  # (BM,)
-    qk_t = _dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
-    s_t = _masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
+    qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
+    s_t = masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
                          stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
                          IS_CAUSAL, LARGE_OFFSETS)
     p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
-    dp_t = _dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
+    dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     if HAS_DROPOUT:
         # the forward's (BM, BN) tile of queries qm and keys from start_n, transposed to (BN, BM)
-        keep = tl.trans(_dropout_keep_tile(seed, rng_base, qm, start_n, Sk, drop_threshold, k.shape[0]))
-        dv = _dot(_cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
+        keep = tl.trans(keep_tile(seed, rng_base, qm, start_n, Sk, drop_threshold, k.shape[0]))
+        dv = dot(cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
         dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
     else:
-        dv = _dot(_cast(p_t, do.dtype), do, dv, INPUT_PRECISION)
+        dv = dot(cast(p_t, do.dtype), do, dv, INPUT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
-    dk = _dot(_cast(ds_t, q.dtype), q, dk, INPUT_PRECISION)
+    dk = dot(cast(ds_t, q.dtype), q, dk, INPUT_PRECISION)
     return dk, dv
 
 
@@ -145,24 +146,21 @@ def _attention_bwd_dkdv(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
+    start_n, h, b64, h64 = program_ids(BLOCK_N, False)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = _load_rows(K + b64 * stride_kb + h64 * stride_kh, offs_n, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
-    v = _load_rows(V + b64 * stride_vb + h64 * stride_vh, offs_n, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
-    q_base = Q + b64 * stride_qb + h64 * stride_qh
-    do_base = DO + b64 * stride_dob + h64 * stride_doh
+    k = load_rows(head_base(K, b64, h64, stride_kb, stride_kh), offs_n, stride_kn, offs_d, Sk, D, EVEN_D,
+                  LARGE_OFFSETS)
+    v = load_rows(head_base(V, b64, h64, stride_vb, stride_vh), offs_n, stride_vn, offs_d, Sk, D, EVEN_D,
+                  LARGE_OFFSETS)
+    q_base = head_base(Q, b64, h64, stride_qb, stride_qh)
+    do_base = head_base(DO, b64, h64, stride_dob, stride_doh)
     lse_row = Lse + (b64 * H + h) * Sq
     delta_row = Delta + (b64 * H + h) * Sq
-    kpm_base = KPM + b64 * stride_kpm_b
-    am_base = AM + b64 * stride_am_b + h64 * stride_am_h
-    rng_base = _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
+    kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
+                                             stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -189,10 +187,10 @@ def _attention_bwd_dkdv(
             IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     dk = dk * scale
-    _store_rows(DK + b64 * stride_dkb + h64 * stride_dkh, _cast(dk, DK.dtype.element_ty), offs_n, stride_dkn,
-                offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
-    _store_rows(DV + b64 * stride_dkb + h64 * stride_dkh, _cast(dv, DV.dtype.element_ty), offs_n, stride_dkn,
-                offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(DK, b64, h64, stride_dkb, stride_dkh), cast(dk, DK.dtype.element_ty), offs_n,
+               stride_dkn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(DV, b64, h64, stride_dkb, stride_dkh), cast(dv, DV.dtype.element_ty), offs_n,
+               stride_dkn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
 
 
 @triton.jit
@@ -205,19 +203,19 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one key tile's contribution to this query tile's dQ."""
     kn = start_n + offs_n
-    k = _load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    v = _load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
-    s = _masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
+    k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
+    s = masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
                        stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
                        IS_CAUSAL, LARGE_OFFSETS)
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
-    dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
+    dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     if HAS_DROPOUT:
-        keep = _dropout_keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
+        keep = keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])  # (BM, BN)
-    return _dot(_cast(ds, k.dtype), k, dq, INPUT_PRECISION)
+    return dot(cast(ds, k.dtype), k, dq, INPUT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
@@ -274,30 +272,24 @@ def _attention_bwd_dq(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
 ):
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:  # heaviest first: the last query tiles see the most keys
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * BLOCK_M
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
+    start_m, h, b64, h64 = program_ids(BLOCK_M, IS_CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
-    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh), offs_m, stride_qm, offs_d, Sq, D, EVEN_D,
+                  LARGE_OFFSETS)
+    do = load_rows(head_base(DO, b64, h64, stride_dob, stride_doh), offs_m, stride_dom, offs_d, Sq, D, EVEN_D,
+                   LARGE_OFFSETS)
     lse2, delta = _load_row_stats(Lse + (b64 * H + h) * Sq, Delta + (b64 * H + h) * Sq, offs_m, Sq)
-    k_base = K + b64 * stride_kb + h64 * stride_kh
-    v_base = V + b64 * stride_vb + h64 * stride_vh
-    kpm_base = KPM + b64 * stride_kpm_b
-    am_base = AM + b64 * stride_am_b + h64 * stride_am_h
-    rng_base = _dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
+    k_base = head_base(K, b64, h64, stride_kb, stride_kh)
+    v_base = head_base(V, b64, h64, stride_vb, stride_vh)
+    kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
+                                             stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = _causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    full_hi, hi = causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
@@ -310,5 +302,5 @@ def _attention_bwd_dq(
             rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     dq = dq * scale
-    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, _cast(dq, DQ.dtype.element_ty), offs_m, stride_dqm,
-                offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(DQ, b64, h64, stride_dqb, stride_dqh), cast(dq, DQ.dtype.element_ty), offs_m,
+               stride_dqm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)

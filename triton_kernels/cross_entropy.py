@@ -11,14 +11,14 @@ the logits come from a cuBLAS/torch GEMM, the kernel turns them into d(loss)/d(l
 place, and two more GEMMs give that chunk's dhidden and its contribution to dweight, which
 is accumulated in fp32.
 """
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .utils import next_power_of_2, on_device_of_first_tensor
+from .registration import register_op
+from .utils import check_tensor, next_power_of_2, on_device_of_first_tensor
 
 MAX_BLOCK_V = 4096  # classes per step of the row loops
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,15 +105,6 @@ def _launch(logits, target, loss_rows, grad, grad_scale, ignore_index, label_smo
         num_warps=warps, num_stages=1)
 
 
-def _check(name: str, t: torch.Tensor, shape, dtype=None) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
@@ -153,7 +144,7 @@ def _cross_entropy_fwd_impl(logits: torch.Tensor, target: torch.Tensor, label_sm
     _check_float("logits", logits, 2)
     _check_reduction(reduction)
     N, V = logits.shape
-    _check("target", target, (N,), torch.int64)
+    check_tensor("target", target, (N,), torch.int64)
     loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)  # (N, V)
     scale, n_valid = _grad_scale(target, ignore_index, reduction)
@@ -223,8 +214,8 @@ def _check_linear(hidden, weight, bias, target) -> None:
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
     if bias is not None:
-        _check("bias", bias, (V,), hidden.dtype)
-    _check("target", target, (N,), torch.int64)
+        check_tensor("bias", bias, (V,), hidden.dtype)
+    check_tensor("target", target, (N,), torch.int64)
 
 
 @on_device_of_first_tensor
@@ -250,52 +241,19 @@ def _linear_cross_entropy_bwd_impl(grad_loss: torch.Tensor, hidden: torch.Tensor
                                    label_smoothing: float, ignore_index: int
                                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_linear(hidden, weight, bias, target)
-    _check("grad_loss", grad_loss, (hidden.shape[0],), torch.float32)
+    check_tensor("grad_loss", grad_loss, (hidden.shape[0],), torch.float32)
     _, dh, dw, db = _linear_cross_entropy_chunks(
         hidden, weight, bias, target, label_smoothing, ignore_index, grad_loss, True, True)
     db = db.to(bias.dtype) if bias is not None else weight.new_empty(0)
     return dh, dw.to(weight.dtype), db
 
 
-def _cross_entropy_fwd_fake(logits, target, label_smoothing, ignore_index, reduction, compute_grad):
-    loss = logits.new_empty(logits.shape[0]) if reduction == 0 else logits.new_empty(())
-    return loss, (torch.empty_like(logits) if compute_grad else logits.new_empty(0))
-
-
-def _linear_cross_entropy_fwd_fake(hidden, weight, bias, target, label_smoothing, ignore_index,
-                                   reduction, compute_grad):
-    loss = hidden.new_empty(hidden.shape[0]) if reduction == 0 else hidden.new_empty(())
-    if not compute_grad:
-        return loss, hidden.new_empty(0), weight.new_empty(0), weight.new_empty(0)
-    db = weight.new_empty(weight.shape[0]) if bias is not None else weight.new_empty(0)
-    return loss, torch.empty_like(hidden), torch.empty_like(weight), db
-
-
-def _linear_cross_entropy_bwd_fake(grad_loss, hidden, weight, bias, target, label_smoothing, ignore_index):
-    db = weight.new_empty(weight.shape[0]) if bias is not None else weight.new_empty(0)
-    return torch.empty_like(hidden), torch.empty_like(weight), db
-
-
-def _register(name: str, impl, fake):
-    """``torch.library.triton_op`` (torch.compile sees the kernels) when the kernels are
-    compiled. Under TRITON_INTERPRET=1 ``wrap_triton`` cannot trace interpreted kernels with
-    fake tensors, so there the op is a ``custom_op`` with an explicit fake implementation."""
-    qualname = f"fastformer_triton::{name}"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        op = torch.library.custom_op(qualname, impl, mutates_args=())
-        op.register_fake(fake)
-        return op
-    return torch.library.triton_op(qualname, impl, mutates_args=())
-
-
 # logits (N, V), target (N,) -> loss (() or (N,)), grad (N, V) or empty
-cross_entropy_fwd = _register("cross_entropy_fwd", _cross_entropy_fwd_impl, _cross_entropy_fwd_fake)
+cross_entropy_fwd = register_op("cross_entropy_fwd", _cross_entropy_fwd_impl)
 # hidden (N, D), weight (V, D), bias (V,) -> loss, dhidden (N, D), dweight (V, D), dbias (V,) or empties
-linear_cross_entropy_fwd = _register("linear_cross_entropy_fwd", _linear_cross_entropy_fwd_impl,
-                                     _linear_cross_entropy_fwd_fake)
+linear_cross_entropy_fwd = register_op("linear_cross_entropy_fwd", _linear_cross_entropy_fwd_impl)
 # grad_loss (N,) fp32 -> dhidden (N, D), dweight (V, D), dbias (V,) or empty
-linear_cross_entropy_bwd = _register("linear_cross_entropy_bwd", _linear_cross_entropy_bwd_impl,
-                                     _linear_cross_entropy_bwd_fake)
+linear_cross_entropy_bwd = register_op("linear_cross_entropy_bwd", _linear_cross_entropy_bwd_impl)
 
 
 def aot_specs() -> List[dict]:

@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import matmul
+from .registration import launcher, register_op
 from .utils import read_philox
 
 ACTIVATIONS = ("relu", "gelu")
@@ -117,49 +118,25 @@ def _feed_forward_bwd(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2:
 # ---------------------------------------------------------------------------------------------
 # torch op registration
 # ---------------------------------------------------------------------------------------------
-_NAMESPACE = "fastformer_triton"
-
-
-def _register(name, fn, fake):
-    qualname = f"{_NAMESPACE}::{name}"
-    if matmul.INTERPRET:
-        op = torch.library.custom_op(qualname, mutates_args=())(fn)
-        op.register_fake(fake)
-    else:
-        op = torch.library.triton_op(qualname, mutates_args=())(fn)
-    return op
-
-
 def _fwd_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
             b2: Optional[torch.Tensor], activation: str, dropout_p: float,
             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    wrap = None if matmul.INTERPRET else torch.library.wrap_triton
+    wrap = launcher()
     seed, offset = read_philox(philox, "feed_forward_fwd")
     return _feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, offset, wrap=wrap)
-
-
-def _fwd_fake(x, w1, b1, w2, b2, activation, dropout_p, philox):
-    return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty((x.shape[0], w1.shape[0]))
 
 
 def _bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
             has_b1: bool, has_b2: bool, activation: str, dropout_p: float,
             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    wrap = None if matmul.INTERPRET else torch.library.wrap_triton
+    wrap = launcher()
     seed, offset = read_philox(philox, "feed_forward_bwd")
     return _feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, seed, offset,
                              wrap=wrap)
 
 
-def _bwd_fake(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, philox):
-    F = w1.shape[0]
-    E = w2.shape[0]
-    return (torch.empty_like(x), torch.empty_like(w1), w1.new_empty((F,) if has_b1 else (0,)),
-            torch.empty_like(w2), w2.new_empty((E,) if has_b2 else (0,)))
-
-
-feed_forward_fwd = _register("feed_forward_fwd", _fwd_op, _fwd_fake)
-feed_forward_bwd = _register("feed_forward_bwd", _bwd_op, _bwd_fake)
+feed_forward_fwd = register_op("feed_forward_fwd", _fwd_op)
+feed_forward_bwd = register_op("feed_forward_bwd", _bwd_op)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -566,6 +566,21 @@ _UNIT_STRIDES = {"nt": ("stride_ak", "stride_bk"), "nn": ("stride_ak", "stride_b
                  "tn": ("stride_am", "stride_bn")}
 
 
+def _label(name, dt, config):
+    kw = config.kwargs
+    return f"{name}[{dt},{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']},w{config.num_warps},s{config.num_stages}]"
+
+
+def _spec(label, fn, signature, constexprs, config, aligned):
+    """An ``aot_specs()`` entry: every constexpr marked as such in the signature, the config's
+    warps and stages, ``aligned(signature)`` the arguments Triton's launcher sees as 16-divisible."""
+    for arg in constexprs:
+        signature[arg] = "constexpr"
+    return {"name": label, "fn": fn,
+            "signature": signature, "constexprs": constexprs, "num_warps": config.num_warps,
+            "num_stages": config.num_stages, "divisible_by_16": aligned(signature)}
+
+
 def aot_spec(name, dtype, layout, config, *, epilogue="none", activation="relu", has_bias=False,
              dropout=False, row_sum_a=False):
     """One compile specialisation of :func:`_matmul` in the format of ``aot_specs()``.
@@ -588,22 +603,10 @@ def aot_spec(name, dtype, layout, config, *, epilogue="none", activation="relu",
     constexprs.update(EPILOGUE=epilogue, ACTIVATION=activation, HAS_BIAS=has_bias, DROPOUT=dropout,
                       ROW_SUM_A=row_sum_a, EMULATE_BF16=False, INPUT_PRECISION=input_precision(dtype))
     constexprs.update(config.kwargs)
-    for arg in constexprs:
-        signature[arg] = "constexpr"
-    aligned = [arg for arg, ty in signature.items() if ty.startswith("*")]
-    aligned += [arg for arg in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
-                                "stride_cm") if arg not in unit]
-    kw = config.kwargs
-    tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"
-    return {
-        "name": f"{name}[{dt},{tile},w{config.num_warps},s{config.num_stages}]",
-        "fn": _matmul,
-        "signature": signature,
-        "constexprs": constexprs,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-        "divisible_by_16": aligned,
-    }
+    sizes = [arg for arg in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm")
+             if arg not in unit]
+    return _spec(_label(name, dt, config), _matmul, signature, constexprs, config,
+                 lambda sig: [arg for arg, ty in sig.items() if ty.startswith("*")] + sizes)
 
 
 def _layout_signature(dt, layout):
@@ -627,19 +630,8 @@ def aot_spec_split_k(name, dtype, layout, config, *, row_sum_a=False):
         constexprs["ws_rowsum_ptr"] = None
     constexprs.update(ROW_SUM_A=row_sum_a, EMULATE_BF16=False, INPUT_PRECISION=input_precision(dtype))
     constexprs.update(config.kwargs)
-    for arg in constexprs:
-        signature[arg] = "constexpr"
-    kw = config.kwargs
-    tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"
-    return {
-        "name": f"{name}[{dt},{tile},w{config.num_warps},s{config.num_stages}]",
-        "fn": _matmul_split_k,
-        "signature": signature,
-        "constexprs": constexprs,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-        "divisible_by_16": [arg for arg, ty in signature.items() if ty != "constexpr"],
-    }
+    return _spec(_label(name, dt, config), _matmul_split_k, signature, constexprs, config,
+                 lambda sig: [arg for arg, ty in sig.items() if ty != "constexpr"])
 
 
 def aot_spec_split_k_reduce(name, dtype, *, epilogue="none", activation="relu", has_bias=False,
@@ -655,16 +647,7 @@ def aot_spec_split_k_reduce(name, dtype, *, epilogue="none", activation="relu", 
     constexprs.update(EPILOGUE=epilogue, ACTIVATION=activation, HAS_BIAS=has_bias, DROPOUT=dropout,
                       ROW_SUM_A=row_sum_a, EMULATE_BF16=False)
     constexprs.update(config.kwargs)
-    for arg in constexprs:
-        signature[arg] = "constexpr"
     kw = config.kwargs
-    return {
-        "name": f"{name}[{dt},{kw['BLOCK_M']}x{kw['BLOCK_N']},w{config.num_warps}]",
-        "fn": _split_k_reduce,
-        "signature": signature,
-        "constexprs": constexprs,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-        "divisible_by_16": [arg for arg, ty in signature.items() if ty.startswith("*")]
-        + ["M", "N", "stride_ws", "stride_cm"],
-    }
+    return _spec(f"{name}[{dt},{kw['BLOCK_M']}x{kw['BLOCK_N']},w{config.num_warps}]", _split_k_reduce, signature,
+                 constexprs, config,
+                 lambda sig: [arg for arg, ty in sig.items() if ty.startswith("*")] + ["M", "N", "stride_ws", "stride_cm"])

@@ -2,11 +2,15 @@
 host-side read of the ops' ``philox`` argument, and the CUDA device guard of the host functions."""
 import contextlib
 import functools
+import os
 from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+# Read once, at import: the kernels specialise on it (triton_kernels/aot.py unsets it before importing).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -44,6 +48,16 @@ def dropout_threshold(p: float) -> int:
     """The 16-bit keep threshold of dropout probability ``p``: round(p * 2**16), half up
     (fastformer.philox.drop_threshold)."""
     return int(p * (1 << 16) + 0.5)
+
+
+def check_tensor(name: str, t: torch.Tensor, shape, dtype=None) -> None:
+    """Host-side check of a kernel argument: its shape, its dtype (if given), contiguous."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
 def next_power_of_2(n: int) -> int:

@@ -83,16 +83,14 @@ void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T*
                              float* mean, float* rstd, int64_t N, int64_t C, double eps,
                              double dropout_p, uint64_t seed, uint64_t offset) {
   using A = acc_t<T>;
-  const bool drop = dropout_p > 0.0;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
+  const DropoutParams dp = dropout_params(dropout_p);
   std::unique_ptr<A[]> wbuf, bbuf;
   const A* w = widen_param(weight, C, wbuf);
   const A* b = widen_param(bias, C, bbuf);
   at::parallel_for(0, N, row_grain(C), [&](int64_t begin, int64_t end) {
-    std::unique_ptr<A[]> keep_buf(new A[drop ? C : 0]);  // dropout factors of one row
-    A* const keep = drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, threshold, scale);
+    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? C : 0]);  // dropout factors of one row
+    A* const keep = dp.drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t row = begin; row < end; ++row) {
       if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
       add_layer_norm_fwd_row<T>(x + row * C, res ? res + row * C : nullptr, keep, w, b, h + row * C,
@@ -143,9 +141,7 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
-  const bool drop = dropout_p > 0.0;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
+  const DropoutParams dp = dropout_params(dropout_p);
   std::unique_ptr<A[]> wbuf;
   const A* w = widen_param(weight, C, wbuf);
   // Contiguous blocks of rows, one per thread at most; each block sums its own dweight / dbias.
@@ -155,9 +151,9 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
   std::unique_ptr<A[]> partial_buf(new A[nblocks * 2 * C]());  // (nblocks, 2, C): dweight, dbias
   A* const partial = partial_buf.get();
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::unique_ptr<A[]> keep_buf(new A[drop ? C : 0]);  // dropout factors of one row
-    A* const keep = drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, threshold, scale);
+    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? C : 0]);  // dropout factors of one row
+    A* const keep = dp.drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const dw_sum = partial + block * 2 * C;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);

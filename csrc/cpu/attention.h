@@ -10,8 +10,6 @@
 
 namespace fastformer {
 
-constexpr int64_t kMaxHeadDim = 256;
-
 // The masks of one call, as plain pointers into tensors attention.cpp keeps alive.
 struct Masks {
   const float* key_bias = nullptr;  // (B, Sk) contiguous: 0, or -inf for a padded key

@@ -129,8 +129,7 @@ struct Problem {
   Rows<scalar_t> q, k, v;
   Masks mask;
   acc_t scale;
-  double dropout_p;
-  uint32_t threshold;
+  DropoutParams dropout;
   uint64_t seed, offset;
 
   // The keys [first, second) that queries [.., i_end) of batch b can see at all: outside lie only
@@ -365,15 +364,15 @@ template <typename scalar_t>
 void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t nqb = ceil_div(p.Sq, kBlockQ), D = p.D;
-  const bool dropout = p.dropout_p > 0.0;
-  const acc_t keep_scale = static_cast<acc_t>(1.0 / (1.0 - p.dropout_p));
+  const bool dropout = p.dropout.drop;
+  const acc_t keep_scale = static_cast<acc_t>(p.dropout.scale);
 
   const int64_t grain = grain_for(2 * std::min(kBlockQ, p.Sq) * p.Sk * D);
   parallel_tasks(p.B * p.H * nqb, grain, [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kBlockK);
-    const DropoutScales<acc_t> drop(p.seed, p.threshold, acc_t(1));  // scaled at the end
+    const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
     for (int64_t task; tasks.pop(task);) {
       const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
@@ -500,8 +499,8 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
                    at::opmath_type<scalar_t>* dk, at::opmath_type<scalar_t>* dv) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), head = (b * p.H + h) * p.Sq;
-  const bool dropout = p.dropout_p > 0.0;
-  const DropoutScales<acc_t> drop(p.seed, p.threshold, static_cast<acc_t>(1.0 / (1.0 - p.dropout_p)));
+  const bool dropout = p.dropout.drop;
+  const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, static_cast<acc_t>(p.dropout.scale));
   int64_t ldq, lddo;
   const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
@@ -611,7 +610,7 @@ template <typename scalar_t>
 void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t nqb = ceil_div(p.Sq, kBlockQ), nkb = ceil_div(p.Sk, kBlockK), D = p.D;
-  const bool dropout = p.dropout_p > 0.0;
+  const bool dropout = p.dropout.drop;
   const int64_t threads = at::get_num_threads(), heads = p.B * p.H;
   const bool two_pass = threads > 1 && heads < 4 * threads && (nqb > 1 || nkb > 1);
 
@@ -680,8 +679,7 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Ten
   p.v = rows_of<scalar_t>(v);
   p.mask = mask;
   p.scale = static_cast<at::opmath_type<scalar_t>>(scale);
-  p.dropout_p = dropout_p;
-  p.threshold = dropout_threshold(dropout_p);
+  p.dropout = dropout_params(dropout_p);
   p.seed = seed;
   p.offset = offset;
   return p;

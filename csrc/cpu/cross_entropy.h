@@ -34,15 +34,11 @@ FF_ISA_DECLARE(void cross_entropy_rows(const at::Tensor& logits, const at::Tenso
 // acc[i] += src[i] for i in [0, n) (linear_cross_entropy's bf16 dweight into its fp32 sum).
 FF_ISA_DECLARE(void accumulate_bf16(const at::BFloat16* src, int64_t n, float* acc))
 
-// TORCH_CHECKs shared by the ops: `what` names the op in the messages.
-void check_reduction(const char* what, int64_t reduction);
-void check_label_smoothing(const char* what, double label_smoothing);
-// target: CPU int64 (n,) contiguous, values in [0, num_classes) or == ignore_index.
-// Returns the number of rows whose target is not ignore_index.
-int64_t check_target(const char* what, const at::Tensor& target, int64_t n, int64_t num_classes,
-                     int64_t ignore_index);
-// A CPU, contiguous, fp32 / fp64 / bf16 tensor with `ndim` dimensions.
-void check_float_input(const char* what, const char* name, const at::Tensor& t, int64_t ndim);
+// The number of rows of target (n,), already checked by checks::check_target, whose value is
+// not ignore_index; a TORCH_CHECK names the first value outside [0, num_classes) that is.
+// `what` names the op in the message.
+int64_t count_valid_targets(const char* what, const at::Tensor& target, int64_t num_classes,
+                            int64_t ignore_index);
 
 // sum (reduction 2) or mean over `num_valid` rows (reduction 1) of loss_rows, summed in a
 // fixed order (deterministic); reduction 0 returns the rows. In `dtype`.

@@ -7,21 +7,15 @@
 #include <torch/library.h>
 
 #include <optional>
-#include <string>
 #include <tuple>
 
 #include "feed_forward.h"
 #include "large_buffers.h"
+#include "../checks/feed_forward.h"
 #include "../philox_arg.h"
 
 namespace fastformer {
 namespace {
-
-Activation parse_activation(const std::string& name, const char* op) {
-  TORCH_CHECK(name == "relu" || name == "gelu", op,
-              ": activation must be \"relu\" or \"gelu\", got \"", name, "\"");
-  return name == "relu" ? Activation::kRelu : Activation::kGelu;
-}
 
 // oneDNN's linear, mkldnn::_linear_pointwise(X, W, B, "none", [], None) = X W^T + B, found at run
 // time (nullptr when this torch lacks it or its schema differs, so nothing breaks without it).
@@ -77,41 +71,6 @@ at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::option
 // copies, 1.3 ms apiece at N 2048 x E 256, about 20 ms of the base training step.)
 at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& inp) { return at::mm(g.t(), inp); }
 
-void check_dropout(double dropout_p, const char* op) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must be in [0, 1), got ",
-              dropout_p);
-}
-
-// A 2-D CPU contiguous tensor of the dtype of x with the given shape (-1: any size).
-void check_matrix(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
-                  const char* want, const at::Tensor& x, const char* op) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.dim() == 2 && (rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols),
-              op, ": ", name, " must have shape ", want, ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
-              x.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-void check_x(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor, got ", x.device());
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (N, E), got shape ", x.sizes());
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16, op,
-              ": x must be float32, float64 or bfloat16, got ", dt);
-  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
-}
-
-void check_bias(const at::Tensor& b, const char* name, int64_t size, const char* want,
-                const at::Tensor& x, const char* op) {
-  TORCH_CHECK(b.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", b.device());
-  TORCH_CHECK(b.dim() == 1 && b.size(0) == size, op, ": ", name, " must have shape (", size,
-              ",) ", want, ", got ", b.sizes());
-  TORCH_CHECK(b.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
-              x.scalar_type(), "), got ", b.scalar_type());
-  TORCH_CHECK(b.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
@@ -119,16 +78,8 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
     double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_fwd";
-  check_x(x, op);
-  const int64_t E = x.size(1);
-  check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
-  const int64_t F = w1.size(0);
-  check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
-  const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
-  if (has_b1) check_bias(*b1, "b1", F, "(F = w1.size(0))", x, op);
-  if (has_b2) check_bias(*b2, "b2", E, "(E = x.size(1))", x, op);
-  const Activation act = parse_activation(std::string(activation), op);
-  check_dropout(dropout_p, op);
+  const Activation act =
+      checks::check_feed_forward_fwd(checks::kCpu, op, x, w1, b1, w2, b2, activation, dropout_p);
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
 
@@ -145,15 +96,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
     const at::Tensor& pre, bool has_b1, bool has_b2, c10::string_view activation, double dropout_p,
     const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_bwd";
-  check_x(x, op);
-  const int64_t N = x.size(0), E = x.size(1);
-  check_matrix(dout, "dout", N, E, "(N, E), the shape of x", x, op);
-  check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
-  const int64_t F = w1.size(0);
-  check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
-  check_matrix(pre, "pre", N, F, "(N, F), the forward's pre-activation", x, op);
-  const Activation act = parse_activation(std::string(activation), op);
-  check_dropout(dropout_p, op);
+  const Activation act = checks::check_feed_forward_bwd(checks::kCpu, op, dout, x, w1, w2, pre,
+                                                        activation, dropout_p);
+  const int64_t E = x.size(1), F = w1.size(0);
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
 

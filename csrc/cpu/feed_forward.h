@@ -6,10 +6,11 @@
 #include <cstdint>
 
 #include "isa.h"
+#include "../checks/feed_forward.h"
 
 namespace fastformer {
 
-enum class Activation { kRelu, kGelu };
+// Activation (relu / gelu) is declared with the op's argument checks.
 
 // a = dropout(act(pre)); pre, a (N, F) contiguous.
 FF_ISA_DECLARE(void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act,

@@ -58,13 +58,11 @@ void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, d
   constexpr int64_t W = V::size();
   constexpr int64_t kChunk = 2048;  // elements per dropout-factor buffer (8 KiB of fp32)
   const int64_t total = N * F;
-  const bool drop = dropout_p > 0.0;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
+  const DropoutParams dp = dropout_params(dropout_p);
   at::parallel_for(0, total, 8 * kChunk, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<A[]> keep_buf(new A[drop ? kChunk : 0]);
-    A* const keep = drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, threshold, scale);
+    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? kChunk : 0]);
+    A* const keep = dp.drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
       const int64_t len = std::min(kChunk, end - c0);
       for (int64_t e = c0; keep && e < c0 + len;) {  // the chunk's pieces of rows
@@ -120,9 +118,7 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
-  const bool drop = dropout_p > 0.0;
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  const A scale = static_cast<A>(1.0 / (1.0 - dropout_p));
+  const DropoutParams dp = dropout_params(dropout_p);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));
   const int64_t nblocks =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain));
@@ -131,9 +127,9 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
   std::unique_ptr<A[]> partial_buf(new A[nblocks * (F1 + E2)]());  // per block: db1 (F1), db2 (E2)
   A* const partial = partial_buf.get();
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::unique_ptr<A[]> keep_buf(new A[drop ? F : 0]);
-    A* const keep = drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, threshold, scale);
+    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? F : 0]);
+    A* const keep = dp.drop ? keep_buf.get() : nullptr;
+    const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const db1_sum = F1 ? partial + block * (F1 + E2) : nullptr;
       A* const db2_sum = E2 ? partial + block * (F1 + E2) + F1 : nullptr;

@@ -14,27 +14,12 @@
 
 #include "cross_entropy.h"
 #include "large_buffers.h"
-
-#ifndef FASTFORMER_LCE_CHUNK_BYTES
-#define FASTFORMER_LCE_CHUNK_BYTES (16 << 20)
-#endif
+#include "../checks/cross_entropy.h"
 
 namespace fastformer {
 namespace {
 
-// Rows per chunk: a chunk of logits takes about FASTFORMER_LCE_CHUNK_BYTES (16 MB), but at least
-// 256 rows. Each chunk costs three GEMMs with M or K = rows and a few parallel regions; with
-// fewer rows the multi-threaded GEMMs lose efficiency (measured: 256-row chunks cost ~1.8x the
-// CPU time of one (2048, 256) x (256, 8000) GEMM on 2 threads, 1024-row chunks ~1.15x).
-int64_t chunk_rows(int64_t n, int64_t V, int64_t elem_size) {
-  int64_t rows = FASTFORMER_LCE_CHUNK_BYTES / std::max<int64_t>(1, V * elem_size);
-  rows = std::max<int64_t>(256, rows / 16 * 16);
-  return std::max<int64_t>(1, std::min(rows, n));
-}
-
-struct Grads {
-  at::Tensor dhidden, dweight, dbias;
-};
+using Grads = checks::LinearCrossEntropyGrads;
 
 // The chunk loop shared by the forward (loss, and grads for mean / sum) and the backward of
 // reduction none (grads with the per-row upstream gradient in scale.row_scale).
@@ -49,7 +34,7 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
   const at::ScalarType dtype = hidden.scalar_type();
   const bool lowp = dtype == at::kBFloat16;
   const auto acc_opts = hidden.options().dtype(lowp ? at::kFloat : dtype);
-  const int64_t rows_per_chunk = chunk_rows(n, V, hidden.element_size());
+  const int64_t rows_per_chunk = checks::linear_cross_entropy_chunk_rows(n, V, hidden.element_size());
 
   Grads out;
   at::Tensor dweight_acc, dbias_partial, dweight_part;
@@ -93,27 +78,6 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
   return out;
 }
 
-// The checks both ops share (target is checked by the callers, with their ignore_index).
-void check_inputs(const char* what, const at::Tensor& hidden, const at::Tensor& weight,
-                  const c10::optional<at::Tensor>& bias, double label_smoothing) {
-  check_float_input(what, "hidden", hidden, 2);
-  check_float_input(what, "weight", weight, 2);
-  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), what, ": weight has dtype ",
-              weight.scalar_type(), " but hidden has dtype ", hidden.scalar_type());
-  const int64_t D = hidden.size(1), V = weight.size(0);
-  TORCH_CHECK(weight.size(1) == D, what, ": weight must have shape (V, ", D,
-              ") with D = hidden.size(1), got shape ", weight.sizes());
-  TORCH_CHECK(V > 0, what, ": weight must have at least one row (class), got shape ", weight.sizes());
-  if (bias.has_value() && bias->defined()) {
-    check_float_input(what, "bias", *bias, 1);
-    TORCH_CHECK(bias->scalar_type() == hidden.scalar_type(), what, ": bias has dtype ",
-                bias->scalar_type(), " but hidden has dtype ", hidden.scalar_type());
-    TORCH_CHECK(bias->size(0) == V, what, ": bias must have shape (", V,
-                ",) with V = weight.size(0), got shape ", bias->sizes());
-  }
-  check_label_smoothing(what, label_smoothing);
-}
-
 }  // namespace
 
 // hidden (N, D), weight (V, D), bias (V,) or None, target (N,) -> loss (() or (N,)) and, with
@@ -123,13 +87,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const at::Tensor& target, double label_smoothing, int64_t ignore_index, int64_t reduction,
     bool compute_grad) {
   constexpr const char* what = "linear_cross_entropy_fwd";
-  check_inputs(what, hidden, weight, bias, label_smoothing);
-  check_reduction(what, reduction);
-  TORCH_CHECK(!compute_grad || reduction != 0, what,
-              ": compute_grad needs reduction mean (1) or sum (2); reduction none takes its "
-              "gradient from linear_cross_entropy_bwd");
+  checks::check_linear_cross_entropy(checks::kCpu, what, hidden, weight, bias, target, label_smoothing);
+  checks::check_linear_cross_entropy_fwd(what, reduction, compute_grad);
   const int64_t n = hidden.size(0);
-  const int64_t num_valid = check_target(what, target, n, weight.size(0), ignore_index);
+  const int64_t num_valid = count_valid_targets(what, target, weight.size(0), ignore_index);
 
   RowScale rs;
   rs.scale = reduction == 1 ? (num_valid > 0 ? 1.0 / static_cast<double>(num_valid) : 0.0) : 1.0;
@@ -137,12 +98,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
   Grads g = linear_cross_entropy_chunks(hidden, weight, bias, target.const_data_ptr<int64_t>(),
                                         label_smoothing, ignore_index, rs, compute_grad,
                                         loss_rows.data());
-  at::Tensor loss = reduce_loss_rows(loss_rows.data(), n, num_valid, reduction, hidden.scalar_type());
-  if (!compute_grad) {
-    return {loss, at::empty({0}, hidden.options()), at::empty({0}, weight.options()),
-            at::empty({0}, weight.options())};
-  }
-  return {loss, g.dhidden, g.dweight, g.dbias};
+  return checks::linear_cross_entropy_fwd_returns(
+      reduce_loss_rows(loss_rows.data(), n, num_valid, reduction, hidden.scalar_type()), g,
+      compute_grad, hidden, weight);
 }
 
 // The gradient for reduction none: row i's loss weighted by grad_loss[i].
@@ -151,16 +109,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     const c10::optional<at::Tensor>& bias, const at::Tensor& target, double label_smoothing,
     int64_t ignore_index) {
   constexpr const char* what = "linear_cross_entropy_bwd";
-  check_inputs(what, hidden, weight, bias, label_smoothing);
+  checks::check_linear_cross_entropy(checks::kCpu, what, hidden, weight, bias, target, label_smoothing);
+  checks::check_grad_loss(checks::kCpu, what, grad_loss, hidden);
   const int64_t n = hidden.size(0);
-  TORCH_CHECK(grad_loss.defined(), what, ": grad_loss is an undefined tensor");
-  TORCH_CHECK(grad_loss.device().is_cpu(), what, ": grad_loss must be a CPU tensor, got device ",
-              grad_loss.device());
-  TORCH_CHECK(at::isFloatingType(grad_loss.scalar_type()), what,
-              ": grad_loss must be a floating-point tensor, got ", grad_loss.scalar_type());
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == n, what, ": grad_loss must have shape (",
-              n, ",), one upstream gradient per row, got shape ", grad_loss.sizes());
-  check_target(what, target, n, weight.size(0), ignore_index);
+  count_valid_targets(what, target, weight.size(0), ignore_index);
 
   const at::Tensor row_scale = grad_loss.to(at::kDouble).contiguous();  // (N,)
   RowScale rs;

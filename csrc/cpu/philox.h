@@ -59,6 +59,18 @@ static inline uint64_t dropout_row_counter(uint64_t offset, int64_t row, int64_t
 // (T = 65536 keeps nothing). p * 2^16 is exact, so this equals fastformer.philox.drop_threshold.
 static inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * 65536.0 + 0.5); }
 
+// What a kernel needs of dropout probability p: whether it drops at all, T and the kept value
+// 1 / (1 - p) (double; the kernels cast it to their accumulation type).
+struct DropoutParams {
+  bool drop;
+  uint32_t threshold;
+  double scale;
+};
+
+static inline DropoutParams dropout_params(double p) {
+  return {p > 0.0, dropout_threshold(p), 1.0 / (1.0 - p)};
+}
+
 // The 16 random bits of column j (0..7) of a group.
 static inline uint32_t group_random16(const PhiloxWords& w, int64_t j) {
   return (w.w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;

@@ -7,67 +7,21 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <tuple>
 
 #include "glue.h"
 #include "launchers.h"
+#include "../checks/add_layer_norm.h"
 
 namespace fastformer {
 namespace {
-
-void check_rows(const at::Tensor& x, const char* name, const char* op) {
-  ff_check_tensor(x, name, op);
-  TORCH_CHECK(x.dim() == 2, op, ": ", name, " must be 2-D (N, C), got shape ", x.sizes());
-  ff_dtype_code(x, name, op);
-  TORCH_CHECK(x.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
-                const char* like_name, const char* op) {
-  ff_check_tensor(t, name, op);
-  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " must be on the device of ", like_name,
-              " (", like.device(), "), got ", t.device());
-  TORCH_CHECK(t.sizes() == like.sizes(), op, ": ", name, " must have the shape of ", like_name, " ",
-              like.sizes(), ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have the dtype of ",
-              like_name, " (", like.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-void check_param(const at::Tensor& p, const char* name, const at::Tensor& x, const char* op) {
-  ff_check_tensor(p, name, op);
-  TORCH_CHECK(p.device() == x.device(), op, ": ", name, " must be on the device of x (", x.device(),
-              "), got ", p.device());
-  TORCH_CHECK(p.dim() == 1 && p.size(0) == x.size(1), op, ": ", name, " must have shape (",
-              x.size(1), ",) (C), got ", p.sizes());
-  TORCH_CHECK(p.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
-              x.scalar_type(), "), got ", p.scalar_type());
-  TORCH_CHECK(p.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-void check_stat(const at::Tensor& s, const char* name, const at::Tensor& h, const char* op) {
-  ff_check_tensor(s, name, op);
-  TORCH_CHECK(s.device() == h.device(), op, ": ", name, " must be on the device of h (", h.device(),
-              "), got ", s.device());
-  TORCH_CHECK(s.dim() == 1 && s.size(0) == h.size(0), op, ": ", name, " must have shape (",
-              h.size(0), ",) (N), got ", s.sizes());
-  TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
-              s.scalar_type());
-  TORCH_CHECK(s.is_contiguous(), op, ": ", name, " must be contiguous");
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
     const at::Tensor& bias, double eps, double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "add_layer_norm_fwd";
-  check_rows(x, "x", op);
-  const bool has_res = residual.has_value() && residual->defined();
-  if (has_res) check_like(*residual, "residual", x, "x", op);
-  check_param(weight, "weight", x, op);
-  check_param(bias, "bias", x, op);
-  TORCH_CHECK(eps > 0.0 && std::isfinite(eps), op, ": eps must be > 0 and finite, got ", eps);
-  ff_check_dropout_p(dropout_p, op);
+  const bool has_res =
+      checks::check_add_layer_norm_fwd(kFfBackend, op, x, residual, weight, bias, eps, dropout_p);
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(x.device());
   const int64_t N = x.size(0), C = x.size(1);
@@ -88,14 +42,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cu
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
     const at::Tensor& philox, bool has_residual) {
   constexpr const char* op = "add_layer_norm_bwd";
-  check_rows(h, "h", op);
-  check_like(dy, "dy", h, "h", op);
-  const bool has_dh = dh.has_value() && dh->defined();
-  if (has_dh) check_like(*dh, "dh", h, "h", op);
-  check_param(weight, "weight", h, op);
-  check_stat(mean, "mean", h, op);
-  check_stat(rstd, "rstd", h, op);
-  ff_check_dropout_p(dropout_p, op);
+  const bool has_dh =
+      checks::check_add_layer_norm_bwd(kFfBackend, op, dy, dh, h, weight, mean, rstd, dropout_p);
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(h.device());
   const int64_t N = h.size(0), C = h.size(1);

@@ -12,98 +12,28 @@
 #include <torch/library.h>
 
 #include <array>
-#include <cmath>
 #include <limits>
 #include <optional>
 #include <tuple>
 
 #include "glue.h"
 #include "launchers.h"
+#include "../checks/attention.h"
 
 namespace fastformer {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
-
-void check_operand(const char* op, const char* name, const at::Tensor& t, const at::Tensor* q) {
-  ff_check_tensor(t, name, op);
-  if (q != nullptr) {
-    TORCH_CHECK(t.device() == q->device(), op, ": ", name, " must be on q's device (", q->device(),
-                "), got ", t.device());
-  }
-  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D (B, H, S, D), got shape ", t.sizes());
-  ff_dtype_code(t, name, op);
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1 || t.numel() == 0, op, ": ", name,
-              " must have a contiguous last dimension (stride 1), got strides ", t.strides());
-}
-
-void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
-              " but q has dtype ", q.scalar_type(), "; they must match");
-}
-
-// Checks q, k, v and the scalars; returns (B, H, Sq, Sk, D).
-std::array<int64_t, 5> check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, double scale, double dropout_p) {
-  check_operand(op, "q", q, nullptr);
-  check_operand(op, "k", k, &q);
-  check_operand(op, "v", v, &q);
-  check_same_dtype(op, "k", k, q);
-  check_same_dtype(op, "v", v, q);
-  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, op,
-              ": k must have shape (B, H, Sk, D) = (", B, ", ", H, ", Sk, ", D, ") to match q ",
-              q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
-  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  ff_check_dropout_p(dropout_p, op);
-  return {B, H, Sq, Sk, D};
-}
-
-// The masks as the launchers take them; `kpm` and `am` hold the tensors read by the kernels.
+// The checked masks as the launchers take them; `kpm` and `am` hold the tensors the kernels read.
 struct MaskArgs {
   at::Tensor kpm, am;
-  int64_t am_s[4] = {0, 0, 0, 0};
+  std::array<int64_t, 4> am_s{};
+  explicit MaskArgs(const checks::AttentionMasks& m)
+      : kpm(m.key_padding_mask.defined() ? m.key_padding_mask.contiguous() : at::Tensor()),
+        am(m.attn_mask),
+        am_s(m.attn_mask_strides) {}
   const bool* kpm_ptr() const { return kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr; }
   const float* am_ptr() const { return am.defined() ? am.const_data_ptr<float>() : nullptr; }
 };
-
-MaskArgs check_masks(const char* op, const at::Tensor& q,
-                     const std::optional<at::Tensor>& key_padding_mask,
-                     const std::optional<at::Tensor>& attn_mask, const std::array<int64_t, 5>& dims) {
-  const auto [B, H, Sq, Sk, D] = dims;
-  MaskArgs m;
-  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
-    const at::Tensor& kpm = *key_padding_mask;
-    ff_check_tensor(kpm, "key_padding_mask", op);
-    TORCH_CHECK(kpm.device() == q.device(), op, ": key_padding_mask must be on q's device (",
-                q.device(), "), got ", kpm.device());
-    TORCH_CHECK(kpm.scalar_type() == at::kBool, op,
-                ": key_padding_mask must be bool (True = padded), got ", kpm.scalar_type());
-    TORCH_CHECK(kpm.dim() == 2 && kpm.size(0) == B && kpm.size(1) == Sk, op,
-                ": key_padding_mask must have shape (B, Sk) = (", B, ", ", Sk, "), got ", kpm.sizes());
-    m.kpm = kpm.contiguous();
-  }
-  if (attn_mask.has_value() && attn_mask->defined()) {
-    const at::Tensor& am = *attn_mask;
-    ff_check_tensor(am, "attn_mask", op);
-    TORCH_CHECK(am.device() == q.device(), op, ": attn_mask must be on q's device (", q.device(),
-                "), got ", am.device());
-    TORCH_CHECK(am.scalar_type() == at::kFloat, op, ": attn_mask must be float32 (additive), got ",
-                am.scalar_type());
-    TORCH_CHECK(am.dim() == 4, op,
-                ": attn_mask must be a 4-D view broadcast to (B, H, Sq, Sk), got shape ", am.sizes());
-    const int64_t want[4] = {B, H, Sq, Sk};
-    for (int d = 0; d < 4; ++d) {
-      TORCH_CHECK(am.size(d) == want[d] || am.size(d) == 1, op, ": attn_mask of shape ", am.sizes(),
-                  " does not broadcast to (B, H, Sq, Sk) = (", B, ", ", H, ", ", Sq, ", ", Sk, ")");
-      m.am_s[d] = am.size(d) == 1 ? 0 : am.stride(d);
-    }
-    m.am = am;
-  }
-  return m;
-}
 
 // x as an fp32 tensor (x itself when it is fp32).
 at::Tensor as_fp32(const at::Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat); }
@@ -121,8 +51,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
     bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
   const char* op = "attention_fwd";
-  const auto dims = check_qkv(op, q, k, v, scale, dropout_p);
-  const MaskArgs m = check_masks(op, q, key_padding_mask, attn_mask, dims);
+  const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
+  const MaskArgs m(checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims));
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   const auto [B, H, Sq, Sk, D] = dims;
   c10::DeviceGuard guard(q.device());
@@ -152,25 +82,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, double dropout_p,
     const at::Tensor& philox) {
   const char* op = "attention_bwd";
-  const auto dims = check_qkv(op, q, k, v, scale, dropout_p);
+  const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
+  checks::check_attention_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
+  const MaskArgs m(checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims));
   const auto [B, H, Sq, Sk, D] = dims;
-  check_operand(op, "dout", dout, &q);
-  check_operand(op, "out", out, &q);
-  check_same_dtype(op, "dout", dout, q);
-  check_same_dtype(op, "out", out, q);
-  TORCH_CHECK(dout.sizes() == q.sizes(), op, ": dout must have q's shape ", q.sizes(), ", got ",
-              dout.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ",
-              out.sizes());
-  ff_check_tensor(lse_in, "lse", op);
-  TORCH_CHECK(lse_in.device() == q.device(), op, ": lse must be on q's device (", q.device(),
-              "), got ", lse_in.device());
-  TORCH_CHECK(lse_in.scalar_type() == at::kFloat, op, ": lse must be float32, got ",
-              lse_in.scalar_type());
-  TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == B && lse_in.size(1) == H && lse_in.size(2) == Sq,
-              op, ": lse must have shape (B, H, Sq) = (", B, ", ", H, ", ", Sq, "), got ",
-              lse_in.sizes());
-  const MaskArgs m = check_masks(op, q, key_padding_mask, attn_mask, dims);
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(q.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -103,9 +104,8 @@ FF_DEVICE MaxSum max_sum_merge(MaxSum a, MaxSum b) {
   return r;
 }
 
-// The state of the whole row, in every thread (blockDim.x a multiple of 32, every thread calls).
-// red: __shared__ scratch of 3 * 32 floats.
-FF_DEVICE MaxSum block_max_sum(MaxSum s, float* red) {
+// The states of the warp's 32 lanes merged (butterfly), in every lane.
+FF_DEVICE MaxSum warp_max_sum(MaxSum s) {
 #pragma unroll
   for (int mask = kFfWarpSize / 2; mask > 0; mask >>= 1) {
     MaxSum o;
@@ -114,6 +114,13 @@ FF_DEVICE MaxSum block_max_sum(MaxSum s, float* red) {
     o.v = __shfl_xor_sync(kFfFullMask, s.v, mask);
     s = max_sum_merge(s, o);
   }
+  return s;
+}
+
+// The state of the whole row, in every thread (blockDim.x a multiple of 32, every thread calls).
+// red: __shared__ scratch of 3 * 32 floats.
+FF_DEVICE MaxSum block_max_sum(MaxSum s, float* red) {
+  s = warp_max_sum(s);
   const int lane = threadIdx.x % kFfWarpSize, warp = threadIdx.x / kFfWarpSize;
   const int warps = blockDim.x / kFfWarpSize;
   __syncthreads();  // the previous row's readers are done with red
@@ -127,15 +134,7 @@ FF_DEVICE MaxSum block_max_sum(MaxSum s, float* red) {
   w.m = lane < warps ? red[lane] : -INFINITY;
   w.l = lane < warps ? red[kFfWarpSize + lane] : 0.0f;
   w.v = lane < warps ? red[2 * kFfWarpSize + lane] : 0.0f;
-#pragma unroll
-  for (int mask = kFfWarpSize / 2; mask > 0; mask >>= 1) {
-    MaxSum o;
-    o.m = __shfl_xor_sync(kFfFullMask, w.m, mask);
-    o.l = __shfl_xor_sync(kFfFullMask, w.l, mask);
-    o.v = __shfl_xor_sync(kFfFullMask, w.v, mask);
-    w = max_sum_merge(w, o);
-  }
-  return w;
+  return warp_max_sum(w);
 }
 
 // The keep mask of the 8 columns of group g of row `row` (bit c: column 8 g + c kept).
@@ -298,18 +297,38 @@ int row_threads(int64_t Sk) {
   return static_cast<int>(t);
 }
 
-AttnMasks make_masks(const bool* kpm, const float* am, int64_t am_sb, int64_t am_sh, int64_t am_sq,
-                     int64_t am_sk, int causal, int64_t Sq, int64_t Sk) {
-  AttnMasks mk;
-  mk.kpm = kpm;
-  mk.am = am;
-  mk.am_sb = am_sb;
-  mk.am_sh = am_sh;
-  mk.am_sq = am_sq;
-  mk.am_sk = am_sk;
-  mk.causal = causal;
-  mk.shift = Sk - Sq;
-  return mk;
+// What every row launch shares: one block a row, the dropout threshold and 1 / (1 - p).
+struct RowLaunch {
+  int64_t rows;
+  uint32_t threshold;
+  float keep_scale;
+  dim3 grid, block;
+  RowLaunch(int64_t B, int64_t H, int64_t Sq, int64_t Sk, double dropout_p)
+      : rows(B * H * Sq),
+        threshold(ff_dropout_threshold(dropout_p)),
+        keep_scale(static_cast<float>(1.0 / (1.0 - dropout_p))),
+        grid(ff_grid_blocks(rows, 1)),
+        block(row_threads(Sk)) {}
+};
+
+// The launch of attention_softmax_fwd and attention_probs_bwd, which take the same arguments:
+// pick(static_cast<T*>(nullptr)) is the kernel for element type T; S and L are the two kernels'
+// types of s and lse (read or written).
+template <typename Pick, typename S, typename L>
+const char* launch_masked_rows(Pick pick, S* s, void* out, L* lse, int64_t B, int64_t H, int64_t Sq,
+                               int64_t Sk, int dtype, double scale, const bool* kpm, const float* am,
+                               int64_t am_sb, int64_t am_sh, int64_t am_sq, int64_t am_sk,
+                               int causal, double dropout_p, uint64_t seed, uint64_t offset,
+                               void* stream) {
+  if (B * H * Sq == 0 || Sk == 0) return nullptr;
+  const AttnMasks mk{kpm, am, am_sb, am_sh, am_sq, am_sk, causal, Sk - Sq};
+  const RowLaunch rl(B, H, Sq, Sk, dropout_p);
+  FF_DISPATCH_DTYPE(dtype, T, {
+    auto* kernel = pick(static_cast<T*>(nullptr));
+    FF_LAUNCH(kernel, rl.grid, rl.block, 0, stream, s, static_cast<T*>(out), lse, rl.rows, H, Sq,
+              Sk, static_cast<float>(scale), mk, rl.threshold, rl.keep_scale, seed, offset);
+  });
+  return ff_last_error();
 }
 
 }  // namespace
@@ -320,18 +339,9 @@ const char* launch_attention_softmax_fwd(const float* s, void* p, float* lse, in
                                          int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
                                          double dropout_p, uint64_t seed, uint64_t offset,
                                          void* stream) {
-  const int64_t rows = B * H * Sq;
-  if (rows == 0 || Sk == 0) return nullptr;
-  const AttnMasks mk = make_masks(kpm, am, am_sb, am_sh, am_sq, am_sk, causal, Sq, Sk);
-  const uint32_t threshold = ff_dropout_threshold(dropout_p);
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  const dim3 grid(ff_grid_blocks(rows, 1)), block(row_threads(Sk));
-  FF_DISPATCH_DTYPE(dtype, T, {
-    auto* kernel = &attention_softmax_fwd<T>;
-    FF_LAUNCH(kernel, grid, block, 0, stream, s, static_cast<T*>(p), lse, rows, H, Sq, Sk,
-              static_cast<float>(scale), mk, threshold, keep_scale, seed, offset);
-  });
-  return ff_last_error();
+  const auto pick = [](auto* t) { return &attention_softmax_fwd<std::remove_pointer_t<decltype(t)>>; };
+  return launch_masked_rows(pick, s, p, lse, B, H, Sq, Sk, dtype, scale, kpm, am, am_sb, am_sh, am_sq,
+                            am_sk, causal, dropout_p, seed, offset, stream);
 }
 
 const char* launch_attention_probs_bwd(float* s, void* dropped, const float* lse, int64_t B,
@@ -340,18 +350,9 @@ const char* launch_attention_probs_bwd(float* s, void* dropped, const float* lse
                                        int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
                                        double dropout_p, uint64_t seed, uint64_t offset,
                                        void* stream) {
-  const int64_t rows = B * H * Sq;
-  if (rows == 0 || Sk == 0) return nullptr;
-  const AttnMasks mk = make_masks(kpm, am, am_sb, am_sh, am_sq, am_sk, causal, Sq, Sk);
-  const uint32_t threshold = ff_dropout_threshold(dropout_p);
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  const dim3 grid(ff_grid_blocks(rows, 1)), block(row_threads(Sk));
-  FF_DISPATCH_DTYPE(dtype, T, {
-    auto* kernel = &attention_probs_bwd<T>;
-    FF_LAUNCH(kernel, grid, block, 0, stream, s, static_cast<T*>(dropped), lse, rows, H, Sq, Sk,
-              static_cast<float>(scale), mk, threshold, keep_scale, seed, offset);
-  });
-  return ff_last_error();
+  const auto pick = [](auto* t) { return &attention_probs_bwd<std::remove_pointer_t<decltype(t)>>; };
+  return launch_masked_rows(pick, s, dropped, lse, B, H, Sq, Sk, dtype, scale, kpm, am, am_sb, am_sh,
+                            am_sq, am_sk, causal, dropout_p, seed, offset, stream);
 }
 
 const char* launch_attention_softmax_bwd(const float* prob, const float* dp, void* ds,
@@ -361,17 +362,14 @@ const char* launch_attention_softmax_bwd(const float* prob, const float* dp, voi
                                          int64_t Sq, int64_t Sk, int64_t D, int dtype, double scale,
                                          double dropout_p, uint64_t seed, uint64_t offset,
                                          void* stream) {
-  const int64_t rows = B * H * Sq;
-  if (rows == 0 || Sk == 0) return nullptr;
-  const uint32_t threshold = ff_dropout_threshold(dropout_p);
-  const float keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-  const dim3 grid(ff_grid_blocks(rows, 1)), block(row_threads(Sk));
+  if (B * H * Sq == 0 || Sk == 0) return nullptr;
+  const RowLaunch rl(B, H, Sq, Sk, dropout_p);
   FF_DISPATCH_DTYPE(dtype, T, {
     auto* kernel = &attention_softmax_bwd<T>;
-    FF_LAUNCH(kernel, grid, block, 0, stream, prob, dp, static_cast<T*>(ds),
+    FF_LAUNCH(kernel, rl.grid, rl.block, 0, stream, prob, dp, static_cast<T*>(ds),
               static_cast<const T*>(dout), do_sb, do_sh, do_ss, static_cast<const T*>(out), o_sb,
-              o_sh, o_ss, rows, H, Sq, Sk, D, static_cast<float>(scale), threshold, keep_scale,
-              seed, offset);
+              o_sh, o_ss, rl.rows, H, Sq, Sk, D, static_cast<float>(scale), rl.threshold,
+              rl.keep_scale, seed, offset);
   });
   return ff_last_error();
 }

@@ -11,32 +11,9 @@
 
 #include "glue.h"
 #include "launchers.h"
+#include "../checks/cross_entropy.h"
 
 namespace fastformer {
-namespace {
-
-void check_logits(const char* op, const at::Tensor& t) {
-  ff_check_tensor(t, "logits", op);
-  TORCH_CHECK(t.dim() == 2, op, ": logits must have 2 dimensions, got shape ", t.sizes());
-  const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
-              ": logits must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK(t.is_contiguous(), op, ": logits must be contiguous");
-  TORCH_CHECK(t.size(1) > 0, op, ": logits must have at least one class, got shape ", t.sizes());
-}
-
-void check_target(const char* op, const at::Tensor& target, const at::Tensor& logits) {
-  ff_check_tensor(target, "target", op);
-  TORCH_CHECK(target.device() == logits.device(), op, ": target must be on logits' device (",
-              logits.device(), "), got ", target.device());
-  TORCH_CHECK(target.scalar_type() == at::kLong, op, ": target must be int64, got ",
-              target.scalar_type());
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, ": target must have shape (",
-              logits.size(0), ",), one class index per row, got shape ", target.sizes());
-  TORCH_CHECK(target.is_contiguous(), op, ": target must be contiguous");
-}
-
-}  // namespace
 
 // logits (N, V), target (N,) -> loss (() or (N,)), grad (N, V) for an upstream gradient of 1
 // (empty unless compute_grad).
@@ -46,12 +23,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logi
                                                           int64_t ignore_index, int64_t reduction,
                                                           bool compute_grad) {
   constexpr const char* op = "cross_entropy_fwd";
-  check_logits(op, logits);
-  check_target(op, target, logits);
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op,
-              ": reduction must be 0 (none), 1 (mean) or 2 (sum), got ", reduction);
-  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
-              ": label_smoothing must be in [0, 1], got ", label_smoothing);
+  checks::check_cross_entropy_fwd(kFfBackend, op, logits, target, label_smoothing, reduction);
   c10::DeviceGuard guard(logits.device());
   const int64_t n = logits.size(0), V = logits.size(1);
   void* stream = ff_stream(logits);

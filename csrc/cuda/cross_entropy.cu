@@ -54,6 +54,18 @@ FF_DEVICE void lse_merge(float& m, float& s, float m2, float s2) {
   m = mx;
 }
 
+// (m, s, sx) over the warp's 32 lanes (butterfly), in every lane: the log-sum-exp states merged,
+// the logits' sums added.
+FF_DEVICE void warp_lse_sum(float& m, float& s, float& sx) {
+#pragma unroll
+  for (int k = 16; k > 0; k >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, k);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, k);
+    sx += __shfl_xor_sync(0xffffffffu, sx, k);
+    lse_merge(m, s, m2, s2);
+  }
+}
+
 // One row per block (grid-stride over rows). loss_rows[i] = lse - (1 - eps) x_t - eps mean(x)
 // (0 for ignored rows, nan for a target outside [0, V) that is not ignore_index; such a target
 // is never used as an address). grad (nullptr: none) = (softmax - (1 - eps) onehot - eps / V)
@@ -105,13 +117,7 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
         lse_add(m, s, v);
       }
     }
-#pragma unroll
-    for (int k = 16; k > 0; k >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, k);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, k);
-      sx += __shfl_xor_sync(0xffffffffu, sx, k);
-      lse_merge(m, s, m2, s2);
-    }
+    warp_lse_sum(m, s, sx);
     if (lane == 0) {
       red_m[warp] = m;
       red_s[warp] = s;
@@ -122,13 +128,7 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
       m = lane < nwarps ? red_m[lane] : -INFINITY;
       s = lane < nwarps ? red_s[lane] : 0.0f;
       sx = lane < nwarps ? red_x[lane] : 0.0f;
-#pragma unroll
-      for (int k = 16; k > 0; k >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, k);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, k);
-        sx += __shfl_xor_sync(0xffffffffu, sx, k);
-        lse_merge(m, s, m2, s2);
-      }
+      warp_lse_sum(m, s, sx);
       if (lane == 0) {
         const bool no_lse = sx != sx || sx == INFINITY || m == -INFINITY;
         const float lse = no_lse ? NAN : m + logf(s);

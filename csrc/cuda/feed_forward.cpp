@@ -10,52 +10,14 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
-#include <string>
 #include <tuple>
 
 #include "glue.h"
 #include "launchers.h"
+#include "../checks/feed_forward.h"
 
 namespace fastformer {
 namespace {
-
-int parse_activation(const std::string& name, const char* op) {
-  TORCH_CHECK(name == "relu" || name == "gelu", op,
-              ": activation must be \"relu\" or \"gelu\", got \"", name, "\"");
-  return name == "relu" ? 0 : 1;
-}
-
-void check_x(const at::Tensor& x, const char* op) {
-  ff_check_tensor(x, "x", op);
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (N, E), got shape ", x.sizes());
-  ff_dtype_code(x, "x", op);
-  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
-}
-
-// A 2-D contiguous tensor on x's device with x's dtype and the given shape (-1: any size).
-void check_matrix(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
-                  const char* want, const at::Tensor& x, const char* op) {
-  ff_check_tensor(t, name, op);
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(),
-              "), got ", t.device());
-  TORCH_CHECK(t.dim() == 2 && (rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols),
-              op, ": ", name, " must have shape ", want, ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
-              x.scalar_type(), "), got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-void check_bias(const at::Tensor& b, const char* name, int64_t size, const char* want,
-                const at::Tensor& x, const char* op) {
-  ff_check_tensor(b, name, op);
-  TORCH_CHECK(b.device() == x.device(), op, ": ", name, " must be on x's device (", x.device(),
-              "), got ", b.device());
-  TORCH_CHECK(b.dim() == 1 && b.size(0) == size, op, ": ", name, " must have shape (", size,
-              ",) ", want, ", got ", b.sizes());
-  TORCH_CHECK(b.scalar_type() == x.scalar_type(), op, ": ", name, " must have the dtype of x (",
-              x.scalar_type(), "), got ", b.scalar_type());
-  TORCH_CHECK(b.is_contiguous(), op, ": ", name, " must be contiguous");
-}
 
 // The column sums of t (rows, cols) in t's dtype, through the deterministic two-stage kernel.
 at::Tensor column_sums(const at::Tensor& t) {
@@ -77,16 +39,10 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
     double dropout_p, const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_fwd";
-  check_x(x, op);
-  const int64_t N = x.size(0), E = x.size(1);
-  check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
-  const int64_t F = w1.size(0);
-  check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
+  const int act = static_cast<int>(
+      checks::check_feed_forward_fwd(kFfBackend, op, x, w1, b1, w2, b2, activation, dropout_p));
+  const int64_t N = x.size(0), F = w1.size(0);
   const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
-  if (has_b1) check_bias(*b1, "b1", F, "(F = w1.size(0))", x, op);
-  if (has_b2) check_bias(*b2, "b2", E, "(E = x.size(1))", x, op);
-  const int act = parse_activation(std::string(activation), op);
-  ff_check_dropout_p(dropout_p, op);
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
@@ -105,15 +61,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
     const at::Tensor& pre, bool has_b1, bool has_b2, c10::string_view activation, double dropout_p,
     const at::Tensor& philox) {
   constexpr const char* op = "feed_forward_bwd";
-  check_x(x, op);
-  const int64_t N = x.size(0), E = x.size(1);
-  check_matrix(dout, "dout", N, E, "(N, E), the shape of x", x, op);
-  check_matrix(w1, "w1", -1, E, "(F, E) with E = x.size(1)", x, op);
-  const int64_t F = w1.size(0);
-  check_matrix(w2, "w2", E, F, "(E, F), the transpose of w1's shape", x, op);
-  check_matrix(pre, "pre", N, F, "(N, F), the forward's pre-activation", x, op);
-  const int act = parse_activation(std::string(activation), op);
-  ff_check_dropout_p(dropout_p, op);
+  const int act = static_cast<int>(checks::check_feed_forward_bwd(kFfBackend, op, dout, x, w1, w2,
+                                                                  pre, activation, dropout_p));
+  const int64_t N = x.size(0), F = w1.size(0);
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;

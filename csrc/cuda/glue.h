@@ -5,11 +5,12 @@
 //
 //   FF_CUDA_IMPL(m) { m.impl("op", &fn); }   TORCH_LIBRARY_IMPL(fastformer, CUDA, m), or
 //                                            TORCH_LIBRARY_IMPL(fastformer_simt, CPU, m)
+//   kFfBackend                               what the kernels take (device, dtypes), for the
+//                                            shared argument checks of csrc/checks/
 //   ff_check_tensor(t, "name"[, op])         defined and on the kernel device (CUDA / CPU)
 //   ff_dtype_code(t, "name"[, op])           0 float32, 1 float16, 2 bfloat16, else TORCH_CHECK
 //   ff_stream(t)                             the current stream of t's device as void*
 //   FF_CHECK_LAUNCH(launch_xxx(...))         TORCH_CHECK on a launcher's returned error string
-//   ff_check_dropout_p(p, op)                p in [0, 1)
 //   ff_philox_args(philox, op)               the (seed, offset) the launchers take, from `Tensor philox`
 //   ff_check_aligned(t, "name", bytes, op)   the data pointer is a multiple of bytes
 #pragma once
@@ -19,6 +20,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
+#include "../checks/common.h"
 #include "../philox_arg.h"
 
 #include <cmath>
@@ -34,6 +36,11 @@ constexpr c10::DeviceType kFfKernelDevice = c10::DeviceType::CUDA;
 constexpr const char* kFfKernelDeviceName = "CUDA";
 #endif
 
+// The CUDA kernels take fp32, fp16 and bf16 tensors on the kernel device.
+constexpr fastformer::checks::Backend kFfBackend{kFfKernelDevice, kFfKernelDeviceName,
+                                                 {at::kFloat, at::kHalf, at::kBFloat16},
+                                                 "float32, float16 or bfloat16"};
+
 #define FF_CHECK_LAUNCH(call)                                                          \
   do {                                                                                 \
     const char* ff_launch_error_ = (call);                                             \
@@ -42,9 +49,7 @@ constexpr const char* kFfKernelDeviceName = "CUDA";
   } while (0)
 
 inline void ff_check_tensor(const at::Tensor& t, const char* name, const char* op = nullptr) {
-  TORCH_CHECK(t.defined(), op ? op : "fastformer", ": ", name, " must be a defined tensor");
-  TORCH_CHECK(t.device().type() == kFfKernelDevice, op ? op : "fastformer", ": ", name,
-              " must be a ", kFfKernelDeviceName, " tensor, got ", t.device());
+  fastformer::checks::check_device(kFfBackend, op ? op : "fastformer", name, t);
 }
 
 // The launchers' dtype code of t: 0 float32, 1 float16, 2 bfloat16.
@@ -54,8 +59,7 @@ inline int ff_dtype_code(const at::Tensor& t, const char* name, const char* op =
     case at::kHalf: return 1;
     case at::kBFloat16: return 2;
     default:
-      TORCH_CHECK(false, op ? op : "fastformer", ": ", name,
-                  " must be float32, float16 or bfloat16, got ", t.scalar_type());
+      fastformer::checks::check_float_dtype(kFfBackend, op ? op : "fastformer", name, t);  // throws
   }
   return -1;
 }
@@ -70,10 +74,6 @@ inline void* ff_stream(const at::Tensor& t) {
   const c10::impl::VirtualGuardImpl impl(t.device().type());
   return impl.getStreamNativeHandle(impl.getStream(t.device()));
 #endif
-}
-
-inline void ff_check_dropout_p(double p, const char* op) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, op, ": dropout_p must be in [0, 1), got ", p);
 }
 
 // The dropout RNG state the launchers take, read from the op's `Tensor philox` ((2,) int64 CPU

@@ -13,70 +13,12 @@
 
 #include "glue.h"
 #include "launchers.h"
-
-#ifndef FASTFORMER_LCE_CHUNK_BYTES
-#define FASTFORMER_LCE_CHUNK_BYTES (16 << 20)
-#endif
+#include "../checks/cross_entropy.h"
 
 namespace fastformer {
 namespace {
 
-// Rows per chunk: a chunk of logits takes about FASTFORMER_LCE_CHUNK_BYTES, at least 256 rows
-// (the CPU backend's rule, so both split the same way).
-int64_t chunk_rows(int64_t n, int64_t V, int64_t elem_size) {
-  int64_t rows = FASTFORMER_LCE_CHUNK_BYTES / std::max<int64_t>(1, V * elem_size);
-  rows = std::max<int64_t>(256, rows / 16 * 16);
-  return std::max<int64_t>(1, std::min(rows, n));
-}
-
-void check_float(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
-  ff_check_tensor(t, name, op);
-  TORCH_CHECK(t.dim() == ndim, op, ": ", name, " must have ", ndim, " dimensions, got shape ",
-              t.sizes());
-  const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
-void check_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
-                  const c10::optional<at::Tensor>& bias, const at::Tensor& target,
-                  double label_smoothing) {
-  check_float(op, "hidden", hidden, 2);
-  check_float(op, "weight", weight, 2);
-  TORCH_CHECK(weight.device() == hidden.device(), op, ": weight must be on hidden's device (",
-              hidden.device(), "), got ", weight.device());
-  TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": weight has dtype ",
-              weight.scalar_type(), " but hidden has dtype ", hidden.scalar_type());
-  const int64_t D = hidden.size(1), V = weight.size(0);
-  TORCH_CHECK(weight.size(1) == D, op, ": weight must have shape (V, ", D,
-              ") with D = hidden.size(1), got shape ", weight.sizes());
-  TORCH_CHECK(V > 0, op, ": weight must have at least one row (class), got shape ", weight.sizes());
-  if (bias.has_value() && bias->defined()) {
-    check_float(op, "bias", *bias, 1);
-    TORCH_CHECK(bias->device() == hidden.device(), op, ": bias must be on hidden's device (",
-                hidden.device(), "), got ", bias->device());
-    TORCH_CHECK(bias->scalar_type() == hidden.scalar_type(), op, ": bias has dtype ",
-                bias->scalar_type(), " but hidden has dtype ", hidden.scalar_type());
-    TORCH_CHECK(bias->size(0) == V, op, ": bias must have shape (", V,
-                ",) with V = weight.size(0), got shape ", bias->sizes());
-  }
-  ff_check_tensor(target, "target", op);
-  TORCH_CHECK(target.device() == hidden.device(), op, ": target must be on hidden's device (",
-              hidden.device(), "), got ", target.device());
-  TORCH_CHECK(target.scalar_type() == at::kLong, op, ": target must be int64, got ",
-              target.scalar_type());
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == hidden.size(0), op,
-              ": target must have shape (", hidden.size(0), ",), one class index per row, got shape ",
-              target.sizes());
-  TORCH_CHECK(target.is_contiguous(), op, ": target must be contiguous");
-  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
-              ": label_smoothing must be in [0, 1], got ", label_smoothing);
-}
-
-struct Grads {
-  at::Tensor dhidden, dweight, dbias;
-};
+using Grads = checks::LinearCrossEntropyGrads;
 
 // The chunk loop shared by the forward (loss rows; grads for mean / sum scaled by mean_count or
 // 1) and the backward of reduction none (grads with row_scale = grad_loss).
@@ -90,7 +32,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   const at::ScalarType dtype = hidden.scalar_type();
   const bool lowp = dtype != at::kFloat;
   const auto f32 = hidden.options().dtype(at::kFloat);
-  const int64_t rows_per_chunk = chunk_rows(n, V, hidden.element_size());
+  const int64_t rows_per_chunk = checks::linear_cross_entropy_chunk_rows(n, V, hidden.element_size());
   const int code = ff_dtype_code(hidden, "hidden");
   void* stream = ff_stream(hidden);
 
@@ -144,7 +86,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   return out;
 }
 
-}  // namespace
+// The ops stay in the unnamed namespace: only FF_CUDA_IMPL below names them.
 
 // hidden (N, D), weight (V, D), bias (V,) or None, target (N,) -> loss (() or (N,)) and, with
 // compute_grad (mean / sum), (dhidden, dweight, dbias) for an upstream gradient of 1.
@@ -153,12 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     const at::Tensor& target, double label_smoothing, int64_t ignore_index, int64_t reduction,
     bool compute_grad) {
   constexpr const char* op = "linear_cross_entropy_fwd";
-  check_inputs(op, hidden, weight, bias, target, label_smoothing);
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op,
-              ": reduction must be 0 (none), 1 (mean) or 2 (sum), got ", reduction);
-  TORCH_CHECK(!compute_grad || reduction != 0, op,
-              ": compute_grad needs reduction mean (1) or sum (2); reduction none takes its "
-              "gradient from linear_cross_entropy_bwd");
+  checks::check_linear_cross_entropy(kFfBackend, op, hidden, weight, bias, target, label_smoothing);
+  checks::check_linear_cross_entropy_fwd(op, reduction, compute_grad);
   c10::DeviceGuard guard(hidden.device());
   const int64_t n = hidden.size(0);
   void* stream = ff_stream(hidden);
@@ -178,11 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
     FF_CHECK_LAUNCH(launch_cross_entropy_reduce(loss_rows.const_data_ptr<float>(), n, mean_count,
                                                 loss.data_ptr(), ff_dtype_code(hidden, "hidden"), stream));
   }
-  if (!compute_grad) {
-    return {loss, at::empty({0}, hidden.options()), at::empty({0}, weight.options()),
-            at::empty({0}, weight.options())};
-  }
-  return {loss, g.dhidden, g.dweight, g.dbias};
+  return checks::linear_cross_entropy_fwd_returns(loss, g, compute_grad, hidden, weight);
 }
 
 // The gradient for reduction none: row i's loss weighted by grad_loss[i].
@@ -191,15 +125,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
     const c10::optional<at::Tensor>& bias, const at::Tensor& target, double label_smoothing,
     int64_t ignore_index) {
   constexpr const char* op = "linear_cross_entropy_bwd";
-  check_inputs(op, hidden, weight, bias, target, label_smoothing);
+  checks::check_linear_cross_entropy(kFfBackend, op, hidden, weight, bias, target, label_smoothing);
+  checks::check_grad_loss(kFfBackend, op, grad_loss, hidden);
   const int64_t n = hidden.size(0);
-  ff_check_tensor(grad_loss, "grad_loss", op);
-  TORCH_CHECK(grad_loss.device() == hidden.device(), op, ": grad_loss must be on hidden's device (",
-              hidden.device(), "), got ", grad_loss.device());
-  TORCH_CHECK(at::isFloatingType(grad_loss.scalar_type()), op,
-              ": grad_loss must be a floating-point tensor, got ", grad_loss.scalar_type());
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == n, op, ": grad_loss must have shape (",
-              n, ",), one upstream gradient per row, got shape ", grad_loss.sizes());
   c10::DeviceGuard guard(hidden.device());
 
   const at::Tensor row_scale = grad_loss.to(at::kFloat).contiguous();  // (N,)
@@ -209,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   return {g.dhidden, g.dweight, g.dbias};
 }
 
+}  // namespace
 }  // namespace fastformer
 
 FF_CUDA_IMPL(m) {

@@ -2,9 +2,6 @@ import math
 
 import torch
 
-REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
-
-
 def _scale_rows(ctx, index: int, grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
     """The stored d(loss)/d(input) ``grad`` times the upstream gradient (a scalar, or one per row).
 
@@ -53,9 +50,9 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Fused log-softmax + label smoothing + NLL; the gradient is written in the forward pass."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, kernels):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction_code, kernels):
         loss, grad = kernels.cross_entropy_fwd(logits, target, label_smoothing, ignore_index,
-                                               REDUCTION_CODE[reduction], logits.requires_grad)
+                                               reduction_code, logits.requires_grad)
         ctx.save_for_backward(grad)  # (N, V): d(loss)/d(logits) for an upstream gradient of 1
         _unscaled(ctx, 1)
         return loss
@@ -74,12 +71,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, reduction, kernels):
+    def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, reduction_code, kernels):
         needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        in_forward = needs_grad and reduction != "none"
+        in_forward = needs_grad and reduction_code != 0  # "none": the backward recomputes per row
         loss, dh, dw, db = kernels.linear_cross_entropy_fwd(
-            hidden, weight, bias, target, label_smoothing, ignore_index,
-            REDUCTION_CODE[reduction], in_forward)
+            hidden, weight, bias, target, label_smoothing, ignore_index, reduction_code, in_forward)
         if in_forward:
             ctx.save_for_backward(dh, dw, db if bias is not None else None)
             _unscaled(ctx, 3)

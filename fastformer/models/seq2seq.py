@@ -5,9 +5,8 @@ import torch
 
 from .. import nn as fnn
 from .. import ops
-from ..nn import _validate
 from ..nn.packing import Packing
-from ..ops import _checks
+from ..internal import validation
 from .generation import generate
 from .masks import padding_mask
 from .positional import SinusoidalPositionalEncoding
@@ -48,17 +47,17 @@ class Seq2SeqTransformer(torch.nn.Module):
                  share_embeddings: bool = False, tie_output: bool = True, pad_idx: int = 0, bos_idx: int = 1,
                  eos_idx: int = 2, max_len: int = 1024, skip_padding: bool = True):
         super().__init__()
-        _checks.positive_int("src_vocab_size", src_vocab_size)
-        _checks.positive_int("tgt_vocab_size", tgt_vocab_size)
-        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, 1e-5)
-        _checks.positive_int("num_encoder_layers", num_encoder_layers)
-        _checks.positive_int("num_decoder_layers", num_decoder_layers)
-        _checks.positive_int("max_len", max_len)
+        validation.positive_int("src_vocab_size", src_vocab_size)
+        validation.positive_int("tgt_vocab_size", tgt_vocab_size)
+        validation.layer_config(d_model, nhead, dim_feedforward, dropout, 1e-5)
+        validation.positive_int("num_encoder_layers", num_encoder_layers)
+        validation.positive_int("num_decoder_layers", num_decoder_layers)
+        validation.positive_int("max_len", max_len)
         specials = {"pad_idx": pad_idx, "bos_idx": bos_idx, "eos_idx": eos_idx}
         if len(set(specials.values())) != 3:
             raise ValueError(f"pad_idx, bos_idx and eos_idx must be distinct, got {specials}")
         for name, idx in specials.items():
-            _checks.positive_int(name, idx, minimum=0)
+            validation.positive_int(name, idx, minimum=0)
             if not 0 <= idx < min(src_vocab_size, tgt_vocab_size):
                 raise ValueError(f"{name}={idx} must be a valid id of both vocabularies "
                                  f"(sizes {src_vocab_size} and {tgt_vocab_size})")
@@ -186,8 +185,8 @@ class Seq2SeqTransformer(torch.nn.Module):
                 return self._packed_loss(src, tgt_in, tgt_out, src_packing, tgt_packing, label_smoothing)
         memory, src_kpm = self.encode(src)
         hidden = self.decode(tgt_in, memory, src_kpm)  # (B, St - 1, d)
-        return ops.linear_cross_entropy(hidden, self.output_proj.weight, self.output_proj.bias,
-                                        tgt_out, label_smoothing=label_smoothing, ignore_index=self.pad_idx)
+        return ops.linear_cross_entropy(hidden, self.output_proj.weight, tgt_out, linear_bias=self.output_proj.bias,
+                                        label_smoothing=label_smoothing, ignore_index=self.pad_idx)
 
     def _packed_loss(self, src, tgt_in, tgt_out, src_packing: Packing, tgt_packing: Packing,
                      label_smoothing: float) -> torch.Tensor:
@@ -195,8 +194,8 @@ class Seq2SeqTransformer(torch.nn.Module):
         memory = self.encoder(self.embed_packed(self.src_embed, src, src_packing), packing=src_packing)  # (n_s, d)
         hidden = self.decoder(self.embed_packed(self.tgt_embed, tgt_in, tgt_packing), memory,
                               tgt_is_causal=True, packing=(tgt_packing, src_packing))  # (n_t, d)
-        return ops.linear_cross_entropy(hidden, self.output_proj.weight, self.output_proj.bias,
-                                        tgt_packing.pack(tgt_out), label_smoothing=label_smoothing,
+        return ops.linear_cross_entropy(hidden, self.output_proj.weight, tgt_packing.pack(tgt_out),
+                                        linear_bias=self.output_proj.bias, label_smoothing=label_smoothing,
                                         ignore_index=self.pad_idx)
 
     def generate(self, src: torch.Tensor, max_len=None, beam_size: int = 1) -> torch.Tensor:

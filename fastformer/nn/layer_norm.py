@@ -5,8 +5,8 @@ import numbers
 import torch
 
 from .. import ops
-from ..ops import _checks
-from ._twin import share_state, twin_of
+from ..internal.twins import share_state, twin_of
+from ..internal import validation
 
 
 @twin_of(torch.nn.LayerNorm)
@@ -23,16 +23,16 @@ class LayerNorm(torch.nn.LayerNorm):
         if not dims:
             raise ValueError("normalized_shape must name at least one dimension, got ()")
         for d in dims:
-            _checks.positive_int("normalized_shape", d)
-        _checks.positive("eps", eps)
+            validation.positive_int("normalized_shape", d)
+        validation.positive("eps", eps)
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
     def _check_twin(self) -> None:
         """A converted torch module's configuration (torch does not check eps)."""
-        _checks.positive("eps", self.eps)
+        validation.positive("eps", self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        _checks.tensor("input", input, floating=True)
+        validation.tensor("input", input, floating=True)
         shape = tuple(self.normalized_shape)
         n = len(shape)
         if tuple(input.shape[input.dim() - n:]) != shape:

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops, philox
-from . import _validate
-from ._twin import share_state, twin_of
+from ..internal.twins import share_state, twin_of
+from ..internal import validation
 from .packing import Packing
 
 KV = Tuple[torch.Tensor, torch.Tensor]
@@ -80,16 +80,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None) -> None:
-        _validate.attention_config(embed_dim, num_heads, dropout)
+        validation.attention_config(embed_dim, num_heads, dropout)
         for name, dim in (("kdim", kdim), ("vdim", vdim)):
             if dim is not None:
-                _validate._checks.positive_int(name, dim)
+                validation.positive_int(name, dim)
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device, dtype)
 
     def _check_twin(self) -> None:
         """A converted torch module's configuration (torch does not check the dropout)."""
-        _validate.attention_config(self.embed_dim, self.num_heads, self.dropout)
+        validation.attention_config(self.embed_dim, self.num_heads, self.dropout)
 
     # ----------------------------------------------------------------------------- pieces
     def _in_projection(self, query, key, value):
@@ -134,16 +134,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         """
         H = self.num_heads
         if key_padding_mask is not None:
-            _validate._checks.tensor("key_padding_mask", key_padding_mask)
-            _validate._checks.same_device(query=torch.empty(0, device=device), key_padding_mask=key_padding_mask)
+            validation.tensor("key_padding_mask", key_padding_mask)
+            validation.same_device(query=torch.empty(0, device=device), key_padding_mask=key_padding_mask)
             if tuple(key_padding_mask.shape) != (B, S):
                 raise ValueError(f"key_padding_mask must have shape (N, S) = {(B, S)}, got "
                                  f"{tuple(key_padding_mask.shape)}")
             if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
                 raise TypeError(f"key_padding_mask must be bool or floating point, got {key_padding_mask.dtype}")
         if attn_mask is not None:
-            _validate._checks.tensor("attn_mask", attn_mask)
-            _validate._checks.same_device(query=torch.empty(0, device=device), attn_mask=attn_mask)
+            validation.tensor("attn_mask", attn_mask)
+            validation.same_device(query=torch.empty(0, device=device), attn_mask=attn_mask)
             if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
                 raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
             if attn_mask.dim() == 2:
@@ -189,7 +189,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             return self._packed_forward(query, key, value, *packing, is_causal), None
         like = self.out_proj.weight
         for name, t in (("query", query), ("key", key), ("value", value)):
-            _validate.hidden(name, t, t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 0, like,
+            validation.hidden(name, t, t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 0, like,
                              ranks=(2, 3))
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError("query, key and value must all be 3-D (batched) or all 2-D (unbatched), got "
@@ -261,7 +261,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                              "no add_bias_kv / add_zero_attn")
         E = self.embed_dim
         for name, t, packing in (("query", query, q_packing), ("key", key, kv_packing), ("value", value, kv_packing)):
-            _validate.hidden(name, t, E, self.out_proj.weight, ranks=(2,), width_name="embed_dim")
+            validation.hidden(name, t, E, self.out_proj.weight, ranks=(2,), width_name="embed_dim")
             if t.shape[0] != packing.num_tokens:
                 raise ValueError(f"packed {name} must have one row per real token, {packing.num_tokens}, got "
                                  f"shape {tuple(t.shape)}")

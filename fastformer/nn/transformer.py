@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from . import _validate
-from ._twin import share_state, swap_children, twin_of
+from ..internal.twins import share_state, swap_children, twin_of
+from ..internal import validation
 from .multihead_attention import KV
 from .packing import Packing
 
@@ -115,22 +115,22 @@ def _seq_len(x: torch.Tensor, batch_first: bool) -> int:
 def _check_encoder_input(layer, src, mask, kpm, mask_name: str = "src_mask") -> None:
     """An encoder layer's (or stack's, checked against its first layer) input and masks."""
     attn = layer.self_attn
-    _validate.hidden("src", src, attn.embed_dim, layer.linear1.weight)
-    _validate.layer_masks(src, attn.batch_first, attn.num_heads, mask, mask_name, kpm, "src_key_padding_mask")
+    validation.hidden("src", src, attn.embed_dim, layer.linear1.weight)
+    validation.layer_masks(src, attn.batch_first, attn.num_heads, mask, mask_name, kpm, "src_key_padding_mask")
 
 
 def _check_decoder_input(layer, tgt, memory, tgt_mask, memory_mask, tgt_kpm, memory_kpm) -> None:
     """A decoder layer's (or stack's) target, memory and masks."""
     attn = layer.self_attn
-    _validate.hidden("tgt", tgt, attn.embed_dim, layer.linear1.weight)
-    _validate.hidden("memory", memory, attn.embed_dim, layer.linear1.weight, ranks=(tgt.dim(),))
+    validation.hidden("tgt", tgt, attn.embed_dim, layer.linear1.weight)
+    validation.hidden("memory", memory, attn.embed_dim, layer.linear1.weight, ranks=(tgt.dim(),))
     batch_first = attn.batch_first
-    B, B_mem = _validate.sequence_dims(tgt, batch_first)[0], _validate.sequence_dims(memory, batch_first)[0]
+    B, B_mem = validation.sequence_dims(tgt, batch_first)[0], validation.sequence_dims(memory, batch_first)[0]
     if B != B_mem:
         raise ValueError(f"tgt and memory must have the same batch size, got shapes {tuple(tgt.shape)} and "
                          f"{tuple(memory.shape)} (batch_first={batch_first})")
-    _validate.layer_masks(tgt, batch_first, attn.num_heads, tgt_mask, "tgt_mask", tgt_kpm, "tgt_key_padding_mask")
-    _validate.layer_masks(tgt, batch_first, attn.num_heads, memory_mask, "memory_mask", memory_kpm,
+    validation.layer_masks(tgt, batch_first, attn.num_heads, tgt_mask, "tgt_mask", tgt_kpm, "tgt_key_padding_mask")
+    validation.layer_masks(tgt, batch_first, attn.num_heads, memory_mask, "memory_mask", memory_kpm,
                           "memory_key_padding_mask", keys=memory)
 
 
@@ -145,13 +145,26 @@ def _check_packed_input(layer, name: str, x: Hidden, packing: Packing, **must_be
                              "support no other mask)")
     if isinstance(x, Pending):
         x = x.f
-    _validate.hidden(name, x, layer.self_attn.embed_dim, layer.linear1.weight, ranks=(2,))
+    validation.hidden(name, x, layer.self_attn.embed_dim, layer.linear1.weight, ranks=(2,))
     if x.shape[0] != packing.num_tokens:
         raise ValueError(f"packed {name} must have one row per real token, {packing.num_tokens}, got shape "
                          f"{tuple(x.shape)}")
 
 
-class _FeedForwardMixin:
+class _LayerTwin:
+    """What the encoder and decoder layer twins share. torch's two layers take the same
+    constructor arguments, so one ``__init__`` (checks, then torch's, then the twin children) serves both."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: Union[str, Callable] = F.relu, layer_norm_eps: float = 1e-5,
+                 batch_first: bool = False, norm_first: bool = False, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        activation_name(activation)
+        validation.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
+        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                         batch_first, norm_first, bias, device, dtype)
+        swap_children(self)
+
     def _dropout_p(self, dropout: torch.nn.Dropout) -> float:
         return dropout.p if self.training else 0.0
 
@@ -165,18 +178,8 @@ class _FeedForwardMixin:
 
 
 @twin_of(torch.nn.TransformerEncoderLayer)
-class TransformerEncoderLayer(_FeedForwardMixin, torch.nn.TransformerEncoderLayer):
+class TransformerEncoderLayer(_LayerTwin, torch.nn.TransformerEncoderLayer):
     """Drop-in twin of :class:`torch.nn.TransformerEncoderLayer` (see the module docstring)."""
-
-    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
-                 activation: Union[str, Callable] = F.relu, layer_norm_eps: float = 1e-5,
-                 batch_first: bool = False, norm_first: bool = False, bias: bool = True,
-                 device=None, dtype=None) -> None:
-        activation_name(activation)
-        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
-        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                         batch_first, norm_first, bias, device, dtype)
-        swap_children(self)
 
     def forward(self, src: torch.Tensor, src_mask: Optional[torch.Tensor] = None,
                 src_key_padding_mask: Optional[torch.Tensor] = None, is_causal: bool = False, *,
@@ -220,22 +223,12 @@ class TransformerEncoderLayer(_FeedForwardMixin, torch.nn.TransformerEncoderLaye
 
 
 @twin_of(torch.nn.TransformerDecoderLayer)
-class TransformerDecoderLayer(_FeedForwardMixin, torch.nn.TransformerDecoderLayer):
+class TransformerDecoderLayer(_LayerTwin, torch.nn.TransformerDecoderLayer):
     """Drop-in twin of :class:`torch.nn.TransformerDecoderLayer` (see the module docstring).
 
     :meth:`forward_step` runs new target positions against a key/value cache, for
     incremental decoding.
     """
-
-    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
-                 activation: Union[str, Callable] = F.relu, layer_norm_eps: float = 1e-5,
-                 batch_first: bool = False, norm_first: bool = False, bias: bool = True,
-                 device=None, dtype=None) -> None:
-        activation_name(activation)
-        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
-        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                         batch_first, norm_first, bias, device, dtype)
-        swap_children(self)
 
     def forward(self, tgt: torch.Tensor, memory: torch.Tensor, tgt_mask: Optional[torch.Tensor] = None,
                 memory_mask: Optional[torch.Tensor] = None, tgt_key_padding_mask: Optional[torch.Tensor] = None,
@@ -349,7 +342,7 @@ class TransformerEncoder(torch.nn.TransformerEncoder):
     def __init__(self, encoder_layer: torch.nn.TransformerEncoderLayer, num_layers: int,
                  norm: Optional[torch.nn.Module] = None, enable_nested_tensor: bool = True,
                  mask_check: bool = True) -> None:
-        _validate._checks.positive_int("num_layers", num_layers)
+        validation.positive_int("num_layers", num_layers)
         super().__init__(encoder_layer, num_layers, norm, enable_nested_tensor=False, mask_check=mask_check)
         self.enable_nested_tensor = enable_nested_tensor
         swap_children(self)
@@ -389,7 +382,7 @@ class TransformerDecoder(torch.nn.TransformerDecoder):
 
     def __init__(self, decoder_layer: torch.nn.TransformerDecoderLayer, num_layers: int,
                  norm: Optional[torch.nn.Module] = None) -> None:
-        _validate._checks.positive_int("num_layers", num_layers)
+        validation.positive_int("num_layers", num_layers)
         super().__init__(decoder_layer, num_layers, norm)
         swap_children(self)
 
@@ -469,11 +462,11 @@ class Transformer(torch.nn.Transformer):
                  batch_first: bool = False, norm_first: bool = False, bias: bool = True,
                  device=None, dtype=None) -> None:
         activation_name(activation)
-        _validate.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
+        validation.layer_config(d_model, nhead, dim_feedforward, dropout, layer_norm_eps)
         if custom_encoder is None:
-            _validate._checks.positive_int("num_encoder_layers", num_encoder_layers)
+            validation.positive_int("num_encoder_layers", num_encoder_layers)
         if custom_decoder is None:
-            _validate._checks.positive_int("num_decoder_layers", num_decoder_layers)
+            validation.positive_int("num_decoder_layers", num_decoder_layers)
         with warnings.catch_warnings():  # torch's nested-tensor warning: the twin never uses them
             warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
             super().__init__(d_model, nhead, num_encoder_layers, num_decoder_layers, dim_feedforward,
@@ -484,7 +477,7 @@ class Transformer(torch.nn.Transformer):
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """torch's forward, after checking ``src`` and ``tgt`` (the stacks check the masks)."""
         for name, x in (("src", src), ("tgt", tgt)):
-            _validate.hidden(name, x, self.d_model, None)
+            validation.hidden(name, x, self.d_model, None)
         if src.dim() != tgt.dim():
             raise ValueError(f"src and tgt must both be batched (3-D) or both unbatched (2-D), got shapes "
                              f"{tuple(src.shape)} and {tuple(tgt.shape)}")

@@ -4,7 +4,8 @@ import torch
 
 from .. import backends
 from ..autograd import AddLayerNormFunction
-from . import _checks, reference
+from ..internal import validation
+from . import reference
 
 
 def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
@@ -26,26 +27,26 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     Statistics are computed in fp32 for every input dtype; under ``torch.autocast`` the
     inputs are cast to the autocast dtype.
     """
-    _checks.tensor("x", x, min_ndim=1, floating=True)
-    _checks.nonempty_dim("x", x, -1, "the hidden size C normalised over")
+    validation.tensor("x", x, min_ndim=1, floating=True)
+    validation.nonempty_dim("x", x, -1, "the hidden size C normalised over")
     C = x.shape[-1]
     if residual is not None:
-        _checks.tensor("residual", residual, floating=True)
-        _checks.shape("residual", residual, x.shape, "the shape of x")
+        validation.tensor("residual", residual, floating=True)
+        validation.shape("residual", residual, x.shape, "the shape of x")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
-            _checks.tensor(name, p, ndim=1, floating=True)
-            _checks.shape(name, p, (C,), "(C,) with C = x.shape[-1]")
-    _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
-    prenorm = _checks.flag("prenorm", prenorm)
-    dropout_p = _checks.probability("dropout_p", dropout_p)
-    eps = _checks.positive("eps", eps)
+            validation.tensor(name, p, ndim=1, floating=True)
+            validation.shape(name, p, (C,), "(C,) with C = x.shape[-1]")
+    validation.same_device(x=x, residual=residual, weight=weight, bias=bias)
+    prenorm = validation.flag("prenorm", prenorm)
+    dropout_p = validation.probability("dropout_p", dropout_p)
+    eps = validation.positive("eps", eps)
 
-    lowp = _checks.autocast_dtype(x.device)
-    x, residual = _checks.cast(x, lowp), _checks.cast(residual, lowp)
-    _checks.same_dtype(x=x, residual=residual)
+    lowp = validation.autocast_dtype(x.device)
+    x, residual = validation.cast(x, lowp), validation.cast(residual, lowp)
+    validation.same_dtype(x=x, residual=residual)
 
-    kernels = backends.select("add_layer_norm", x.device, x.dtype)
+    kernels = backends.select("add_layer_norm", x.device, x.dtype, hidden_size=C)
     if kernels is None:
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm)
     shape = x.shape

@@ -5,9 +5,8 @@ import torch
 
 from .. import backends
 from ..autograd import AttentionFunction
-from . import _checks, reference
-
-MAX_HEAD_DIM = 256
+from ..internal import validation
+from . import reference
 
 
 def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tensor:
@@ -45,21 +44,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         they keep the per-row log-sum-exp and recompute. A float ``attn_mask`` that
         requires grad is differentiated by the reference implementation.
     """
-    _checks.tensor("q", q, ndim=4, floating=True)
-    _checks.tensor("k", k, ndim=4, floating=True)
-    _checks.tensor("v", v, ndim=4, floating=True)
+    validation.tensor("q", q, ndim=4, floating=True)
+    validation.tensor("k", k, ndim=4, floating=True)
+    validation.tensor("v", v, ndim=4, floating=True)
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    _checks.shape("k", k, (B, H, Sk, D), "(B, H, Sk, D) with q's B, H and D")
-    _checks.shape("v", v, (B, H, Sk, D), "(B, H, Sk, D) matching k")
-    _checks.nonempty_dim("q", q, -1, "the head dim D")
+    validation.shape("k", k, (B, H, Sk, D), "(B, H, Sk, D) with q's B, H and D")
+    validation.shape("v", v, (B, H, Sk, D), "(B, H, Sk, D) matching k")
+    validation.nonempty_dim("q", q, -1, "the head dim D")
     if key_padding_mask is not None:
-        _checks.tensor("key_padding_mask", key_padding_mask, ndim=2)
+        validation.tensor("key_padding_mask", key_padding_mask, ndim=2)
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be a bool tensor (True = padded), got {key_padding_mask.dtype}")
-        _checks.shape("key_padding_mask", key_padding_mask, (B, Sk), "(B, Sk)")
+        validation.shape("key_padding_mask", key_padding_mask, (B, Sk), "(B, Sk)")
     if attn_mask is not None:
-        _checks.tensor("attn_mask", attn_mask)
+        validation.tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
         if attn_mask.dim() > 4:
@@ -69,21 +68,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(B, H, Sq, Sk) = {(B, H, Sq, Sk)}") from None
-    _checks.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
-    is_causal = _checks.flag("is_causal", is_causal)
-    dropout_p = _checks.probability("dropout_p", dropout_p)
-    scale = 1.0 / math.sqrt(D) if scale is None else _checks.positive("scale", scale)
+    validation.same_device(q=q, k=k, v=v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+    is_causal = validation.flag("is_causal", is_causal)
+    dropout_p = validation.probability("dropout_p", dropout_p)
+    scale = 1.0 / math.sqrt(D) if scale is None else validation.positive("scale", scale)
 
-    lowp = _checks.autocast_dtype(q.device)
-    q, k, v = (_checks.cast(t, lowp) for t in (q, k, v))
-    _checks.same_dtype(q=q, k=k, v=v)
+    lowp = validation.autocast_dtype(q.device)
+    q, k, v = (validation.cast(t, lowp) for t in (q, k, v))
+    validation.same_dtype(q=q, k=k, v=v)
 
     limitation = None
-    if D > MAX_HEAD_DIM:
-        limitation = f"head dim {D} is larger than the kernels' maximum {MAX_HEAD_DIM}"
-    elif attn_mask is not None and attn_mask.requires_grad:
+    if attn_mask is not None and attn_mask.requires_grad:
         limitation = "attn_mask requires grad, and only the reference differentiates the mask"
-    kernels = backends.select("attention", q.device, q.dtype, limitation)
+    kernels = backends.select("attention", q.device, q.dtype, limitation, head_dim=D)
     if kernels is None:
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                    is_causal=is_causal, scale=scale, dropout_p=dropout_p)

@@ -4,14 +4,18 @@ import torch
 
 from .. import backends
 from ..autograd import CrossEntropyFunction, LinearCrossEntropyFunction
-from ..autograd.cross_entropy import REDUCTION_CODE
-from . import _checks, reference
+from ..internal import validation
+from . import reference
 
-REDUCTIONS = ("none", "mean", "sum")
+# The reductions, and the codes the kernels take for them (csrc/schemas.h: 0 none, 1 mean, 2 sum).
+REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
+REDUCTIONS = tuple(REDUCTION_CODE)
+# ignore_index=None (torch's F.linear_cross_entropy: nothing is ignored) as an index no class has.
+_IGNORE_NOTHING = -(2 ** 63)
 
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
-    if not _checks._is_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
+    if not validation.is_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -22,11 +26,11 @@ def _check_loss_args(label_smoothing, reduction, ignore_index):
 def _check_target(target, want_shape, num_classes, ignore_index, **input_):
     """``target`` must be int64 class indices of ``want_shape`` on the device of ``input_``
     (one name=tensor pair), each in ``[0, num_classes)`` or equal to ``ignore_index``."""
-    _checks.tensor("target", target)
+    validation.tensor("target", target)
     if target.dtype != torch.int64:
         raise TypeError(f"target must hold class indices as int64, got {target.dtype}")
-    _checks.shape("target", target, want_shape, "one class index per row of the input")
-    _checks.same_device(**input_, target=target)
+    validation.shape("target", target, want_shape, "one class index per row of the input")
+    validation.same_device(**input_, target=target)
     if torch.compiler.is_compiling() or target.numel() == 0:
         return  # a value check would read the data (a graph break); the kernels check it too
     ignored = target == ignore_index
@@ -51,9 +55,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     One pass computes log-softmax, smoothing and NLL; when the input requires grad the
     kernel writes the gradient in that same pass, so backward is one multiply.
     """
-    _checks.tensor("logits", logits, min_ndim=1, floating=True)
+    validation.tensor("logits", logits, min_ndim=1, floating=True)
     _check_loss_args(label_smoothing, reduction, ignore_index)
-    _checks.nonempty_dim("logits", logits, 1 if logits.dim() > 1 else 0, "the classes: at least one class")
+    validation.nonempty_dim("logits", logits, 1 if logits.dim() > 1 else 0, "the classes: at least one class")
     want = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
     _check_target(target, want, logits.shape[1] if logits.dim() > 1 else logits.shape[0], ignore_index,
                   logits=logits)
@@ -67,57 +71,69 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     with torch.autocast(logits.device.type, enabled=False):
         if torch.is_grad_enabled() and logits.requires_grad:
             loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
-                                              reduction, kernels)
+                                              REDUCTION_CODE[reduction], kernels)
         else:  # no gradient wanted (evaluation, no_grad): the kernel skips writing it
             loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
                                                 REDUCTION_CODE[reduction], False)
     return loss.reshape(shape) if reduction == "none" else loss
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         target: torch.Tensor, *, label_smoothing: float = 0.0,
-                         ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """``cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the full logits.
+def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                         linear_bias: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
+                         reduction: str = "mean", ignore_index: Optional[int] = -100,
+                         label_smoothing: float = 0.0) -> torch.Tensor:
+    """``cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` without the full logits.
+
+    Arguments as torch's own ``torch.nn.functional.linear_cross_entropy``:
 
     Args:
-        hidden: ``(..., D)`` final hidden states.
-        weight: ``(V, D)`` output projection (``nn.Linear`` layout), bias ``(V,)`` or None.
-        target: int64 ``(...)``, hidden's leading shape.
-        label_smoothing, ignore_index, reduction: as :func:`cross_entropy`.
+        input: ``(..., D)`` final hidden states.
+        linear_weight: ``(V, D)`` output projection (``nn.Linear`` layout).
+        target: int64 ``(...)``, input's leading shape.
+        linear_bias: ``(V,)`` or None.
+        weight: per-class rescaling: not supported (must be None).
+        reduction, label_smoothing: as :func:`cross_entropy`.
+        ignore_index: as :func:`cross_entropy` (default -100, as ``F.cross_entropy``); None ignores nothing.
 
     Rows are processed in chunks, so at most a chunk of the ``(N, V)`` logits exists at a
     time; the weight gradient is accumulated chunk by chunk.
     """
-    _checks.tensor("hidden", hidden, min_ndim=1, floating=True)
-    _checks.tensor("weight", weight, ndim=2, floating=True)
-    _checks.nonempty_dim("hidden", hidden, -1, "the hidden size D")
-    V, D = weight.shape
-    if hidden.shape[-1] != D:
-        raise ValueError(f"hidden's last dimension must equal weight.shape[1] = {D}, got shape "
-                         f"{tuple(hidden.shape)}")
-    if bias is not None:
-        _checks.tensor("bias", bias, ndim=1, floating=True)
-        _checks.shape("bias", bias, (V,), "(V,) with V = weight.shape[0]")
-    _checks.nonempty_dim("weight", weight, 0, "V, the classes: at least one class")
+    if weight is not None:
+        raise ValueError("weight (per-class rescaling of the loss) is not supported by fastformer's "
+                         "linear_cross_entropy; pass weight=None, or use torch.nn.functional.linear_cross_entropy")
+    if ignore_index is None:
+        ignore_index = _IGNORE_NOTHING
+    validation.tensor("input", input, min_ndim=1, floating=True)
+    validation.tensor("linear_weight", linear_weight, ndim=2, floating=True)
+    validation.nonempty_dim("input", input, -1, "the hidden size D")
+    V, D = linear_weight.shape
+    if input.shape[-1] != D:
+        raise ValueError(f"input's last dimension must equal linear_weight.shape[1] = {D}, got shape "
+                         f"{tuple(input.shape)}")
+    if linear_bias is not None:
+        validation.tensor("linear_bias", linear_bias, ndim=1, floating=True)
+        validation.shape("linear_bias", linear_bias, (V,), "(V,) with V = linear_weight.shape[0]")
+    validation.nonempty_dim("linear_weight", linear_weight, 0, "V, the classes: at least one class")
     _check_loss_args(label_smoothing, reduction, ignore_index)
-    _checks.same_device(hidden=hidden, weight=weight, bias=bias)
-    _check_target(target, hidden.shape[:-1], V, ignore_index, hidden=hidden)
+    validation.same_device(input=input, linear_weight=linear_weight, linear_bias=linear_bias)
+    _check_target(target, input.shape[:-1], V, ignore_index, input=input)
 
-    lowp = _checks.autocast_dtype(hidden.device)
-    hidden, weight, bias = (_checks.cast(t, lowp) for t in (hidden, weight, bias))
-    _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
+    lowp = validation.autocast_dtype(input.device)
+    hidden, w, b = (validation.cast(t, lowp) for t in (input, linear_weight, linear_bias))
+    validation.same_dtype(input=hidden, linear_weight=w, linear_bias=b)
 
     kernels = backends.select("linear_cross_entropy", hidden.device, hidden.dtype)
     if kernels is None:
-        return reference.linear_cross_entropy(hidden, weight, bias, target, label_smoothing=label_smoothing,
+        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, label_smoothing=label_smoothing,
                                               ignore_index=ignore_index, reduction=reduction)
     hidden2d, target1d = hidden.reshape(-1, D).contiguous(), target.reshape(-1).contiguous()  # (N, D), (N,)
-    weight = weight.contiguous()
+    w = w.contiguous()
+    code = REDUCTION_CODE[reduction]
     with torch.autocast(hidden.device.type, enabled=False):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-            loss = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, target1d, float(label_smoothing),
-                                                    ignore_index, reduction, kernels)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, w, b)):
+            loss = LinearCrossEntropyFunction.apply(hidden2d, w, b, target1d, float(label_smoothing),
+                                                    ignore_index, code, kernels)
         else:  # no gradient wanted: the logits chunks are reduced to the loss, nothing else is kept
-            loss = kernels.linear_cross_entropy_fwd(hidden2d, weight, bias, target1d, float(label_smoothing),
-                                                    ignore_index, REDUCTION_CODE[reduction], False)[0]
+            loss = kernels.linear_cross_entropy_fwd(hidden2d, w, b, target1d, float(label_smoothing),
+                                                    ignore_index, code, False)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss

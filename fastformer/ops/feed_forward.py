@@ -4,7 +4,8 @@ import torch
 
 from .. import backends
 from ..autograd import FeedForwardFunction
-from . import _checks, reference
+from ..internal import validation
+from . import reference
 
 ACTIVATIONS = ("relu", "gelu")
 
@@ -25,28 +26,28 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     into its epilogue (Triton); backward regenerates the dropout mask and only the
     ``(..., F)`` pre-activation is kept between forward and backward.
     """
-    _checks.tensor("x", x, min_ndim=1, floating=True)
-    _checks.tensor("w1", w1, ndim=2, floating=True)
-    _checks.tensor("w2", w2, ndim=2, floating=True)
-    _checks.nonempty_dim("x", x, -1, "the model width E")
+    validation.tensor("x", x, min_ndim=1, floating=True)
+    validation.tensor("w1", w1, ndim=2, floating=True)
+    validation.tensor("w2", w2, ndim=2, floating=True)
+    validation.nonempty_dim("x", x, -1, "the model width E")
     E = x.shape[-1]
     F_ = w1.shape[0]
-    _checks.shape("w1", w1, (F_, E), "(dim_feedforward, E) with E = x.shape[-1]")
-    _checks.shape("w2", w2, (E, F_), "(E, dim_feedforward), the transpose of w1's shape")
+    validation.shape("w1", w1, (F_, E), "(dim_feedforward, E) with E = x.shape[-1]")
+    validation.shape("w2", w2, (E, F_), "(E, dim_feedforward), the transpose of w1's shape")
     if b1 is not None:
-        _checks.tensor("b1", b1, ndim=1, floating=True)
-        _checks.shape("b1", b1, (F_,), "(dim_feedforward,)")
+        validation.tensor("b1", b1, ndim=1, floating=True)
+        validation.shape("b1", b1, (F_,), "(dim_feedforward,)")
     if b2 is not None:
-        _checks.tensor("b2", b2, ndim=1, floating=True)
-        _checks.shape("b2", b2, (E,), "(E,)")
+        validation.tensor("b2", b2, ndim=1, floating=True)
+        validation.shape("b2", b2, (E,), "(E,)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    _checks.same_device(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
-    dropout_p = _checks.probability("dropout_p", dropout_p)
+    validation.same_device(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    dropout_p = validation.probability("dropout_p", dropout_p)
 
-    lowp = _checks.autocast_dtype(x.device)
-    x, w1, b1, w2, b2 = (_checks.cast(t, lowp) for t in (x, w1, b1, w2, b2))
-    _checks.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    lowp = validation.autocast_dtype(x.device)
+    x, w1, b1, w2, b2 = (validation.cast(t, lowp) for t in (x, w1, b1, w2, b2))
+    validation.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
 
     kernels = backends.select("feed_forward", x.device, x.dtype)
     if kernels is None:

@@ -14,7 +14,7 @@ The drawn pair stays a tensor (no ``.item()``), so ``torch.compile`` traces the 
 dropout in one graph.
 """
 import math
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 
@@ -172,14 +172,15 @@ def cross_entropy(logits, target, *, label_smoothing=0.0, ignore_index=-100, red
     return _reduce(rows, valid, reduction, shape, logits.dtype)
 
 
-def linear_cross_entropy(hidden, weight, bias, target, *, label_smoothing=0.0, ignore_index=-100,
-                         reduction="mean"):
-    """``cross_entropy(linear(hidden, weight, bias), target)`` with hidden ``(..., D)``."""
-    logits = torch.matmul(hidden, weight.t())
-    if bias is not None:
-        logits = logits + bias
-    logits2d = logits.reshape(-1, weight.shape[0])
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, reduction="mean", ignore_index=-100,
+                         label_smoothing=0.0):
+    """``cross_entropy(linear(input, linear_weight, linear_bias), target)`` with input ``(..., D)``
+    (the arguments of torch's ``F.linear_cross_entropy``)."""
+    logits = torch.matmul(input, linear_weight.t())
+    if linear_bias is not None:
+        logits = logits + linear_bias
+    logits2d = logits.reshape(-1, linear_weight.shape[0])
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     rows, valid = _cross_entropy_rows(logits2d, target.reshape(-1), label_smoothing, ignore_index)
-    return _reduce(rows, valid, reduction, target.shape, hidden.dtype)
+    return _reduce(rows, valid, reduction, target.shape, input.dtype)

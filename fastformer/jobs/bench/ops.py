@@ -10,7 +10,6 @@ The eager compositions are what the ``torch.nn`` modules do in training:
 * cross_entropy: ``F.cross_entropy`` with label smoothing;
 * linear_cross_entropy: ``F.linear`` then ``F.cross_entropy`` (the full logits materialised).
 """
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -53,14 +52,26 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
 
+def _randn_leaves(device, dtype, seed: int = 0) -> Callable[..., torch.Tensor]:
+    """``leaf(*size, scale=1.0, shift=0.0)``: a leaf of ``shift + scale * N(0, 1)`` values drawn on the
+    CPU from one generator seeded with ``seed`` (so every device gets the same numbers)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def leaf(*size: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return _leaf((shift + scale * torch.randn(*size, generator=g)).to(device, dtype))
+
+    leaf.generator = g  # for the non-float inputs drawn after the leaves
+    return leaf
+
+
 _MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 2.5 x forward (FlashAttention)
 
 
 # -- attention ----------------------------------------------------------------------------------
 def _attention_inputs(s: Dict, device, dtype) -> Inputs:
     B, H, S, D = s["B"], s["H"], s["S"], s["D"]
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (_leaf(torch.randn(B, H, S, D, generator=g).to(device, dtype)) for _ in range(3))
+    leaf = _randn_leaves(device, dtype)
+    q, k, v = (leaf(B, H, S, D) for _ in range(3))
     lengths = torch.full((B,), S)
     if s.get("pad", True):
         lengths[B // 2:] = max(1, int(S * 0.8))  # half the batch carries ~20% padding
@@ -105,11 +116,9 @@ ATTENTION = OpSpec(
 # -- add_layer_norm -----------------------------------------------------------------------------
 def _aln_inputs(s: Dict, device, dtype) -> Inputs:
     N, C = s["N"], s["C"]
-    g = torch.Generator().manual_seed(0)
-    return {"x": _leaf(torch.randn(N, C, generator=g).to(device, dtype)),
-            "residual": _leaf(torch.randn(N, C, generator=g).to(device, dtype)),
-            "weight": _leaf((1 + 0.1 * torch.randn(C, generator=g)).to(device, dtype)),
-            "bias": _leaf((0.1 * torch.randn(C, generator=g)).to(device, dtype))}
+    leaf = _randn_leaves(device, dtype)
+    return {"x": leaf(N, C), "residual": leaf(N, C), "weight": leaf(C, scale=0.1, shift=1.0),
+            "bias": leaf(C, scale=0.1)}
 
 
 def _aln_eager(x: Inputs, s: Dict) -> torch.Tensor:
@@ -144,12 +153,9 @@ ADD_LAYER_NORM = OpSpec(
 # -- feed_forward -------------------------------------------------------------------------------
 def _ffn_inputs(s: Dict, device, dtype) -> Inputs:
     N, E, Fh = s["N"], s["E"], s["F"]
-    g = torch.Generator().manual_seed(0)
-    return {"x": _leaf(torch.randn(N, E, generator=g).to(device, dtype)),
-            "w1": _leaf((torch.randn(Fh, E, generator=g) / math.sqrt(E)).to(device, dtype)),
-            "b1": _leaf((0.1 * torch.randn(Fh, generator=g)).to(device, dtype)),
-            "w2": _leaf((torch.randn(E, Fh, generator=g) / math.sqrt(Fh)).to(device, dtype)),
-            "b2": _leaf((0.1 * torch.randn(E, generator=g)).to(device, dtype))}
+    leaf = _randn_leaves(device, dtype)
+    return {"x": leaf(N, E), "w1": leaf(Fh, E, scale=E ** -0.5), "b1": leaf(Fh, scale=0.1),
+            "w2": leaf(E, Fh, scale=Fh ** -0.5), "b2": leaf(E, scale=0.1)}
 
 
 def _ffn_eager(x: Inputs, s: Dict) -> torch.Tensor:
@@ -180,14 +186,14 @@ FEED_FORWARD = OpSpec(
 # -- cross_entropy ------------------------------------------------------------------------------
 def _targets(N: int, V: int, g: torch.Generator, device) -> torch.Tensor:
     target = torch.randint(0, V, (N,), generator=g)
-    target[torch.rand(N, generator=g) < 0.1] = -100  # ~10% padding rows are ignored
+    target[torch.randperm(N, generator=g)[:max(1, N // 10)]] = -100  # 10% padding rows (at least one) are ignored
     return target.to(device)
 
 
 def _ce_inputs(s: Dict, device, dtype) -> Inputs:
-    g = torch.Generator().manual_seed(0)
-    return {"logits": _leaf((2 * torch.randn(s["N"], s["V"], generator=g)).to(device, dtype)),
-            "target": _targets(s["N"], s["V"], g, device)}
+    leaf = _randn_leaves(device, dtype)
+    logits = leaf(s["N"], s["V"], scale=2.0)
+    return {"logits": logits, "target": _targets(s["N"], s["V"], leaf.generator, device)}
 
 
 def _ce_eager(x: Inputs, s: Dict) -> torch.Tensor:
@@ -216,11 +222,9 @@ CROSS_ENTROPY = OpSpec(
 # -- linear_cross_entropy -----------------------------------------------------------------------
 def _lce_inputs(s: Dict, device, dtype) -> Inputs:
     N, D, V = s["N"], s["D"], s["V"]
-    g = torch.Generator().manual_seed(0)
-    return {"hidden": _leaf(torch.randn(N, D, generator=g).to(device, dtype)),
-            "weight": _leaf((torch.randn(V, D, generator=g) / math.sqrt(D)).to(device, dtype)),
-            "bias": _leaf((0.1 * torch.randn(V, generator=g)).to(device, dtype)),
-            "target": _targets(N, V, g, device)}
+    leaf = _randn_leaves(device, dtype)
+    hidden, weight, bias = leaf(N, D), leaf(V, D, scale=D ** -0.5), leaf(V, scale=0.1)
+    return {"hidden": hidden, "weight": weight, "bias": bias, "target": _targets(N, V, leaf.generator, device)}
 
 
 def _lce_eager(x: Inputs, s: Dict) -> torch.Tensor:
@@ -229,7 +233,7 @@ def _lce_eager(x: Inputs, s: Dict) -> torch.Tensor:
 
 
 def _lce_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
-    return fastformer.ops.linear_cross_entropy(x["hidden"], x["weight"], x["bias"], x["target"],
+    return fastformer.ops.linear_cross_entropy(x["hidden"], x["weight"], x["target"], linear_bias=x["bias"],
                                                label_smoothing=SMOOTHING, ignore_index=-100)
 
 

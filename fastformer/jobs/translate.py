@@ -5,13 +5,14 @@ input is read whole and translated in length-sorted batches; at a terminal each 
 translated as soon as it is typed.
 """
 import sys
-from typing import Iterable, List, Optional, TextIO, Tuple
+from typing import Iterable, List, Optional, Sequence, TextIO, Tuple
 
 import torch
 
 from . import checkpoint as ckpt
-from .data import Tokenizer
-from .train import TrainConfig, build_model, pick_device, resolve_config, translate_lines
+from .config import TrainConfig, build_model, resolve_config
+from .data import Tokenizer, pad_batch
+from .devices import backend_context, pick_device
 
 
 def load_model(path: str, device: Optional[str] = "auto") -> Tuple[torch.nn.Module, Tokenizer, Tokenizer, TrainConfig]:
@@ -25,6 +26,36 @@ def load_model(path: str, device: Optional[str] = "auto") -> Tuple[torch.nn.Modu
     model.load_state_dict(state["model"])
     model.to(dev).eval()
     return model, src_tok, tgt_tok, cfg
+
+
+def translate_lines(model, src_tok: Tokenizer, tgt_tok: Tokenizer, sources: Sequence[str], *, beam: int = 1,
+                    batch_size: int = 250, max_len: int = 256, max_output_len: Optional[int] = None, device=None,
+                    backend: str = "auto") -> List[str]:
+    """Translate ``sources`` in length-sorted batches; returns them in the original order.
+
+    Sources are cut to ``max_len`` tokens. Outputs hold at most ``max_output_len`` tokens
+    (counting the leading ``<s>``), by default the source's own length + 50 (what
+    ``generate`` does for a lone sentence), so a translation never depends on its batch mates.
+    """
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: List[str] = [""] * len(sources)
+    encoded = [src_tok.encode(s)[: max_len - 1] + [src_tok.eos_id] for s in sources]
+    order = sorted(range(len(sources)), key=lambda i: len(encoded[i]))
+    try:
+        with torch.no_grad(), backend_context(backend):
+            for start in range(0, len(order), batch_size):
+                chunk = order[start:start + batch_size]
+                src = pad_batch([encoded[i] for i in chunk]).to(device)
+                limit = max_output_len or src.shape[1] + 50
+                ids = model.generate(src, max_len=limit, beam_size=beam)
+                for row, i in enumerate(chunk):
+                    own = max_output_len or len(encoded[i]) + 50
+                    out[i] = tgt_tok.decode(ids[row, :own].tolist())
+    finally:
+        model.train(was_training)
+    return out
 
 
 def translate_stream(model, src_tok: Tokenizer, tgt_tok: Tokenizer, lines: Iterable[str], out: TextIO, *,

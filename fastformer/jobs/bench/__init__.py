@@ -1,7 +1,7 @@
 """``python -m fastformer bench``: every op (forward, backward, forward+backward) and the
 end-to-end training step, for every provider that can run here, over a sweep of shapes.
 
-Providers (see :mod:`fastformer.bench.providers`): the fastformer backends that
+Providers (see :mod:`fastformer.jobs.bench.providers`): the fastformer backends that
 ``fastformer.available_backends()`` allows on the device (triton only on a GPU), eager PyTorch
 (the composition ``torch.nn`` runs) and ``torch.compile`` of that composition, plus
 ``F.scaled_dot_product_attention`` kernels on CUDA. Each case is timed to a median and an
@@ -21,14 +21,15 @@ import argparse
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
 from . import report, train_step
 from .ops import MODES, OPS
 from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
-from .timing import measure_interleaved, peak_memory_bytes
+from .timing import Timing, measure_interleaved, peak_memory_bytes
 
 ALL_OPS = list(OPS) + ["train_step"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,20 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", choices=sorted(TIMING), default=None,
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core, or 1 when the load average already "
-                        "exceeds the core count; recorded with the results)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + "; recorded with the results")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output directory (default benchmarks/results/<device-name>)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but torch.cuda.is_available() is False")
-    return torch.device(name)
 
 
 def _default_providers(size: str, device: torch.device, explicit: Optional[List[str]]) -> Optional[List[str]]:
@@ -91,12 +82,48 @@ def _error(e: BaseException) -> str:
     return f"error: {type(e).__name__}: {msg[:160]}"
 
 
+def _time_all(calls: Dict[str, Callable[[], object]], recs: Dict[str, Dict],
+              timing: Tuple[int, int, int, float]) -> Dict[str, Timing]:
+    """``calls`` timed interleaved within each repetition; when that fails, every record of
+    ``recs`` says why and nothing is returned."""
+    warmup, min_reps, max_reps, min_time = timing
+    try:
+        return measure_interleaved(calls, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+    except Exception as e:
+        for name in calls:
+            recs[name]["status"] = _error(e)
+        return {}
+
+
+def _timed(rec: Dict, t: Timing, **more) -> None:
+    rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
+               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, **more)
+
+
+def _relate(recs: Dict[str, Dict], yardstick: str, key: str, skip=()) -> None:
+    """``rec[key]``: the yardstick's best time over each record's (the share of the machine's
+    limit it reaches), None for a record that failed, the yardstick itself and ``skip``."""
+    base = recs.get(yardstick)
+    for name, rec in recs.items():
+        ok = rec["status"] == "ok" and base is not None and base["status"] == "ok"
+        rec[key] = base["min_ms"] / rec["min_ms"] if ok and name != yardstick and name not in skip else None
+
+
+def _emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int) -> None:
+    """Append ``recs`` to ``records``, logging one line each."""
+    for rec in recs.values():
+        records.append(rec)
+        if log:
+            log(f"  {what} {rec['provider']}: "
+                + (f"median {rec['median_ms']:.{digits}f} ms, min {rec['min_ms']:.{digits}f} ms"
+                   if rec["status"] == "ok" else rec["status"]))
+
+
 def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
              providers: Optional[List[str]], modes: List[str], log=None) -> List[Dict]:
     """Records for every (shape, dtype, provider, mode) of ``op``; the providers of one (shape,
     dtype, mode) are timed interleaved within each repetition."""
     spec = OPS[op]
-    warmup, min_reps, max_reps, min_time = TIMING[size]
     records = []
     for dtype in dtypes:
         dname = _DTYPE_NAMES[dtype]
@@ -120,35 +147,19 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
                     records += [_record(op, provider.name, shape, label, m, dname, _error(e)) for m in modes]
             for mode in modes:
                 recs = {name: _record(op, name, shape, label, mode, dname, "") for name in cases}
-                try:
-                    timings = measure_interleaved({n: c.calls[mode] for n, c in cases.items()}, warmup=warmup,
-                                                  min_reps=min_reps, max_reps=max_reps, min_time=min_time)
-                except Exception as e:
-                    timings = {}
-                    for rec in recs.values():
-                        rec["status"] = _error(e)
+                timings = _time_all({n: c.calls[mode] for n, c in cases.items()}, recs, TIMING[size])
                 for name, t in timings.items():
-                    rec = recs[name]
                     try:
                         peak = peak_memory_bytes(cases[name].calls[mode], device, reset=cases[name].reset)
                         seconds = t.min_ms / 1e3
-                        rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms,
-                                   q75_ms=t.q75_ms, iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms,
-                                   setup_ms=setup[name], peak_mem_mb=peak / 2**20 if peak is not None else None,
-                                   throughput=spec.throughput(shape, mode, seconds, torch.finfo(dtype).bits // 8),
-                                   tokens_per_s=spec.tokens(shape) / seconds)
+                        _timed(recs[name], t, setup_ms=setup[name],
+                               peak_mem_mb=peak / 2**20 if peak is not None else None,
+                               throughput=spec.throughput(shape, mode, seconds, torch.finfo(dtype).bits // 8),
+                               tokens_per_s=spec.tokens(shape) / seconds)
                     except Exception as e:
-                        rec["status"] = _error(e)
-                copy = recs.get(COPY)
-                for name, rec in recs.items():  # the share of the machine's copy bandwidth reached
-                    ok = rec["status"] == "ok" and copy is not None and copy["status"] == "ok" and name != COPY
-                    rec["copy_fraction"] = copy["min_ms"] / rec["min_ms"] if ok else None
-                for rec in recs.values():
-                    records.append(rec)
-                    if log:
-                        log(f"  {op} {label} {dname} {mode} {rec['provider']}: "
-                            + (f"median {rec['median_ms']:.3f} ms, min {rec['min_ms']:.3f} ms"
-                               if rec["status"] == "ok" else rec["status"]))
+                        recs[name]["status"] = _error(e)
+                _relate(recs, COPY, "copy_fraction")  # the share of the machine's copy bandwidth reached
+                _emit(records, recs, log, f"{op} {label} {dname} {mode}", 3)
             del cases
     return records
 
@@ -170,7 +181,6 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
     if providers is None and size in ("quick", "smoke"):
         names = [n for n in names if n not in ("torch-compile", "fastformer-reference")]
     names = [n for n in names if n in train_step.providers_for(device)]
-    warmup, min_reps, max_reps, min_time = STEP_TIMING[size]
     records = []
     for shape in train_step.sweep(device.type, size):
         label = train_step.label(shape)
@@ -194,31 +204,15 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
                     steps[provider] = build(shape, device, dtype)
                 except Exception as e:
                     rec["status"] = _error(e)
-            try:
-                timings = measure_interleaved({p: st.run for p, st in steps.items()}, warmup=warmup,
-                                              min_reps=min_reps, max_reps=max_reps, min_time=min_time)
-            except Exception as e:
-                timings = {}
-                for p in steps:
-                    recs[p]["status"] = _error(e)
+            timings = _time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
             for provider, t in timings.items():
-                rec, step = recs[provider], steps[provider]
+                step = steps[provider]
                 peak = peak_memory_bytes(step.run, device, reset=step.reset) if provider not in YARDSTICKS else None
-                rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
-                           iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms,
-                           peak_mem_mb=peak / 2**20 if peak is not None else None,
-                           tokens_per_s=step.tokens / (t.median_ms / 1e3),
-                           throughput=flops / (t.min_ms / 1e3) / 1e12)
-            for provider, rec in recs.items():
-                for yardstick, (key, _) in YARDSTICKS.items():
-                    gemms = recs.get(yardstick)
-                    ok = rec["status"] == "ok" and gemms is not None and gemms["status"] == "ok"
-                    rec[key] = gemms["min_ms"] / rec["min_ms"] if ok and provider not in YARDSTICKS else None
-                records.append(rec)
-                if log:
-                    log(f"  train_step {dtype} {provider}: "
-                        + (f"median {rec['median_ms']:.1f} ms, min {rec['min_ms']:.1f} ms"
-                           if rec["status"] == "ok" else rec["status"]))
+                _timed(recs[provider], t, peak_mem_mb=peak / 2**20 if peak is not None else None,
+                       tokens_per_s=step.tokens / (t.median_ms / 1e3), throughput=flops / (t.min_ms / 1e3) / 1e12)
+            for yardstick, (key, _) in YARDSTICKS.items():
+                _relate(recs, yardstick, key, skip=YARDSTICKS)
+            _emit(records, recs, log, f"train_step {dtype}", 1)
             del steps
     return records
 
@@ -228,19 +222,19 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         device: str = "auto", out: Optional[str] = None, plots: bool = True, verbose: bool = True,
         threads: Optional[int] = None) -> Dict:
     """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
-    from ..train import pick_threads
-
     unknown = [p for p in providers or [] if p not in REGISTRY and p not in train_step.PROVIDERS]
     if unknown:
         raise ValueError(f"--providers: unknown provider(s) {unknown}; known: "
                          f"{sorted(set(REGISTRY) | set(train_step.PROVIDERS))}")
-    dev = _device(device)
+    dev = pick_device(device)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
-    chosen_threads = pick_threads(threads)
-    if threads is None and chosen_threads != torch.get_num_threads() and log:
-        log(f"the machine is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
-            f"timing with {chosen_threads} thread instead of {torch.get_num_threads()} (--threads overrides)")
-    torch.set_num_threads(chosen_threads)
+    if threads is None:
+        load = machine_load()
+        threads = pick_threads(None, load=lambda: load)
+        if threads != torch.get_num_threads() and log:
+            log(f"the machine is busy ({load:g} tasks running besides this one on {os.cpu_count()} cores): "
+                f"timing with {threads} thread instead of {torch.get_num_threads()} (--threads overrides)")
+    torch.set_num_threads(pick_threads(threads))
     size = size or ("quick" if quick else "full")
     ops = ops or ALL_OPS
     modes = modes or list(MODES)

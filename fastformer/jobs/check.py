@@ -14,8 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import backends, ops
-from .ops import reference
+from .. import backends, ops
+from ..ops import reference
 
 KERNEL_BACKENDS = ("cpu", "triton", "cuda")
 # fp32 (atol, rtol) per tensor, held against max|ref| (sums over up to ~1000 terms).
@@ -86,6 +86,15 @@ def _lce_case(N, D, V, smoothing):
     return Case(f"{N}x{D}->{V} smoothing {smoothing} ignore 3", make)
 
 
+def _bias_as_input(fn: Callable) -> Callable:
+    """``fn(input, linear_weight, target, *, linear_bias)`` (torch's order) called as
+    ``(input, linear_weight, linear_bias, *, target)``: the checker passes every differentiable
+    tensor positionally, so the bias's gradient is checked like the others."""
+    def call(input, linear_weight, linear_bias, *, target, **kwargs):
+        return fn(input, linear_weight, target, linear_bias=linear_bias, **kwargs)
+    return call
+
+
 # op name -> (fastformer op, reference op, cases). Odd sizes on purpose.
 OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
     "attention": (ops.attention, reference.attention, [
@@ -103,7 +112,8 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
     "cross_entropy": (ops.cross_entropy, reference.cross_entropy, [
         _ce_case(7, 1001, 0.1), _ce_case(16, 128, 0.0),
     ]),
-    "linear_cross_entropy": (ops.linear_cross_entropy, reference.linear_cross_entropy, [
+    "linear_cross_entropy": (_bias_as_input(ops.linear_cross_entropy),
+                             _bias_as_input(reference.linear_cross_entropy), [
         _lce_case(13, 40, 1001, 0.1), _lce_case(4, 64, 97, 0.0),
     ]),
 }

@@ -24,11 +24,13 @@ import torch.nn as nn
 import fastformer
 from fastformer import backends
 
+from .providers import backend_why_not
 from .timing import synchronized
 
 PAD, BOS, EOS = 0, 1, 2
 DTYPES = ("fp32", "bf16")
 PROVIDERS = ["fastformer-" + name for name in backends.NAMES] + ["torch-eager", "torch-compile"]
+STEP_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")  # what the model's step runs
 
 
 def sweep(device: str, size: str) -> List[Dict]:
@@ -115,24 +117,11 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
         return None
     if not provider.startswith("fastformer-") or provider[len("fastformer-"):] not in backends.NAMES:
         return f"unknown training-step provider {provider!r} (known: {PROVIDERS})"
-    backend = provider[len("fastformer-"):]
-    if backend == "triton" and device.type != "cuda":
-        return "triton runs CPU tensors only in its interpreter, which is not a timing provider"
-    avail = backends.availability(backend, device.type)
-    if not avail:
-        return avail.reason
     try:
         import fastformer.models  # noqa: F401
     except ImportError as e:
         return f"fastformer.models is not importable: {e}"
-    dtype = torch.float32
-    for op in ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy"):
-        try:
-            with fastformer.use_backend(backend):
-                backends.select(op, device, dtype)
-        except RuntimeError as e:
-            return str(e)
-    return None
+    return backend_why_not(provider[len("fastformer-"):], STEP_OPS, device, torch.float32)
 
 
 @dataclass

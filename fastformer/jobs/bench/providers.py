@@ -1,20 +1,21 @@
 """The provider registry: provider name -> factory of the forward function it times.
 
-A :class:`Provider` turns an op (:class:`~fastformer.bench.ops.OpSpec`) into a forward callable
+A :class:`Provider` turns an op (:class:`~fastformer.jobs.bench.ops.OpSpec`) into a forward callable
 ``f(inputs, shape) -> output``, and says whether it can run an op on a device (and why not).
 ``fastformer bench`` and the pytest-benchmark suite in ``benchmarks/`` both draw from
 :func:`providers_for` and :func:`build_case`, so they time the very same code. New providers
 (another GPU library, a different SDPA kernel) slot in with :func:`register`.
 """
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 import fastformer
 from fastformer import backends
 
-from .ops import DROPOUT, MODES, OPS, Inputs, OpSpec
+from .ops import DROPOUT, MODES, OPS, SMOOTHING, Inputs, OpSpec
 from .timing import synchronized
 
 Forward = Callable[[Inputs, Dict], torch.Tensor]
@@ -34,6 +35,7 @@ class Provider:
     baseline: bool = False  # the provider speed-ups are measured against
     tags: List[str] = field(default_factory=list)
     devices: Tuple[str, ...] = ("cpu", "cuda")  # device types it is a timing provider for
+    ops: Optional[Tuple[str, ...]] = None  # the ops it runs (None: every op)
 
 
 REGISTRY: Dict[str, Provider] = {}
@@ -81,22 +83,27 @@ def _fastformer_factory(backend: str) -> Callable[[OpSpec], Forward]:
     return factory
 
 
-def _fastformer_why_not(backend: str):
-    def why_not(spec: OpSpec, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-        if backend == "triton" and device.type != "cuda":
-            return "triton runs CPU tensors only in its interpreter, which is not a timing provider"
-        if backend == "cuda" and device.type != "cuda":
-            return "cuda runs CPU tensors only on the SIMT test harness, which is not a timing provider"
-        avail = backends.availability(backend, device.type)
-        if not avail:
-            return avail.reason
+def backend_why_not(backend: str, ops: Sequence[str], device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None when the fastformer ``backend`` can time every one of ``ops`` on ``device`` in
+    ``dtype``, else why not (the op benchmarks ask for one op, the training step for all it runs)."""
+    if backend == "triton" and device.type != "cuda":
+        return "triton runs CPU tensors only in its interpreter, which is not a timing provider"
+    if backend == "cuda" and device.type != "cuda":
+        return "cuda runs CPU tensors only on the SIMT test harness, which is not a timing provider"
+    avail = backends.availability(backend, device.type)
+    if not avail:
+        return avail.reason
+    for op in ops:
         try:
             with fastformer.use_backend(backend):
-                backends.select(spec.name, device, dtype)
+                backends.select(op, device, dtype)
         except RuntimeError as e:
             return str(e)
-        return None
-    return why_not
+    return None
+
+
+def _fastformer_why_not(backend: str):
+    return lambda spec, device, dtype: backend_why_not(backend, (spec.name,), device, dtype)
 
 
 for _name in backends.NAMES:
@@ -108,8 +115,6 @@ for _name in backends.NAMES:
 # -- CUDA-only SDPA kernels (attention) -----------------------------------------------------------
 def _sdpa_why_not(kernel: Optional[str]):
     def why_not(spec, device, dtype) -> Optional[str]:
-        if spec.name != "attention":
-            return "an attention kernel"
         if device.type != "cuda":
             return "a CUDA kernel (no GPU here)" if kernel else "a CUDA provider (on CPU it is torch-eager)"
         if kernel == "flash" and dtype == torch.float32:
@@ -138,11 +143,38 @@ def _sdpa_factory(kernel: Optional[str]) -> Callable[[OpSpec], Forward]:
     return factory
 
 
-register(Provider("sdpa", factory=_sdpa_factory(None), why_not=_sdpa_why_not(None), tags=["torch", "cuda", "attention"],
-                  devices=("cuda",)))
+register(Provider("sdpa", factory=_sdpa_factory(None), why_not=_sdpa_why_not(None), tags=["torch", "cuda"],
+                  devices=("cuda",), ops=("attention",)))
 register(Provider("sdpa-flash", factory=_sdpa_factory("flash"), why_not=_sdpa_why_not("flash"),
-                  supports=lambda spec, shape: not shape.get("pad", True), tags=["torch", "cuda", "attention"],
-                  devices=("cuda",)))
+                  supports=lambda spec, shape: not shape.get("pad", True), tags=["torch", "cuda"],
+                  devices=("cuda",), ops=("attention",)))
+
+
+# -- torch's own fused linear + cross-entropy (torch >= 2.13) ---------------------------------------
+def _torch_lce_why_not(spec, device, dtype) -> Optional[str]:
+    if not hasattr(F, "linear_cross_entropy"):
+        return f"torch {torch.__version__} has no F.linear_cross_entropy (new in 2.13)"
+    return None
+
+
+def _torch_lce_factory(chunked: bool) -> Callable[[OpSpec], Forward]:
+    """``F.linear_cross_entropy`` on the op's inputs: its default reference path, or (``chunked``)
+    its chunked path, which never holds the full logits (retain_graph allowed: the ``bwd`` mode
+    runs backward through one graph again and again)."""
+    def factory(spec: OpSpec) -> Forward:
+        options = torch.nn.LinearCrossEntropyOptions(allow_retain_graph=True) if chunked else None
+
+        def forward(x: Inputs, shape: Dict) -> torch.Tensor:
+            return F.linear_cross_entropy(x["hidden"], x["weight"], x["target"], linear_bias=x["bias"],
+                                          label_smoothing=SMOOTHING, ignore_index=-100, options=options)
+        return forward
+    return factory
+
+
+register(Provider("torch-linear-cross-entropy", factory=_torch_lce_factory(False), why_not=_torch_lce_why_not,
+                  tags=["torch"], ops=("linear_cross_entropy",)))
+register(Provider("torch-linear-cross-entropy-chunked", factory=_torch_lce_factory(True),
+                  why_not=_torch_lce_why_not, tags=["torch"], ops=("linear_cross_entropy",)))
 
 
 # -- the machine's own yardstick for memory-bound ops: a plain copy of the same bytes ---------------
@@ -182,14 +214,15 @@ def providers_for(op: str, device: torch.device, dtype: torch.dtype,
                   names: Optional[List[str]] = None) -> List[Tuple[Provider, Optional[str]]]:
     """``(provider, reason_it_cannot_run_or_None)`` for ``names`` (default: every registered one),
     leaving out providers that are not timing providers on this device type (triton and cuda
-    on CPU) or not for this op (the SDPA kernels outside attention)."""
+    on CPU) or not for this op (the SDPA kernels outside attention, torch's
+    ``F.linear_cross_entropy`` outside linear_cross_entropy)."""
     spec = OPS[op]
     out = []
     for name in names or list(REGISTRY):
         if name not in REGISTRY:
             raise ValueError(f"unknown provider {name!r}; registered: {sorted(REGISTRY)}")
         provider = REGISTRY[name]
-        if device.type not in provider.devices or ("attention" in provider.tags and op != "attention"):
+        if device.type not in provider.devices or (provider.ops is not None and op not in provider.ops):
             continue
         out.append((provider, provider.why_not(spec, device, dtype)))
     return out

@@ -1,0 +1,105 @@
+// The argument checks of attention_fwd / attention_bwd, shared by csrc/cpu/attention.cpp and
+// csrc/cuda/attention.cpp (see common.h).
+#pragma once
+#include <array>
+#include <optional>
+
+#include "common.h"
+
+namespace fastformer {
+namespace checks {
+
+// The largest head dim D the attention kernels take (the Python side's copy is MAX_HEAD_DIM in
+// fastformer/ops/attention.py).
+constexpr int64_t kMaxHeadDim = 256;
+
+// q, k, v, dout or out: 4-D (B, H, S, D) in a floating dtype of the backend, on q's device, with
+// unit stride along D (the other strides are free: head views of a (B, S, H, D) projection).
+inline void check_attention_operand(const Backend& be, const char* op, const char* name,
+                                    const at::Tensor& t, const at::Tensor& q) {
+  check_device(be, op, name, t, &q, "q");
+  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D (B, H, S, D), got shape ", t.sizes());
+  check_float_dtype(be, op, name, t);
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1 || t.numel() == 0, op, ": ", name,
+              " must have a contiguous last dimension (stride 1), got strides ", t.strides());
+  if (&t != &q) check_same_dtype(op, name, t, q, "q");
+}
+
+// q, k, v and the scalars of both ops; returns (B, H, Sq, Sk, D).
+inline std::array<int64_t, 5> check_attention_qkv(const Backend& be, const char* op,
+                                                  const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, double scale,
+                                                  double dropout_p) {
+  check_attention_operand(be, op, "q", q, q);
+  check_attention_operand(be, op, "k", k, q);
+  check_attention_operand(be, op, "v", v, q);
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, op,
+              ": k must have shape (B, H, Sk, D) = (", B, ", ", H, ", Sk, ", D, ") to match q ",
+              q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_dropout_p(op, dropout_p);
+  return {B, H, Sq, Sk, D};
+}
+
+// attention_bwd's own tensors: dout and out like q, lse (B, H, Sq) fp32.
+inline void check_attention_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
+                                        const at::Tensor& out, const at::Tensor& lse,
+                                        const at::Tensor& q, const std::array<int64_t, 5>& dims) {
+  const auto [B, H, Sq, Sk, D] = dims;
+  check_attention_operand(be, op, "dout", dout, q);
+  check_attention_operand(be, op, "out", out, q);
+  TORCH_CHECK(dout.sizes() == q.sizes(), op, ": dout must have q's shape ", q.sizes(), ", got ",
+              dout.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ",
+              out.sizes());
+  check_device(be, op, "lse", lse, &q, "q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Sq, op,
+              ": lse must have shape (B, H, Sq) = (", B, ", ", H, ", ", Sq, "), got ", lse.sizes());
+}
+
+// The masks of one call, checked: each undefined when not given.
+struct AttentionMasks {
+  at::Tensor key_padding_mask;  // (B, Sk) bool, True = padded key
+  at::Tensor attn_mask;         // fp32 additive, a 4-D view broadcast to (B, H, Sq, Sk)
+  std::array<int64_t, 4> attn_mask_strides{};  // its strides over (B, H, Sq, Sk), 0 where broadcast
+};
+
+inline AttentionMasks check_attention_masks(const Backend& be, const char* op, const at::Tensor& q,
+                                            const std::optional<at::Tensor>& key_padding_mask,
+                                            const std::optional<at::Tensor>& attn_mask,
+                                            const std::array<int64_t, 5>& dims) {
+  const auto [B, H, Sq, Sk, D] = dims;
+  AttentionMasks m;
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const at::Tensor& kpm = *key_padding_mask;
+    check_device(be, op, "key_padding_mask", kpm, &q, "q");
+    TORCH_CHECK(kpm.scalar_type() == at::kBool, op,
+                ": key_padding_mask must be bool (True = padded), got ", kpm.scalar_type());
+    TORCH_CHECK(kpm.dim() == 2 && kpm.size(0) == B && kpm.size(1) == Sk, op,
+                ": key_padding_mask must have shape (B, Sk) = (", B, ", ", Sk, "), got ", kpm.sizes());
+    m.key_padding_mask = kpm;
+  }
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const at::Tensor& am = *attn_mask;
+    check_device(be, op, "attn_mask", am, &q, "q");
+    TORCH_CHECK(am.scalar_type() == at::kFloat, op, ": attn_mask must be float32 (additive), got ",
+                am.scalar_type());
+    TORCH_CHECK(am.dim() == 4, op,
+                ": attn_mask must be a 4-D view broadcast to (B, H, Sq, Sk), got shape ", am.sizes());
+    const int64_t want[4] = {B, H, Sq, Sk};
+    for (int d = 0; d < 4; ++d) {
+      TORCH_CHECK(am.size(d) == want[d] || am.size(d) == 1, op, ": attn_mask of shape ", am.sizes(),
+                  " does not broadcast to (B, H, Sq, Sk) = (", B, ", ", H, ", ", Sq, ", ", Sk, ")");
+      m.attn_mask_strides[d] = am.size(d) == 1 ? 0 : am.stride(d);
+    }
+    m.attn_mask = am;
+  }
+  return m;
+}
+
+}  // namespace checks
+}  // namespace fastformer

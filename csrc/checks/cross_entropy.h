@@ -1,0 +1,138 @@
+// The argument checks of cross_entropy_fwd and linear_cross_entropy_fwd / _bwd, shared by
+// csrc/{cpu,cuda}/cross_entropy.cpp and csrc/{cpu,cuda}/linear_cross_entropy.cpp (see common.h),
+// and the chunking rule and forward returns of linear_cross_entropy, which both backends must
+// split and return the same way.
+// The target's values are not checked here: the CPU glue scans them (count_valid_targets); the
+// CUDA kernels never use an out-of-range one as an address.
+#pragma once
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "common.h"
+
+#ifndef FASTFORMER_LCE_CHUNK_BYTES
+#define FASTFORMER_LCE_CHUNK_BYTES (16 << 20)
+#endif
+
+namespace fastformer {
+namespace checks {
+
+inline void check_reduction(const char* op, int64_t reduction) {
+  TORCH_CHECK(reduction >= 0 && reduction <= 2, op,
+              ": reduction must be 0 (none), 1 (mean) or 2 (sum), got ", reduction);
+}
+
+inline void check_label_smoothing(const char* op, double label_smoothing) {
+  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
+              ": label_smoothing must be in [0, 1], got ", label_smoothing);
+}
+
+// logits, hidden, weight or bias: `ndim` dimensions, a floating dtype of the backend, contiguous,
+// on ref's device when ref is given.
+inline void check_float_input(const Backend& be, const char* op, const char* name,
+                              const at::Tensor& t, int64_t ndim, const at::Tensor* ref = nullptr,
+                              const char* ref_name = nullptr) {
+  check_device(be, op, name, t, ref, ref_name);
+  TORCH_CHECK(t.dim() == ndim, op, ": ", name, " must have ", ndim, " dimensions, got shape ",
+              t.sizes());
+  check_float_dtype(be, op, name, t);
+  check_contiguous(op, name, t);
+}
+
+// target: (n,) int64 contiguous on the device of ref (logits or hidden, n rows).
+inline void check_target(const Backend& be, const char* op, const at::Tensor& target,
+                         const at::Tensor& ref, const char* ref_name) {
+  check_device(be, op, "target", target, &ref, ref_name);
+  TORCH_CHECK(target.scalar_type() == at::kLong, op, ": target must be int64, got ",
+              target.scalar_type());
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == ref.size(0), op, ": target must have shape (",
+              ref.size(0), ",), one class index per row, got shape ", target.sizes());
+  check_contiguous(op, "target", target);
+}
+
+// cross_entropy_fwd: logits (N, V) with V >= 1, target (N,), the scalars.
+inline void check_cross_entropy_fwd(const Backend& be, const char* op, const at::Tensor& logits,
+                                    const at::Tensor& target, double label_smoothing,
+                                    int64_t reduction) {
+  check_float_input(be, op, "logits", logits, 2);
+  TORCH_CHECK(logits.size(1) > 0, op, ": logits must have at least one class, got shape ",
+              logits.sizes());
+  check_target(be, op, target, logits, "logits");
+  check_reduction(op, reduction);
+  check_label_smoothing(op, label_smoothing);
+}
+
+// What linear_cross_entropy_fwd and _bwd share: hidden (N, D), weight (V, D) with V >= 1, bias
+// (V,) or none, all of hidden's dtype; target (N,); label_smoothing.
+inline void check_linear_cross_entropy(const Backend& be, const char* op, const at::Tensor& hidden,
+                                       const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias,
+                                       const at::Tensor& target, double label_smoothing) {
+  check_float_input(be, op, "hidden", hidden, 2);
+  check_float_input(be, op, "weight", weight, 2, &hidden, "hidden");
+  check_same_dtype(op, "weight", weight, hidden, "hidden");
+  const int64_t D = hidden.size(1), V = weight.size(0);
+  TORCH_CHECK(weight.size(1) == D, op, ": weight must have shape (V, ", D,
+              ") with D = hidden.size(1), got shape ", weight.sizes());
+  TORCH_CHECK(V > 0, op, ": weight must have at least one row (class), got shape ", weight.sizes());
+  if (bias.has_value() && bias->defined()) {
+    check_float_input(be, op, "bias", *bias, 1, &hidden, "hidden");
+    check_same_dtype(op, "bias", *bias, hidden, "hidden");
+    TORCH_CHECK(bias->size(0) == V, op, ": bias must have shape (", V,
+                ",) with V = weight.size(0), got shape ", bias->sizes());
+  }
+  check_target(be, op, target, hidden, "hidden");
+  check_label_smoothing(op, label_smoothing);
+}
+
+// linear_cross_entropy_fwd's own scalars.
+inline void check_linear_cross_entropy_fwd(const char* op, int64_t reduction, bool compute_grad) {
+  check_reduction(op, reduction);
+  TORCH_CHECK(!compute_grad || reduction != 0, op,
+              ": compute_grad needs reduction mean (1) or sum (2); reduction none takes its "
+              "gradient from linear_cross_entropy_bwd");
+}
+
+// linear_cross_entropy_bwd's grad_loss: (N,), one upstream gradient per row of hidden, any
+// floating dtype.
+inline void check_grad_loss(const Backend& be, const char* op, const at::Tensor& grad_loss,
+                            const at::Tensor& hidden) {
+  const int64_t n = hidden.size(0);
+  check_device(be, op, "grad_loss", grad_loss, &hidden, "hidden");
+  TORCH_CHECK(at::isFloatingType(grad_loss.scalar_type()), op,
+              ": grad_loss must be a floating-point tensor, got ", grad_loss.scalar_type());
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == n, op, ": grad_loss must have shape (",
+              n, ",), one upstream gradient per row, got shape ", grad_loss.sizes());
+}
+
+// linear_cross_entropy's rows per chunk: a chunk of logits takes about FASTFORMER_LCE_CHUNK_BYTES
+// (16 MB), but at least 256 rows. Each chunk costs three GEMMs with M or K = rows and a few
+// parallel regions; with fewer rows the multi-threaded GEMMs lose efficiency (measured on CPU:
+// 256-row chunks cost ~1.8x the CPU time of one (2048, 256) x (256, 8000) GEMM on 2 threads,
+// 1024-row chunks ~1.15x).
+inline int64_t linear_cross_entropy_chunk_rows(int64_t n, int64_t V, int64_t elem_size) {
+  int64_t rows = FASTFORMER_LCE_CHUNK_BYTES / std::max<int64_t>(1, V * elem_size);
+  rows = std::max<int64_t>(256, rows / 16 * 16);
+  return std::max<int64_t>(1, std::min(rows, n));
+}
+
+// The gradients of linear_cross_entropy's chunk loop, undefined unless computed.
+struct LinearCrossEntropyGrads {
+  at::Tensor dhidden, dweight, dbias;
+};
+
+// linear_cross_entropy_fwd's returns (loss, dhidden, dweight, dbias). Without compute_grad the
+// gradients are empty (0,) tensors: the schema returns four tensors either way.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_returns(
+    const at::Tensor& loss, const LinearCrossEntropyGrads& g, bool compute_grad,
+    const at::Tensor& hidden, const at::Tensor& weight) {
+  if (!compute_grad) {
+    return {loss, at::empty({0}, hidden.options()), at::empty({0}, weight.options()),
+            at::empty({0}, weight.options())};
+  }
+  return {loss, g.dhidden, g.dweight, g.dbias};
+}
+
+}  // namespace checks
+}  // namespace fastformer

@@ -1,0 +1,172 @@
+"""The tile helpers every flash-attention kernel shares: the forward (attention.py) and the two
+backward kernels (attention_backward.py) load and store head rows, apply the masks (key padding,
+bottom-right causal, additive) to a score tile, regenerate the dropout keep-mask, bound the causal
+key range and set up a program's head pointers through these, so the three kernels see one
+definition of the masks and the dropout stream. Scores live in log2 units (``s * log2(e)``).
+"""
+import triton
+import triton.language as tl
+
+from .utils import INTERPRET, dropout_keep_tile
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# Additive-mask values below this are finite but would overflow to -inf once turned into log2
+# units; they are clamped to -FLT_MAX (still finite, so the key stays "visible" as in the reference).
+MASK_FLOOR = tl.constexpr(-3.4028234663852886e38 / 1.4426950408889634)
+# The interpreter's tl.dot multiplies bf16 storage as integers: widen bf16 operands there.
+_WIDEN_DOT = tl.constexpr(INTERPRET)  # see dot and cast
+
+
+@triton.jit
+def dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation. fp32 operands are multiplied with
+    ``INPUT_PRECISION``: "ieee" (full fp32, torch's default matmul) or "tf32" (tensor cores, when
+    torch allows tf32 matmuls: triton_kernels.matmul.input_precision); fp16 / bf16 go to the
+    tensor cores."""
+    if _WIDEN_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even, as the GPU converts fp32 -> bf16. The interpreter
+    truncates instead (a whole bf16 ulp, always towards zero: P just below 1 became 0.996 and
+    dV, a sum of such P, drifted), so there the rounding is done on the fp32 bits first."""
+    if _WIDEN_DOT:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def load_rows(base, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+    """Rows ``rows`` (R,) of a (n_rows, D) matrix -> (R, BLOCK_D) tile, zero outside. Row
+    offsets in int64 with LARGE_OFFSETS (``n_rows * stride_row`` passes 2**31 within one head;
+    int32 otherwise: int64 offsets cost the heavy configs registers, up to spilling)."""
+    if LARGE_OFFSETS:
+        rows = rows.to(tl.int64)
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    if EVEN_D:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+    return tile
+
+
+@triton.jit
+def store_rows(base, tile, rows, stride_row, offs_d, n_rows, D, EVEN_D: tl.constexpr,
+                LARGE_OFFSETS: tl.constexpr):
+    """Store a (R, BLOCK_D) tile into rows ``rows`` of a (n_rows, D) matrix (int64 row offsets
+    with LARGE_OFFSETS, as load_rows)."""
+    if LARGE_OFFSETS:
+        rows = rows.to(tl.int64)
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    if EVEN_D:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed (BN, BM)
+                   qi,  # query indices, broadcastable to qk's shape
+                   kj,  # key indices, broadcastable to qk's shape
+                   kpm_base,  # key padding mask row of this batch (u8, 1 = padded)
+                   stride_kpm_n,  # its key stride
+                   am_base,  # additive mask of this (b, h), fp32
+                   stride_am_m,  # its query stride (0 when broadcast)
+                   stride_am_n,  # its key stride (0 when broadcast)
+                   Sq,  # number of queries
+                   Sk,  # number of keys
+                   qk_scale,  # scale * log2(e)
+                   MASK_EDGE: tl.constexpr,  # apply the causal and key-bound masks (edge tiles)
+                   HAS_KPM: tl.constexpr,  # apply the key padding mask
+                   HAS_MASK: tl.constexpr,  # add the additive mask
+                   IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
+                   LARGE_OFFSETS: tl.constexpr):  # int64 mask offsets (the mask passes 2**31)
+    """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
+    s = qk * qk_scale
+    if HAS_MASK:
+        # -inf hides the key whatever its score (also a NaN score: NaN + -inf would stay NaN); tile
+        # rows and columns past Sq / Sk read -inf, so a NaN key never leaks into a padding row's P
+        if LARGE_OFFSETS:  # the (Sq, Sk) mask of one head spans more than 2**31 elements
+            am_ptrs = am_base + qi.to(tl.int64) * stride_am_m + kj.to(tl.int64) * stride_am_n
+        else:
+            am_ptrs = am_base + qi * stride_am_m + kj * stride_am_n
+        am = tl.load(am_ptrs, mask=(qi < Sq) & (kj < Sk), other=float("-inf"))
+        s = tl.where(am == float("-inf"), float("-inf"), s + tl.maximum(am, MASK_FLOOR) * LOG2E)
+    if MASK_EDGE:
+        visible = kj < Sk
+        if IS_CAUSAL:
+            visible = visible & (kj <= qi + (Sk - Sq))
+        s = tl.where(visible, s, float("-inf"))
+    if HAS_KPM:
+        kpm_off = kj.to(tl.int64) * stride_kpm_n if LARGE_OFFSETS else kj * stride_kpm_n
+        padded = tl.load(kpm_base + kpm_off, mask=kj < Sk, other=1)
+        s = tl.where(padded == 0, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
+    """Philox counter of head (b, h)'s first group: the probabilities are rows of ``Sk`` keys,
+    ``ceil(Sk / 8)`` counters a row, the ``B*H*Sq`` query rows in order (fastformer/philox.py)."""
+    return rng_offset + (b64 * H + h) * Sq * tl.cdiv(Sk, 8)
+
+
+@triton.jit
+def keep_tile(seed, rng_base, qi, start_n, Sk, threshold, BLOCK_N: tl.constexpr):
+    """Keep-mask (BM, BLOCK_N) of queries ``qi`` (BM,) and keys ``start_n + arange(BLOCK_N)``
+    (``start_n`` a multiple of BLOCK_N, itself a multiple of 8), ``rng_base`` from
+    :func:`dropout_rng_base`."""
+    return dropout_keep_tile(seed, rng_base, qi, tl.cdiv(Sk, 8), start_n, threshold, BLOCK_N)
+
+
+@triton.jit
+def causal_key_bounds(start_m, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr):
+    """For the query tile starting at ``start_m``: (full_hi, hi) such that key tiles in
+    [0, full_hi) are entirely visible to every query of the tile (no causal or bound mask)
+    and keys >= hi are hidden from all of them (whole tiles skipped)."""
+    if IS_CAUSAL:
+        hi = tl.minimum(Sk, start_m + BLOCK_M + Sk - Sq)
+        full_hi = tl.maximum(tl.minimum(start_m + Sk - Sq + 1, Sk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Sk
+        full_hi = Sk // BLOCK_N * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
+def program_ids(BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """(start, h, b64, h64) of this program on the grid (tiles, H, B): the first row of its tile
+    along axis 0 and its head and batch (int64 copies for pointer offsets). REVERSE takes the
+    tiles last first: under causal masking the last query tiles see the most keys, heaviest first."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    return pid * BLOCK, h, b.to(tl.int64), h.to(tl.int64)
+
+
+@triton.jit
+def head_base(X, b64, h64, stride_b, stride_h):
+    """Pointer to row 0 of head (b, h) of a (B, H, S, D) tensor (int64 batch and head offsets)."""
+    return X + b64 * stride_b + h64 * stride_h
+
+
+@triton.jit
+def mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b, stride_am_b, stride_am_h):
+    """(key padding mask row, additive mask of head (b, h), Philox counter of its first group)."""
+    return (KPM + b64 * stride_kpm_b, head_base(AM, b64, h64, stride_am_b, stride_am_h),
+            dropout_rng_base(rng_offset, b64, H, h, Sq, Sk))
