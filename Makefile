@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-DEPS := triton pybind11 ninja pytest pytest-benchmark hypothesis tqdm matplotlib sacrebleu tokenizers numpy
+# transformers (+ accelerate, for its Trainer): the optional Hugging Face integration (fastformer.hf),
+# transformers pinned to the version it is tested with; torch is installed first, so accelerate takes that one
+DEPS := triton pybind11 ninja pytest pytest-benchmark hypothesis tqdm matplotlib sacrebleu tokenizers numpy transformers==5.24.0 accelerate
 
 .PHONY: setup build demo test bench gpu-check clean
 

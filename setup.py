@@ -144,7 +144,7 @@ if __name__ == "__main__":
         package_dir={"fastformer.triton_kernels": "triton_kernels"},
         python_requires=">=3.10",
         install_requires=["torch", "tqdm", "matplotlib", "sacrebleu", "tokenizers"],
-        extras_require={"triton": ["triton"], "test": ["pytest", "pytest-benchmark", "hypothesis"]},
+        extras_require={"triton": ["triton"], "hf": ["transformers>=5.24,<5.25"], "test": ["pytest", "pytest-benchmark", "hypothesis"]},
         # FASTFORMER_BUILD_EXTENSION=0: the Python package alone (the backends then say the
         # extension is not built); tests/test_install.py installs it so, in seconds.
         ext_modules=[extension()] if os.environ.get("FASTFORMER_BUILD_EXTENSION", "1") == "1" else [],

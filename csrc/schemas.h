@@ -48,8 +48,9 @@ inline void ff_define_schemas(torch::Library& m) {
       "add_layer_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor weight, Tensor mean, Tensor rstd, "
       "float dropout_p, Tensor philox, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
 
-  // x (N, E); w1 (F, E), b1 (F,), w2 (E, F), b2 (E,), nn.Linear layout. activation "relu"|"gelu"
-  // (exact erf gelu). Returns out (N, E) and pre = x w1^T + b1 (N, F), saved for backward.
+  // x (N, E); w1 (F, E), b1 (F,), w2 (E, F), b2 (E,), nn.Linear layout. activation
+  // "relu"|"gelu"|"silu" (exact erf gelu; silu x sigmoid(x)). Returns out (N, E) and
+  // pre = x w1^T + b1 (N, F), saved for backward.
   m.def(
       "feed_forward_fwd(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
       "float dropout_p, Tensor philox) -> (Tensor, Tensor)");

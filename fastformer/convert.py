@@ -13,6 +13,11 @@ _INPLACE_REMOVED = (
     "(inplace=False: convert a deep copy, leave `model` untouched) pass copy=True")
 
 
+def _is_transformers_model(model) -> bool:
+    from .hf import is_transformers_model  # imports nothing from transformers
+    return is_transformers_model(model)
+
+
 def convert(model: torch.nn.Module, *, copy: bool = False, **kwargs) -> torch.nn.Module:
     """Replace every ``torch.nn`` ``MultiheadAttention``, ``TransformerEncoderLayer``,
     ``TransformerDecoderLayer``, ``TransformerEncoder``, ``TransformerDecoder``,
@@ -37,24 +42,50 @@ def convert(model: torch.nn.Module, *, copy: bool = False, **kwargs) -> torch.nn
     result is a new twin object that shares ``model``'s parameters, buffers and hooks while
     ``model`` keeps its torch children. So always use the return value.
 
+    A Hugging Face transformers model (BART, Marian, mBART, M2M100/NLLB, Whisper: the
+    ``*ForConditionalGeneration`` / ``MarianMTModel`` and bare ``*Model`` classes) is fused in
+    place by :func:`fastformer.hf.convert` instead: its attention runs ``fastformer.ops.attention``
+    (``attn_implementation="fastformer"``), its layers ``add_layer_norm`` and ``feed_forward``, and
+    its training loss ``linear_cross_entropy``; it keeps its class name, parameter objects,
+    ``state_dict`` keys and config, so ``save_pretrained`` writes a plain transformers checkpoint.
+    transformers is never imported by fastformer itself: a model is recognised as a transformers
+    one only when transformers is already loaded.
+
     Args:
         model: any ``torch.nn.Module``.
         copy: if True, convert a ``copy.deepcopy`` of ``model`` and leave ``model`` (its modules
             and its parameter values) untouched; the result then owns new parameters, so an
             optimizer built on ``model`` does not train it. Keyword-only.
+        label_smoothing: transformers models only (keyword-only): the label smoothing of the
+            fused training loss (default 0, or the value of an earlier convert).
 
     Returns:
         The converted model.
 
     Raises:
-        TypeError: ``model`` is not a ``torch.nn.Module``, ``copy`` is not a bool, or the
+        TypeError: ``model`` is not a ``torch.nn.Module``, ``copy`` is not a bool, the
             removed ``inplace`` argument was passed (the default is now what ``inplace=True``
-            did; ``copy=True`` is what ``inplace=False`` did).
-        ValueError: a Transformer layer uses an activation other than relu or gelu, which
-            the fused feed-forward does not implement.
+            did; ``copy=True`` is what ``inplace=False`` did), ``label_smoothing`` was passed
+            for a model that is not a transformers one, or a transformers model of a class
+            fastformer does not fuse.
+        ValueError: a Transformer layer uses an activation other than relu, gelu (exact) or
+            silu, which the fused feed-forward does not implement.
+        RuntimeError: a transformers model, with a transformers version other than the one
+            fastformer's integration is tested with.
     """
     if "inplace" in kwargs:
         raise TypeError(_INPLACE_REMOVED)
+    if _is_transformers_model(model):
+        unknown = sorted(set(kwargs) - {"label_smoothing"})
+        if unknown:
+            raise TypeError(f"convert() got unexpected keyword argument(s) {unknown}; for a transformers model "
+                            f"it takes `model` and the keywords `copy` and `label_smoothing`")
+        from . import hf
+        return hf.convert(model, copy=copy, label_smoothing=kwargs.get("label_smoothing"))
+    if "label_smoothing" in kwargs:
+        raise TypeError(f"convert(): label_smoothing applies to Hugging Face transformers models only (their "
+                        f"fused training loss); {type(model).__name__} is not one. For a fastformer model, pass "
+                        f"label_smoothing to its loss (fastformer.ops.cross_entropy / linear_cross_entropy)")
     if kwargs:
         raise TypeError(f"convert() got unexpected keyword argument(s) {sorted(kwargs)}; it takes `model` "
                         f"and the keyword `copy`")
@@ -63,8 +94,19 @@ def convert(model: torch.nn.Module, *, copy: bool = False, **kwargs) -> torch.nn
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
     if copy:
-        model = deepcopy(model)
+        model = _deepcopy(model)
     return swap_tree(model)
+
+
+def _deepcopy(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy``, mended: torch's ``Transformer{En,De}coderLayer.__setstate__`` stores ``F.relu``
+    as an instance attribute when the activation is a module (kept in ``_modules``, so missing from the
+    state it sees), which then shadows that module: the copy of a GELU/SiLU layer would compute relu."""
+    out = deepcopy(model)
+    for m in out.modules():
+        if "activation" in m._modules and "activation" in m.__dict__:
+            del m.__dict__["activation"]
+    return out
 
 
 __all__ = ["convert", "TWINS"]

@@ -106,6 +106,20 @@ def test_convert_copy_leaves_the_original_alone():
     assert torch.equal(model.head.weight, before["head.weight"])
 
 
+@pytest.mark.parametrize("activation", [torch.nn.GELU(), torch.nn.SiLU()], ids=["GELU", "SiLU"])
+def test_convert_copy_keeps_a_module_activation(activation):
+    """copy.deepcopy of a torch decoder layer whose activation is a module computes relu (torch's
+    __setstate__ shadows the module with F.relu); convert(copy=True) must not inherit that."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.TransformerDecoderLayer(D, NHEAD, FF, dropout=0.0, activation=activation,
+                                                                 batch_first=True))
+    x, memory = torch.randn(2, 5, D), torch.randn(2, 3, D)
+    with torch.no_grad():
+        want = model[0](x, memory)
+        got = fastformer.convert(model, copy=True)[0](x, memory)
+    assert_close("output", got, want, *TOL["auto"]["out"])
+
+
 def test_convert_shares_every_parameter_and_buffer_object():
     torch.manual_seed(0)
     model = Translator()

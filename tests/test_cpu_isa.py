@@ -105,9 +105,10 @@ for i, (attn, ln, ff, ce, lce) in enumerate([((2, 3, 13, 17, 40), (7, 203), (9, 
         lambda x, res, w, b, rng: reference.add_layer_norm(x, res, w, b, 1e-5, P, rng=rng),
         [r(N, C), r(N, C), 1 + r(C), r(C)], 2e-5)
     N, E, F = ff
-    run(f"feed_forward{i}", lambda x, w1, b1, w2, b2, rng: ops.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=P),
-        lambda x, w1, b1, w2, b2, rng: reference.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=P, rng=rng),
-        [r(N, E), r(F, E) / 5, r(F), r(E, F) / 6, r(E)], 2e-5)
+    for act in ("gelu", "silu"):  # each level's vector code of both transcendental activations
+        run(f"feed_forward{i}_{act}", lambda x, w1, b1, w2, b2, rng: ops.feed_forward(x, w1, b1, w2, b2, activation=act, dropout_p=P),
+            lambda x, w1, b1, w2, b2, rng: reference.feed_forward(x, w1, b1, w2, b2, activation=act, dropout_p=P, rng=rng),
+            [r(N, E), r(F, E) / 5, r(F), r(E, F) / 6, r(E)], 2e-5)
     N, V = ce
     t = torch.randint(0, V, (N,), generator=g)
     t[N // 2] = -100

@@ -77,6 +77,7 @@ FORCED = [
     (7, 40, 97, torch.bfloat16, "relu", 0.3, True, True),
     (259, 24, 40, torch.float32, "relu", 0.5, True, False),
     (1023, 19, 45, torch.float16, "gelu", 0.1, False, True),
+    (7, 33, 50, torch.bfloat16, "silu", 0.2, True, True),
 ]
 
 

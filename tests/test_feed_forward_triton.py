@@ -65,7 +65,8 @@ def _kernels(inputs, dout, activation, p, seed, offset):
 # the interpreter tile (no tail); more rows than columns with F past the second tile.
 TAIL_SHAPES = [(1, 33, 31), (45, 70, 97), (64, 64, 96), (67, 17, 130)]
 # (activation, dropout_p, has_b1, has_b2)
-EPILOGUES = [("relu", 0.0, True, True), ("gelu", 0.25, True, False), ("relu", 0.5, False, True)]
+EPILOGUES = [("relu", 0.0, True, True), ("gelu", 0.25, True, False), ("relu", 0.5, False, True),
+             ("silu", 0.2, False, False)]
 
 
 @pytest.mark.parametrize("activation,p,has_b1,has_b2", EPILOGUES,
@@ -87,7 +88,7 @@ def test_tails_fp32_forward_and_every_gradient(N, E, F, activation, p, has_b1, h
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("activation,p", [("relu", 0.3), ("gelu", 0.0)])
+@pytest.mark.parametrize("activation,p", [("relu", 0.3), ("gelu", 0.0), ("silu", 0.2)])
 def test_tails_low_precision(dtype, activation, p):
     """FlashAttention's rule: the kernel's error against the fp32 reference (same low-precision
     inputs) is at most twice the error of the reference computed in the low precision."""
@@ -127,10 +128,12 @@ def _epilogue_expectations(a, b, bias, pre, activation, p, seed, offset):
     acc = a.double() @ b.double() + (bias.double() if bias is not None else 0.0)
     keep = philox.keep_mask(acc.shape, p, seed, offset, device=acc.device).double() / (1 - p)
     act = {"relu": lambda v: v.clamp_min(0),
-           "gelu": lambda v: 0.5 * v * (1 + torch.erf(v / math.sqrt(2)))}[activation]
+           "gelu": lambda v: 0.5 * v * (1 + torch.erf(v / math.sqrt(2))),
+           "silu": lambda v: v * torch.sigmoid(v)}[activation]
     act_grad = {"relu": lambda v: (v >= 0).double(),
                 "gelu": lambda v: 0.5 * (1 + torch.erf(v / math.sqrt(2)))
-                + v * torch.exp(-0.5 * v * v) / math.sqrt(2 * math.pi)}[activation]
+                + v * torch.exp(-0.5 * v * v) / math.sqrt(2 * math.pi),
+                "silu": lambda v: torch.sigmoid(v) * (1 + v * (1 - torch.sigmoid(v)))}[activation]
     pre64 = pre.double()
     return {
         "none": (acc, None),
@@ -187,6 +190,30 @@ def test_every_autotune_config_and_epilogue(dtype, config):
     bnn = torch.randn(K, N, device=DEVICE).to(dtype)
     matmul.launch(a, bnn, c, config=config)
     assert_close("NN C", c.double(), a.double() @ bnn.double(), **tol)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's numpy
+def test_silu_epilogue_saturates_without_nan():
+    """silu's sigmoid is 1 / (1 + exp(-x)): far below 0, exp(-x) overflows to inf and the
+    activation and its gradient go to 0 (not NaN); far above 0, to x and 1."""
+    vals = torch.randn(16, 40, generator=torch.Generator().manual_seed(3)).bfloat16().float()
+    vals[0, :8] = torch.tensor([-1000.0, -100.0, -88.5, -20.0, 20.0, 88.5, 100.0, 1000.0])
+    # C = I vals = vals exactly, in tf32 too (bf16 values)
+    vals, eye = vals.to(DEVICE), torch.eye(16, device=DEVICE)
+    seed, offset, p = 7, 3, 0.25
+    c, d = torch.empty_like(vals), torch.empty_like(vals)
+    matmul.launch(eye, vals, c, d=d, epilogue="act_fwd", activation="silu", dropout_p=p, seed=seed,
+                  offset=offset)
+    want_c, want_d = _epilogue_expectations(eye, vals, None, vals, "silu", p, seed, offset)["act_fwd"]
+    assert_close("act_fwd C", c.double(), want_c, atol=1e-5, rtol=1e-5)
+    assert_close("act_fwd D", d.double(), want_d, atol=1e-5, rtol=1e-5)
+    dd = torch.ones_like(vals)  # C = I 1: the gradient factor itself
+    matmul.launch(eye, dd, c, d=d, pre=vals, epilogue="act_bwd", activation="silu", dropout_p=p,
+                  seed=seed, offset=offset)
+    want_c, want_d = _epilogue_expectations(eye, dd, None, vals, "silu", p, seed, offset)["act_bwd"]
+    assert not c.isnan().any() and not d.isnan().any()
+    assert_close("act_bwd C", c.double(), want_c, atol=1e-5, rtol=1e-5)
+    assert_close("act_bwd D", d.double(), want_d, atol=1e-5, rtol=1e-5)
 
 
 def test_empty_reduction_gives_bias_and_zero_row_sums():
@@ -316,7 +343,7 @@ def test_aot_specs_cover_every_autotune_config():
                 assert any(kernel in s["name"] and f"[{dtype},{tile}]" in s["name"] for s in specs), \
                     (kernel, dtype, tile)
     epilogues = [s["constexprs"] for s in specs if s["constexprs"].get("EPILOGUE", "none") != "none"]
-    assert {c["ACTIVATION"] for c in epilogues} == {"relu", "gelu"}
+    assert {c["ACTIVATION"] for c in epilogues} == {"relu", "gelu", "silu"}
     assert {s["signature"]["a_ptr"] for s in specs if "a_ptr" in s["signature"]} == {"*fp32", "*fp16", "*bf16"}
 
 

@@ -143,7 +143,7 @@ def feed_forward_cases(draw):
     w1, w2 = torch.randn(F_, E, generator=g) / E**0.5, torch.randn(E, F_, generator=g) / F_**0.5
     b1 = torch.randn(F_, generator=g) if draw(st.booleans()) else None
     b2 = torch.randn(E, generator=g) if draw(st.booleans()) else None
-    kw = dict(activation=draw(st.sampled_from(["relu", "gelu"])), dropout_p=draw(dropout))
+    kw = dict(activation=draw(st.sampled_from(["relu", "gelu", "silu"])), dropout_p=draw(dropout))
     return [x, w1, b1, w2, b2], kw
 
 

@@ -425,6 +425,31 @@ def test_unsupported_activation_is_a_clear_error():
     assert layer(torch.randn(3, 2, D_MODEL)).shape == (3, 2, D_MODEL)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_silu_callables_fuse_as_torch_computes(monkeypatch, backend):
+    """torch's layers take F.silu / nn.SiLU() (not the string "silu"): the twins, and convert() of
+    torch's layers, run them as one feed_forward(activation="silu") with torch's results."""
+    seen = []
+    original = fastformer.ops.feed_forward
+    monkeypatch.setattr(fastformer.ops, "feed_forward",
+                        lambda *a, **kw: seen.append(kw["activation"]) or original(*a, **kw))
+    with pytest.raises(RuntimeError, match="silu"):
+        torch.nn.TransformerEncoderLayer(D_MODEL, NHEAD, FF, activation="silu")
+    ref, twin = twins(torch.nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, D_MODEL, NHEAD, FF,
+                      dropout=0.0, activation=F.silu, batch_first=True)
+    x = torch.randn(B, 7, D_MODEL)
+    check_same(ref, twin, lambda m, x: m(x), [x], backend)
+    ref, twin = twins(torch.nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, D_MODEL, NHEAD, FF,
+                      dropout=0.0, activation=torch.nn.SiLU(), batch_first=True, norm_first=True)
+    mem = torch.randn(B, 5, D_MODEL)
+    check_same(ref, twin, lambda m, x, mem: m(x, mem), [x, mem], backend)
+    # not copy=True: torch's TransformerDecoderLayer.__setstate__ turns a module activation into F.relu
+    converted = fastformer.convert(ref)
+    assert type(converted) is fnn.TransformerDecoderLayer
+    check_same(ref, converted, lambda m, x, mem: m(x, mem), [x, mem], backend)
+    assert seen and set(seen) == {"silu"}
+
+
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
 def test_stacks_call_their_layers_through_module_hooks(norm_first):
     """The stacks call each layer as a module (not a private method), so forward hooks fire, as

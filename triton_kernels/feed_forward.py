@@ -34,7 +34,7 @@ from . import matmul
 from .registration import launcher, register_op
 from .utils import read_philox
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "silu")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -149,8 +149,8 @@ def aot_specs():
     (gelu, bias and dropout: the most code), the activation-gradient GEMM (gelu, dropout), the
     second linear (bias) and the weight-gradient GEMM with the fused bias gradient, at every
     autotune config of bf16 and fp32; plus the input-gradient GEMM (both operands row-major) per
-    dtype and the relu epilogues in bf16, at the first config. fp16 compiles to the bf16 code
-    but for its conversions (same registers and shared memory), so it is built at the largest
+    dtype and the relu and silu epilogues in bf16, at the first config. fp16 compiles to the bf16
+    code but for its conversions (same registers and shared memory), so it is built at the largest
     config only. Launches without bias or dropout only drop code from these.
     """
     specs = []
@@ -170,12 +170,13 @@ def aot_specs():
             if i == 0:
                 specs.append(matmul.aot_spec("feed_forward_bwd.dx", dtype, "nn", config))
             if i == 0 and dtype == torch.bfloat16:
-                specs += [
-                    matmul.aot_spec("feed_forward_fwd.linear1_relu", dtype, "nt", config,
-                                    epilogue="act_fwd", activation="relu", has_bias=True, dropout=True),
-                    matmul.aot_spec("feed_forward_bwd.dpre_relu", dtype, "nn", config,
-                                    epilogue="act_bwd", activation="relu", dropout=True),
-                ]
+                for act in ("relu", "silu"):
+                    specs += [
+                        matmul.aot_spec(f"feed_forward_fwd.linear1_{act}", dtype, "nt", config,
+                                        epilogue="act_fwd", activation=act, has_bias=True, dropout=True),
+                        matmul.aot_spec(f"feed_forward_bwd.dpre_{act}", dtype, "nn", config,
+                                        epilogue="act_bwd", activation=act, dropout=True),
+                    ]
     specs += _split_k_aot_specs()
     return specs
 
@@ -207,11 +208,12 @@ def _split_k_aot_specs():
                                            epilogue="act_bwd", activation="gelu", dropout=True),
         ]
         if dtype == torch.bfloat16:
-            specs += [
-                matmul.aot_spec_split_k_reduce("feed_forward_fwd.linear1_relu.split_k_reduce", dtype,
-                                               epilogue="act_fwd", activation="relu", has_bias=True,
-                                               dropout=True),
-                matmul.aot_spec_split_k_reduce("feed_forward_bwd.dpre_relu.split_k_reduce", dtype,
-                                               epilogue="act_bwd", activation="relu", dropout=True),
-            ]
+            for act in ("relu", "silu"):
+                specs += [
+                    matmul.aot_spec_split_k_reduce(f"feed_forward_fwd.linear1_{act}.split_k_reduce", dtype,
+                                                   epilogue="act_fwd", activation=act, has_bias=True,
+                                                   dropout=True),
+                    matmul.aot_spec_split_k_reduce(f"feed_forward_bwd.dpre_{act}.split_k_reduce", dtype,
+                                                   epilogue="act_bwd", activation=act, dropout=True),
+                ]
     return specs

@@ -84,18 +84,24 @@ _KEY = ["CACHE_KEY_M", "N", "CACHE_KEY_K", "stride_ak", "stride_bk", "EPILOGUE",
 
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
-    """act(x) for fp32 x: relu, or the exact (erf) gelu."""
+    """act(x) for fp32 x: relu, the exact (erf) gelu, or silu x sigmoid(x)."""
     if ACTIVATION == "relu":
         return tl.maximum(x, 0.0)
+    elif ACTIVATION == "silu":
+        return x * (1.0 / (1.0 + tl.exp(-x)))
     else:
         return 0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))
 
 
 @triton.jit
 def _activation_grad(x, ACTIVATION: tl.constexpr):
-    """d act / dx for fp32 x. relu: 1 where x > 0, 0 at and below 0 (F.relu's rule, as the reference)."""
+    """d act / dx for fp32 x. relu: 1 where x > 0, 0 at and below 0 (F.relu's rule, as the reference);
+    gelu: Phi(x) + x phi(x); silu: s (1 + x (1 - s)) with s = sigmoid(x) (torch's silu_backward)."""
     if ACTIVATION == "relu":
         return tl.where(x > 0.0, 1.0, 0.0)
+    elif ACTIVATION == "silu":
+        s = 1.0 / (1.0 + tl.exp(-x))
+        return s * (1.0 + x * (1.0 - s))
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
         return cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
@@ -211,7 +217,7 @@ def _matmul(
     threshold,  # dropout: keep iff the element's 16 Philox bits >= threshold = round(p * 2**16)
     scale,  # dropout: 1 / (1 - p), applied to kept elements
     EPILOGUE: tl.constexpr,  # "none" | "act_fwd" | "act_bwd"
-    ACTIVATION: tl.constexpr,  # "relu" | "gelu" (act_* epilogues)
+    ACTIVATION: tl.constexpr,  # "relu" | "gelu" | "silu" (act_* epilogues)
     HAS_BIAS: tl.constexpr,  # add bias_ptr[n] to every row
     DROPOUT: tl.constexpr,  # apply the dropout mask (act_* epilogues)
     ROW_SUM_A: tl.constexpr,  # write the row sums of A to rowsum_ptr

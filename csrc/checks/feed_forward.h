@@ -10,7 +10,7 @@
 namespace fastformer {
 
 // The activation between the GEMMs; the values are the CUDA launchers' codes (launchers.h).
-enum class Activation { kRelu = 0, kGelu = 1 };
+enum class Activation { kRelu = 0, kGelu = 1, kSilu = 2 };
 
 namespace checks {
 namespace feed_forward_detail {
@@ -44,9 +44,9 @@ inline void check_bias(const Backend& be, const char* op, const char* name, cons
 
 inline Activation parse_activation(const char* op, c10::string_view activation) {
   const std::string name(activation);
-  TORCH_CHECK(name == "relu" || name == "gelu", op,
-              ": activation must be \"relu\" or \"gelu\", got \"", name, "\"");
-  return name == "relu" ? Activation::kRelu : Activation::kGelu;
+  TORCH_CHECK(name == "relu" || name == "gelu" || name == "silu", op,
+              ": activation must be \"relu\", \"gelu\" or \"silu\", got \"", name, "\"");
+  return name == "relu" ? Activation::kRelu : name == "gelu" ? Activation::kGelu : Activation::kSilu;
 }
 
 // x, w1 and w2 (both ops take them); returns F.

@@ -10,7 +10,7 @@
 
 namespace fastformer {
 
-// Activation (relu / gelu) is declared with the op's argument checks.
+// Activation (relu / gelu / silu) is declared with the op's argument checks.
 
 // a = dropout(act(pre)); pre, a (N, F) contiguous.
 FF_ISA_DECLARE(void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act,

@@ -32,16 +32,24 @@ template <typename A>
 inline Vectorized<A> activate(const Vectorized<A>& p, Activation act) {
   using V = Vectorized<A>;
   if (act == Activation::kRelu) return at::vec::clamp_min(p, V(A(0)));
+  // silu: p sigmoid(p) = p / (1 + exp(-p)) (exp(-p) = inf below about -88 in fp32: -0, not NaN)
+  if (act == Activation::kSilu) return p * (V(A(1)) / (V(A(1)) + p.neg().exp()));
   // exact gelu: 0.5 p (1 + erf(p / sqrt(2)))
   const V half(A(0.5));
   return p * (half + half * (p * V(static_cast<A>(M_SQRT1_2))).erf());
 }
 
-// d act / d p. relu: 1 where p > 0 (F.relu's convention at 0); gelu: Phi(p) + p phi(p).
+// d act / d p. relu: 1 where p > 0 (F.relu's convention at 0); gelu: Phi(p) + p phi(p);
+// silu: s (1 + p (1 - s)) with s = sigmoid(p) (torch's silu_backward).
 template <typename A>
 inline Vectorized<A> activate_grad(const Vectorized<A>& p, Activation act) {
   using V = Vectorized<A>;
   if (act == Activation::kRelu) return V::blendv(V(A(0)), V(A(1)), p > V(A(0)));
+  if (act == Activation::kSilu) {
+    const V one(A(1));
+    const V s = one / (one + p.neg().exp());
+    return s * at::vec::fmadd(p, one - s, one);
+  }
   const V half(A(0.5));
   const V cdf = half + half * (p * V(static_cast<A>(M_SQRT1_2))).erf();
   const V pdf = (p * p * V(A(-0.5))).exp() * V(static_cast<A>(0.3989422804014327));  // 1/sqrt(2 pi)

@@ -19,7 +19,8 @@
 
 namespace {
 
-constexpr int kActRelu = 0;
+constexpr int kActRelu = 0;  // the activation codes of launchers.h (1: gelu)
+constexpr int kActSilu = 2;
 constexpr int kTileGroups = 32;  // blockDim.x: groups of 8 columns per block
 constexpr int kTileRows = 8;     // blockDim.y: rows in flight per block
 constexpr int kTileCols = kTileGroups * kFfDropoutGroup;  // 256 columns per block
@@ -62,15 +63,24 @@ FF_DEVICE void store8(T* p, int cnt, bool vec, const float (&v)[8]) {
   }
 }
 
-// relu keeps a NaN (as F.relu); gelu is the exact erf form.
+// sigmoid(p) = 1 / (1 + exp(-p)); 0 where exp(-p) overflows (p below about -88), not NaN.
+FF_DEVICE float ff_sigmoid(float p) { return 1.0f / (1.0f + expf(-p)); }
+
+// relu keeps a NaN (as F.relu); gelu is the exact erf form; silu is p sigmoid(p).
 FF_DEVICE float activate(float p, int act) {
   if (act == kActRelu) return p < 0.0f ? 0.0f : p;
+  if (act == kActSilu) return p * ff_sigmoid(p);
   return 0.5f * p * (1.0f + erff(p * 0.70710678118654752f));
 }
 
-// d act / d p: relu 1 where p > 0 (0 at exactly 0 and for NaN, F.relu's rule); gelu Phi(p) + p phi(p).
+// d act / d p: relu 1 where p > 0 (0 at exactly 0 and for NaN, F.relu's rule); gelu Phi(p) + p phi(p);
+// silu s (1 + p (1 - s)) with s = sigmoid(p) (torch's silu_backward).
 FF_DEVICE float activate_grad(float p, int act) {
   if (act == kActRelu) return p > 0.0f ? 1.0f : 0.0f;
+  if (act == kActSilu) {
+    const float s = ff_sigmoid(p);
+    return s * fmaf(p, 1.0f - s, 1.0f);
+  }
   const float cdf = 0.5f * (1.0f + erff(p * 0.70710678118654752f));
   const float pdf = expf(-0.5f * p * p) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
   return fmaf(p, pdf, cdf);
@@ -96,7 +106,7 @@ _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b
                       T* __restrict__ a,          // (N, F) out
                       int64_t N,                  // rows
                       int64_t F,                  // columns (dropout row length C)
-                      int act,                    // 0 relu, 1 gelu
+                      int act,                    // 0 relu, 1 gelu, 2 silu
                       uint32_t threshold,         // Philox v2 16-bit threshold
                       float scale,                // 1 / (1 - p)
                       uint64_t seed,              // Philox key
@@ -141,7 +151,7 @@ _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activatio
                       int64_t N,                   // rows
                       int64_t F,                   // columns
                       int64_t rows_per_part,       // rows of one part
-                      int act,                     // 0 relu, 1 gelu
+                      int act,                     // 0 relu, 1 gelu, 2 silu
                       uint32_t threshold,          // Philox v2 16-bit threshold
                       float scale,                 // 1 / (1 - p)
                       uint64_t seed,               // Philox key

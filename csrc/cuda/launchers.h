@@ -6,7 +6,7 @@
 
 // ---- feed_forward (csrc/cuda/feed_forward.cu)
 // pre (N, F): + b1 in place when b1 is not null; a (N, F) = dropout(act(pre)), Philox v2 with
-// rows of C = F columns. activation: 0 relu, 1 gelu (exact erf).
+// rows of C = F columns. activation: 0 relu, 1 gelu (exact erf), 2 silu (x sigmoid(x)).
 const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, void* stream);

@@ -108,6 +108,7 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
     ]),
     "feed_forward": (ops.feed_forward, reference.feed_forward, [
         _ff_case(7, 40, 111, "relu"), _ff_case(16, 64, 256, "gelu"), _ff_case(1, 33, 65, "gelu"),
+        _ff_case(5, 48, 97, "silu"),
     ]),
     "cross_entropy": (ops.cross_entropy, reference.cross_entropy, [
         _ce_case(7, 1001, 0.1), _ce_case(16, 128, 0.0),

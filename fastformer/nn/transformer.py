@@ -17,7 +17,8 @@ Each twin subclasses the torch class and is constructed by torch's own ``__init_
 
 Dropout probabilities are passed to the ops only in training mode. The activation must
 be ``"relu"`` or ``"gelu"`` (or ``F.relu``, ``F.gelu``, ``nn.ReLU()``, exact
-``nn.GELU()``): those are what the fused feed-forward kernels implement.
+``nn.GELU()``), or the callable ``F.silu`` / ``nn.SiLU()`` (torch's layers take no
+``"silu"`` string): those are what the fused feed-forward kernels implement.
 """
 import warnings
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
@@ -31,11 +32,12 @@ from ..internal import validation
 from .multihead_attention import KV
 from .packing import Packing
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu")  # the strings torch's layers accept
 
 
 def activation_name(activation) -> str:
-    """``"relu"`` or ``"gelu"`` for the activations the fused FFN supports; ValueError otherwise."""
+    """``"relu"``, ``"gelu"`` or ``"silu"`` for the activations the fused FFN supports; ValueError
+    otherwise. silu only as a callable: torch's layers reject the string."""
     if isinstance(activation, str):
         if activation in ACTIVATIONS:
             return activation
@@ -43,8 +45,10 @@ def activation_name(activation) -> str:
         return "relu"
     elif activation is F.gelu or (isinstance(activation, torch.nn.GELU) and activation.approximate == "none"):
         return "gelu"
-    raise ValueError(f"activation must be 'relu' or 'gelu' (or F.relu, F.gelu, nn.ReLU(), nn.GELU()): "
-                     f"those are what fastformer's fused feed-forward implements; got {activation!r}")
+    elif activation is F.silu or isinstance(activation, torch.nn.SiLU):
+        return "silu"
+    raise ValueError(f"activation must be 'relu' or 'gelu' (or F.relu, F.gelu, F.silu, nn.ReLU(), nn.GELU(), "
+                     f"nn.SiLU()): those are what fastformer's fused feed-forward implements; got {activation!r}")
 
 
 class Pending(NamedTuple):

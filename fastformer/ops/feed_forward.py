@@ -7,7 +7,7 @@ from ..autograd import FeedForwardFunction
 from ..internal import validation
 from . import reference
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "silu")
 
 
 def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
@@ -19,7 +19,8 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
         x: ``(..., E)``.
         w1: ``(F, E)`` and b1 ``(F,)`` or None: the first ``nn.Linear``'s weight and bias.
         w2: ``(E, F)`` and b2 ``(E,)`` or None: the second ``nn.Linear``'s weight and bias.
-        activation: ``"relu"`` or ``"gelu"`` (the exact erf form, as ``F.gelu``).
+        activation: ``"relu"``, ``"gelu"`` (the exact erf form, as ``F.gelu``) or ``"silu"``
+            (``x * sigmoid(x)``, as ``F.silu``; transformers' ``"swish"``).
         dropout_p: dropout probability after the activation (pass 0 in eval).
 
     Bias, activation and dropout are fused into one pass after the first GEMM (CPU) or

@@ -109,8 +109,10 @@ def _activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
         a = torch.relu(pf)
     elif activation == "gelu":
         a = 0.5 * pf * (1.0 + torch.erf(pf * (1.0 / math.sqrt(2.0))))
+    elif activation == "silu":  # x sigmoid(x), as F.silu (transformers' "swish" / "silu")
+        a = pf * torch.sigmoid(pf)
     else:
-        raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+        raise ValueError(f"activation must be 'relu', 'gelu' or 'silu', got {activation!r}")
     return a.to(pre.dtype)
 
 

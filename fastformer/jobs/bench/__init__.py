@@ -1,5 +1,8 @@
 """``python -m fastformer bench``: every op (forward, backward, forward+backward) and the
-end-to-end training step, for every provider that can run here, over a sweep of shapes.
+end-to-end training step, for every provider that can run here, over a sweep of shapes; and
+Hugging Face transformers' BART training step (``hf_bart_step``: plain, ``torch.compile``d and
+after ``fastformer.convert``; see :mod:`fastformer.jobs.bench.hf_step`) where transformers is
+installed (where it is not, its records say so).
 
 Providers (see :mod:`fastformer.jobs.bench.providers`): the fastformer backends that
 ``fastformer.available_backends()`` allows on the device (triton only on a GPU), eager PyTorch
@@ -21,23 +24,20 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
-from . import report, train_step
+from . import hf_step, report, train_step
 from .ops import MODES, OPS
 from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
-from .timing import Timing, measure_interleaved, peak_memory_bytes
+from .records import STEP_TIMING, TIMING, emit, error_status, new_record, relate, time_all, set_timed
+from .timing import peak_memory_bytes
 
-ALL_OPS = list(OPS) + ["train_step"]
+ALL_OPS = list(OPS) + ["train_step", hf_step.OP]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-# (warmup calls, min samples, max samples, min seconds) per sweep size
-TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "full": (3, 10, 200, 0.5)}
-STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "full": (2, 10, 30, 2.0)}
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
@@ -46,11 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", nargs="+", choices=ALL_OPS, default=None, metavar="OP",
                    help=f"ops to run (default all): {' '.join(ALL_OPS)}")
     p.add_argument("--providers", nargs="+", default=None, metavar="NAME",
-                   help=f"providers to run (default: all that can run here): {' '.join(REGISTRY)}")
+                   help=f"providers to run (default: all that can run here): {' '.join(REGISTRY)}; "
+                        f"{hf_step.OP}: {' '.join(hf_step.PROVIDERS)}")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="op modes (default all)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), default=None,
                    help="op dtypes (default fp32 on CPU, bf16 on CUDA); the training step always runs "
-                        "fp32 and bf16 autocast")
+                        "fp32 and bf16 autocast; hf_bart_step runs fp32, and bf16 autocast when named")
     p.add_argument("--sweep", choices=sorted(TIMING), default=None,
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -68,55 +69,6 @@ def _default_providers(size: str, device: torch.device, explicit: Optional[List[
         # no compile (tens of seconds per graph on CPU) and no slow reference in short runs
         names = [n for n in names if "compile" not in REGISTRY[n].tags and "slow" not in REGISTRY[n].tags]
     return names
-
-
-def _record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: str, status: str) -> Dict:
-    return {"op": op, "provider": provider, "shape": shape, "label": label, "mode": mode, "dtype": dtype,
-            "status": status, "median_ms": None, "min_ms": None, "q25_ms": None, "q75_ms": None, "iqr_ms": None, "reps": 0,
-            "first_call_ms": None, "throughput": None, "unit": OPS[op].unit if op in OPS else None,
-            "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None}
-
-
-def _error(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"error: {type(e).__name__}: {msg[:160]}"
-
-
-def _time_all(calls: Dict[str, Callable[[], object]], recs: Dict[str, Dict],
-              timing: Tuple[int, int, int, float]) -> Dict[str, Timing]:
-    """``calls`` timed interleaved within each repetition; when that fails, every record of
-    ``recs`` says why and nothing is returned."""
-    warmup, min_reps, max_reps, min_time = timing
-    try:
-        return measure_interleaved(calls, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
-    except Exception as e:
-        for name in calls:
-            recs[name]["status"] = _error(e)
-        return {}
-
-
-def _timed(rec: Dict, t: Timing, **more) -> None:
-    rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
-               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, **more)
-
-
-def _relate(recs: Dict[str, Dict], yardstick: str, key: str, skip=()) -> None:
-    """``rec[key]``: the yardstick's best time over each record's (the share of the machine's
-    limit it reaches), None for a record that failed, the yardstick itself and ``skip``."""
-    base = recs.get(yardstick)
-    for name, rec in recs.items():
-        ok = rec["status"] == "ok" and base is not None and base["status"] == "ok"
-        rec[key] = base["min_ms"] / rec["min_ms"] if ok and name != yardstick and name not in skip else None
-
-
-def _emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int) -> None:
-    """Append ``recs`` to ``records``, logging one line each."""
-    for rec in recs.values():
-        records.append(rec)
-        if log:
-            log(f"  {what} {rec['provider']}: "
-                + (f"median {rec['median_ms']:.{digits}f} ms, min {rec['min_ms']:.{digits}f} ms"
-                   if rec["status"] == "ok" else rec["status"]))
 
 
 def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
@@ -144,22 +96,22 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
                     cases[provider.name] = build_case(op, provider.name, shape, device, dtype, modes)
                     setup[provider.name] = (time.perf_counter() - t0) * 1e3
                 except Exception as e:  # a provider that cannot take this shape: say so, go on
-                    records += [_record(op, provider.name, shape, label, m, dname, _error(e)) for m in modes]
+                    records += [new_record(op, provider.name, shape, label, m, dname, error_status(e)) for m in modes]
             for mode in modes:
-                recs = {name: _record(op, name, shape, label, mode, dname, "") for name in cases}
-                timings = _time_all({n: c.calls[mode] for n, c in cases.items()}, recs, TIMING[size])
+                recs = {name: new_record(op, name, shape, label, mode, dname, "") for name in cases}
+                timings = time_all({n: c.calls[mode] for n, c in cases.items()}, recs, TIMING[size])
                 for name, t in timings.items():
                     try:
                         peak = peak_memory_bytes(cases[name].calls[mode], device, reset=cases[name].reset)
                         seconds = t.min_ms / 1e3
-                        _timed(recs[name], t, setup_ms=setup[name],
+                        set_timed(recs[name], t, setup_ms=setup[name],
                                peak_mem_mb=peak / 2**20 if peak is not None else None,
                                throughput=spec.throughput(shape, mode, seconds, torch.finfo(dtype).bits // 8),
                                tokens_per_s=spec.tokens(shape) / seconds)
                     except Exception as e:
-                        recs[name]["status"] = _error(e)
-                _relate(recs, COPY, "copy_fraction")  # the share of the machine's copy bandwidth reached
-                _emit(records, recs, log, f"{op} {label} {dname} {mode}", 3)
+                        recs[name]["status"] = error_status(e)
+                relate(recs, COPY, "copy_fraction")  # the share of the machine's copy bandwidth reached
+                emit(records, recs, log, f"{op} {label} {dname} {mode}", 3)
             del cases
     return records
 
@@ -189,7 +141,7 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
         for dtype in [d for d in train_step.DTYPES if dtypes is None or d in dtypes]:
             steps, recs = {}, {}
             for provider in names + list(YARDSTICKS):
-                rec = recs[provider] = _record("train_step", provider, shape, label, "step", dtype, "")
+                rec = recs[provider] = new_record("train_step", provider, shape, label, "step", dtype, "")
                 rec["unit"] = "TFLOP/s"
                 reason = None if provider in YARDSTICKS else train_step.why_not(provider, device)
                 if reason is not None:
@@ -203,16 +155,16 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
                         build = (lambda s, d, t, p=provider: train_step.build_step(p, s, d, t))
                     steps[provider] = build(shape, device, dtype)
                 except Exception as e:
-                    rec["status"] = _error(e)
-            timings = _time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
+                    rec["status"] = error_status(e)
+            timings = time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
             for provider, t in timings.items():
                 step = steps[provider]
                 peak = peak_memory_bytes(step.run, device, reset=step.reset) if provider not in YARDSTICKS else None
-                _timed(recs[provider], t, peak_mem_mb=peak / 2**20 if peak is not None else None,
+                set_timed(recs[provider], t, peak_mem_mb=peak / 2**20 if peak is not None else None,
                        tokens_per_s=step.tokens / (t.median_ms / 1e3), throughput=flops / (t.min_ms / 1e3) / 1e12)
             for yardstick, (key, _) in YARDSTICKS.items():
-                _relate(recs, yardstick, key, skip=YARDSTICKS)
-            _emit(records, recs, log, f"train_step {dtype}", 1)
+                relate(recs, yardstick, key, skip=YARDSTICKS)
+            emit(records, recs, log, f"train_step {dtype}", 1)
             del steps
     return records
 
@@ -222,10 +174,10 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         device: str = "auto", out: Optional[str] = None, plots: bool = True, verbose: bool = True,
         threads: Optional[int] = None) -> Dict:
     """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
-    unknown = [p for p in providers or [] if p not in REGISTRY and p not in train_step.PROVIDERS]
+    known = set(REGISTRY) | set(train_step.PROVIDERS) | set(hf_step.PROVIDERS)
+    unknown = [p for p in providers or [] if p not in known]
     if unknown:
-        raise ValueError(f"--providers: unknown provider(s) {unknown}; known: "
-                         f"{sorted(set(REGISTRY) | set(train_step.PROVIDERS))}")
+        raise ValueError(f"--providers: unknown provider(s) {unknown}; known: {sorted(known)}")
     dev = pick_device(device)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else None
     if threads is None:
@@ -257,6 +209,8 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
             log(f"bench {op} ({size} sweep on {dev})")
         if op == "train_step":
             records += bench_train_step(dev, size, providers, log, dtypes=dtypes)
+        elif op == hf_step.OP:
+            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes)
         else:
             records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log)
     report.add_speedups(records)

@@ -169,9 +169,11 @@ def add_speedups(records: List[Dict]) -> None:
     def best(r):
         return r.get("min_ms") if r.get("min_ms") is not None else r["median_ms"]
 
-    for base_name, key in (("torch-eager", "speedup_vs_eager"), ("torch-compile", "speedup_vs_compile")):
+    # the transformers workloads' own eager and compiled runs (fastformer.jobs.bench.hf_step)
+    for base_names, key in ((("torch-eager", "transformers"), "speedup_vs_eager"),
+                            (("torch-compile", "transformers-compile"), "speedup_vs_compile")):
         base = {(r["op"], r["label"], r["dtype"], r["mode"]): best(r)
-                for r in records if r["provider"] == base_name and r["status"] == "ok"}
+                for r in records if r["provider"] in base_names and r["status"] == "ok"}
         for r in records:
             b = base.get((r["op"], r["label"], r["dtype"], r["mode"]))
             ok = r["status"] == "ok" and b is not None and best(r) > 0 and not r["provider"].endswith("-alone")
@@ -207,7 +209,7 @@ def plot_op(path: str, op: str, records: List[Dict], title_suffix: str = "") -> 
     import matplotlib.pyplot as plt
 
     rows = [r for r in records if r["op"] == op and r["status"] == "ok"]
-    if op == "train_step":
+    if op in ("train_step", "hf_bart_step"):
         return _plot_train_step(path, rows, title_suffix, plt)
     modes = list(dict.fromkeys(r["mode"] for r in rows)) or ["fwd"]
     labels = list(dict.fromkeys(r["label"] for r in records if r["op"] == op))

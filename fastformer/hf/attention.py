@@ -1,0 +1,143 @@
+"""transformers' attention interface run by ``fastformer.ops.attention``, registered as ``"fastformer"``.
+
+transformers calls ``attention_interface(module, query, key, value, attention_mask, dropout=, scaling=,
+**kwargs)`` with q/k/v ``(B, H, S, D)`` and expects ``(out (B, Sq, H, D), weights or None)``. The mask
+it passes is built by the mask function registered for the same implementation name; ours is
+transformers' own ``sdpa_mask`` (4-D bool, True = attend, or None where SDPA could use ``is_causal``
+or needs no mask), and when that mask is exactly "causal (bottom-right) and/or key padding" we
+attach the parts to it, so the kernel gets ``key_padding_mask`` + ``is_causal`` instead of a
+materialised ``(B, 1, Sq, Sk)`` mask. Any other mask is passed on exactly:
+
+* None: no mask, or causal where SDPA would use ``is_causal`` (``module.is_causal``, query length > 1),
+  aligned top-left as SDPA aligns it (identical to bottom-right when Sq == Sk);
+* 4-D bool (True = attend): inverted into ``attn_mask`` (True = masked out);
+* float (0 / finfo.min, eager's form, or a user's bias): added to the scores, as SDPA and eager add it;
+* 2-D (B, Sk) padding mask (flash-attention's form, 1/True = keep): ``key_padding_mask`` + ``module.is_causal``.
+"""
+import logging
+
+import torch
+
+from .. import ops
+
+logger = logging.getLogger("fastformer.hf")
+
+NAME = "fastformer"
+_PARTS = "_fastformer_parts"  # attribute on a mask tensor: (key_padding_mask or None, is_causal, Sq, Sk)
+_warned = set()
+
+
+def _warn_once(key, msg):
+    if key not in _warned:
+        _warned.add(key)
+        import warnings
+        warnings.warn(msg, stacklevel=3)
+
+
+def fastformer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                    attention_mask=None, **kwargs):
+    """transformers' ``sdpa_mask`` with, where provable, the mask's parts attached for the kernel."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    mask = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                        **kwargs)
+    if mask is None or kwargs.get("use_vmap", False):
+        return mask
+    causal = mask_function is mu.causal_mask_function
+    if not causal and mask_function is not mu.bidirectional_mask_function:
+        return mask  # sliding windows, packed sequences, overlays: the 4-D mask as it is
+    if not (isinstance(q_offset, int) and isinstance(kv_offset, int)):
+        return mask
+    # causal_mask_function: query i (absolute i + q_offset) sees key j (absolute j + kv_offset) iff
+    # j + kv_offset <= i + q_offset; fastformer's is_causal: j <= i + Sk - Sq. Equal iff:
+    if causal and q_offset - kv_offset != kv_length - q_length:
+        return mask
+    kpm = None
+    padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is not None:
+        padding = padding[:, kv_offset:kv_offset + kv_length]
+        if padding.dim() != 2 or padding.shape[-1] != kv_length:
+            return mask
+        kpm = (~padding.to(torch.bool)).expand(batch_size, kv_length)
+    try:
+        setattr(mask, _PARTS, (kpm, causal, q_length, kv_length))
+    except Exception:  # noqa: BLE001 (a tensor that takes no attributes, e.g. under tracing)
+        pass
+    return mask
+
+
+def _top_left_causal(Sq, Sk, device):
+    """SDPA's ``is_causal`` (top-left aligned) as a bool mask, True = masked out."""
+    return torch.ones(Sq, Sk, dtype=torch.bool, device=device).triu(1)
+
+
+def translate_mask(module, attention_mask, Sq, Sk, B, device, is_causal=None):
+    """-> (key_padding_mask, attn_mask, is_causal) for ``fastformer.ops.attention``, exactly the
+    semantics transformers' SDPA path gives ``attention_mask`` (see the module docstring)."""
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if not (causal and Sq > 1):
+            return None, None, False
+        if Sq == Sk:
+            return None, None, True
+        return None, _top_left_causal(Sq, Sk, device), False
+    parts = getattr(attention_mask, _PARTS, None)
+    if parts is not None:
+        kpm, causal, q_len, kv_len = parts
+        if (q_len, kv_len) == (Sq, Sk) and (kpm is None or tuple(kpm.shape) == (B, Sk)):
+            return kpm, None, causal
+    if attention_mask.dim() == 2:  # (B, Sk), 1/True = keep (flash-attention's form)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        kpm = ~attention_mask[:, -Sk:].to(torch.bool)
+        return kpm, None, bool(causal and Sq > 1)
+    if attention_mask.dtype == torch.bool:
+        return None, ~attention_mask, False
+    return None, attention_mask, False
+
+
+def fastformer_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                 is_causal=None, **kwargs):
+    """transformers ``AttentionInterface`` entry running :func:`fastformer.ops.attention`."""
+    for unsupported in ("softcap", "sliding_window", "position_bias", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"attn_implementation='fastformer' does not support `{unsupported}`; use 'sdpa' "
+                             f"or 'eager' for this model")
+    if kwargs.get("output_attentions", False):
+        _warn_once("output_attentions", "attn_implementation='fastformer' does not return attention weights "
+                   "(output_attentions=True gives None); set attn_implementation='eager' to get them")
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    if n_rep > 1:
+        B_, Hk, S_, D_ = key.shape
+        key = key[:, :, None].expand(B_, Hk, n_rep, S_, D_).reshape(B_, Hk * n_rep, S_, D_)
+        value = value[:, :, None].expand(B_, Hk, n_rep, S_, value.shape[-1]).reshape(B_, Hk * n_rep, S_, -1)
+    B, H, Sq, D = query.shape
+    Sk = key.shape[2]
+    kpm, mask, causal = translate_mask(module, attention_mask, Sq, Sk, B, query.device, is_causal)
+    out = ops.attention(query, key, value, key_padding_mask=kpm, attn_mask=mask, is_causal=causal,
+                        scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``"fastformer"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``."""
+    global _registered
+    if _registered:
+        return
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ._version import check_version
+    check_version(transformers.__version__)
+    AttentionInterface.register(NAME, fastformer_attention_forward)
+    AttentionMaskInterface.register(NAME, fastformer_mask)
+    _registered = True
+
+
+__all__ = ["NAME", "register", "fastformer_attention_forward", "fastformer_mask", "translate_mask"]

@@ -1,0 +1,193 @@
+"""Fused forwards for the Transformer layers of transformers' BART family, installed per layer instance.
+
+Each function mirrors the forward of the transformers layer it replaces (same arguments, same
+calls to the layer's attention modules, whose attention runs through the ``"fastformer"``
+attention implementation) and swaps the elementwise tail for fastformer's fused ops:
+
+* post-LN (BART, Marian): ``LayerNorm(residual + dropout(x))`` -> ``add_layer_norm(x, residual, ...)``;
+* pre-LN (mBART, M2M100, Whisper): ``residual + dropout(x)`` followed by the next block's
+  LayerNorm -> ``add_layer_norm(x, residual, ..., prenorm=True)`` (``(LayerNorm(h), h)``);
+* ``fc2(dropout(act(fc1(x))))`` -> ``feed_forward(x, ..., activation=, dropout_p=activation_dropout)``;
+* an encoder layer whose mask is key padding runs everything after its attention on the real tokens
+  alone (:class:`~fastformer.nn.packing.Packing`): its output is zero at the padded positions, which
+  every later attention masks out (transformers computes values there that nothing uses).
+
+The layer object stays (parameters, hooks, submodules); its class becomes a subclass of its transformers
+class that only overrides ``forward`` (:func:`fused_class`).
+"""
+import torch
+from torch import nn
+
+from .. import ops
+from ..nn.packing import Packing
+from .attention import _PARTS
+
+
+def _p(layer, p):
+    return p if layer.training else 0.0
+
+
+def plain(module, cls) -> bool:
+    """Whether ``module`` is exactly a ``cls`` (``nn.Linear`` / ``nn.LayerNorm``) without hooks, so a fused op
+    may read its parameters in its place. A module swapped or wrapped after transformers built it (a PEFT
+    LoRA ``fc1``, a quantised Linear, accelerate's offloading hooks) is called instead, as transformers does."""
+    return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _aln(layer, x, residual, ln, prenorm=False):
+    """``LayerNorm(residual + dropout(x))``, or with ``prenorm`` ``(LayerNorm(h), h)`` for that sum ``h``."""
+    p = _p(layer, layer.dropout)
+    if plain(ln, nn.LayerNorm):
+        return ops.add_layer_norm(x, residual, ln.weight, ln.bias, ln.eps, p, prenorm=prenorm)
+    h = residual + nn.functional.dropout(x, p=p, training=layer.training)
+    return (ln(h), h) if prenorm else ln(h)
+
+
+def _ln(x, ln):
+    if plain(ln, nn.LayerNorm):
+        return ops.add_layer_norm(x, None, ln.weight, ln.bias, ln.eps, 0.0)
+    return ln(x)
+
+
+def _ffn(layer, x):
+    """``fc2(dropout(act(fc1(x))))`` as one ``feed_forward``."""
+    p = _p(layer, layer.activation_dropout)
+    if plain(layer.fc1, nn.Linear) and plain(layer.fc2, nn.Linear):
+        return ops.feed_forward(x, layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias,
+                                activation=layer._fastformer_activation, dropout_p=p)
+    h = nn.functional.dropout(layer.activation_fn(layer.fc1(x)), p=p, training=layer.training)
+    return layer.fc2(h)
+
+
+def _cache_kwarg(cache, kwargs):
+    """transformers' decoder layers take the KV cache as ``cache``; ``past_key_values``, its deprecated name
+    (renamed by their ``@deprecate_kwarg``, until 5.40), is accepted the same way."""
+    if "past_key_values" in kwargs:
+        old = kwargs.pop("past_key_values")
+        cache = old if cache is None else cache
+    return cache
+
+
+def _clamp_fp16(h, only_if_not_finite):
+    """The encoder layers' fp16 overflow guard: BART/Marian clamp only when something is not finite,
+    mBART/M2M100/Whisper always; the decoder layers have none."""
+    if h.dtype == torch.float16 and (not only_if_not_finite or not torch.isfinite(h).all()):
+        clamp_value = torch.finfo(h.dtype).max - 1000
+        h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+    return h
+
+
+def _encoder_packing(attention_mask, hidden_states):
+    """The real tokens of ``hidden_states`` (B, S, E) when the encoder's mask is exactly key padding (the
+    parts ``fastformer_mask`` attached), else None. Built once per forward: it is kept on the mask,
+    which every layer of the encoder shares."""
+    parts = getattr(attention_mask, _PARTS, None)
+    if parts is None or parts[0] is None or parts[1] or tuple(parts[0].shape) != tuple(hidden_states.shape[:2]):
+        return None
+    packing = getattr(attention_mask, "_fastformer_packing", None)
+    if packing is None:
+        packing = Packing(parts[0])
+        try:
+            attention_mask._fastformer_packing = packing
+        except Exception:  # noqa: BLE001 (a tensor that takes no attributes: build it per layer)
+            pass
+    return None if packing.dense else packing
+
+
+def _packed(packing, *tensors):
+    return tensors if packing is None else tuple(packing.pack(t) for t in tensors)
+
+
+def _unpacked(packing, x):
+    return x if packing is None else packing.unpack(x)
+
+
+# ---- post-LN: BART, Marian ----------------------------------------------------------------------
+def post_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
+    residual = hidden_states
+    h, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
+    packing = _encoder_packing(attention_mask, h)
+    h, residual = _packed(packing, h, residual)  # (n, E) each with padding skipped
+    h = _aln(self, h, residual, self.self_attn_layer_norm)
+    h = _aln(self, _ffn(self, h), h, self.final_layer_norm)
+    return _clamp_fp16(_unpacked(packing, h), only_if_not_finite=True)
+
+
+def post_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                            encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
+    cache = _cache_kwarg(cache, kwargs)
+    residual = hidden_states
+    h, _ = self.self_attn(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    h = _aln(self, h, residual, self.self_attn_layer_norm)
+    if encoder_hidden_states is not None:
+        residual = h
+        h, _ = self.encoder_attn(h, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
+                                 cache=cache, **kwargs)
+        h = _aln(self, h, residual, self.encoder_attn_layer_norm)
+    return _aln(self, _ffn(self, h), h, self.final_layer_norm)
+
+
+# ---- pre-LN: mBART, M2M100, Whisper --------------------------------------------------------------
+def _pre_ln_ffn_tail(self, x, h):
+    """``h + dropout(fc2(dropout(act(fc1(x)))))``: no LayerNorm follows inside the layer."""
+    return h + nn.functional.dropout(_ffn(self, x), p=self.dropout, training=self.training)
+
+
+def pre_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
+    residual = hidden_states
+    x = _ln(hidden_states, self.self_attn_layer_norm)
+    a, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, **kwargs)
+    packing = _encoder_packing(attention_mask, a)
+    a, residual = _packed(packing, a, residual)  # (n, E) each with padding skipped
+    x, h = _aln(self, a, residual, self.final_layer_norm, prenorm=True)
+    h = _pre_ln_ffn_tail(self, x, h)
+    return _clamp_fp16(_unpacked(packing, h), only_if_not_finite=False)
+
+
+def pre_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                           encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
+    cache = _cache_kwarg(cache, kwargs)
+    residual = hidden_states
+    x = _ln(hidden_states, self.self_attn_layer_norm)
+    a, _ = self.self_attn(x, cache=cache, attention_mask=attention_mask, **kwargs)
+    if encoder_hidden_states is not None:
+        x, residual = _aln(self, a, residual, self.encoder_attn_layer_norm, prenorm=True)
+        a, _ = self.encoder_attn(x, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
+                                 cache=cache, **kwargs)
+    x, h = _aln(self, a, residual, self.final_layer_norm, prenorm=True)
+    return _pre_ln_ffn_tail(self, x, h)
+
+
+FORWARDS = {
+    ("post", "encoder"): post_ln_encoder_forward,
+    ("post", "decoder"): post_ln_decoder_forward,
+    ("pre", "encoder"): pre_ln_encoder_forward,
+    ("pre", "decoder"): pre_ln_decoder_forward,
+}
+
+
+_SUBCLASSES = {}
+
+
+def fused_class(cls, norm: str, kind: str):
+    """A subclass of transformers' layer class ``cls`` whose ``forward`` is the fused one.
+
+    transformers' ``GradientCheckpointingLayer`` wraps a subclass's ``forward`` for gradient
+    checkpointing, so checkpointing keeps working. The subclass keeps ``cls.__name__`` (what
+    ``_no_split_modules`` and device maps match) and is a module-level name here, so pickling works.
+    """
+    key = (cls, norm, kind)
+    if key not in _SUBCLASSES:
+        qualname = f"Fused_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+        sub = type(cls.__name__, (cls,), {"forward": FORWARDS[(norm, kind)], "__module__": __name__,
+                                          "_fastformer_original_class": cls})
+        sub.__qualname__ = qualname
+        globals()[qualname] = sub
+        _SUBCLASSES[key] = sub
+    return _SUBCLASSES[key]
+
+
+def fuse_layer(layer, norm: str, kind: str, activation: str) -> None:
+    """Make ``layer`` (in place) an instance of its fused subclass: same object, parameters, hooks."""
+    layer._fastformer_activation = activation
+    layer.__class__ = fused_class(type(layer), norm, kind)

@@ -1,0 +1,169 @@
+"""The LM head + cross-entropy of transformers' seq2seq models as one fused ``linear_cross_entropy``.
+
+:func:`fuse_lm_loss` makes a ``*ForConditionalGeneration`` (in place) an instance of a subclass of its
+own class whose ``forward``, in training mode with ``labels``, runs the base model and then
+``fastformer.ops.linear_cross_entropy(hidden, lm_head.weight, labels, linear_bias=final_logits_bias)``:
+the ``(B, T, V)`` logits are never materialised (nor the rows of ignored labels), so the output's ``logits`` is None (and absent from
+the tuple of ``return_dict=False``, as transformers drops None fields). Everywhere else (evaluation,
+generation, no labels, an output projection that is not a plain hook-free ``nn.Linear``) it is the
+model's own forward, logits included.
+"""
+import functools
+import inspect
+import logging
+import sys
+import warnings
+
+from torch import nn
+
+from .. import ops
+from .layers import plain
+
+logger = logging.getLogger("fastformer.hf")
+IGNORE_INDEX = -100  # transformers' CrossEntropyLoss default, what its seq2seq models pad labels with
+
+SMOOTHING_ADVICE = (
+    "a transformers Trainer with label_smoothing_factor > 0 takes the labels away from the model and "
+    "smooths the loss from the full logits, so fastformer's fused loss (linear_cross_entropy: the LM head "
+    "and cross-entropy without materialising the logits) does not run. Set label_smoothing_factor=0 in "
+    "the TrainingArguments and pass the smoothing to fastformer instead: "
+    "fastformer.convert(model, label_smoothing=0.1)")
+
+
+def _trainer_smooths(max_depth=40) -> bool:
+    """True if a transformers ``Trainer`` whose ``args.label_smoothing_factor > 0`` is on the call stack
+    (looked up only when transformers' trainer module is already imported: nothing is imported here)."""
+    trainer_mod = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_mod, "Trainer", None)
+    if trainer_cls is None:
+        return False
+    f = sys._getframe(1)
+    for _ in range(max_depth):
+        if f is None:
+            return False
+        obj = f.f_locals.get("self")
+        if isinstance(obj, trainer_cls):
+            return getattr(getattr(obj, "args", None), "label_smoothing_factor", 0) > 0
+        f = f.f_back
+    return False
+
+
+def _flat_arguments(bound):
+    """``bound.arguments`` without ``self``, the ``**kwargs`` dict merged in."""
+    a = {}
+    for name, value in bound.arguments.items():
+        param = bound.signature.parameters[name]
+        if param.kind is param.VAR_KEYWORD:
+            a.update(value)
+        elif name != "self":
+            a[name] = value
+    return a
+
+
+def _fused_loss_forward(model, spec, a, label_smoothing):
+    """The model's own forward with labels, its ``lm_head(h) + final_logits_bias`` and
+    ``CrossEntropyLoss`` replaced by one ``linear_cross_entropy``; returns ``Seq2SeqLMOutput`` with
+    ``logits=None`` (or its tuple when ``return_dict`` is False)."""
+    from transformers.modeling_outputs import Seq2SeqLMOutput
+
+    labels = a.pop("labels")
+    return_dict = a.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    if spec.max_target_check and labels.shape[1] > model.max_target_positions:
+        raise ValueError(f"Labels' sequence length {labels.shape[1]} cannot exceed the maximum allowed length of "
+                         f"{model.max_target_positions} tokens.")
+    if a.get("decoder_input_ids") is None and (spec.shift_ignores_embeds or a.get("decoder_inputs_embeds") is None):
+        a["decoder_input_ids"] = spec.shift(labels, model.config)
+    if spec.no_cache_with_labels:
+        if a.get("use_cache"):
+            logger.warning("The `use_cache` argument is changed to `False` since `labels` is provided.")
+        a["use_cache"] = False
+    outputs = getattr(model, model.base_model_prefix)(**a, return_dict=True)
+    hidden = outputs.last_hidden_state
+    head = model.get_output_embeddings()
+    bias = head.bias
+    extra = getattr(model, "final_logits_bias", None) if spec.final_logits_bias else None
+    if extra is not None:
+        extra = extra.reshape(-1).to(hidden.device)
+        bias = extra if bias is None else bias + extra
+    labels = labels.to(hidden.device)
+    keep = labels.ne(IGNORE_INDEX)  # (B, T): the head's GEMMs skip the ignored (padded) target rows
+    if not bool(keep.all()) and bool(keep.any()):
+        hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
+    loss = ops.linear_cross_entropy(hidden, head.weight, labels, linear_bias=bias, label_smoothing=label_smoothing)
+    out = Seq2SeqLMOutput(
+        loss=loss, logits=None, cache=outputs.cache,
+        decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
+        cross_attentions=outputs.cross_attentions, encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+        encoder_hidden_states=outputs.encoder_hidden_states, encoder_attentions=outputs.encoder_attentions)
+    return out if return_dict else out.to_tuple()
+
+
+def _make_forward(cls, spec):
+    """The fused ``forward`` for transformers class ``cls`` (its signature, for generate() and the
+    Trainer, is ``cls.forward``'s)."""
+    orig = cls.forward
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        a = _flat_arguments(bound)
+        labels = a.get("labels")
+        ls = getattr(self, "_fastformer_label_smoothing", 0.0)
+        if labels is not None and self.training and plain(self.get_output_embeddings(), nn.Linear):
+            return _fused_loss_forward(self, spec, a, ls)
+        if labels is None and self.training and not getattr(self, "_fastformer_trainer_warned", False) \
+                and _trainer_smooths():
+            self._fastformer_trainer_warned = True
+            warnings.warn("fastformer: " + SMOOTHING_ADVICE, stacklevel=2)
+        out = orig(self, *args, **kwargs)
+        if labels is not None and ls > 0:
+            # evaluation with labels: the loss smoothed as in training, from the logits computed anyway
+            logits = out["logits"] if isinstance(out, dict) else out[1]
+            loss = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.to(logits.device).reshape(-1),
+                                     label_smoothing=ls)
+            if isinstance(out, dict):
+                out["loss"] = loss
+            else:
+                out = (loss,) + tuple(out[1:])
+        return out
+
+    return forward
+
+
+_SUBCLASSES = {}
+
+
+def fused_lm_class(cls, spec):
+    """A subclass of transformers' LM class ``cls`` whose ``forward`` runs the fused loss; it keeps
+    ``cls.__name__`` (what save_pretrained writes as the architecture) and is a module-level name here,
+    so pickling and deepcopy work."""
+    if cls not in _SUBCLASSES:
+        qualname = f"Fused_{cls.__module__.replace('.', '_')}_{cls.__name__}"
+        sub = type(cls.__name__, (cls,), {"forward": _make_forward(cls, spec), "__module__": __name__,
+                                          "_fastformer_original_class": cls})
+        sub.__qualname__ = qualname
+        globals()[qualname] = sub
+        _SUBCLASSES[cls] = sub
+    return _SUBCLASSES[cls]
+
+
+def fuse_lm_loss(model, spec, label_smoothing: float) -> None:
+    """Make ``model`` (a ``*ForConditionalGeneration``, in place: same object, parameters, buffers and
+    hooks) compute its training loss with ``linear_cross_entropy`` and ``label_smoothing``.
+
+    Without labels, or in eval mode, it is the model's own forward (logits materialised, as generation
+    and evaluation need them), except that with ``label_smoothing > 0`` the loss returned with labels
+    in eval mode is smoothed too, so training and evaluation losses agree.
+    """
+    model._fastformer_label_smoothing = float(label_smoothing)
+    cls = type(model)
+    if getattr(cls, "_fastformer_original_class", None) is None:
+        model.__class__ = fused_lm_class(cls, spec)
+        try:  # transformers keys the outputs it records (output_hidden_states=...) on the class
+            from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+            _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+        except (ImportError, AttributeError):
+            pass

@@ -1,0 +1,181 @@
+"""Which transformers classes are fused, and ``convert_model`` that fuses them in place."""
+import importlib
+import os
+import sys
+import warnings
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import backends, ops
+from . import layers as _layers
+from . import loss as _loss
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    module: str                     # transformers' modeling module
+    encoder_layer: str
+    decoder_layer: str
+    norm: str                       # "post" (BART, Marian) or "pre" (mBART, M2M100, Whisper)
+    lm_models: Tuple[str, ...]      # the *ForConditionalGeneration class(es): the fused loss
+    base_models: Tuple[str, ...]    # the bare *Model class(es): layers and attention only
+    shift: Callable                 # labels -> decoder_input_ids, as the model's own forward does
+    final_logits_bias: bool
+    no_cache_with_labels: bool      # the model's forward sets use_cache=False when labels are given
+    shift_ignores_embeds: bool = False  # M2M100 shifts labels whenever decoder_input_ids is None
+    max_target_check: bool = False      # Whisper refuses labels longer than max_target_positions
+
+
+def _shift3(module):
+    def shift(labels, config):
+        mod = importlib.import_module(module)
+        return mod.shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id)
+    return shift
+
+
+def _shift_mbart(labels, config):
+    from transformers.models.mbart import modeling_mbart
+    return modeling_mbart.shift_tokens_right(labels, config.pad_token_id)
+
+
+_M = "transformers.models."
+SPECS = {
+    "bart": ModelSpec(_M + "bart.modeling_bart", "BartEncoderLayer", "BartDecoderLayer", "post",
+                      ("BartForConditionalGeneration",), ("BartModel",), _shift3(_M + "bart.modeling_bart"),
+                      final_logits_bias=True, no_cache_with_labels=True),
+    "marian": ModelSpec(_M + "marian.modeling_marian", "MarianEncoderLayer", "MarianDecoderLayer", "post",
+                        ("MarianMTModel",), ("MarianModel",), _shift3(_M + "marian.modeling_marian"),
+                        final_logits_bias=True, no_cache_with_labels=True),
+    "mbart": ModelSpec(_M + "mbart.modeling_mbart", "MBartEncoderLayer", "MBartDecoderLayer", "pre",
+                       ("MBartForConditionalGeneration",), ("MBartModel",), _shift_mbart,
+                       final_logits_bias=True, no_cache_with_labels=True),
+    "m2m_100": ModelSpec(_M + "m2m_100.modeling_m2m_100", "M2M100EncoderLayer", "M2M100DecoderLayer", "pre",
+                         ("M2M100ForConditionalGeneration",), ("M2M100Model",),
+                         _shift3(_M + "m2m_100.modeling_m2m_100"), final_logits_bias=False,
+                         no_cache_with_labels=False, shift_ignores_embeds=True),
+    "whisper": ModelSpec(_M + "whisper.modeling_whisper", "WhisperEncoderLayer", "WhisperDecoderLayer", "pre",
+                         ("WhisperForConditionalGeneration",), ("WhisperModel",),
+                         _shift3(_M + "whisper.modeling_whisper"), final_logits_bias=False,
+                         no_cache_with_labels=False, max_target_check=True),
+}
+
+
+def activation_name(fn) -> Optional[str]:
+    """fastformer's name for transformers' activation module ``fn`` (``ACT2FN[...]``), or None if
+    ``feed_forward`` has no exact equivalent (gelu_new, gelu_fast, quick_gelu, ... keep their own code)."""
+    from transformers import activations as A
+    if type(fn) is nn.ReLU:
+        return "relu"
+    if type(fn) is A.GELUActivation and getattr(fn, "act", None) is nn.functional.gelu:
+        return "gelu"  # exact erf GELU, as fastformer's ("gelu_python" is the same function in Python)
+    if type(fn) is nn.SiLU or type(fn) is getattr(A, "SiLUActivation", None):
+        return "silu"  # "swish" (Marian) and "silu"
+    return None
+
+
+_probed = {}
+
+
+def activation_works(activation: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``feed_forward`` runs ``activation`` on ``device``/``dtype`` with the backend chosen now and
+    agrees with its reference (so an op or extension that lacks it, e.g. a build from before ``silu``,
+    never gives a wrong model: its layers keep transformers' code instead)."""
+    key = (activation, device.type, dtype, backends.get_backend(), os.environ.get("FASTFORMER_EXT_LIBRARY"))
+    if key not in _probed:
+        g = torch.Generator().manual_seed(0)
+        t = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in ((3, 8), (5, 8), (5,), (8, 5), (8,))]
+        try:
+            got = ops.feed_forward(*t, activation=activation)
+            want = ops.reference.feed_forward(*t, activation=activation)
+            tol = 1e-4 if dtype == torch.float32 else 5e-2
+            _probed[key] = bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
+        except Exception:  # noqa: BLE001 (any refusal means: not available here)
+            _probed[key] = False
+    return _probed[key]
+
+
+def _param_device_dtype(model):
+    p = next(model.parameters(), None)
+    return (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside fastformer."""
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR + os.sep):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _check_label_smoothing(label_smoothing):
+    if label_smoothing is None:
+        return None
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    return float(label_smoothing)
+
+
+def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float] = None):
+    """Fuse a transformers BART / Marian / mBART / M2M100 / Whisper model in place (see fastformer.convert)."""
+    import transformers
+
+    from ._version import check_version
+    from .attention import NAME, register
+
+    check_version(transformers.__version__)
+    if not isinstance(copy, bool):
+        raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
+    label_smoothing = _check_label_smoothing(label_smoothing)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    spec = SPECS.get(model_type)
+    names = ", ".join(n for s in SPECS.values() for n in s.lm_models + s.base_models)
+    if spec is None:
+        raise TypeError(f"fastformer.convert(): transformers model {type(model).__name__} (model type "
+                        f"{model_type!r}) is not supported; fastformer fuses {names}")
+    mod = importlib.import_module(spec.module)
+    lm_classes = tuple(getattr(mod, n) for n in spec.lm_models)
+    base_classes = tuple(getattr(mod, n) for n in spec.base_models)
+    cls = getattr(type(model), "_fastformer_original_class", None) or type(model)  # a converted model again
+    if cls not in lm_classes + base_classes:
+        raise TypeError(f"fastformer.convert(): {type(model).__name__} is not supported; for model type "
+                        f"{model_type!r} fastformer fuses {', '.join(spec.lm_models + spec.base_models)}")
+    if copy:
+        model = deepcopy(model)
+
+    register()
+    model.set_attn_implementation(NAME)
+
+    enc_cls, dec_cls = getattr(mod, spec.encoder_layer), getattr(mod, spec.decoder_layer)
+    device, dtype = _param_device_dtype(model)
+    unsupported = {}
+    for m in model.modules():
+        kind = "encoder" if type(m) is enc_cls else "decoder" if type(m) is dec_cls else None
+        if kind is None:
+            continue  # not a layer, or one fused already
+        act = activation_name(m.activation_fn)
+        if act is None or not activation_works(act, device, dtype):
+            name = getattr(model.config, "activation_function", None) or type(m.activation_fn).__name__
+            unsupported[name] = "fastformer's feed_forward has no such activation" if act is None else \
+                f"fastformer's feed_forward cannot run {act!r} here (backend {backends.get_backend()!r}, " \
+                f"{device.type}, {dtype})"
+            continue
+        _layers.fuse_layer(m, spec.norm, kind, act)
+    for name, why in unsupported.items():
+        warnings.warn(f"fastformer.convert(): activation {name!r} of this {type(model).__name__}: {why}; its "
+                      f"encoder and decoder layers keep transformers' own forward (their attention still runs "
+                      f"fastformer's kernel)", stacklevel=_user_stacklevel())
+    if cls in lm_classes:
+        ls = label_smoothing if label_smoothing is not None else getattr(model, "_fastformer_label_smoothing", 0.0)
+        _loss.fuse_lm_loss(model, spec, ls)
+    elif label_smoothing:
+        warnings.warn(f"fastformer.convert(): label_smoothing has no effect on {type(model).__name__}, which "
+                      f"computes no loss", stacklevel=_user_stacklevel())
+    return model

@@ -1,0 +1,59 @@
+"""The records every benchmark writes (one per op, provider, shape, mode and dtype), and the
+interleaved timing that fills them in; shared by the op, training-step and Hugging Face benchmarks."""
+from typing import Callable, Dict, List, Tuple
+
+from .ops import OPS
+from .timing import Timing, measure_interleaved
+
+# (warmup calls, min samples, max samples, min seconds) per sweep size
+TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "full": (3, 10, 200, 0.5)}
+STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "full": (2, 10, 30, 2.0)}
+
+
+def new_record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: str, status: str) -> Dict:
+    return {"op": op, "provider": provider, "shape": shape, "label": label, "mode": mode, "dtype": dtype,
+            "status": status, "median_ms": None, "min_ms": None, "q25_ms": None, "q75_ms": None, "iqr_ms": None, "reps": 0,
+            "first_call_ms": None, "throughput": None, "unit": OPS[op].unit if op in OPS else None,
+            "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None}
+
+
+def error_status(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"error: {type(e).__name__}: {msg[:160]}"
+
+
+def time_all(calls: Dict[str, Callable[[], object]], recs: Dict[str, Dict],
+              timing: Tuple[int, int, int, float]) -> Dict[str, Timing]:
+    """``calls`` timed interleaved within each repetition; when that fails, every record of
+    ``recs`` says why and nothing is returned."""
+    warmup, min_reps, max_reps, min_time = timing
+    try:
+        return measure_interleaved(calls, warmup=warmup, min_reps=min_reps, max_reps=max_reps, min_time=min_time)
+    except Exception as e:
+        for name in calls:
+            recs[name]["status"] = error_status(e)
+        return {}
+
+
+def set_timed(rec: Dict, t: Timing, **more) -> None:
+    rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
+               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, **more)
+
+
+def relate(recs: Dict[str, Dict], yardstick: str, key: str, skip=()) -> None:
+    """``rec[key]``: the yardstick's best time over each record's (the share of the machine's
+    limit it reaches), None for a record that failed, the yardstick itself and ``skip``."""
+    base = recs.get(yardstick)
+    for name, rec in recs.items():
+        ok = rec["status"] == "ok" and base is not None and base["status"] == "ok"
+        rec[key] = base["min_ms"] / rec["min_ms"] if ok and name != yardstick and name not in skip else None
+
+
+def emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int) -> None:
+    """Append ``recs`` to ``records``, logging one line each."""
+    for rec in recs.values():
+        records.append(rec)
+        if log:
+            log(f"  {what} {rec['provider']}: "
+                + (f"median {rec['median_ms']:.{digits}f} ms, min {rec['min_ms']:.{digits}f} ms"
+                   if rec["status"] == "ok" else rec["status"]))

@@ -1,0 +1,162 @@
+"""Tiny Hugging Face seq2seq models for the tests/test_hf_*.py files, built from configs (nothing is
+downloaded): BART and Marian (post-LN), mBART, M2M100 and Whisper (pre-LN), each with its
+``*ForConditionalGeneration`` (or ``MarianMTModel``) and bare ``*Model`` class, plus batches with
+padding in the source, the target and the labels."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face integration tests need transformers")
+
+MODEL_TYPES = ("bart", "marian", "mbart", "m2m_100", "whisper")
+POST_LN = ("bart", "marian")
+VOCAB, D, HEADS, FFN = 48, 32, 2, 64
+PAD, BOS, EOS = 1, 0, 2
+MEL, SRC_POS = 8, 8  # Whisper: mel bins, encoder positions (its input has 2 * SRC_POS frames)
+
+_CLASSES = {
+    "bart": ("BartConfig", "BartForConditionalGeneration", "BartModel"),
+    "marian": ("MarianConfig", "MarianMTModel", "MarianModel"),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", "MBartModel"),
+    "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", "M2M100Model"),
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", "WhisperModel"),
+}
+ACTIVATION = {"bart": "gelu", "marian": "swish", "mbart": "gelu", "m2m_100": "relu", "whisper": "gelu"}
+
+
+def config(model_type, **overrides):
+    """A tiny config of ``model_type``: d_model 32, 2 heads, 2 + 2 layers, vocab 48, dropout 0."""
+    kw = dict(vocab_size=VOCAB, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS,
+              decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, dropout=0.0,
+              attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+              activation_function=ACTIVATION[model_type], pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+              decoder_start_token_id=EOS, max_position_embeddings=64, scale_embedding=True)
+    if model_type == "whisper":
+        for k in ("max_position_embeddings", "scale_embedding"):
+            kw.pop(k)
+        kw.update(num_mel_bins=MEL, max_source_positions=SRC_POS, max_target_positions=32, decoder_start_token_id=3,
+                  suppress_tokens=None, begin_suppress_tokens=None)
+    if model_type == "marian":
+        kw.update(decoder_start_token_id=PAD)
+    kw.update(overrides)
+    return getattr(transformers, _CLASSES[model_type][0])(**kw)
+
+
+def build(model_type, bare=False, seed=0, **overrides):
+    """A tiny model (LM class, or the bare *Model with ``bare=True``) in eval mode, its trainable parameters
+    and final_logits_bias moved off their initial values (unit LayerNorms, zero biases) by a seeded jitter."""
+    cfg = config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, _CLASSES[model_type][2 if bare else 1])(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # not the fixed sinusoidal positions (Marian does not even save them)
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        bias = getattr(model, "final_logits_bias", None)
+        if bias is not None:
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=g))
+    return model.eval()
+
+
+def lm_class(model_type):
+    return getattr(transformers, _CLASSES[model_type][1])
+
+
+def batch(model_type, B=3, S=7, T=5, seed=0, pad_source=True, pad_labels=True, device="cpu"):
+    """Inputs with ``labels``: source padding (one row short, one row of length 2) and labels
+    padded with -100 at the end of one row."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    if model_type == "whisper":
+        out["input_features"] = torch.randn(B, MEL, 2 * SRC_POS, generator=g)
+    else:
+        ids = torch.randint(4, VOCAB, (B, S), generator=g)
+        mask = torch.ones(B, S, dtype=torch.long)
+        if pad_source:
+            mask[1, S - 2:] = 0
+            mask[2 % B, 2:] = 0
+            ids[mask == 0] = PAD
+        out.update(input_ids=ids, attention_mask=mask)
+    labels = torch.randint(4, VOCAB, (B, T), generator=g)
+    if pad_labels:
+        labels[0, T - 2:] = -100
+    out["labels"] = labels
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def decoder_inputs(model, labels):
+    """The decoder_input_ids the model's own forward derives from ``labels``."""
+    return model.prepare_decoder_input_ids_from_labels(labels) if hasattr(
+        model, "prepare_decoder_input_ids_from_labels") else _shift(model, labels)
+
+
+def _shift(model, labels):
+    import importlib
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
+    mod = importlib.import_module(cls.__module__)
+    if model.config.model_type == "mbart":
+        return mod.shift_tokens_right(labels, model.config.pad_token_id)
+    return mod.shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
+
+
+# ---- which fused ops ran -----------------------------------------------------------------------
+FUSED_OPS = ("attention", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy")
+
+
+def count_op_calls(monkeypatch):
+    """Wrap each ``fastformer.ops`` entry point (what fastformer.hf calls) with a counter; returns the
+    ``Counter`` of calls by op name, and the list of each attention call's keyword arguments."""
+    import collections
+
+    import fastformer
+
+    calls, attention_kwargs = collections.Counter(), []
+    for name in FUSED_OPS:
+        fn = getattr(fastformer.ops, name)
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] += 1
+            if _name == "attention":
+                attention_kwargs.append(dict(kwargs, Sq=args[0].shape[2], Sk=args[1].shape[2]))
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(fastformer.ops, name, wrapper)
+    return calls, attention_kwargs
+
+
+def ffn_fusable(model_type, backend="auto", device="cpu", dtype=torch.float32):
+    """Whether ``model_type``'s activation runs in ``feed_forward`` on ``device`` with ``backend`` (Marian's
+    "swish" needs an extension build with silu; without one its layers keep transformers' code)."""
+    import fastformer
+    from fastformer.hf import patch
+
+    name = {"gelu": "gelu", "relu": "relu", "swish": "silu"}[ACTIVATION[model_type]]
+    with fastformer.use_backend(backend):
+        return patch.activation_works(name, torch.device(device), dtype)
+
+
+def expected_calls(model, ffn_fused=True, loss=False):
+    """The fused op calls of one forward of a converted ``model`` (E encoder, L decoder layers)."""
+    E, L = model.config.encoder_layers, model.config.decoder_layers
+    return {"attention": E + 2 * L, "add_layer_norm": (2 * E + 3 * L) if ffn_fused else 0,
+            "feed_forward": (E + L) if ffn_fused else 0, "linear_cross_entropy": int(loss)}
+
+
+def convert(model, backend="auto", **kwargs):
+    """``fastformer.convert`` under ``backend``, asserting its warnings: none, except exactly one naming
+    Marian's "swish" when this build's feed_forward cannot run silu."""
+    import warnings
+
+    import fastformer
+
+    model_type = model.config.model_type
+    fusable = ffn_fusable(model_type, backend, next(model.parameters()).device)
+    with warnings.catch_warnings(record=True) as caught, fastformer.use_backend(backend):
+        warnings.simplefilter("always")
+        out = fastformer.convert(model, **kwargs)
+    mine = [str(w.message) for w in caught if "fastformer" in str(w.message)]
+    if fusable:
+        assert mine == [], mine
+    else:
+        assert len(mine) == 1 and repr(model.config.activation_function) in mine[0], mine
+    return out
