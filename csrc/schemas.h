@@ -50,7 +50,8 @@ inline void ff_define_schemas(torch::Library& m) {
 
   // x (N, E); w1 (F, E), b1 (F,), w2 (E, F), b2 (E,), nn.Linear layout. activation
   // "relu"|"gelu"|"silu" (exact erf gelu; silu x sigmoid(x)). Returns out (N, E) and
-  // pre = x w1^T + b1 (N, F), saved for backward.
+  // pre = x w1^T + b1 (N, F), saved for backward (relu without dropout on CUDA: relu(pre), which
+  // the backward reads the same way).
   m.def(
       "feed_forward_fwd(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
       "float dropout_p, Tensor philox) -> (Tensor, Tensor)");

@@ -188,6 +188,35 @@ def test_forward_returns_the_pre_activation(backend, activation):
     assert_close("out", out, ref, atol=tol[0], rtol=tol[1])
 
 
+@pytest.mark.parametrize("backend", CUDA)
+@pytest.mark.parametrize("activation, dropout_p, has_b1, in_epilogue", [
+    ("relu", 0.0, True, True), ("relu", 0.3, True, False), ("gelu", 0.0, True, False),
+    ("relu", 0.0, False, False)], ids=["relu", "relu_dropout", "gelu", "relu_no_b1"])
+def test_cuda_relu_without_dropout_runs_in_the_gemm_epilogue(backend, activation, dropout_p, has_b1, in_epilogue):
+    """bias + relu in at::_addmm_activation (cuBLASLt's epilogue on a GPU) where that is exact: relu,
+    no dropout, a b1 (cuBLASLt's gelu is the tanh form); forward and every gradient as the reference."""
+    device = device_for(backend)
+    inputs = _make_inputs((9, 40), 72, has_b1, True, device)
+    kern = backends.Kernels(backend)
+    rng = philox.pack(4, 0)
+    with torch.profiler.profile() as prof:
+        out, pre = kern.feed_forward_fwd(*inputs, activation, dropout_p, rng)
+    ran = any(e.name == "aten::_addmm_activation" for e in prof.events())
+    assert ran == in_epilogue
+    x, w1, b1, w2, b2 = inputs
+    ref_inputs = [t if t is None else t.cpu() for t in inputs]
+    tol = FP32_TOL[backend]
+    ref = reference.feed_forward(*ref_inputs, activation=activation, dropout_p=dropout_p, rng=(4, 0))
+    assert_close("out", out.cpu(), ref, *tol["out"])
+    dout = torch.randn_like(out)
+    got = kern.feed_forward_bwd(dout, x, w1, w2, pre, has_b1, True, activation, dropout_p, rng)
+    _, want = _forward_backward(lambda *t: reference.feed_forward(*t, activation=activation, dropout_p=dropout_p,
+                                                                  rng=(4, 0)), ref_inputs, dout.cpu())
+    for name, g in zip(INPUT_NAMES, got):
+        if name in want:
+            assert_close(f"d{name}", g.cpu(), want[name], *tol["grad"])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_relu_gradient_is_zero_at_exactly_zero(backend):
     """F.relu's rule: a pre-activation of exactly 0 passes no gradient (kernels and reference agree)."""

@@ -1,6 +1,8 @@
 // The feed-forward block linear(dropout(act(linear(x, w1, b1))), w2, b2) on CUDA: the glue.
 //   forward:  pre = x w1^T (ATen GEMM), then ONE kernel adds b1 in place and writes
-//             a = dropout(act(pre)), then out = a w2^T + b2 (ATen).
+//             a = dropout(act(pre)), then out = a w2^T + b2 (ATen). relu without dropout (and
+//             with b1): a = relu(x w1^T + b1) in one at::_addmm_activation (cuBLASLt's bias + relu
+//             epilogue), saved in pre's place. gelu stays out of it: cuBLASLt's is the tanh form.
 //   backward: da = dout w2 (ATen), then ONE kernel regenerates the mask and writes a (dw2 needs
 //             it) and dpre over da, summing db1's per-part column sums of dpre on the way (a
 //             small second kernel adds the parts in order); db2 is the two-stage column sum of
@@ -47,6 +49,14 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
 
+  if (act == static_cast<int>(Activation::kRelu) && dropout_p == 0.0 && has_b1) {
+    // b1 and relu in the GEMM's epilogue (cuBLASLt, through ATen). The saved tensor is then
+    // relu(pre) instead of pre: the backward kernel reads the same relu mask (a > 0 iff pre > 0)
+    // and relu(a) = a, so it computes what it computes from pre.
+    at::Tensor a = at::_addmm_activation(*b1, x, w1.t(), 1, 1, /*use_gelu=*/false);  // (N, F)
+    at::Tensor out = has_b2 ? at::addmm(*b2, a, w2.t()) : at::mm(a, w2.t());          // (N, E)
+    return {out, a.contiguous()};
+  }
   at::Tensor pre = at::mm(x, w1.t()).contiguous();  // (N, F), b1 added by the kernel
   at::Tensor a = at::empty_like(pre);               // (N, F)
   FF_CHECK_LAUNCH(launch_feed_forward_act_fwd(pre.data_ptr(), has_b1 ? b1->const_data_ptr() : nullptr,
