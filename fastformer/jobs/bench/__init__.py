@@ -32,7 +32,7 @@ from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
 from . import hf_step, report, train_step
 from .ops import MODES, OPS
 from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
-from .records import STEP_TIMING, TIMING, emit, error_status, new_record, relate, time_all, set_timed
+from .records import TIMING, emit, error_status, new_record, relate, set_timed, time_all, time_steps
 from .timing import peak_memory_bytes
 
 ALL_OPS = list(OPS) + ["train_step", hf_step.OP]
@@ -139,33 +139,14 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
         src, tgt = train_step.make_batch(shape, device)
         flops = train_step.step_gemm_flops(train_step.step_gemms(shape, src, tgt))
         for dtype in [d for d in train_step.DTYPES if dtypes is None or d in dtypes]:
-            steps, recs = {}, {}
-            for provider in names + list(YARDSTICKS):
-                rec = recs[provider] = new_record("train_step", provider, shape, label, "step", dtype, "")
-                rec["unit"] = "TFLOP/s"
-                reason = None if provider in YARDSTICKS else train_step.why_not(provider, device)
-                if reason is not None:
-                    del recs[provider]
-                    continue
-                try:
-                    if provider in YARDSTICKS:
-                        build = (lambda s, d, t, real=YARDSTICKS[provider][1]:
-                                 train_step.build_gemms(s, d, t, real_tokens=real))
-                    else:
-                        build = (lambda s, d, t, p=provider: train_step.build_step(p, s, d, t))
-                    steps[provider] = build(shape, device, dtype)
-                except Exception as e:
-                    rec["status"] = error_status(e)
-            timings = time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
-            for provider, t in timings.items():
-                step = steps[provider]
-                peak = peak_memory_bytes(step.run, device, reset=step.reset) if provider not in YARDSTICKS else None
-                set_timed(recs[provider], t, peak_mem_mb=peak / 2**20 if peak is not None else None,
-                       tokens_per_s=step.tokens / (t.median_ms / 1e3), throughput=flops / (t.min_ms / 1e3) / 1e12)
+            builders = {p: (lambda p=p: train_step.build_step(p, shape, device, dtype))
+                        for p in names if train_step.why_not(p, device) is None}
+            for yardstick, (_, real) in YARDSTICKS.items():
+                builders[yardstick] = lambda real=real: train_step.build_gemms(shape, device, dtype, real_tokens=real)
+            recs = time_steps("train_step", shape, label, dtype, size, device, builders, flops, no_peak=YARDSTICKS)
             for yardstick, (key, _) in YARDSTICKS.items():
                 relate(recs, yardstick, key, skip=YARDSTICKS)
             emit(records, recs, log, f"train_step {dtype}", 1)
-            del steps
     return records
 
 

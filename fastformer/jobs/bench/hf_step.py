@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from . import train_step
-from .records import STEP_TIMING, emit, error_status, new_record, time_all, set_timed
-from .timing import peak_memory_bytes, synchronized
+from .records import emit, time_steps
+from .timing import synchronized
 
 OP = "hf_bart_step"
 PROVIDERS = ["transformers", "transformers-compile", "transformers-fastformer"]
@@ -196,7 +196,6 @@ def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]
     """Records of the BART step for each provider (``providers``: those of them named there) and
     dtype (fp32; ``dtypes`` may name bf16 too), timed interleaved within each repetition; a
     provider that cannot run here gets a record saying why."""
-
     names = [p for p in (providers or PROVIDERS) if p in PROVIDERS]
     if providers is None and size in ("quick", "smoke"):  # no compilation (a minute on CPU) in short runs
         names = [p for p in names if p != COMPILE]
@@ -206,35 +205,9 @@ def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]
     records: List[Dict] = []
     for shape in sweep(device.type, size):
         shape_label = label(shape)
-        batch = make_batch(shape, device)
-        flops = gemm_flops(shape, batch)
+        flops = gemm_flops(shape, make_batch(shape, device))
         for dtype in chosen:
-            steps, recs, skipped = {}, {}, {}
-            for provider in names:
-                rec = new_record(OP, provider, shape, shape_label, "step", dtype, "")
-                rec["unit"] = "TFLOP/s"
-                reason = why_not(provider, device)
-                if reason is not None:
-                    rec["status"] = f"skipped: {reason}"
-                    skipped[provider] = rec
-                    continue
-                recs[provider] = rec
-                try:
-                    steps[provider] = build_step(provider, shape, device, dtype)
-                except Exception as e:  # noqa: BLE001 (a provider that fails says why; the others run)
-                    rec["status"] = error_status(e)
-            timings = time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
-            for provider, t in timings.items():
-                step = steps[provider]
-                try:
-                    peak = peak_memory_bytes(step.run, device, reset=step.reset)
-                except Exception:  # noqa: BLE001 (the time stands without the memory)
-                    peak = None
-                set_timed(recs[provider], t, peak_mem_mb=peak / 2**20 if peak is not None else None,
-                       tokens_per_s=step.tokens / (t.median_ms / 1e3), throughput=flops / (t.min_ms / 1e3) / 1e12)
-            for provider in recs:
-                if provider not in timings and not recs[provider]["status"]:
-                    recs[provider]["status"] = "error: not timed"
-            emit(records, {**recs, **skipped}, log, f"{OP} {dtype}", 1)
-            del steps
+            builders = {p: why_not(p, device) or (lambda p=p: build_step(p, shape, device, dtype)) for p in names}
+            recs = time_steps(OP, shape, shape_label, dtype, size, device, builders, flops)
+            emit(records, recs, log, f"{OP} {dtype}", 1)
     return records

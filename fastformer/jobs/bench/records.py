@@ -1,9 +1,11 @@
 """The records every benchmark writes (one per op, provider, shape, mode and dtype), and the
 interleaved timing that fills them in; shared by the op, training-step and Hugging Face benchmarks."""
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Collection, Dict, List, Tuple, Union
+
+import torch
 
 from .ops import OPS
-from .timing import Timing, measure_interleaved
+from .timing import Timing, measure_interleaved, peak_memory_bytes
 
 # (warmup calls, min samples, max samples, min seconds) per sweep size
 TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "full": (3, 10, 200, 0.5)}
@@ -57,3 +59,34 @@ def emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int
             log(f"  {what} {rec['provider']}: "
                 + (f"median {rec['median_ms']:.{digits}f} ms, min {rec['min_ms']:.{digits}f} ms"
                    if rec["status"] == "ok" else rec["status"]))
+
+
+def time_steps(op: str, shape: Dict, label: str, dtype: str, size: str, device: torch.device,
+               builders: Dict[str, Union[Callable[[], object], str]], flops: float,
+               no_peak: Collection[str] = ()) -> Dict[str, Dict]:
+    """The records of one training-step shape and dtype: ``builders`` maps each provider to a
+    callable that builds its step (a ``train_step.Step``), or to the reason it cannot run here
+    (recorded as skipped); the steps are timed interleaved, each with its peak memory (except
+    ``no_peak``), tokens per second and TFLOP/s of ``flops``."""
+    recs, steps = {}, {}
+    for provider, build in builders.items():
+        rec = recs[provider] = new_record(op, provider, shape, label, "step", dtype, "")
+        rec["unit"] = "TFLOP/s"
+        if isinstance(build, str):
+            rec["status"] = f"skipped: {build}"
+            continue
+        try:
+            steps[provider] = build()
+        except Exception as e:  # noqa: BLE001 (a provider that fails says why; the others run)
+            rec["status"] = error_status(e)
+    timings = time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
+    for provider, t in timings.items():
+        step, peak = steps[provider], None
+        if provider not in no_peak:
+            try:
+                peak = peak_memory_bytes(step.run, device, reset=step.reset)
+            except Exception:  # noqa: BLE001 (the time stands without the memory)
+                peak = None
+        set_timed(recs[provider], t, peak_mem_mb=peak / 2**20 if peak is not None else None,
+                  tokens_per_s=step.tokens / (t.median_ms / 1e3), throughput=flops / (t.min_ms / 1e3) / 1e12)
+    return recs
