@@ -28,7 +28,6 @@ steps after a warm-up. Nothing is saved unless ``--out`` names a JSON file.
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -159,7 +158,7 @@ def fusion_summary(model) -> Dict:
     layers = list(model.model.encoder.layers) + list(model.model.decoder.layers)
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None),
             "fused_layers": sum(map(fastformers, layers)), "transformer_layers": len(layers),
-            "fused_loss": fastformers(model) or "forward" in vars(model)}
+            "fused_loss": fastformers(model)}
 
 
 # -- training --------------------------------------------------------------------------------------
@@ -263,14 +262,6 @@ def run_one(args, tok, examples, test_pairs, fused: bool) -> Dict:
     return result
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def report_text(report: Dict) -> str:
     s = report["settings"]
     lines = [f"MarianMTModel d_model {s['d_model']}, {s['layers']}+{s['layers']} layers, {s['heads']} heads, "
@@ -296,6 +287,8 @@ def report_text(report: Dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     import transformers
 
+    from fastformer.jobs.bench.report import machine_info
+
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -309,8 +302,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     settings.update(vocab_size=tok.vocab_size, threads=torch.get_num_threads())
     report = {"settings": settings, "runs": runs, "seconds": time.perf_counter() - t0,
-              "machine": {"cpu": cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
-                          "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}}
+              "machine": dict(machine_info(torch.device("cpu")), transformers=transformers.__version__)}
     if len(runs) == 2:
         report["speedup"] = runs[0]["step_ms_median"] / runs[1]["step_ms_median"]
     print(report_text(report), flush=True)
