@@ -13,7 +13,7 @@ attention implementation) and swaps the elementwise tail for fastformer's fused 
   every later attention masks out (transformers computes values there that nothing uses).
 
 The layer object stays (parameters, hooks, submodules); its class becomes a subclass of its transformers
-class that only overrides ``forward`` (:func:`fused_class`).
+class that only overrides ``forward`` (:func:`fused_subclass`).
 """
 import torch
 from torch import nn
@@ -166,28 +166,22 @@ FORWARDS = {
 }
 
 
-_SUBCLASSES = {}
-
-
-def fused_class(cls, norm: str, kind: str):
-    """A subclass of transformers' layer class ``cls`` whose ``forward`` is the fused one.
-
-    transformers' ``GradientCheckpointingLayer`` wraps a subclass's ``forward`` for gradient
-    checkpointing, so checkpointing keeps working. The subclass keeps ``cls.__name__`` (what
-    ``_no_split_modules`` and device maps match) and is a module-level name here, so pickling works.
-    """
-    key = (cls, norm, kind)
-    if key not in _SUBCLASSES:
-        qualname = f"Fused_{cls.__module__.replace('.', '_')}_{cls.__name__}"
-        sub = type(cls.__name__, (cls,), {"forward": FORWARDS[(norm, kind)], "__module__": __name__,
+def fused_subclass(cls, forward, tag: str = ""):
+    """A subclass of transformers' class ``cls`` whose ``forward`` is ``forward``, made once per
+    (class, ``tag``). It keeps ``cls.__name__`` (what ``_no_split_modules``, device maps and
+    ``save_pretrained``'s architectures match) and is a module-level name here, so pickling and
+    deepcopy work. transformers' ``GradientCheckpointingLayer`` wraps a subclass's ``forward``, so
+    checkpointing keeps working."""
+    qualname = f"Fused_{cls.__module__.replace('.', '_')}_{cls.__name__}{tag}"
+    if qualname not in globals():
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__,
                                           "_fastformer_original_class": cls})
         sub.__qualname__ = qualname
         globals()[qualname] = sub
-        _SUBCLASSES[key] = sub
-    return _SUBCLASSES[key]
+    return globals()[qualname]
 
 
 def fuse_layer(layer, norm: str, kind: str, activation: str) -> None:
     """Make ``layer`` (in place) an instance of its fused subclass: same object, parameters, hooks."""
     layer._fastformer_activation = activation
-    layer.__class__ = fused_class(type(layer), norm, kind)
+    layer.__class__ = fused_subclass(type(layer), FORWARDS[(norm, kind)], f"_{norm}_{kind}")

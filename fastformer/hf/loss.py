@@ -17,7 +17,7 @@ import warnings
 from torch import nn
 
 from .. import ops
-from .layers import plain
+from .layers import fused_subclass, plain
 
 logger = logging.getLogger("fastformer.hf")
 IGNORE_INDEX = -100  # transformers' CrossEntropyLoss default, what its seq2seq models pad labels with
@@ -133,23 +133,6 @@ def _make_forward(cls, spec):
     return forward
 
 
-_SUBCLASSES = {}
-
-
-def fused_lm_class(cls, spec):
-    """A subclass of transformers' LM class ``cls`` whose ``forward`` runs the fused loss; it keeps
-    ``cls.__name__`` (what save_pretrained writes as the architecture) and is a module-level name here,
-    so pickling and deepcopy work."""
-    if cls not in _SUBCLASSES:
-        qualname = f"Fused_{cls.__module__.replace('.', '_')}_{cls.__name__}"
-        sub = type(cls.__name__, (cls,), {"forward": _make_forward(cls, spec), "__module__": __name__,
-                                          "_fastformer_original_class": cls})
-        sub.__qualname__ = qualname
-        globals()[qualname] = sub
-        _SUBCLASSES[cls] = sub
-    return _SUBCLASSES[cls]
-
-
 def fuse_lm_loss(model, spec, label_smoothing: float) -> None:
     """Make ``model`` (a ``*ForConditionalGeneration``, in place: same object, parameters, buffers and
     hooks) compute its training loss with ``linear_cross_entropy`` and ``label_smoothing``.
@@ -161,7 +144,7 @@ def fuse_lm_loss(model, spec, label_smoothing: float) -> None:
     model._fastformer_label_smoothing = float(label_smoothing)
     cls = type(model)
     if getattr(cls, "_fastformer_original_class", None) is None:
-        model.__class__ = fused_lm_class(cls, spec)
+        model.__class__ = fused_subclass(cls, _make_forward(cls, spec))
         try:  # transformers keys the outputs it records (output_hidden_states=...) on the class
             from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
             _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
