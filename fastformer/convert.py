@@ -4,7 +4,7 @@ from copy import deepcopy
 import torch
 
 from . import nn as _nn  # noqa: F401  (importing the twins registers them)
-from .internal.twins import TWINS, swap_tree
+from .internal.twins import TWINS, drop_activation_shadow, swap_tree
 
 _INPLACE_REMOVED = (
     "convert(): the 'inplace' argument was removed. convert(model) now always swaps the modules "
@@ -99,14 +99,9 @@ def convert(model: torch.nn.Module, *, copy: bool = False, **kwargs) -> torch.nn
 
 
 def _deepcopy(model: torch.nn.Module) -> torch.nn.Module:
-    """``copy.deepcopy``, mended: torch's ``Transformer{En,De}coderLayer.__setstate__`` stores ``F.relu``
-    as an instance attribute when the activation is a module (kept in ``_modules``, so missing from the
-    state it sees), which then shadows that module: the copy of a GELU/SiLU layer would compute relu."""
+    """``copy.deepcopy``, with torch's activation shadow dropped from every layer of the copy (see
+    :func:`~fastformer.internal.twins.drop_activation_shadow`)."""
     out = deepcopy(model)
     for m in out.modules():
-        if "activation" in m._modules and "activation" in m.__dict__:
-            del m.__dict__["activation"]
+        drop_activation_shadow(m)
     return out
-
-
-__all__ = ["convert", "TWINS"]

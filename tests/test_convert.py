@@ -120,6 +120,26 @@ def test_convert_copy_keeps_a_module_activation(activation):
     assert_close("output", got, want, *TOL["auto"]["out"])
 
 
+@pytest.mark.parametrize("activation", [torch.nn.GELU(), torch.nn.SiLU()], ids=["GELU", "SiLU"])
+def test_deepcopy_and_pickle_of_a_converted_layer_keep_a_module_activation(activation):
+    """The same torch shadow on the twins: a copied or reloaded converted layer must not compute relu."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = fastformer.convert(torch.nn.Sequential(torch.nn.TransformerDecoderLayer(
+        D, NHEAD, FF, dropout=0.0, activation=activation, batch_first=True)))
+    x, memory = torch.randn(2, 5, D), torch.randn(2, 3, D)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        want = model[0](x, memory)
+        for name, other in (("deepcopy", copy.deepcopy(model)), ("pickle", torch.load(buffer, weights_only=False))):
+            assert type(other[0]) is fnn.TransformerDecoderLayer
+            assert_close(name, other[0](x, memory), want, *TOL["auto"]["out"])
+
+
 def test_convert_shares_every_parameter_and_buffer_object():
     torch.manual_seed(0)
     model = Translator()

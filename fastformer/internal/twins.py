@@ -8,6 +8,14 @@ TWINS: Dict[type, type] = {}
 _OWN_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 
+def drop_activation_shadow(module: torch.nn.Module) -> None:
+    """Undo torch's ``Transformer{En,De}coderLayer.__setstate__`` (deepcopy, pickle) on ``module``: when
+    the activation is a module, kept in ``_modules``, it is missing from the state that method sees,
+    so it stores ``F.relu`` as an instance attribute, which shadows the module (relu is computed)."""
+    if "activation" in module._modules and "activation" in module.__dict__:
+        del module.__dict__["activation"]
+
+
 def twin_of(torch_cls: type):
     """Class decorator: register the decorated class as the twin of ``torch_cls``."""
     def register(cls):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..internal.twins import share_state, swap_children, twin_of
+from ..internal.twins import drop_activation_shadow, share_state, swap_children, twin_of
 from ..internal import validation
 from .multihead_attention import KV
 from .packing import Packing
@@ -179,6 +179,10 @@ class _LayerTwin:
 
     def _check_twin(self) -> None:
         activation_name(self.activation)
+
+    def __setstate__(self, state) -> None:  # deepcopy and pickle: torch's, then its relu shadow dropped
+        super().__setstate__(state)
+        drop_activation_shadow(self)
 
 
 @twin_of(torch.nn.TransformerEncoderLayer)
