@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import backends, ops
+from ..internal import validation
 from . import layers as _layers
 from . import loss as _loss
 
@@ -114,15 +115,6 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _check_label_smoothing(label_smoothing):
-    if label_smoothing is None:
-        return None
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-            or not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    return float(label_smoothing)
-
-
 def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float] = None):
     """Fuse a transformers BART / Marian / mBART / M2M100 / Whisper model in place (see fastformer.convert)."""
     import transformers
@@ -133,7 +125,8 @@ def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float]
     check_version(transformers.__version__)
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
-    label_smoothing = _check_label_smoothing(label_smoothing)
+    if label_smoothing is not None:
+        label_smoothing = validation.unit_interval("label_smoothing", label_smoothing)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     spec = SPECS.get(model_type)
     names = ", ".join(n for s in SPECS.values() for n in s.lm_models + s.base_models)

@@ -58,6 +58,13 @@ def probability(name: str, p) -> float:
     return float(p)
 
 
+def unit_interval(name: str, x) -> float:
+    """``x`` as a float in [0, 1] (a label smoothing); ValueError otherwise."""
+    if not is_number(x) or not 0.0 <= float(x) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+    return float(x)
+
+
 def positive(name: str, x) -> float:
     if not is_number(x) or not 0.0 < float(x) < math.inf:
         raise ValueError(f"{name} must be a positive number (and finite), got {x!r}")

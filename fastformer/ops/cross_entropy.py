@@ -15,8 +15,7 @@ _IGNORE_NOTHING = -(2 ** 63)
 
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
-    if not validation.is_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    validation.unit_interval("label_smoothing", label_smoothing)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
