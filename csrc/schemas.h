@@ -36,6 +36,23 @@ inline void ff_define_schemas(torch::Library& m) {
       "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, float scale, float dropout_p, "
       "Tensor philox) -> (Tensor, Tensor, Tensor)");
 
+  // Variable-length attention over packed rows (FlashAttention's varlen layout): q (total_q, H, D),
+  // k/v (total_k, H, D), last dim contiguous (any row stride); cu_seqlens_q / cu_seqlens_k int32
+  // (B + 1,) on q's device, cu[0] = 0, non-decreasing, cu[B] = total; sequence b owns rows
+  // [cu[b], cu[b + 1]), at most max_seqlen_q / max_seqlen_k of them. is_causal: query i of a
+  // sequence sees its key j iff j <= i + Lk - Lq (bottom-right per sequence). out (total_q, H, D)
+  // contiguous; lse (H, total_q) fp32, +inf for a row with no key. Dropout: the padded op's
+  // counters on (B, H, max_seqlen_q, max_seqlen_k), i.e. row (b * H + h) * max_seqlen_q + i with
+  // ceil(max_seqlen_k / 8) groups a row, so the same sequences right-padded draw the same bits.
+  m.def(
+      "attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, float dropout_p, "
+      "Tensor philox) -> (Tensor, Tensor)");
+  m.def(
+      "attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
+      "float scale, float dropout_p, Tensor philox) -> (Tensor, Tensor, Tensor)");
+
   // x, residual (N, C) contiguous; weight, bias (C,). Returns y = LN(h), h = residual + dropout(x)
   // (h = dropout(x) without a residual), mean (N,) and rstd (N,) fp32.
   m.def(

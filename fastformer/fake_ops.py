@@ -39,6 +39,19 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causa
 
 
 @_fake
+def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                         dropout_p, philox):
+    total_q, H, D = q.shape
+    return _empty(q, total_q, H, D), _empty(q, H, total_q, dtype=torch.float32)
+
+
+@_fake
+def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         is_causal, scale, dropout_p, philox):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@_fake
 def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox):
     N = x.shape[0]
     return (torch.empty_like(x), torch.empty_like(x), _empty(x, N, dtype=torch.float32),

@@ -3,8 +3,9 @@ forward kernel, saves what backward needs (the dropout's (2,) ``philox`` tensor 
 and calls the same backend's backward kernel."""
 from .add_layer_norm import AddLayerNormFunction
 from .attention import AttentionFunction
+from .attention_varlen import AttentionVarlenFunction
 from .cross_entropy import CrossEntropyFunction, LinearCrossEntropyFunction
 from .feed_forward import FeedForwardFunction
 
-__all__ = ["AttentionFunction", "AddLayerNormFunction", "FeedForwardFunction",
+__all__ = ["AttentionFunction", "AttentionVarlenFunction", "AddLayerNormFunction", "FeedForwardFunction",
            "CrossEntropyFunction", "LinearCrossEntropyFunction"]

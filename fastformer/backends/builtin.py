@@ -16,7 +16,7 @@ from .declaration import Backend, Device, Limit, OpLibrary, PythonModules, Requi
 
 CPP_MAX_HEAD_DIM = 256  # kMaxHeadDim in csrc/checks/attention.h, checked by the cpu and cuda kernels
 TRITON_PACKAGE = "fastformer.triton_kernels"
-TRITON_MODULE_OF = {"attention": "attention", "add_layer_norm": "add_layer_norm", "feed_forward": "feed_forward",
+TRITON_MODULE_OF = {"attention": "attention", "attention_varlen": "attention_varlen", "add_layer_norm": "add_layer_norm", "feed_forward": "feed_forward",
                     "cross_entropy": "cross_entropy", "linear_cross_entropy": "cross_entropy"}
 GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,7 +50,7 @@ def _cpu_note() -> str:
             "(ATEN_CPU_CAPABILITY=default|avx2|avx512 forces one)") if level else ""
 
 
-_CPP_HEAD_DIM = Limit("attention", "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM)
+_CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for op in ("attention", "attention_varlen")]
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
 
 REFERENCE = register(Backend("reference", anywhere=True))
@@ -58,17 +58,18 @@ CPU = register(Backend(
     "cpu",
     devices=[Device("cpu", (torch.float32, torch.float64, torch.bfloat16),
                     OpLibrary("fastformer", "CPU", "fastformer._C"), needs=(EXTENSION,))],
-    limits=[_CPP_HEAD_DIM],
+    limits=_CPP_HEAD_DIM,
     note=_cpu_note))
 TRITON_BACKEND = register(Backend(
     "triton",
     devices=[Device("cuda", GPU_DTYPES, _triton_modules, needs=(TRITON, CUDA_GPU)),
              Device("cpu", GPU_DTYPES, _triton_modules, needs=(TRITON, TRITON_INTERPRET))],
-    limits=[Limit("attention", "head_dim", "head dim", lambda: _triton_modules.module("attention").MAX_HEAD_DIM),
+    limits=[Limit(op, "head_dim", "head dim", lambda: _triton_modules.module("attention").MAX_HEAD_DIM)
+            for op in ("attention", "attention_varlen")] + [
             Limit("add_layer_norm", "hidden_size", "hidden size",
                   lambda: _triton_modules.module("add_layer_norm").MAX_C)]))
 CUDA = register(Backend(
     "cuda",
     devices=[Device("cuda", GPU_DTYPES, OpLibrary("fastformer", "CUDA", "fastformer._C"),
                     needs=(CUDA_GPU, EXTENSION, CUDA_KERNELS))],
-    limits=[_CPP_HEAD_DIM]))
+    limits=_CPP_HEAD_DIM))

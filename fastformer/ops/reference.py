@@ -62,20 +62,67 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
             minus_inf = attn_mask == float("-inf")
             hidden = hidden | minus_inf
             s = s + attn_mask.masked_fill(minus_inf, 0.0).to(stat_dtype)
+    keep = None
+    if dropout_p > 0.0:
+        seed, offset = _rng(dropout_p, rng)
+        keep = philox.keep_mask(s.shape, dropout_p, seed, offset, device=s.device)
+    return _masked_softmax_v(s, hidden, v, dropout_p, keep)
+
+
+def _masked_softmax_v(s, hidden, v, dropout_p, keep):
+    """``dropout(softmax(s with hidden keys at -inf)) v`` for scores ``s`` (..., Sq, Sk) and the
+    bool ``hidden`` broadcast to them; ``keep`` the dropout's keep-mask of ``s``'s shape."""
+    Sk = s.shape[-1]
     s = s.masked_fill(hidden, float("-inf"))
     # a row's visibility comes from the masks alone, never from the scores: a NaN score must give
     # a NaN row (as F.scaled_dot_product_attention does), not pass for "no visible key"
     visible = ~hidden
-    row_visible = visible.any(dim=-1, keepdim=True).expand(B, H, Sq, 1)  # (B, H, Sq, 1)
+    row_visible = visible.any(dim=-1, keepdim=True).expand(*s.shape[:-1], 1)  # (..., Sq, 1)
     s = torch.where(row_visible, s, torch.zeros_like(s))
     if Sk > 0:  # no key at all: every row sees nothing, and amax has nothing to reduce
         s = s - s.amax(dim=-1, keepdim=True)
     e = torch.exp(s)
     p = e / e.sum(dim=-1, keepdim=True) * row_visible
+    if keep is not None:
+        p = p * keep.to(p.dtype) * (1.0 / (1.0 - dropout_p))
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
+                     scale=None, dropout_p=0.0, rng=None):
+    """Attention within each sequence of packed rows (FlashAttention's varlen layout).
+
+    q ``(total_q, H, D)``, k/v ``(total_k, H, D)``; sequence b owns query rows
+    ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]``
+    (int32 ``(B + 1,)``). ``is_causal``: its query i sees its key j iff ``j <= i + Lk - Lq``.
+    Dropout drops exactly what :func:`attention` drops on the same sequences right-padded to
+    ``(B, H, max_seqlen_q, max_seqlen_k)``: sequence b's rows take the padded op's counters.
+    """
+    total_q, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    stat_dtype = torch.promote_types(q.dtype, torch.float32)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    G = philox.groups_per_row(max_seqlen_k)
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng)
-        p = philox.dropout(p, dropout_p, seed, offset)
-    return torch.matmul(p.to(v.dtype), v)
+    out = q.new_zeros(q.shape[:2] + v.shape[2:])  # (total_q, H, D)
+    for b in range(len(cq) - 1):
+        Lq, Lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if Lq == 0:
+            continue
+        qb, kb, vb = (t[c[b]:c[b + 1]].transpose(0, 1) for t, c in ((q, cq), (k, ck), (v, ck)))  # (H, L, D)
+        s = torch.matmul(qb, kb.transpose(-2, -1)).to(stat_dtype) * scale  # (H, Lq, Lk)
+        hidden = torch.zeros((1, Lq, Lk), dtype=torch.bool, device=q.device)
+        if is_causal:
+            i = torch.arange(Lq, device=q.device)[:, None]
+            j = torch.arange(Lk, device=q.device)[None, :]
+            hidden = hidden | (j > i + (Lk - Lq))
+        keep = None
+        if dropout_p > 0.0:  # the padded op's rows (b, h, i < Lq) of (B, H, max_seqlen_q, max_seqlen_k)
+            keep = philox.keep_mask((H, max_seqlen_q, max_seqlen_k), dropout_p, seed,
+                                    offset + b * H * max_seqlen_q * G, device=q.device)[:, :Lq, :Lk]
+        out[cq[b]:cq[b + 1]] = _masked_softmax_v(s, hidden, vb, dropout_p, keep).transpose(0, 1)
+    return out
 
 
 def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenorm=False, rng=None):

@@ -1,0 +1,104 @@
+// The argument checks of attention_varlen_fwd / attention_varlen_bwd (csrc/schemas.h), shared by
+// csrc/cpu/attention_varlen.cpp and csrc/cuda/attention_varlen.cpp (see common.h).
+#pragma once
+#include <cstdint>
+
+#include "attention.h"
+#include "common.h"
+
+namespace fastformer {
+namespace checks {
+
+// The sizes of one varlen call: B sequences of H heads of dim D, total_q / total_k packed rows.
+struct VarlenDims {
+  int64_t B, H, total_q, total_k, D, max_seqlen_q, max_seqlen_k;
+};
+
+// q, k, v, dout or out: 3-D (total, H, D) in a floating dtype of the backend, on q's device, unit
+// stride along D (the row and head strides are free: views of a (total, 3, H, D) projection).
+inline void check_varlen_operand(const Backend& be, const char* op, const char* name,
+                                 const at::Tensor& t, const at::Tensor& q) {
+  check_device(be, op, name, t, &q, "q");
+  TORCH_CHECK(t.dim() == 3, op, ": ", name, " must be 3-D (total, H, D), got shape ", t.sizes());
+  check_float_dtype(be, op, name, t);
+  TORCH_CHECK(t.stride(2) == 1 || t.size(2) == 1 || t.numel() == 0, op, ": ", name,
+              " must have a contiguous last dimension (stride 1), got strides ", t.strides());
+  if (&t != &q) check_same_dtype(op, name, t, q, "q");
+}
+
+// A cu_seqlens argument: int32, 1-D (B + 1,), contiguous, on q's device. Its values are checked by
+// check_cu_seqlens_values where the host can read them.
+inline void check_cu_seqlens(const Backend& be, const char* op, const char* name,
+                             const at::Tensor& cu, const at::Tensor& q) {
+  check_device(be, op, name, cu, &q, "q");
+  TORCH_CHECK(cu.scalar_type() == at::kInt, op, ": ", name,
+              " must be int32 (cumulative sequence lengths), got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, op, ": ", name,
+              " must have shape (B + 1,) with B >= 0, got ", cu.sizes());
+  check_contiguous(op, name, cu);
+}
+
+// q, k, v, both cu_seqlens and the scalars of both ops.
+inline VarlenDims check_varlen_qkv(const Backend& be, const char* op, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                   int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                   double dropout_p) {
+  check_varlen_operand(be, op, "q", q, q);
+  check_varlen_operand(be, op, "k", k, q);
+  check_varlen_operand(be, op, "v", v, q);
+  const int64_t H = q.size(1), D = q.size(2);
+  TORCH_CHECK(k.size(1) == H && k.size(2) == D, op, ": k must have shape (total_k, H, D) = (total_k, ",
+              H, ", ", D, ") to match q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
+  check_cu_seqlens(be, op, "cu_seqlens_q", cu_seqlens_q, q);
+  check_cu_seqlens(be, op, "cu_seqlens_k", cu_seqlens_k, q);
+  TORCH_CHECK(cu_seqlens_k.size(0) == cu_seqlens_q.size(0), op,
+              ": cu_seqlens_k must have cu_seqlens_q's shape (B + 1,) = ", cu_seqlens_q.sizes(),
+              ", got ", cu_seqlens_k.sizes());
+  TORCH_CHECK(max_seqlen_q >= 0, op, ": max_seqlen_q must be >= 0, got ", max_seqlen_q);
+  TORCH_CHECK(max_seqlen_k >= 0, op, ": max_seqlen_k must be >= 0, got ", max_seqlen_k);
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_dropout_p(op, dropout_p);
+  return {cu_seqlens_q.size(0) - 1, H, q.size(0), k.size(0), D, max_seqlen_q, max_seqlen_k};
+}
+
+// The values of a host-readable cu_seqlens: cu[0] = 0, non-decreasing, cu[B] = total, every
+// length <= max_seqlen. (A device's kernels clamp each sequence to [0, total) instead.)
+inline void check_cu_seqlens_values(const char* op, const char* name, const at::Tensor& cu,
+                                    int64_t total, int64_t max_seqlen, const char* total_name,
+                                    const char* max_name) {
+  const int32_t* c = cu.const_data_ptr<int32_t>();
+  const int64_t B = cu.size(0) - 1;
+  TORCH_CHECK(c[0] == 0, op, ": ", name, "[0] must be 0, got ", c[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = static_cast<int64_t>(c[b + 1]) - c[b];
+    TORCH_CHECK(len >= 0, op, ": ", name, " must be non-decreasing, got ", name, "[", b, "] = ", c[b],
+                " > ", name, "[", b + 1, "] = ", c[b + 1]);
+    TORCH_CHECK(len <= max_seqlen, op, ": sequence ", b, " has ", len, " rows by ", name, " but ",
+                max_name, " is ", max_seqlen);
+  }
+  TORCH_CHECK(c[B] == total, op, ": ", name, "[-1] must equal ", total_name, " (", total, "), got ",
+              c[B]);
+}
+
+// attention_varlen_bwd's own tensors: dout and out like q, lse (H, total_q) fp32.
+inline void check_varlen_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
+                                     const at::Tensor& out, const at::Tensor& lse,
+                                     const at::Tensor& q, const VarlenDims& dims) {
+  check_varlen_operand(be, op, "dout", dout, q);
+  check_varlen_operand(be, op, "out", out, q);
+  TORCH_CHECK(dout.sizes() == q.sizes(), op, ": dout must have q's shape ", q.sizes(), ", got ",
+              dout.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ",
+              out.sizes());
+  check_device(be, op, "lse", lse, &q, "q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == dims.H && lse.size(1) == dims.total_q, op,
+              ": lse must have shape (H, total_q) = (", dims.H, ", ", dims.total_q, "), got ",
+              lse.sizes());
+}
+
+}  // namespace checks
+}  // namespace fastformer
