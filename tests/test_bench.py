@@ -16,7 +16,7 @@ from fastformer.jobs.bench import providers as registry
 from fastformer.jobs.bench.timing import measure, peak_memory_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_FILES = ["bench_attention.py", "bench_add_layer_norm.py", "bench_feed_forward.py",
+BENCH_FILES = ["bench_attention.py", "bench_attention_varlen.py", "bench_add_layer_norm.py", "bench_feed_forward.py",
                "bench_cross_entropy.py", "bench_train_step.py"]
 
 

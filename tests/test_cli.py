@@ -97,6 +97,18 @@ def test_train_bf16_autocast(tmp_path, restore_threads):
     assert len(history) == 2 and all(0.0 < h < 10.0 for h in history)
 
 
+def test_train_packed_rows_records_the_option_and_learns(tmp_path, restore_threads):
+    """--pack: several pairs a row; the loss falls (the packed rows train the model) and the
+    checkpoint's config says so, for a resume to pack alike."""
+    out = tmp_path / "run"
+    assert main(["train", "--task-train", "400", "--task-test", "5", "--steps", "30", "--pack",
+                 "--out", str(out)] + TINY) == 0
+    state = ckpt.load(str(out))
+    assert state["config"]["pack"] is True
+    history = state["history"]
+    assert len(history) == 30 and sum(history[-5:]) < 0.8 * sum(history[:5])
+
+
 def test_malformed_data_fails_cleanly_and_writes_nothing(tmp_path, capsys, restore_threads):
     data = tmp_path / "bad.tsv"
     data.write_text("good\tline\nno tab here\n")

@@ -5,8 +5,8 @@ import re
 import pytest
 
 from fastformer.jobs.data import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, BPETokenizer, CharTokenizer, CorpusError,
-                             TokenBatches, Tokenizer, collate, encode_pairs, load_corpus, load_parallel,
-                             load_tsv, make_task, split_pairs)
+                             TokenBatches, Tokenizer, collate, collate_packed, encode_pairs, load_corpus,
+                             load_parallel, load_tsv, make_task, split_pairs, target_tokens)
 from fastformer.jobs.data import tasks
 from fastformer.jobs.data.batching import example_size
 
@@ -231,3 +231,34 @@ def test_collate_pads():
     src, tgt = collate(ex, [0, 1])
     assert src.tolist() == [[5, 6, EOS_ID], [5, EOS_ID, PAD_ID]]
     assert tgt.tolist() == [[BOS_ID, 7, EOS_ID, PAD_ID, PAD_ID], [BOS_ID, 7, 8, 9, EOS_ID]]
+
+
+def test_packed_batches_cover_each_example_once_in_random_order():
+    ex = _examples()
+    sizes = [example_size(e) for e in ex]
+    batches = TokenBatches(sizes, batch_tokens=60, seed=0, packed=True)
+    for epoch in range(2):
+        seen = sorted(i for b in batches.epoch(epoch) for i in b)
+        assert seen == list(range(len(ex)))
+        for b in batches.epoch(epoch):
+            assert len(b) == 1 or sum(sizes[i] for i in b) <= 60  # real tokens, not padded ones
+    assert batches.epoch(0) != batches.epoch(1)
+    assert TokenBatches(sizes, 60, seed=0, packed=True).epoch(1) == batches.epoch(1)
+    spread = max(max(sizes[i] for i in b) - min(sizes[i] for i in b) for b in batches.epoch(0))
+    assert spread >= (max(sizes) - min(sizes)) // 2  # no length bucketing: short and long pairs mix
+
+
+def test_collate_packed_puts_whole_pairs_in_rows_and_numbers_them():
+    ex = [([5, 6, EOS_ID], [BOS_ID, 7, EOS_ID]), ([5, EOS_ID], [BOS_ID, 7, 8, 9, EOS_ID]),
+          ([4, 4, 4, 4, 4, EOS_ID], [BOS_ID, 3, EOS_ID]), ([9, EOS_ID], [BOS_ID, EOS_ID])]
+    src, tgt, src_seg, tgt_seg = collate_packed(ex, [0, 1, 2, 3])
+    assert src.shape[1] <= 6 and tgt.shape[1] <= 6 and src.shape[0] < len(ex)  # rows as wide as the largest pair
+    pairs = []
+    for r in range(src.shape[0]):  # row-major: the i-th source sentence pairs with the i-th target one
+        for n in range(int(src_seg[r].max()) + 1):
+            pairs.append((src[r][src_seg[r] == n].tolist(), tgt[r][tgt_seg[r] == n].tolist()))
+    assert sorted(pairs) == sorted(ex)
+    assert ((src == PAD_ID) == (src_seg == -1)).all() and ((tgt == PAD_ID) == (tgt_seg == -1)).all()
+    assert target_tokens(tgt, tgt_seg) == sum(len(t) - 1 for _, t in ex)
+    padded_src, padded_tgt = collate(ex, [0, 1, 2, 3])
+    assert target_tokens(padded_tgt) == sum(len(t) - 1 for _, t in ex)

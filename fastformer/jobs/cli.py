@@ -42,6 +42,9 @@ def _train_parser(sub) -> None:
     m.add_argument("--norm-first", action="store_true", help="pre-LN layers instead of the paper's post-LN")
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-tokens", type=int, help=f"padded tokens per batch, length-bucketed (default {C.batch_tokens})")
+    o.add_argument("--pack", action="store_true", default=None,
+                   help="several sentence pairs a row, in random order (no length bucketing); --batch-tokens "
+                        "then counts real tokens")
     o.add_argument("--warmup", type=int, help=f"Noam warm-up steps (default {C.warmup})")
     o.add_argument("--lr-factor", type=float, help=f"Noam schedule factor (default {C.lr_factor})")
     o.add_argument("--label-smoothing", type=float, help=f"(default {C.label_smoothing})")

@@ -36,6 +36,7 @@ class TrainConfig:
     norm_first: bool = False
     # optimisation
     batch_tokens: int = 1024
+    pack: bool = False  # several sentence pairs a row (see collate_packed)
     warmup: int = 200
     lr_factor: float = 0.3
     label_smoothing: float = 0.1

@@ -25,8 +25,8 @@ import torch
 from . import checkpoint as ckpt
 from . import distributed
 from .config import DEFAULT_EPOCHS, DEFAULT_STEPS, TrainConfig, build_model, resolve_config
-from .data import (TokenBatches, Tokenizer, collate, encode_pairs, load_corpus, make_task, split_pairs,
-                   train_tokenizer)
+from .data import (TokenBatches, Tokenizer, collate, collate_packed, encode_pairs, load_corpus, make_task,
+                   split_pairs, target_tokens, train_tokenizer)
 from .data.batching import example_size
 from .devices import backend_context, pick_device, pick_threads, resolve_dtype
 from .translate import translate_lines
@@ -80,8 +80,10 @@ class LossModule(torch.nn.Module):
         self.model = model
         self.label_smoothing = label_smoothing
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return self.model.loss(src, tgt, label_smoothing=self.label_smoothing)
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_segments: Optional[torch.Tensor] = None,
+                tgt_segments: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model.loss(src, tgt, label_smoothing=self.label_smoothing, src_segments=src_segments,
+                               tgt_segments=tgt_segments)
 
 
 def distributed_tokenizers(src_tok: Tokenizer, tgt_tok: Tokenizer) -> Tuple[Tokenizer, Tokenizer]:
@@ -118,7 +120,8 @@ class Trainer:
         if self.world.distributed:  # every rank uses rank 0's tokenizers, whatever their training did
             self.src_tok, self.tgt_tok = distributed_tokenizers(self.src_tok, self.tgt_tok)
         self.examples = encode_pairs(self.train_pairs, self.src_tok, self.tgt_tok, cfg.max_len)
-        self.batches = TokenBatches([example_size(e) for e in self.examples], cfg.batch_tokens, seed=cfg.seed)
+        self.batches = TokenBatches([example_size(e) for e in self.examples], cfg.batch_tokens, seed=cfg.seed,
+                                    packed=cfg.pack)
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg, self.src_tok.vocab_size, self.tgt_tok.vocab_size).to(self.device)
@@ -171,21 +174,24 @@ class Trainer:
         return ckpt.save(self.state_dict(), self.path) if self.world.is_main else None
 
     # -- training ----------------------------------------------------------------------------
-    def train_step(self, src: torch.Tensor, tgt: torch.Tensor) -> float:
+    def train_step(self, src: torch.Tensor, tgt: torch.Tensor,
+                   segments: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> float:
         """One optimizer update on a (global) batch; returns its loss, the mean over all its target
-        tokens. With several processes each trains on its share of the sentences (see
+        tokens. ``segments``: the (source, target) segment ids of packed rows (``--pack``). With
+        several processes each trains on its share of the rows (see
         :mod:`fastformer.jobs.distributed`), its loss weighted by its share of the target tokens."""
         weight = None
         if self.world.distributed:
             torch.manual_seed(distributed.step_seed(self.cfg.seed, self.step, self.world.rank))
             pad = self.model.pad_idx
-            total = int((tgt[:, 1:] != pad).sum())
+            total = target_tokens(tgt, None if segments is None else segments[1], pad)
             rows, counts = distributed.shard_rows(src.shape[0], self.world)
             src, tgt = src[rows], tgt[rows]
-            mine = int((tgt[:, 1:] != pad).sum()) if counts else 0
+            segments = None if segments is None else (segments[0][rows], segments[1][rows])
+            mine = target_tokens(tgt, None if segments is None else segments[1], pad) if counts else 0
             weight = mine / total  # this rank's share of the batch's mean loss
         with autocast(self.cfg, self.device):
-            loss = self.loss_module(src, tgt)
+            loss = self.loss_module(src, tgt, *(segments or ()))
         if weight is not None:
             loss = loss * (weight * self.world.size)  # DDP averages: the ranks' sum is the batch mean
         self.optimizer.zero_grad(set_to_none=True)
@@ -223,10 +229,15 @@ class Trainer:
             with backend_context(self.cfg.backend), _InterruptFlag() as interrupt:
                 while self.step < self.total_steps:
                     epoch, b, indices = next(stream)
-                    src, tgt = collate(self.examples, indices)
+                    segments = None
+                    if self.cfg.pack:
+                        src, tgt, *segments = collate_packed(self.examples, indices)
+                        segments = tuple(t.to(self.device) for t in segments)
+                    else:
+                        src, tgt = collate(self.examples, indices)
                     ntok = int((src != 0).sum() + (tgt != 0).sum())
                     src, tgt = src.to(self.device), tgt.to(self.device)
-                    loss = self.train_step(src, tgt)
+                    loss = self.train_step(src, tgt, segments)
                     self.step += 1
                     self.epoch, self.batch = epoch, b + 1
                     self.history.append(loss)

@@ -29,16 +29,20 @@ class Seq2SeqTransformer(torch.nn.Module):
     matrix, as torch does), zero biases, LayerNorm weight 1 and bias 0, embeddings
     ``N(0, d_model^-0.5)`` (unit variance after the ``sqrt(d_model)`` scaling).
 
-    ``skip_padding`` (default True): :meth:`loss` runs every position-wise part (embeddings,
-    projections, feed-forward, add & LayerNorm, output projection and loss) on the real
-    tokens only, packed into rows of their own (:mod:`fastformer.nn.packing`), and moves to
-    the padded layout only around the attention op. Padding never reaches a real token, so
-    the loss and the gradients are those of the padded computation (up to rounding); with
-    dropout on, the dropout masks are drawn over the packed rows, so they are other (equally
-    distributed) draws than the padded computation's, unless nothing is padded. Under
-    ``torch.compile`` (the number of real tokens is data-dependent) and with
-    ``skip_padding=False``, :meth:`loss` computes the padded positions too. :meth:`forward`
-    always returns the logits of every position.
+    ``skip_padding`` (default True): :meth:`loss`, :meth:`forward` and :meth:`encode` run on the
+    real tokens only, packed into rows of their own (:mod:`fastformer.nn.packing`): every
+    position-wise part (embeddings, projections, feed-forward, add & LayerNorm, output projection
+    and loss) and attention too (:func:`fastformer.ops.attention_varlen`, within each sequence).
+    No padded position is computed. Padding never reaches a real token, so the results at the real
+    positions are those of the padded computation (up to rounding); :meth:`forward` returns zero
+    logits and :meth:`encode` a zero memory at the padded positions. With dropout on, the masks
+    are drawn over the packed rows, so they are other (equally distributed) draws than the padded
+    computation's, unless nothing is padded. Under ``torch.compile`` (the number of real tokens is
+    data-dependent: packing would break the graph) and with ``skip_padding=False``, the padded
+    positions are computed too.
+
+    Packed-sequence training: ``loss(src, tgt, src_segments=..., tgt_segments=...)`` takes rows
+    holding several sentence pairs each (see :meth:`loss`).
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, d_model: int = 512, nhead: int = 8,
@@ -144,12 +148,29 @@ class Seq2SeqTransformer(torch.nn.Module):
         x = x + self.positional(tokens.shape[1])[packing.positions].to(x.dtype)
         return self.embed_dropout(x)
 
+    def _skips_padding(self, *packings: Packing) -> bool:
+        """Whether to run on the packed rows: asked for, not traced, and some token in each batch."""
+        return (self.skip_padding and not torch.compiler.is_compiling()
+                and all(p.num_tokens for p in packings))
+
     def encode(self, src: torch.Tensor):
         """Source ids (B, Ss) -> (memory (B, Ss, d_model), source padding mask (B, Ss) bool)."""
         self._check_tokens("src", src)
         src_kpm = padding_mask(src, self.pad_idx)
+        if self.skip_padding and not torch.compiler.is_compiling():
+            packing = Packing(src_kpm)
+            if self._skips_padding(packing):
+                return packing.unpack(self._encode_packed(src, packing)), src_kpm
         memory = self.encoder(self.embed(self.src_embed, src), src_key_padding_mask=src_kpm, is_causal=False)
         return memory, src_kpm
+
+    def _encode_packed(self, src: torch.Tensor, packing: Packing) -> torch.Tensor:
+        return self.encoder(self.embed_packed(self.src_embed, src, packing), packing=packing)  # (n_s, d)
+
+    def _decode_packed(self, tgt: torch.Tensor, memory: torch.Tensor, tgt_packing: Packing,
+                       src_packing: Packing) -> torch.Tensor:
+        return self.decoder(self.embed_packed(self.tgt_embed, tgt, tgt_packing), memory, tgt_is_causal=True,
+                            packing=(tgt_packing, src_packing))  # (n_t, d)
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src_key_padding_mask: torch.Tensor) -> torch.Tensor:
         """Target ids (B, St) attending causally to themselves and to ``memory`` -> (B, St, d_model)."""
@@ -163,25 +184,50 @@ class Seq2SeqTransformer(torch.nn.Module):
     # ---------------------------------------------------------------------------- the API
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """``src`` (B, Ss), ``tgt`` (B, St) token ids -> logits (B, St, tgt_vocab_size)."""
+        if self.skip_padding and not torch.compiler.is_compiling():
+            self._check_pair(src, tgt)
+            src_packing, tgt_packing = Packing(padding_mask(src, self.pad_idx)), Packing(padding_mask(tgt, self.pad_idx))
+            if self._skips_padding(src_packing, tgt_packing):
+                memory = self._encode_packed(src, src_packing)
+                return tgt_packing.unpack(self.output_proj(self._decode_packed(tgt, memory, tgt_packing, src_packing)))
         memory, src_kpm = self.encode(src)
         return self.output_proj(self.decode(tgt, memory, src_kpm))
 
-    def loss(self, src: torch.Tensor, tgt: torch.Tensor, label_smoothing: float = 0.1) -> torch.Tensor:
+    def _check_pair(self, src: torch.Tensor, tgt: torch.Tensor) -> None:
+        self._check_tokens("src", src)
+        self._check_tokens("tgt", tgt)
+        if tgt.shape[0] != src.shape[0]:
+            raise ValueError(f"tgt has batch size {tgt.shape[0]} but the source has {src.shape[0]}")
+
+    def loss(self, src: torch.Tensor, tgt: torch.Tensor, label_smoothing: float = 0.1, *,
+             src_segments=None, tgt_segments=None) -> torch.Tensor:
         """Teacher-forced label-smoothed cross-entropy, mean over non-pad target tokens.
 
         The decoder reads ``tgt[:, :-1]`` and predicts ``tgt[:, 1:]``; targets equal to
         ``pad_idx`` are ignored. The logits are never materialised in full:
         :func:`fastformer.ops.linear_cross_entropy` fuses the output projection and the loss.
+
+        Packed sentence pairs: with ``src_segments`` and ``tgt_segments`` (``(B, Ss)`` and
+        ``(B, St)`` integer ids), each row holds several sentence pairs, one after the other: a
+        sentence is a run of equal ids over the row's non-pad positions, and the i-th source
+        sentence of the batch (in row-major order) pairs with the i-th target sentence. Attention
+        stays within each sentence, positions restart at 0 in each, and each target sentence is
+        shifted on its own (its last token is read by nothing, its first predicted by nothing), so
+        the loss equals that of the same pairs in a padded batch of one pair a row.
         """
+        if (src_segments is None) != (tgt_segments is None):
+            raise ValueError("give src_segments and tgt_segments together (packed sentence pairs), or neither")
+        if src_segments is not None:
+            return self._segment_loss(src, tgt, src_segments, tgt_segments, label_smoothing)
         self._check_tokens("tgt", tgt)
         if tgt.shape[1] < 2:
             raise ValueError(f"tgt must hold at least 2 positions (input and target), got shape {tuple(tgt.shape)}")
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:].long()
         if self.skip_padding and not torch.compiler.is_compiling():
-            self._check_tokens("src", src)
+            self._check_pair(src, tgt)
             src_packing = Packing(padding_mask(src, self.pad_idx))
             tgt_packing = Packing(padding_mask(tgt_in, self.pad_idx))
-            if src_packing.num_tokens and tgt_packing.num_tokens and tgt.shape[0] == src.shape[0]:
+            if self._skips_padding(src_packing, tgt_packing):
                 return self._packed_loss(src, tgt_in, tgt_out, src_packing, tgt_packing, label_smoothing)
         memory, src_kpm = self.encode(src)
         hidden = self.decode(tgt_in, memory, src_kpm)  # (B, St - 1, d)
@@ -191,12 +237,37 @@ class Seq2SeqTransformer(torch.nn.Module):
     def _packed_loss(self, src, tgt_in, tgt_out, src_packing: Packing, tgt_packing: Packing,
                      label_smoothing: float) -> torch.Tensor:
         """:meth:`loss` on the real tokens only (``skip_padding``)."""
-        memory = self.encoder(self.embed_packed(self.src_embed, src, src_packing), packing=src_packing)  # (n_s, d)
-        hidden = self.decoder(self.embed_packed(self.tgt_embed, tgt_in, tgt_packing), memory,
-                              tgt_is_causal=True, packing=(tgt_packing, src_packing))  # (n_t, d)
+        hidden = self._decode_packed(tgt_in, self._encode_packed(src, src_packing), tgt_packing, src_packing)
         return ops.linear_cross_entropy(hidden, self.output_proj.weight, tgt_packing.pack(tgt_out),
                                         linear_bias=self.output_proj.bias, label_smoothing=label_smoothing,
                                         ignore_index=self.pad_idx)
+
+    def _segment_loss(self, src, tgt, src_segments, tgt_segments, label_smoothing: float) -> torch.Tensor:
+        """:meth:`loss` of packed sentence pairs: each target sentence shifted within itself."""
+        self._check_pair(src, tgt)
+        for name, seg, tokens in (("src_segments", src_segments, src), ("tgt_segments", tgt_segments, tgt)):
+            if not isinstance(seg, torch.Tensor) or seg.shape != tokens.shape or seg.is_floating_point():
+                got = f"{seg.dtype} {tuple(seg.shape)}" if isinstance(seg, torch.Tensor) else type(seg).__name__
+                raise ValueError(f"{name} must be an integer tensor of the tokens' shape {tuple(tokens.shape)}, "
+                                 f"got {got}")
+        if torch.compiler.is_compiling():
+            raise RuntimeError("packed sentence pairs (src_segments / tgt_segments) run eagerly: their packing is "
+                               "data-dependent; compile the model's layers, not loss()")
+        tgt_pad = padding_mask(tgt, self.pad_idx)
+        seg = tgt_segments.to(tgt.device)
+        # a sentence's last token: the row ends, the next position is padding or another sentence
+        last = torch.ones_like(tgt_pad)
+        last[:, :-1] = tgt_pad[:, 1:] | (seg[:, 1:] != seg[:, :-1])
+        tgt_out = torch.cat([tgt[:, 1:], tgt.new_full((tgt.shape[0], 1), self.pad_idx)], dim=1).long()
+        src_packing = Packing(padding_mask(src, self.pad_idx), src_segments.to(src.device))
+        tgt_packing = Packing(tgt_pad | last, seg)  # the decoder reads all but each sentence's last token
+        if src_packing.num_sequences != tgt_packing.num_sequences:
+            raise ValueError(f"src_segments and tgt_segments must hold the same number of sentences (of at least "
+                             f"one source token and two target tokens), got {src_packing.num_sequences} and "
+                             f"{tgt_packing.num_sequences}")
+        if not self._skips_padding(src_packing, tgt_packing):
+            raise ValueError("packed sentence pairs need skip_padding=True and at least one sentence pair")
+        return self._packed_loss(src, tgt, tgt_out, src_packing, tgt_packing, label_smoothing)
 
     def generate(self, src: torch.Tensor, max_len=None, beam_size: int = 1) -> torch.Tensor:
         """Translate ``src`` (B, Ss): greedy (``beam_size=1``) or beam search.

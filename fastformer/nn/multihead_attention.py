@@ -180,8 +180,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         """torch's contract; with ``packing`` (see :mod:`fastformer.nn.packing`), attention
         between packed tokens: ``packing = (query_packing, key_packing)``, ``query`` the
         ``(n_q, E)`` real rows of the query batch, ``key`` / ``value`` the ``(n_k, E)`` real
-        rows of the key batch; the padding masks come from the packings. Returns the
-        ``(n_q, E)`` output and None (no weights)."""
+        rows of the key batch; each query attends to the keys of its own sequence (the i-th
+        sequence of ``query_packing`` to the i-th of ``key_packing``), ``is_causal`` aligned
+        bottom-right per sequence. Returns the ``(n_q, E)`` output and None (no weights)."""
         if packing is not None:
             if need_weights or attn_mask is not None or key_padding_mask is not None:
                 raise ValueError("with packing, the padding masks come from the packings: attn_mask and "
@@ -255,33 +256,32 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     # ------------------------------------------------------------------- packed tokens
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         q_packing: Packing, kv_packing: Packing, is_causal: bool) -> torch.Tensor:
-        """Projections on the packed rows, attention in the padded layout, output rows packed."""
+        """Projections, attention (within each sequence, :func:`fastformer.ops.attention_varlen`) and
+        the output projection, all on the packed rows: no padded position is computed."""
         if not self._qkv_same_embed_dim or self.bias_k is not None or self.add_zero_attn:
             raise ValueError("packed attention needs the packed q/k/v projection (kdim = vdim = embed_dim) and "
                              "no add_bias_kv / add_zero_attn")
-        E = self.embed_dim
+        E, H, D = self.embed_dim, self.num_heads, self.head_dim
         for name, t, packing in (("query", query, q_packing), ("key", key, kv_packing), ("value", value, kv_packing)):
             validation.hidden(name, t, E, self.out_proj.weight, ranks=(2,), width_name="embed_dim")
             if t.shape[0] != packing.num_tokens:
                 raise ValueError(f"packed {name} must have one row per real token, {packing.num_tokens}, got "
                                  f"shape {tuple(t.shape)}")
-        if q_packing.batch_size != kv_packing.batch_size:
-            raise ValueError(f"query and key packings must have the same batch size, got {q_packing.batch_size} "
-                             f"and {kv_packing.batch_size}")
+        if q_packing.num_sequences != kv_packing.num_sequences:
+            raise ValueError(f"query and key packings must hold the same number of sequences, got "
+                             f"{q_packing.num_sequences} and {kv_packing.num_sequences}")
         w, b = self.in_proj_weight, self.in_proj_bias  # (3E, E), (3E,)
-        if query is key and key is value:  # self-attention: one GEMM, one move to the padded layout
-            q, k, v = q_packing.unpack(F.linear(query, w, b)).chunk(3, dim=-1)  # (B, S, E) each
+        if query is key and key is value:  # self-attention: one GEMM
+            q, k, v = F.linear(query, w, b).view(-1, 3, H, D).unbind(1)  # (n, H, D) views each
         else:
-            q = q_packing.unpack(F.linear(query, w[:E], b[:E] if b is not None else None))  # (B, L, E)
             if key is not value:
                 raise ValueError("packed cross-attention needs key is value (the memory)")
-            k, v = kv_packing.unpack(F.linear(key, w[E:], b[E:] if b is not None else None)).chunk(2, dim=-1)
-        q, k, v = (self._split_heads(t) for t in (q, k, v))  # (B, H, S, D)
-        out = ops.attention(q, k, v, key_padding_mask=kv_packing.padding_mask, is_causal=is_causal,
-                            scale=1.0 / math.sqrt(self.head_dim),
-                            dropout_p=self.dropout if self.training else 0.0)  # (B, H, L, D)
-        out = q_packing.pack(out.transpose(1, 2)).reshape(q_packing.num_tokens, E)  # (n_q, E)
-        return F.linear(out, self.out_proj.weight, self.out_proj.bias)
+            q = F.linear(query, w[:E], b[:E] if b is not None else None).view(-1, H, D)  # (n_q, H, D)
+            k, v = F.linear(key, w[E:], b[E:] if b is not None else None).view(-1, 2, H, D).unbind(1)  # (n_k, H, D)
+        out = ops.attention_varlen(q, k, v, q_packing.cu_seqlens, kv_packing.cu_seqlens, q_packing.max_seqlen,
+                                   kv_packing.max_seqlen, is_causal=is_causal, scale=1.0 / math.sqrt(D),
+                                   dropout_p=self.dropout if self.training else 0.0)  # (n_q, H, D)
+        return F.linear(out.reshape(q_packing.num_tokens, E), self.out_proj.weight, self.out_proj.bias)
 
     # -------------------------------------------------------------- incremental decoding
     def memory_key_value(self, memory: torch.Tensor) -> KV:

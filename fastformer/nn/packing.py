@@ -1,20 +1,22 @@
 """Skipping padding: the real tokens of a padded batch, packed into rows of their own.
 
-In a padded batch ``(B, S)`` only ``n <= B * S`` positions hold tokens. Every part of a
-Transformer layer but attention treats each position on its own (the linear projections,
-the feed-forward network, add & LayerNorm, the output projection and the loss), so those
-parts can run on the ``n`` real rows alone, ``(n, E)``, and skip the work on padding.
-Attention mixes positions: its projections are put back into the padded ``(B, S, ...)``
-layout (zeros where the padding is, which the key padding mask hides) just around the
-attention op, and its output rows are packed again.
-
-Padded positions never reach a real one (they are masked as keys, and their own outputs
-are not used), so the real rows come out as in the padded computation. ::
+In a padded batch ``(B, S)`` only ``n <= B * S`` positions hold tokens. A Transformer layer can
+run entirely on the ``n`` real rows ``(n, E)``: every part but attention treats each position on
+its own, and attention runs on the packed rows too, within each sequence
+(:func:`fastformer.ops.attention_varlen`, FlashAttention's variable-length layout, with the
+packing's ``cu_seqlens``). No padded position is computed and no row moves between layouts
+inside a layer. ::
 
     packing = Packing(tokens == pad_idx)      # (B, S) bool, True = padded
     x = packing.pack(embedded)                # (B, S, E) -> (n, E)
     y = packing.unpack(x)                     # (n, E) -> (B, S, E), zeros at the padding
+
+Packed-sequence training puts several short sentences into one row: ``segment_ids`` ``(B, S)``
+then says which sentence of its row each position belongs to (a sentence is a run of equal ids),
+attention stays within each sentence and ``positions`` restart at 0 in each.
 """
+from typing import Optional
+
 import torch
 
 
@@ -23,17 +25,26 @@ class Packing:
 
     Args:
         padding_mask: ``(B, S)`` bool, True where a position is padding (a key padding mask).
+        segment_ids: optional ``(B, S)`` integer ids: the real positions of a row with equal
+            consecutive ids form one sequence (several sentences packed into one row). Without
+            it, each row is one sequence.
 
     Attributes:
-        padding_mask: the mask it was built from, for the attention op.
+        padding_mask: the mask it was built from.
         index: ``(n,)`` int64, the real positions as flat indices into ``B * S`` rows.
-        positions: ``(n,)`` int64, each real token's position in its sequence (0 .. S - 1).
+        positions: ``(n,)`` int64, each real token's position: its column in the padded row
+            (as the padded computation numbers it), counted from its sentence's first column
+            with ``segment_ids``.
         num_tokens: ``n``.
+        cu_seqlens: ``(num_sequences + 1,)`` int32 cumulative sequence lengths over the packed
+            rows (for :func:`fastformer.ops.attention_varlen`); an empty row without
+            ``segment_ids`` is a sequence of length 0, so a batch's two packings line up.
+        max_seqlen: the longest sequence's length.
         dense: True when nothing is padded; then ``pack`` and ``unpack`` are views, and the
             packed rows are the padded batch's rows in the same order.
     """
 
-    def __init__(self, padding_mask: torch.Tensor):
+    def __init__(self, padding_mask: torch.Tensor, segment_ids: Optional[torch.Tensor] = None):
         if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool or padding_mask.dim() != 2:
             got = (f"{padding_mask.dtype} tensor of shape {tuple(padding_mask.shape)}"
                    if isinstance(padding_mask, torch.Tensor) else type(padding_mask).__name__)
@@ -43,9 +54,29 @@ class Packing:
         self.index = (~padding_mask).reshape(-1).nonzero().squeeze(1)  # (n,)
         self.num_tokens = int(self.index.numel())
         self.dense = self.num_tokens == padding_mask.numel()
-        self.positions = self.index % self.seq_len  # (n,)
         self._rows = self.index // self.seq_len  # (n,) batch row of each token
+        self._cols = self.index % self.seq_len  # (n,) its column in the padded layout
         self._pad_index = padding_mask.reshape(-1).nonzero().squeeze(1)  # (B * S - n,)
+        if segment_ids is None:
+            lengths = (~padding_mask).sum(dim=1)  # (B,): one sequence a row, empty rows included
+            self.positions = self._cols  # as in the padded layout, where a row's column is its position
+        else:
+            if (not isinstance(segment_ids, torch.Tensor) or segment_ids.shape != padding_mask.shape
+                    or segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool):
+                got = (f"{segment_ids.dtype} tensor of shape {tuple(segment_ids.shape)}"
+                       if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__)
+                raise ValueError(f"segment_ids must be an integer tensor of padding_mask's shape "
+                                 f"{tuple(padding_mask.shape)}, got {got}")
+            seg = segment_ids.reshape(-1).index_select(0, self.index.to(segment_ids.device)).to(self.index.device)
+            new = torch.ones(self.num_tokens, dtype=torch.bool, device=self.index.device)  # a sequence starts here
+            if self.num_tokens > 1:
+                new[1:] = (self._rows[1:] != self._rows[:-1]) | (seg[1:] != seg[:-1])
+            first = new.nonzero().squeeze(1)  # (num_sequences,)
+            lengths = torch.diff(first, append=first.new_tensor([self.num_tokens]))
+            self.positions = self._cols - self._cols[first].repeat_interleave(lengths)  # 0 at each sentence's start
+        self.num_sequences = int(lengths.numel())
+        self.cu_seqlens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+        self.max_seqlen = int(lengths.max()) if self.num_sequences else 0
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, S, *rest)`` -> ``(n, *rest)``: the rows of the real tokens."""
@@ -68,7 +99,7 @@ class Packing:
     # the two moves, each the other's gradient (the indices are unique: no accumulation)
     def _gather(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, *rest) -> (n, *rest)
         if x.dim() > 2 and not x.is_contiguous():  # e.g. a (B, S, H, D) view of (B, H, S, D): one gather
-            return x[self._rows, self.positions]
+            return x[self._rows, self._cols]
         return x.reshape(self.batch_size * self.seq_len, *x.shape[2:]).index_select(0, self.index)
 
     def _scatter(self, x: torch.Tensor) -> torch.Tensor:  # (n, *rest) -> (B, S, *rest), zero padding
@@ -78,7 +109,8 @@ class Packing:
         return out.view((self.batch_size, self.seq_len) + rest)
 
     def __repr__(self) -> str:
-        return f"Packing(batch_size={self.batch_size}, seq_len={self.seq_len}, num_tokens={self.num_tokens})"
+        return (f"Packing(batch_size={self.batch_size}, seq_len={self.seq_len}, num_tokens={self.num_tokens}, "
+                f"num_sequences={self.num_sequences})")
 
 
 class _Move(torch.autograd.Function):

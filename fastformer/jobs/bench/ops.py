@@ -5,6 +5,9 @@ The eager compositions are what the ``torch.nn`` modules do in training:
 
 * attention: ``nn.MultiheadAttention``'s path -- the causal and key-padding masks merged into
   one additive float mask, then ``F.scaled_dot_product_attention`` with dropout;
+* attention_varlen: packed rows moved to the padded layout, that same SDPA call, and back (torch
+  has no variable-length attention on the CPU); ``fastformer-padded`` does the same around
+  fastformer's padded op;
 * add_layer_norm: ``F.dropout`` + add + ``F.layer_norm`` (post-LN residual block);
 * feed_forward: ``linear -> relu -> dropout -> linear``;
 * cross_entropy: ``F.cross_entropy`` with label smoothing;
@@ -111,6 +114,72 @@ ATTENTION = OpSpec(
     name="attention", make_inputs=_attention_inputs, eager=_attention_eager, fastformer=_attention_fastformer,
     sweep=_attention_sweep, tokens=lambda s: s["B"] * s["S"], flops=_attention_flops, leaves=["q", "k", "v"],
     label=lambda s: f"B{s['B']} H{s['H']} S{s['S']} D{s['D']}" + ("" if s.get("pad", True) else " nopad"))
+
+
+# -- attention_varlen: the same attention on packed rows --------------------------------------------
+def _varlen_lengths(s: Dict) -> torch.Tensor:
+    return torch.randint(s["S"] // 2, s["S"] + 1, (s["B"],), generator=torch.Generator().manual_seed(1))
+
+
+def _varlen_inputs(s: Dict, device, dtype) -> Inputs:
+    """q, k, v ``(total, H, D)`` of B sequences of lengths uniform in [S/2, S] (as the training step's
+    batch), their cu_seqlens, and the padded layout's index of each packed row (for the providers that
+    attend on the padded layout: a torch user's SDPA, fastformer's padded op)."""
+    B, H, S, D = s["B"], s["H"], s["S"], s["D"]
+    leaf = _randn_leaves(device, dtype)
+    lengths = _varlen_lengths(s)
+    total = int(lengths.sum())
+    q, k, v = (leaf(total, H, D) for _ in range(3))
+    padding = torch.arange(S)[None, :] >= lengths[:, None]  # (B, S)
+    return {"q": q, "k": k, "v": v, "key_padding_mask": padding.to(device),
+            "rows": (~padding).reshape(-1).nonzero().squeeze(1).to(device),
+            "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).to(device)}
+
+
+def _padded(x: Inputs, attend) -> torch.Tensor:
+    """``attend(q, k, v, key_padding_mask)`` on the padded ``(B, H, S, D)`` layout, with the moves there
+    and back: what attention costs a model that keeps packed rows but has no varlen kernel."""
+    kpm, rows = x["key_padding_mask"], x["rows"]
+    B, S = kpm.shape
+    H, D = x["q"].shape[1:]
+
+    def pad(t):  # (total, H, D) -> (B, H, S, D), zeros at the padding
+        return t.new_zeros(B * S, H, D).index_copy(0, rows, t).view(B, S, H, D).transpose(1, 2)
+    out = attend(pad(x["q"]), pad(x["k"]), pad(x["v"]), kpm)  # (B, H, S, D)
+    return out.transpose(1, 2).reshape(B * S, H, D).index_select(0, rows)
+
+
+def _varlen_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    return _padded(x, lambda q, k, v, kpm: _attention_eager({"q": q, "k": k, "v": v, "key_padding_mask": kpm}, s))
+
+
+def varlen_padded_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return _padded(x, lambda q, k, v, kpm: fastformer.ops.attention(q, k, v, key_padding_mask=kpm, is_causal=True,
+                                                                    dropout_p=DROPOUT))
+
+
+def _varlen_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    cu, S = x["cu_seqlens"], x["key_padding_mask"].shape[1]
+    return fastformer.ops.attention_varlen(x["q"], x["k"], x["v"], cu, cu, S, S, is_causal=True, dropout_p=DROPOUT)
+
+
+def _varlen_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(B=3, H=2, S=16, D=32)]
+    if device == "cuda":
+        return [dict(B=max(1, 16384 // S), H=16, S=S, D=64) for S in ([512, 2048] if size == "quick" else [512, 1024, 2048, 4096])]
+    return [dict(B=32, H=8, S=S, D=64) for S in ([64, 128] if size == "quick" else [64, 128, 256])]
+
+
+def _varlen_flops(s: Dict, mode: str) -> float:  # causal over the real tokens: ~L^2 / 2 per sequence
+    lengths = _varlen_lengths(s).double()
+    return 4.0 * s["H"] * s["D"] * float((lengths * lengths).sum()) * 0.5 * _MODE_FACTOR[mode]
+
+
+ATTENTION_VARLEN = OpSpec(
+    name="attention_varlen", make_inputs=_varlen_inputs, eager=_varlen_eager, fastformer=_varlen_fastformer,
+    sweep=_varlen_sweep, tokens=lambda s: int(_varlen_lengths(s).sum()), flops=_varlen_flops, leaves=["q", "k", "v"],
+    label=lambda s: f"B{s['B']} H{s['H']} S<={s['S']} D{s['D']}")
 
 
 # -- add_layer_norm -----------------------------------------------------------------------------
@@ -253,4 +322,4 @@ LINEAR_CROSS_ENTROPY = OpSpec(
 
 
 OPS: Dict[str, OpSpec] = {spec.name: spec for spec in
-                          (ATTENTION, ADD_LAYER_NORM, FEED_FORWARD, CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)}
+                          (ATTENTION, ATTENTION_VARLEN, ADD_LAYER_NORM, FEED_FORWARD, CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)}

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import backends
 
-from .ops import DROPOUT, MODES, OPS, SMOOTHING, Inputs, OpSpec
+from .ops import DROPOUT, MODES, OPS, SMOOTHING, Inputs, OpSpec, varlen_padded_fastformer
 from .timing import synchronized
 
 Forward = Callable[[Inputs, Dict], torch.Tensor]
@@ -110,6 +110,11 @@ for _name in backends.NAMES:
     register(Provider(f"fastformer-{_name}", factory=_fastformer_factory(_name), why_not=_fastformer_why_not(_name),
                       tags=["fastformer"] + (["slow"] if _name == "reference" else []),
                       devices={"cpu": ("cpu",), "reference": ("cpu", "cuda")}.get(_name, ("cuda",))))
+
+
+# -- fastformer's padded attention on packed rows (attention_varlen's comparison) --------------------
+register(Provider("fastformer-padded", factory=lambda spec: varlen_padded_fastformer, tags=["fastformer"],
+                  ops=("attention_varlen",)))
 
 
 # -- CUDA-only SDPA kernels (attention) -----------------------------------------------------------
