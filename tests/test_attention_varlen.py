@@ -57,7 +57,7 @@ def _inputs(case, device, dtype=torch.float32, seed=0):
     k, v = (torch.randn(sum(lk), H, D, generator=gen) for _ in range(2))
     to = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     lengths = dict(cu_seqlens_q=cu_seqlens(lq, device), cu_seqlens_k=cu_seqlens(lk, device),
-                   max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+                   max_seqlen_q=max(lq, default=0), max_seqlen_k=max(lk, default=0))
     return (to(q), to(k), to(v)), to(dout), lengths, causal
 
 
