@@ -174,6 +174,7 @@ __global__ void __launch_bounds__(kThreads)
 varlen_fwd(Params p, T* __restrict__ out, float* __restrict__ lse, int64_t tiles) {
   using C = Tile<kD>;
   constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BM = C::kRows, BN = C::kTile;
+  constexpr int kChunk = BN < 32 ? BN : 32;  // scores held in registers at once
   __shared__ __align__(16) float ks[BN * kD];
   __shared__ __align__(16) float vs[BN * kD];
   __shared__ uint8_t keep_s[BM * C::kGroups];
@@ -209,45 +210,50 @@ varlen_fwd(Params p, T* __restrict__ out, float* __restrict__ lse, int64_t tiles
     if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
     __syncthreads();
 
-    float s[BN];
+    // the tile's keys in chunks of kChunk scores (registers), each an online-softmax step
 #pragma unroll
-    for (int j = 0; j < BN; ++j) {
-      float a = 0.0f;
+    for (int j0 = 0; j0 < BN; j0 += kChunk) {
+      float s[kChunk];
 #pragma unroll
-      for (int c = 0; c < kSlice; ++c) a = fmaf(qr[c], ks[j * kD + g + kTpr * c], a);
-      s[j] = group_sum<kTpr>(a);
-    }
-    // hidden keys -inf (a visible -inf score is 0 as well; a row of only those is NaN below)
-    float mt = -INFINITY;
+      for (int j = 0; j < kChunk; ++j) {
+        float a = 0.0f;
 #pragma unroll
-    for (int j = 0; j < BN; ++j) {
-      const int64_t key = n0 + j;
-      const bool vis = row_valid && key < sk.len && key <= row_last;
-      s[j] = vis ? s[j] * p.scale : -INFINITY;
-      mt = fmaxf(mt, s[j]);  // ignores NaN: a NaN score reaches l and acc through exp below
-    }
-    const float mn = fmaxf(m, mt);
-    const float alpha = m == mn ? 1.0f : expf(m - mn);  // m = -inf before the first visible key: 0
-    l *= alpha;
-#pragma unroll
-    for (int c = 0; c < kSlice; ++c) acc[c] *= alpha;
-#pragma unroll
-    for (int j = 0; j < BN; ++j) {
-      const float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - mn);
-      l += e;
-      float z = 1.0f;
-      if (p.dropout) {
-        const uint32_t bits = keep_s[grp * C::kGroups + j / kFfDropoutGroup];
-        z = (bits >> (j % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        for (int c = 0; c < kSlice; ++c) a = fmaf(qr[c], ks[(j0 + j) * kD + g + kTpr * c], a);
+        s[j] = group_sum<kTpr>(a);
       }
-      s[j] = e * z;
-    }
+      // hidden keys -inf (a visible -inf score is 0 as well; a row of only those is NaN below)
+      float mt = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < BN; ++j) {
+      for (int j = 0; j < kChunk; ++j) {
+        const int64_t key = n0 + j0 + j;
+        const bool vis = row_valid && key < sk.len && key <= row_last;
+        s[j] = vis ? s[j] * p.scale : -INFINITY;
+        mt = fmaxf(mt, s[j]);  // ignores NaN: a NaN score reaches l and acc through exp below
+      }
+      const float mn = fmaxf(m, mt);
+      const float alpha = m == mn ? 1.0f : expf(m - mn);  // m = -inf before the first visible key: 0
+      l *= alpha;
 #pragma unroll
-      for (int c = 0; c < kSlice; ++c) acc[c] = fmaf(s[j], vs[j * kD + g + kTpr * c], acc[c]);
+      for (int c = 0; c < kSlice; ++c) acc[c] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - mn);
+        l += e;
+        float z = 1.0f;
+        if (p.dropout) {
+          const int jj = j0 + j;
+          const uint32_t bits = keep_s[grp * C::kGroups + jj / kFfDropoutGroup];
+          z = (bits >> (jj % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        s[j] = e * z;
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+        for (int c = 0; c < kSlice; ++c) acc[c] = fmaf(s[j], vs[(j0 + j) * kD + g + kTpr * c], acc[c]);
+      }
+      m = mn;
     }
-    m = mn;
   }
 
   if (!row_valid) return;  // no barrier follows
