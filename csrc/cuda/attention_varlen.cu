@@ -4,10 +4,10 @@
 // the definition fastformer/ops/reference.py::attention_varlen.
 //
 //   forward   varlen_fwd: a block owns (sequence b, head h, a tile of kRows queries); it streams
-//             the sequence's keys in tiles of kTile rows (K and V through shared memory), keeps
-//             the scores of one tile in registers, an online softmax in fp32 (running max m and
-//             sum l per row) and the output accumulator; writes out = acc / l and only
-//             lse = m + log(l) per row. No Lq x Lk buffer exists anywhere.
+//             the sequence's keys in tiles of kTile rows (K and V through shared memory), takes
+//             a tile's scores in register chunks of at most 32 keys, each an online-softmax step in
+//             fp32 (running max m and sum l per row, the output accumulator rescaled); writes
+//             out = acc / l and only lse = m + log(l) per row. No Lq x Lk buffer exists anywhere.
 //   backward  varlen_delta: delta = rowsum(dO * O) (fp32, (H, total_q)), then
 //             varlen_bwd_dkdv: a block owns (b, h, a tile of kRows keys), keeps k, v, dk, dv rows
 //               in registers and streams the queries that can see its keys in tiles of kTile rows
