@@ -104,3 +104,36 @@ const char* launch_attention_softmax_bwd(const float* prob, const float* dp, voi
                                          int64_t Sq, int64_t Sk, int64_t D, int dtype, double scale,
                                          double dropout_p, uint64_t seed, uint64_t offset,
                                          void* stream);
+
+// ---- attention_varlen (csrc/cuda/attention_varlen.cu)
+// Fused flash-style kernels (FlashAttention-2's algorithm, fp32 accumulation) over packed rows:
+// q (total_q, H, D), k / v (total_k, H, D) in dtype, unit last stride, element strides per row and
+// head; cu_seqlens_q / cu_seqlens_k int32 (B + 1,) on the device, read only there (each sequence
+// clamped to [0, total) and to max_seqlen: memory-safe whatever the values). causal: key j of a
+// sequence visible to its query i iff j <= i + Lk - Lq. Dropout: the padded op's Philox v2
+// counters on (B, H, max_seqlen_q, max_seqlen_k). D in [1, 256].
+struct FfVarlenArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int64_t B, H, D, total_q, total_k, max_seqlen_q, max_seqlen_k;
+  int dtype;
+  bool causal;
+  double scale, dropout_p;
+  uint64_t seed, offset;
+};
+// out (total_q, H, D) contiguous in dtype; lse (H, total_q) fp32, +inf for a row with no key. Rows
+// of q that no sequence owns are not written.
+const char* launch_attention_varlen_fwd(const FfVarlenArgs& a, void* out, float* lse, void* stream);
+// dq / dk / dv in dtype through their (row, head) strides, unit last stride; delta (H, total_q)
+// fp32 workspace (= rowsum(dout * out)); dout / out through their strides, lse (H, total_q) fp32
+// contiguous. Deterministic: a dK / dV kernel per key tile, then a dQ kernel per query tile.
+const char* launch_attention_varlen_bwd(const FfVarlenArgs& a, const void* dout, int64_t do_row,
+                                        int64_t do_head, const void* out, int64_t o_row,
+                                        int64_t o_head, const float* lse, float* delta, void* dq,
+                                        int64_t dq_row, int64_t dq_head, void* dk, int64_t dk_row,
+                                        int64_t dk_head, void* dv, int64_t dv_row, int64_t dv_head,
+                                        void* stream);

@@ -1,0 +1,115 @@
+// attention_varlen on CUDA: the glue of the fused kernels of attention_varlen.cu (schema in
+// csrc/schemas.h, checks in csrc/checks/attention_varlen.h). The host never reads cu_seqlens
+// (that would synchronise with the device): the kernels read them and clamp every sequence to
+// the tensors' rows. Only out and lse are made by the forward; the backward adds the fp32 delta
+// (H, total_q) and the three gradients: nothing of size Lq x Lk exists.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <tuple>
+
+#include "glue.h"
+#include "launchers.h"
+#include "../checks/attention_varlen.h"
+
+namespace fastformer {
+namespace {
+
+FfVarlenArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_q, const at::Tensor& cu_k,
+                         const checks::VarlenDims& dims, bool is_causal, double scale,
+                         double dropout_p, const FfPhiloxArgs& rng, int dtype) {
+  FfVarlenArgs a;
+  a.q = q.const_data_ptr();
+  a.k = k.const_data_ptr();
+  a.v = v.const_data_ptr();
+  a.q_row = q.stride(0);
+  a.q_head = q.stride(1);
+  a.k_row = k.stride(0);
+  a.k_head = k.stride(1);
+  a.v_row = v.stride(0);
+  a.v_head = v.stride(1);
+  a.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
+  a.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
+  a.B = dims.B;
+  a.H = dims.H;
+  a.D = dims.D;
+  a.total_q = dims.total_q;
+  a.total_k = dims.total_k;
+  a.max_seqlen_q = dims.max_seqlen_q;
+  a.max_seqlen_k = dims.max_seqlen_k;
+  a.dtype = dtype;
+  a.causal = is_causal;
+  a.scale = scale;
+  a.dropout_p = dropout_p;
+  a.seed = rng.seed;
+  a.offset = rng.offset;
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    double scale, double dropout_p, const at::Tensor& philox) {
+  const char* op = "attention_varlen_fwd";
+  const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, scale, dropout_p);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const int dtype = ff_dtype_code(q, "q", op);
+  c10::DeviceGuard guard(q.device());
+  const auto f32 = q.options().dtype(at::kFloat);
+  if (dims.total_q * dims.H == 0 || dims.total_k == 0 || dims.max_seqlen_k == 0) {
+    // no query, or no key for any query: out 0, lse +inf
+    return {at::zeros({dims.total_q, dims.H, dims.D}, q.options()),
+            at::full({dims.H, dims.total_q}, std::numeric_limits<float>::infinity(), f32)};
+  }
+  at::Tensor out = at::empty({dims.total_q, dims.H, dims.D}, q.options());  // (total_q, H, D)
+  at::Tensor lse = at::empty({dims.H, dims.total_q}, f32);                  // (H, total_q)
+  const FfVarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
+                                     dropout_p, rng, dtype);
+  FF_CHECK_LAUNCH(launch_attention_varlen_fwd(a, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    double scale, double dropout_p, const at::Tensor& philox) {
+  const char* op = "attention_varlen_bwd";
+  const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, scale, dropout_p);
+  checks::check_varlen_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const int dtype = ff_dtype_code(q, "q", op);
+  c10::DeviceGuard guard(q.device());
+  // laid out like empty_like (the fake implementation's promise), written through their strides
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  if (dims.total_q * dims.H == 0 || dims.total_k == 0 || dims.max_seqlen_k == 0 ||
+      dims.max_seqlen_q == 0) {  // nothing flows: every gradient is 0
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
+  const FfVarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
+                                     dropout_p, rng, dtype);
+  FF_CHECK_LAUNCH(launch_attention_varlen_bwd(
+      a, dout.const_data_ptr(), dout.stride(0), dout.stride(1), out.const_data_ptr(), out.stride(0),
+      out.stride(1), lse.const_data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr(),
+      dq.stride(0), dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(),
+      dv.stride(0), dv.stride(1), ff_stream(q)));
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace fastformer
+
+FF_CUDA_IMPL(m) {
+  m.impl("attention_varlen_fwd", &fastformer::attention_varlen_fwd_cuda);
+  m.impl("attention_varlen_bwd", &fastformer::attention_varlen_bwd_cuda);
+}

@@ -1,0 +1,597 @@
+// Variable-length attention for CUDA: FlashAttention-2's algorithm, fused, in plain FMA (SIMT)
+// arithmetic with fp32 accumulation (tensor-core mma.sync is a later step). The glue is
+// csrc/cuda/attention_varlen.cpp; the contract (schema, dropout counters) is csrc/schemas.h and
+// the definition fastformer/ops/reference.py::attention_varlen.
+//
+//   forward   varlen_fwd: a block owns (sequence b, head h, a tile of kRows queries); it streams
+//             the sequence's keys in tiles of kTile rows (K and V through shared memory), takes
+//             a tile's scores in register chunks of at most 32 keys, each an online-softmax step in
+//             fp32 (running max m and sum l per row, the output accumulator rescaled); writes
+//             out = acc / l and only lse = m + log(l) per row. No Lq x Lk buffer exists anywhere.
+//   backward  varlen_delta: delta = rowsum(dO * O) (fp32, (H, total_q)), then
+//             varlen_bwd_dkdv: a block owns (b, h, a tile of kRows keys), keeps k, v, dk, dv rows
+//               in registers and streams the queries that can see its keys in tiles of kTile rows
+//               (Q, dO, lse, delta through shared memory): P = exp(scale s - lse), dV += (P Z)^T dO,
+//               dS = P (dP Z - delta), dK += scale dS^T Q;
+//             varlen_bwd_dq: a block owns (b, h, a tile of kRows queries), streams K and V tiles:
+//               dQ += scale dS K.
+//             Every gradient element has one owner thread: no atomics, deterministic.
+//
+// Thread layout (all kernels, kThreads = 256 a block): a row the block owns (a query, or a key in
+// varlen_bwd_dkdv) is handled by kTpr = kD / 16 consecutive lanes ("a row group", inside one warp);
+// lane g of the group owns the head-dim columns d = g + kTpr c, c < 16, of that row's registers.
+// A dot product with a shared-memory row is 16 FMAs a lane and a butterfly over the group
+// (__shfl_xor_sync), which leaves the full value in every lane of the group; the group's lanes
+// then read shared memory at kTpr consecutive addresses (conflict-free, broadcast across groups).
+//
+// Head dims are compile-time buckets kD = 64, 128, 256 (D <= kD: columns d >= D are zeros in
+// registers and shared memory, never stored). Tiles: kRows = 4096 / kD rows a block (64, 32, 16),
+// kTile = 4096 / kD streamed rows (64, 32, 16): two fp32 tiles of kTile x kD take 32 KiB of static
+// shared memory in every bucket (under the 48 KiB a block gets without opt-in on sm_80 / sm_90).
+//
+// Sequences: cu_seqlens are read on the device only; each sequence's [start, end) is clamped to
+// [0, total) and its length to max_seqlen, so any values are memory-safe. A block whose tile starts
+// past its sequence's length exits at once. Causal (bottom-right, key j visible to query i iff
+// j <= i + Lk - Lq): key tiles that no query of the block sees are skipped, in every kernel.
+//
+// Masks and non-finite values, as the reference: a row with no visible key (Lk = 0, or causal with
+// i + Lk - Lq < 0) gives out 0, lse +inf and zero gradients; a NaN score makes its row NaN (lse
+// NaN); a row whose visible scores are all -inf, or one +inf, is NaN. Hidden keys get P = 0
+// exactly (also in a NaN row, where the reference's dV at a causally hidden key would be NaN).
+//
+// Dropout (Philox v2, philox.cuh), the padded op's counters on (B, H, max_seqlen_q,
+// max_seqlen_k): query i of head h of sequence b is row r = (b H + h) max_seqlen_q + i, key j of
+// the sequence column j, group j / 8 of G = ceil(max_seqlen_k / 8) a row. Every kernel computes the
+// keep bits of its current (queries x keys) tile into shared memory first (one Philox call per
+// group of 8 keys, spread over the block's threads); key tiles start at multiples of 8.
+#include "common.cuh"
+#include "philox.cuh"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <int kD>
+struct Tile {
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head-dim buckets are 64, 128, 256");
+  static constexpr int kTpr = kD / 16;                 // lanes a row: 4, 8, 16
+  static constexpr int kSlice = kD / kTpr;             // head-dim columns a lane: 16
+  static constexpr int kRows = kThreads / kTpr;        // rows a block owns: 64, 32, 16
+  static constexpr int kTile = 4096 / kD;              // streamed rows a tile: 64, 32, 16
+  static constexpr int kGroups = kTile / kFfDropoutGroup;
+  static_assert(kRows % kFfDropoutGroup == 0 && kTile % kFfDropoutGroup == 0,
+                "key tiles start at multiples of the dropout group");
+};
+
+// What every kernel of a launch shares (built by the launchers from FfVarlenArgs).
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // element strides; the last one is 1
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  int64_t H, D, total_q, total_k, max_q, max_k;
+  int causal;
+  int dropout;  // dropout_p > 0: kept values are scaled by keep_scale, the others are 0
+  float scale, keep_scale;
+  uint32_t threshold;
+  uint64_t seed, offset;
+};
+
+// The backward's own tensors.
+struct BwdParams {
+  const void* dout;
+  int64_t do_row, do_head;
+  const float* lse;    // (H, total_q)
+  const float* delta;  // (H, total_q)
+  void* dq;
+  int64_t dq_row, dq_head;
+  void* dk;
+  int64_t dk_row, dk_head;
+  void* dv;
+  int64_t dv_row, dv_head;
+};
+
+// A sequence's rows: [start, start + len), clamped to the tensor's rows and to max_seqlen.
+struct Seq {
+  int64_t start, len;
+};
+
+FF_DEVICE Seq seq_of(const int32_t* cu, int64_t b, int64_t total, int64_t max_len) {
+  int64_t s = cu[b], e = cu[b + 1];
+  s = s < 0 ? 0 : (s > total ? total : s);
+  e = e < s ? s : (e > total ? total : e);
+  const int64_t len = e - s;
+  return {s, len > max_len ? max_len : len};
+}
+
+// The sum of v over a row group of kTpr lanes, in every lane of the group (the same bits).
+template <int kTpr>
+FF_DEVICE float group_sum(float v) {
+#pragma unroll
+  for (int m = kTpr / 2; m > 0; m >>= 1) v += __shfl_xor_sync(kFfFullMask, v, m);
+  return v;
+}
+
+// dst[r kD + c] (fp32, shared) = row first + r, column c of the sequence's rows at base (row
+// stride `stride`, unit column stride), 0 for r >= valid or c >= D. Every thread calls it.
+template <typename T, int kD, int kR>
+FF_DEVICE void load_tile(float* dst, const T* base, int64_t stride, int64_t first, int64_t valid,
+                         int64_t D) {
+  for (int e = threadIdx.x; e < kR * kD; e += kThreads) {
+    const int r = e / kD, c = e % kD;
+    float x = 0.0f;
+    if (r < valid && c < D) x = ff_to_float(base[(first + r) * stride + c]);
+    dst[e] = x;
+  }
+}
+
+// keep[i (kCols / 8) + g], bit t: key k0 + 8 g + t is kept for query q0 + i of sequence b, head h
+// (0 for a query or key group outside the sequence). k0 is a multiple of 8. Every thread calls it.
+template <int kRowsQ, int kCols>
+FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int64_t q0,
+                         int64_t q_len, int64_t k0, int64_t k_len) {
+  constexpr int kG = kCols / kFfDropoutGroup;
+  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.max_k));
+  for (int e = threadIdx.x; e < kRowsQ * kG; e += kThreads) {
+    const int i = e / kG, g = e % kG;
+    const int64_t qi = q0 + i, kj = k0 + kFfDropoutGroup * g;
+    uint32_t bits = 0u;
+    if (qi < q_len && kj < k_len) {
+      const uint64_t r = static_cast<uint64_t>((b * p.H + h) * p.max_q + qi);
+      bits = ff_dropout_keep8(p.seed, p.offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup),
+                              p.threshold);
+    }
+    keep[e] = static_cast<uint8_t>(bits);
+  }
+}
+
+// The block's (tile, head, sequence) from the flat blockIdx.x = tile + tiles (h + H b).
+struct BlockIdx {
+  int64_t tile, h, b;
+};
+
+FF_DEVICE BlockIdx block_idx(int64_t tiles, int64_t H) {
+  const int64_t x = blockIdx.x, bh = x / tiles;
+  return {x % tiles, bh % H, bh / H};
+}
+
+// One past the last key that a query in [0, q_last] can see (causal), or Lk; may be <= 0.
+FF_DEVICE int64_t key_end(const Params& p, int64_t q_last, int64_t Lq, int64_t Lk) {
+  if (!p.causal) return Lk;
+  const int64_t e = q_last + (Lk - Lq) + 1;
+  return e < Lk ? e : Lk;
+}
+
+// ------------------------------------------------------------------ forward
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+varlen_fwd(Params p, T* __restrict__ out, float* __restrict__ lse, int64_t tiles) {
+  using C = Tile<kD>;
+  constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BM = C::kRows, BN = C::kTile;
+  constexpr int kChunk = BN < 32 ? BN : 32;  // scores held in registers at once
+  __shared__ __align__(16) float ks[BN * kD];
+  __shared__ __align__(16) float vs[BN * kD];
+  __shared__ uint8_t keep_s[BM * C::kGroups];
+
+  const BlockIdx bi = block_idx(tiles, p.H);
+  const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
+  const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
+  const int64_t m0 = bi.tile * BM;
+  if (m0 >= sq.len) return;  // the whole block: no barrier is left waiting
+  const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
+  const int64_t qi = m0 + grp, shift = sk.len - sq.len;
+  const bool row_valid = qi < sq.len;
+
+  const T* qp = static_cast<const T*>(p.q) + sq.start * p.q_row + bi.h * p.q_head;
+  const T* kp = static_cast<const T*>(p.k) + sk.start * p.k_row + bi.h * p.k_head;
+  const T* vp = static_cast<const T*>(p.v) + sk.start * p.v_row + bi.h * p.v_head;
+  float qr[kSlice], acc[kSlice];
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    qr[c] = row_valid && d < p.D ? ff_to_float(qp[qi * p.q_row + d]) : 0.0f;
+    acc[c] = 0.0f;
+  }
+  const int64_t q_last = (m0 + BM < sq.len ? m0 + BM : sq.len) - 1;
+  const int64_t n_end = key_end(p, q_last, sq.len, sk.len);  // block-uniform
+  const int64_t row_last = p.causal ? qi + shift : sk.len - 1;
+  float m = -INFINITY, l = 0.0f;
+
+  for (int64_t n0 = 0; n0 < n_end; n0 += BN) {
+    __syncthreads();  // the previous tile's readers are done
+    load_tile<T, kD, BN>(ks, kp, p.k_row, n0, sk.len - n0, p.D);
+    load_tile<T, kD, BN>(vs, vp, p.v_row, n0, sk.len - n0, p.D);
+    if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
+    __syncthreads();
+
+    // the tile's keys in chunks of kChunk scores (registers), each an online-softmax step
+#pragma unroll
+    for (int j0 = 0; j0 < BN; j0 += kChunk) {
+      float s[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        float a = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kSlice; ++c) a = fmaf(qr[c], ks[(j0 + j) * kD + g + kTpr * c], a);
+        s[j] = group_sum<kTpr>(a);
+      }
+      // hidden keys -inf (a visible -inf score is 0 as well; a row of only those is NaN below)
+      float mt = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const int64_t key = n0 + j0 + j;
+        const bool vis = row_valid && key < sk.len && key <= row_last;
+        s[j] = vis ? s[j] * p.scale : -INFINITY;
+        mt = fmaxf(mt, s[j]);  // ignores NaN: a NaN score reaches l and acc through exp below
+      }
+      const float mn = fmaxf(m, mt);
+      const float alpha = m == mn ? 1.0f : expf(m - mn);  // m = -inf before the first visible key: 0
+      l *= alpha;
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) acc[c] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - mn);
+        l += e;
+        float z = 1.0f;
+        if (p.dropout) {
+          const int jj = j0 + j;
+          const uint32_t bits = keep_s[grp * C::kGroups + jj / kFfDropoutGroup];
+          z = (bits >> (jj % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        s[j] = e * z;
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+        for (int c = 0; c < kSlice; ++c) acc[c] = fmaf(s[j], vs[(j0 + j) * kD + g + kTpr * c], acc[c]);
+      }
+      m = mn;
+    }
+  }
+
+  if (!row_valid) return;  // no barrier follows
+  const bool sees = sk.len > 0 && (!p.causal || qi + shift >= 0);
+  float row_lse = INFINITY, inv = 0.0f;
+  if (sees) {
+    // every visible score -inf: the reference's exp(s - max) is NaN there
+    row_lse = m == -INFINITY ? NAN : m + logf(l);
+    inv = m == -INFINITY ? NAN : 1.0f / l;
+  }
+  T* orow = out + ((sq.start + qi) * p.H + bi.h) * p.D;  // out (total_q, H, D) contiguous
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    if (d < p.D) orow[d] = ff_from_float<T>(sees ? acc[c] * inv : 0.0f);
+  }
+  if (g == 0) lse[bi.h * p.total_q + sq.start + qi] = row_lse;
+}
+
+// ------------------------------------------------------------------ backward
+
+// delta[h, row] = sum over d of dout * out (fp32), a warp per (row, h), for every row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+varlen_delta(const T* __restrict__ dout, int64_t do_row, int64_t do_head, const T* __restrict__ out,
+             int64_t o_row, int64_t o_head, float* __restrict__ delta, int64_t total_q, int64_t H,
+             int64_t D) {
+  const int lane = threadIdx.x % kFfWarpSize, warps = kThreads / kFfWarpSize;
+  const int64_t items = total_q * H;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / kFfWarpSize; it < items;
+       it += static_cast<int64_t>(gridDim.x) * warps) {
+    const int64_t row = it / H, h = it % H;
+    const T* a = dout + row * do_row + h * do_head;
+    const T* o = out + row * o_row + h * o_head;
+    float part = 0.0f;
+    for (int64_t d = lane; d < D; d += kFfWarpSize) part = fmaf(ff_to_float(a[d]), ff_to_float(o[d]), part);
+    part = ff_warp_sum(part);
+    if (lane == 0) delta[h * total_q + row] = part;
+  }
+}
+
+// dK and dV of a tile of kRows keys, over the query tiles that see them.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+varlen_bwd_dkdv(Params p, BwdParams w, int64_t tiles) {
+  using C = Tile<kD>;
+  constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BN = C::kRows, BM = C::kTile;
+  constexpr int kG = BN / kFfDropoutGroup;
+  __shared__ __align__(16) float qs[BM * kD];
+  __shared__ __align__(16) float dos[BM * kD];
+  __shared__ float lse_s[BM], delta_s[BM];
+  __shared__ uint8_t keep_s[BM * kG];
+
+  const BlockIdx bi = block_idx(tiles, p.H);
+  const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
+  const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
+  const int64_t n0 = bi.tile * BN;
+  if (n0 >= sk.len) return;
+  const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
+  const int64_t kj = n0 + grp, shift = sk.len - sq.len;
+  const bool key_valid = kj < sk.len;
+
+  const T* kp = static_cast<const T*>(p.k) + sk.start * p.k_row + bi.h * p.k_head;
+  const T* vp = static_cast<const T*>(p.v) + sk.start * p.v_row + bi.h * p.v_head;
+  const T* qp = static_cast<const T*>(p.q) + sq.start * p.q_row + bi.h * p.q_head;
+  const T* dop = static_cast<const T*>(w.dout) + sq.start * w.do_row + bi.h * w.do_head;
+  const float* lsep = w.lse + bi.h * p.total_q + sq.start;
+  const float* deltap = w.delta + bi.h * p.total_q + sq.start;
+  float kr[kSlice], vr[kSlice], dk[kSlice], dv[kSlice];
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    const bool in = key_valid && d < p.D;
+    kr[c] = in ? ff_to_float(kp[kj * p.k_row + d]) : 0.0f;
+    vr[c] = in ? ff_to_float(vp[kj * p.v_row + d]) : 0.0f;
+    dk[c] = 0.0f;
+    dv[c] = 0.0f;
+  }
+  // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the tile
+  int64_t i_begin = p.causal ? n0 - shift : 0;
+  if (i_begin < 0) i_begin = 0;
+
+  for (int64_t i0 = i_begin; i0 < sq.len; i0 += BM) {
+    __syncthreads();
+    load_tile<T, kD, BM>(qs, qp, p.q_row, i0, sq.len - i0, p.D);
+    load_tile<T, kD, BM>(dos, dop, w.do_row, i0, sq.len - i0, p.D);
+    for (int t = threadIdx.x; t < BM; t += kThreads) {
+      const bool in = i0 + t < sq.len;
+      lse_s[t] = in ? lsep[i0 + t] : INFINITY;
+      delta_s[t] = in ? deltap[i0 + t] : 0.0f;
+    }
+    if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, i0, sq.len, n0, sk.len);
+    __syncthreads();
+
+#pragma unroll 2
+    for (int i = 0; i < BM; ++i) {
+      float a = 0.0f, b = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) {
+        a = fmaf(kr[c], qs[i * kD + g + kTpr * c], a);
+        b = fmaf(vr[c], dos[i * kD + g + kTpr * c], b);
+      }
+      a = group_sum<kTpr>(a);
+      b = group_sum<kTpr>(b);
+      const int64_t qi = i0 + i;
+      const bool vis = key_valid && qi < sq.len && (!p.causal || kj <= qi + shift);
+      float pd = 0.0f, ds = 0.0f;
+      if (vis) {
+        const float pr = expf(a * p.scale - lse_s[i]);  // lse +inf (no visible key): 0
+        float z = 1.0f;
+        if (p.dropout) {
+          const uint32_t bits = keep_s[i * kG + grp / kFfDropoutGroup];
+          z = (bits >> (grp % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        pd = pr * z;
+        ds = pr * (b * z - delta_s[i]);
+      }
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) {
+        dv[c] = fmaf(pd, dos[i * kD + g + kTpr * c], dv[c]);
+        dk[c] = fmaf(ds, qs[i * kD + g + kTpr * c], dk[c]);
+      }
+    }
+  }
+
+  if (!key_valid) return;
+  T* dkrow = static_cast<T*>(w.dk) + (sk.start + kj) * w.dk_row + bi.h * w.dk_head;
+  T* dvrow = static_cast<T*>(w.dv) + (sk.start + kj) * w.dv_row + bi.h * w.dv_head;
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    if (d < p.D) {
+      dkrow[d] = ff_from_float<T>(dk[c] * p.scale);
+      dvrow[d] = ff_from_float<T>(dv[c]);
+    }
+  }
+}
+
+// dQ of a tile of kRows queries, over the key tiles they see.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+varlen_bwd_dq(Params p, BwdParams w, int64_t tiles) {
+  using C = Tile<kD>;
+  constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BM = C::kRows, BN = C::kTile;
+  __shared__ __align__(16) float ks[BN * kD];
+  __shared__ __align__(16) float vs[BN * kD];
+  __shared__ uint8_t keep_s[BM * C::kGroups];
+
+  const BlockIdx bi = block_idx(tiles, p.H);
+  const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
+  const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
+  const int64_t m0 = bi.tile * BM;
+  if (m0 >= sq.len) return;
+  const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
+  const int64_t qi = m0 + grp, shift = sk.len - sq.len;
+  const bool row_valid = qi < sq.len;
+
+  const T* qp = static_cast<const T*>(p.q) + sq.start * p.q_row + bi.h * p.q_head;
+  const T* dop = static_cast<const T*>(w.dout) + sq.start * w.do_row + bi.h * w.do_head;
+  const T* kp = static_cast<const T*>(p.k) + sk.start * p.k_row + bi.h * p.k_head;
+  const T* vp = static_cast<const T*>(p.v) + sk.start * p.v_row + bi.h * p.v_head;
+  float qr[kSlice], dor[kSlice], dq[kSlice];
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    const bool in = row_valid && d < p.D;
+    qr[c] = in ? ff_to_float(qp[qi * p.q_row + d]) : 0.0f;
+    dor[c] = in ? ff_to_float(dop[qi * w.do_row + d]) : 0.0f;
+    dq[c] = 0.0f;
+  }
+  const float row_lse = row_valid ? w.lse[bi.h * p.total_q + sq.start + qi] : INFINITY;
+  const float row_delta = row_valid ? w.delta[bi.h * p.total_q + sq.start + qi] : 0.0f;
+  const int64_t q_last = (m0 + BM < sq.len ? m0 + BM : sq.len) - 1;
+  const int64_t n_end = key_end(p, q_last, sq.len, sk.len);
+  const int64_t row_last = p.causal ? qi + shift : sk.len - 1;
+
+  for (int64_t n0 = 0; n0 < n_end; n0 += BN) {
+    __syncthreads();
+    load_tile<T, kD, BN>(ks, kp, p.k_row, n0, sk.len - n0, p.D);
+    load_tile<T, kD, BN>(vs, vp, p.v_row, n0, sk.len - n0, p.D);
+    if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
+    __syncthreads();
+
+#pragma unroll 2
+    for (int j = 0; j < BN; ++j) {
+      float a = 0.0f, b = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) {
+        a = fmaf(qr[c], ks[j * kD + g + kTpr * c], a);
+        b = fmaf(dor[c], vs[j * kD + g + kTpr * c], b);
+      }
+      a = group_sum<kTpr>(a);
+      b = group_sum<kTpr>(b);
+      const int64_t key = n0 + j;
+      const bool vis = row_valid && key < sk.len && key <= row_last;
+      float ds = 0.0f;
+      if (vis) {
+        const float pr = expf(a * p.scale - row_lse);
+        float z = 1.0f;
+        if (p.dropout) {
+          const uint32_t bits = keep_s[grp * C::kGroups + j / kFfDropoutGroup];
+          z = (bits >> (j % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        ds = pr * (b * z - row_delta);
+      }
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) dq[c] = fmaf(ds, ks[j * kD + g + kTpr * c], dq[c]);
+    }
+  }
+
+  if (!row_valid) return;
+  T* dqrow = static_cast<T*>(w.dq) + (sq.start + qi) * w.dq_row + bi.h * w.dq_head;
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    if (d < p.D) dqrow[d] = ff_from_float<T>(dq[c] * p.scale);
+  }
+}
+
+// ------------------------------------------------------------------ launchers
+
+Params make_params(const FfVarlenArgs& a) {
+  Params p;
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.q_row = a.q_row;
+  p.q_head = a.q_head;
+  p.k_row = a.k_row;
+  p.k_head = a.k_head;
+  p.v_row = a.v_row;
+  p.v_head = a.v_head;
+  p.cu_q = a.cu_seqlens_q;
+  p.cu_k = a.cu_seqlens_k;
+  p.H = a.H;
+  p.D = a.D;
+  p.total_q = a.total_q;
+  p.total_k = a.total_k;
+  p.max_q = a.max_seqlen_q;
+  p.max_k = a.max_seqlen_k;
+  p.causal = a.causal ? 1 : 0;
+  p.dropout = a.dropout_p > 0.0 ? 1 : 0;
+  p.scale = static_cast<float>(a.scale);
+  p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
+  p.threshold = ff_dropout_threshold(a.dropout_p);
+  p.seed = a.seed;
+  p.offset = a.offset;
+  return p;
+}
+
+// Blocks of a launch over `rows_per_seq` rows of each (sequence, head) in tiles of `tile` rows;
+// 0 for nothing to do, -1 when the grid would be too large.
+int64_t grid_blocks(const FfVarlenArgs& a, int64_t rows_per_seq, int64_t tile, int64_t* tiles) {
+  *tiles = (rows_per_seq + tile - 1) / tile;
+  if (*tiles == 0 || a.B == 0 || a.H == 0) return 0;
+  const int64_t limit = (int64_t{1} << 31) - 1;
+  if (*tiles > limit / a.B || *tiles * a.B > limit / a.H) return -1;
+  return *tiles * a.B * a.H;
+}
+
+constexpr const char* kTooManyBlocks =
+    "attention_varlen: ceil(max_seqlen / tile) * B * H blocks exceed the grid's 2^31 - 1";
+
+template <int kD>
+const char* launch_fwd(const FfVarlenArgs& a, void* out, float* lse, void* stream) {
+  int64_t tiles;
+  const int64_t blocks = grid_blocks(a, a.max_seqlen_q, Tile<kD>::kRows, &tiles);
+  if (blocks == 0) return nullptr;
+  if (blocks < 0) return kTooManyBlocks;
+  const Params p = make_params(a);
+  FF_DISPATCH_DTYPE(a.dtype, T, {
+    auto* kernel = &varlen_fwd<T, kD>;
+    FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p,
+              static_cast<T*>(out), lse, tiles);
+  });
+  return ff_last_error();
+}
+
+template <int kD>
+const char* launch_bwd(const FfVarlenArgs& a, const BwdParams& w, void* stream) {
+  const Params p = make_params(a);
+  int64_t tiles;
+  int64_t blocks = grid_blocks(a, a.max_seqlen_k, Tile<kD>::kRows, &tiles);
+  if (blocks < 0) return kTooManyBlocks;
+  if (blocks > 0) {
+    FF_DISPATCH_DTYPE(a.dtype, T, {
+      auto* kernel = &varlen_bwd_dkdv<T, kD>;
+      FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p, w, tiles);
+    });
+    if (const char* err = ff_last_error()) return err;
+  }
+  blocks = grid_blocks(a, a.max_seqlen_q, Tile<kD>::kRows, &tiles);
+  if (blocks < 0) return kTooManyBlocks;
+  if (blocks > 0) {
+    FF_DISPATCH_DTYPE(a.dtype, T, {
+      auto* kernel = &varlen_bwd_dq<T, kD>;
+      FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p, w, tiles);
+    });
+  }
+  return ff_last_error();
+}
+
+// The head-dim bucket of D (1 .. 256).
+int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
+
+}  // namespace
+
+const char* launch_attention_varlen_fwd(const FfVarlenArgs& a, void* out, float* lse, void* stream) {
+  if (a.D < 1 || a.D > 256) return "attention_varlen: head dim must be in [1, 256]";
+  switch (bucket(a.D)) {
+    case 64: return launch_fwd<64>(a, out, lse, stream);
+    case 128: return launch_fwd<128>(a, out, lse, stream);
+    default: return launch_fwd<256>(a, out, lse, stream);
+  }
+}
+
+const char* launch_attention_varlen_bwd(const FfVarlenArgs& a, const void* dout, int64_t do_row,
+                                        int64_t do_head, const void* out, int64_t o_row,
+                                        int64_t o_head, const float* lse, float* delta, void* dq,
+                                        int64_t dq_row, int64_t dq_head, void* dk, int64_t dk_row,
+                                        int64_t dk_head, void* dv, int64_t dv_row, int64_t dv_head,
+                                        void* stream) {
+  if (a.D < 1 || a.D > 256) return "attention_varlen: head dim must be in [1, 256]";
+  const int64_t items = a.total_q * a.H;
+  if (items > 0) {
+    const unsigned blocks = ff_grid_blocks(items, kThreads / kFfWarpSize);
+    FF_DISPATCH_DTYPE(a.dtype, T, {
+      auto* kernel = &varlen_delta<T>;
+      FF_LAUNCH(kernel, dim3(blocks), dim3(kThreads), 0, stream, static_cast<const T*>(dout), do_row,
+                do_head, static_cast<const T*>(out), o_row, o_head, delta, a.total_q, a.H, a.D);
+    });
+    if (const char* err = ff_last_error()) return err;
+  }
+  const BwdParams w{dout, do_row, do_head, lse, delta, dq, dq_row, dq_head,
+                    dk, dk_row, dk_head, dv, dv_row, dv_head};
+  switch (bucket(a.D)) {
+    case 64: return launch_bwd<64>(a, w, stream);
+    case 128: return launch_bwd<128>(a, w, stream);
+    default: return launch_bwd<256>(a, w, stream);
+  }
+}
