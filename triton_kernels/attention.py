@@ -13,8 +13,13 @@ from the Philox call on counter ``offset + ((b*H + h)*Sq + i) * ceil(Sk / 8) + j
 
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
+
+The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
+each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
+(a :class:`Layout` says which); ``forward`` / ``backward`` are the launch code both ops' host
+functions share.
 """
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -22,7 +27,7 @@ import triton.language as tl
 
 from . import attention_backward as kernels
 from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, load_rows,
-                              mask_bases, masked_scores, program_ids, store_rows)
+                              mask_bases, masked_scores, program_ids, sequence, stats_row, store_rows)
 from .matmul import input_precision
 from .registration import register_op
 from .utils import INTERPRET, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
@@ -37,11 +42,12 @@ MAX_HEAD_DIM = 256
 def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
                         k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
                         am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
-                        seed, rng_base, drop_threshold, drop_scale,
+                        seed, rng_base, drop_cols, drop_threshold, drop_scale,
                         MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
-    """One key tile of the online softmax: returns the updated (acc, l_i, m_i)."""
+    """One key tile of the online softmax: returns the updated (acc, l_i, m_i). ``Sq``, ``Sk``: this
+    sequence's lengths; ``drop_cols``: the dropout rows' width (keep_tile's ``Sk``)."""
     kn = start_n + offs_n
     k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
     v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
@@ -55,7 +61,7 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
     p = tl.exp2(s - m_safe[:, None])  # (BM, BN)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        keep = keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
+        keep = keep_tile(seed, rng_base, offs_m, start_n, drop_cols, drop_threshold, k.shape[0])  # (BM, BN)
         p = tl.where(keep, p * drop_scale, 0.0)
     acc = dot(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
     return acc, l_i, m_new
@@ -63,23 +69,25 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
 
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
 def _attention_fwd(
-    Q,  # (B, H, Sq, D) queries, last dim contiguous
-    K,  # (B, H, Sk, D) keys, last dim contiguous
-    V,  # (B, H, Sk, D) values, last dim contiguous
+    Q,  # (B, H, Sq, D) queries, last dim contiguous; VARLEN: (total_q, H, D) packed sequences
+    K,  # (B, H, Sk, D) keys, last dim contiguous; VARLEN: (total_k, H, D)
+    V,  # (B, H, Sk, D) values, last dim contiguous; VARLEN: (total_k, H, D)
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
-    Out,  # (B, H, Sq, D) output
-    Lse,  # (B, H, Sq) fp32 contiguous natural log-sum-exp, +inf for rows with no visible key
-    stride_qb,  # q batch stride
+    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (a dummy otherwise)
+    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (a dummy otherwise)
+    Out,  # (B, H, Sq, D) output; VARLEN: (total_q, H, D)
+    Lse,  # fp32 natural log-sum-exp, +inf for rows with no visible key: (B, H, Sq); VARLEN: (H, total_q)
+    stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
     stride_qm,  # q row stride
-    stride_kb,  # k batch stride
+    stride_kb,  # k batch stride (0 with VARLEN)
     stride_kh,  # k head stride
     stride_kn,  # k row stride
-    stride_vb,  # v batch stride
+    stride_vb,  # v batch stride (0 with VARLEN)
     stride_vh,  # v head stride
     stride_vn,  # v row stride
-    stride_ob,  # out batch stride
+    stride_ob,  # out batch stride (0 with VARLEN)
     stride_oh,  # out head stride
     stride_om,  # out row stride
     stride_kpm_b,  # key padding mask batch stride
@@ -89,8 +97,10 @@ def _attention_fwd(
     stride_am_m,  # additive mask query stride (0 when broadcast)
     stride_am_n,  # additive mask key stride (0 when broadcast)
     H,  # number of heads
-    Sq,  # number of queries
-    Sk,  # number of keys
+    Sq,  # number of queries (VARLEN: max_seqlen_q), the dropout rows per head
+    Sk,  # number of keys (VARLEN: max_seqlen_k), the dropout rows' width
+    total_q,  # VARLEN: rows of q (every sequence is clamped into them) and of each head of lse; unused otherwise
+    total_k,  # VARLEN: rows of k and v; unused otherwise
     D,  # head dim (<= BLOCK_D)
     scale,  # fp32 score scale
     seed,  # i64 dropout Philox seed
@@ -109,16 +119,21 @@ def _attention_fwd(
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
+    VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
 ):
     start_m, h, b64, h64 = program_ids(BLOCK_M, IS_CAUSAL)
+    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    if VARLEN:
+        if start_m >= Lq:  # the grid covers the longest sequence: this one ends before the tile
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh), offs_m, stride_qm, offs_d, Sq, D, EVEN_D,
-                  LARGE_OFFSETS)
-    k_base = head_base(K, b64, h64, stride_kb, stride_kh)
-    v_base = head_base(V, b64, h64, stride_vb, stride_vh)
+    q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm), offs_m, stride_qm, offs_d, Lq, D,
+                  EVEN_D, LARGE_OFFSETS)
+    k_base = head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn)
+    v_base = head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn)
     kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
                                              stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
@@ -126,27 +141,27 @@ def _attention_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    full_hi, hi = causal_key_bounds(start_m, Lq, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
-            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
-            rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
+            rng_base, Sk, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
             HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
-            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
-            rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
+            rng_base, Sk, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
             HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     empty = l_i == 0.0  # no visible key: output 0, lse +inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
-    store_rows(head_base(Out, b64, h64, stride_ob, stride_oh), cast(out, Out.dtype.element_ty), offs_m,
-               stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
-    tl.store(Lse + (b64 * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
+    store_rows(head_base(Out, b64, h64, stride_ob, stride_oh, q0, stride_om), cast(out, Out.dtype.element_ty),
+               offs_m, stride_om, offs_d, Lq, D, EVEN_D, LARGE_OFFSETS)
+    tl.store(stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN) + offs_m, lse, mask=offs_m < Lq)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,6 +211,17 @@ _CONFIGS_FP32 = {
 }
 
 
+# Packed sequences (VARLEN) hold each sequence's first rows and lengths in registers (loaded from
+# cu_seqlens, where the padded kernels read kernel parameters): where that makes the padded op's
+# first choice spill, the varlen kernels lead with their own (kind, BLOCK_D, element size, heavy).
+_CONFIGS_VARLEN = {
+    ("fwd", 128, 2, False): [(128, 32, 8, 3), (64, 64, 4, 3)],
+    ("dq", 64, 4, True): [(32, 32, 8, 3)],
+    ("dkdv", 128, 4, True): [(16, 16, 8, 2)],
+    ("dkdv", 256, 4, True): [(16, 16, 8, 1)],
+}
+
+
 def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: int, elt: int,
                    has_mask: bool) -> int:
     """Shared memory (bytes) a configuration needs: the software pipeliner keeps ``stages - 1``
@@ -214,11 +240,13 @@ def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: 
     return max(stages - 1, 1) * (streamed + mask) + kept + staging + 1024
 
 
-def _configs(kind: str, block_d: int, elt: int, heavy: bool) -> List[triton.Config]:
-    """Autotune configs for one kernel, BLOCK_D bucket, element size and feature class
-    (heavy = dropout or an additive mask), pruned to fit sm_80's shared memory: a config that
+def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False) -> List[triton.Config]:
+    """Autotune configs for one kernel, BLOCK_D bucket, element size, feature class (heavy =
+    dropout or an additive mask) and layout, pruned to fit sm_80's shared memory: a config that
     would not fit loses pipeline stages first, and is dropped if even one stage is too much."""
-    if elt == 4:
+    if varlen and (kind, block_d, elt, heavy) in _CONFIGS_VARLEN:
+        candidates = _CONFIGS_VARLEN[kind, block_d, elt, heavy]
+    elif elt == 4:
         candidates = [_CONFIGS_FP32[kind][block_d]]
     else:
         candidates = _CONFIGS_LOWP[kind][block_d]["heavy" if heavy else "light"]
@@ -236,12 +264,12 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool) -> List[triton.Conf
 _TUNERS = {}
 
 
-def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool):
-    """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class),
-    keyed on the sequence-length buckets and the head dim."""
-    key = (kind, block_d, elt, heavy)
+def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False):
+    """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
+    layout), keyed on the sequence-length buckets and the head dim."""
+    key = (kind, block_d, elt, heavy, varlen)
     if key not in _TUNERS:
-        _TUNERS[key] = triton.autotune(configs=_configs(kind, block_d, elt, heavy),
+        _TUNERS[key] = triton.autotune(configs=_configs(kind, block_d, elt, heavy, varlen),
                                        key=["TUNE_SQ", "TUNE_SK", "D"])(fn)
     return _TUNERS[key]
 
@@ -333,16 +361,127 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
         if INTERPRET or torch.are_deterministic_algorithms_enabled():
             # the autotuner's pick may differ between processes and a tile size changes the
             # summation order: run the first (best-guess) config, the same in every process
-            cfg = _configs(kind, block_d, elt, heavy)[0]
+            cfg = _configs(kind, block_d, elt, heavy, meta.get("VARLEN", False))[0]
             wrap(fn)[grid_of(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
                                           num_stages=cfg.num_stages)
         else:
-            wrap(_tuned(kind, fn, block_d, elt, heavy))[grid_of](*args, **meta)
+            wrap(_tuned(kind, fn, block_d, elt, heavy, meta.get("VARLEN", False)))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
     g = torch.empty_like(x)
     return g if g.stride(-1) == 1 or g.shape[-1] == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+class Layout(NamedTuple):
+    """Where the kernels find the rows of each of the B sequences: padded, sequence b is entry b of
+    (B, H, S, D) tensors, Sq queries and Sk keys; VARLEN (attention_varlen.py), sequence b owns rows
+    ``cu_q[b]:cu_q[b + 1]`` of packed (total_q, H, D) queries and ``cu_k[b]:cu_k[b + 1]`` of
+    (total_k, H, D) keys and values, Sq and Sk are the longest lengths (the grid's bound and the
+    dropout rows' shape: the padded op's counters)."""
+    B: int
+    H: int
+    Sq: int
+    Sk: int
+    D: int
+    total_q: int  # rows of q: B * Sq when padded
+    total_k: int  # rows of k and v: B * Sk when padded
+    cu_q: torch.Tensor  # (B + 1,) int32 with VARLEN, else a 1-element dummy
+    cu_k: torch.Tensor
+    varlen: bool
+
+    def strides(self, t: torch.Tensor) -> Tuple[int, int, int]:
+        """(batch, head, row) strides of a q-, k- or v-shaped tensor (batch 0 when packed)."""
+        return (0, t.stride(1), t.stride(0)) if self.varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+    def lse_shape(self) -> Tuple[int, ...]:
+        """lse (and delta): (H, total_q) when packed (the schema's), else (B, H, Sq); contiguous."""
+        return (self.H, self.total_q) if self.varlen else (self.B, self.H, self.Sq)
+
+
+def padded_layout(q: torch.Tensor, k: torch.Tensor) -> Layout:
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+    return Layout(B, H, Sq, Sk, D, B * Sq, B * Sk, dummy, dummy, False)
+
+
+def _meta(q, layout: Layout, block_d: int, key_padding_mask, attn_mask, is_causal: bool, has_dropout: bool,
+          large: bool) -> dict:
+    """The constexprs every attention kernel but the preprocess takes."""
+    return dict(BLOCK_D=block_d, EVEN_D=layout.D == block_d, HAS_KPM=key_padding_mask is not None,
+                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
+                INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large, VARLEN=layout.varlen)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
+            key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], is_causal: bool,
+            scale: float, dropout_p: float, seed: int, offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Checked inputs in ``layout`` -> out (q's shape, contiguous) and lse (``layout.lse_shape()``)."""
+    B, H, Sq, Sk, D = layout.B, layout.H, layout.Sq, layout.Sk, layout.D
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
+    if B * H * Sq * D == 0 or out.numel() == 0:  # nothing to launch (packed: no sequence has a query)
+        lse.fill_(float("inf"))
+        return out.zero_(), lse
+    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
+    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    block_d = _block_d(D)
+    qs, ks, vs, outs = (layout.strides(t) for t in (q, k, v, out))
+    args = (q, k, v, kpm, am, layout.cu_q, layout.cu_k, out, lse, *qs, *ks, *vs, *outs,
+            *kpm_strides, *am_strides, H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), seed, offset,
+            threshold, drop_scale, _tune_bucket(Sq), _tune_bucket(Sk))
+    large = _large_offsets(Sq, Sk, (qs[2], outs[2]), (ks[2], vs[2]), am_strides, kpm_strides)
+    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large)
+    _launch("fwd", _attention_fwd, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
+            q.element_size(), args, meta)
+    return out, lse
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, layout: Layout, key_padding_mask: Optional[torch.Tensor],
+             attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, dropout_p: float, seed: int,
+             offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked inputs in ``layout`` -> dq, dk, dv laid out like ``empty_like(q / k / v)``."""
+    B, H, Sq, Sk, D = layout.B, layout.H, layout.Sq, layout.Sk, layout.D
+    # laid out like empty_like(q / k / v), as every backend's kernels and the shared fake promise
+    # (a transposed (B, S, H, D) input gets a gradient of that layout); the kernel writes dk and dv
+    # with one set of strides, so a dv laid out otherwise than dk is written to a copy of dk's layout
+    dq, dk = _grad_like(q), _grad_like(k)
+    dv_out = _grad_like(v)
+    dv = dv_out if dv_out.stride() == dk.stride() else torch.empty_like(dk)
+    if B * H == 0 or D == 0:
+        return dq, dk, dv_out
+    if Sq == 0 or layout.total_q == 0:  # no query: every key gets zero gradient
+        return dq, dk.zero_(), dv_out.zero_()
+    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
+    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    block_d = _block_d(D)
+    qs, ks, vs, dos, outs, dqs, dks = (layout.strides(t) for t in (q, k, v, dout, out, dq, dk))
+    delta = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
+    large = _large_offsets(Sq, Sk, (qs[2], outs[2], dos[2], dqs[2]), (ks[2], vs[2], dks[2]), am_strides, kpm_strides)
+    # the preprocess runs on rows alone: packed rows are one sequence of total_q rows
+    pre_b, pre_rows = (1, layout.total_q) if layout.varlen else (B, Sq)
+    pre_large = large or _large_offsets(pre_rows, 1, (outs[2], dos[2]), (), (0, 0, 0, 0), (0, 0))
+    pre_block = INTERPRET_BLOCKS["BLOCK_M"] if INTERPRET else PREPROCESS_BLOCK_M
+    torch.library.wrap_triton(kernels._attention_bwd_preprocess)[(triton.cdiv(pre_rows, pre_block), H, pre_b)](
+        out, dout, delta, *outs, *dos, H, pre_rows, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=D == block_d,
+        LARGE_OFFSETS=pre_large)
+
+    common = (q, k, v, dout, lse, delta, kpm, am, layout.cu_q, layout.cu_k)
+    strides = (*qs, *ks, *vs, *dos, *kpm_strides, *am_strides)
+    scalars = (H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), seed, offset, threshold, drop_scale,
+               _tune_bucket(Sq), _tune_bucket(Sk))
+    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large)
+    elt = q.element_size()
+    if Sk > 0:
+        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), H, B),
+                block_d, elt, (*common, dk, dv, *strides, *dks, *scalars), meta)
+    _launch("dq", kernels._attention_bwd_dq, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B),
+            block_d, elt, (*common, dq, *strides, *dqs, *scalars), meta)
+    if dv is not dv_out:
+        dv_out.copy_(dv)
+    return dq, dk, dv_out
 
 
 @on_device_of_first_tensor
@@ -352,29 +491,8 @@ def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
     seed, offset = read_philox(philox, "attention_fwd")
-    B, H, Sq, D = q.shape
-    Sk = k.shape[2]
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        lse.fill_(float("inf"))
-        return out, lse
-    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
-    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
-    block_d = _block_d(D)
-    args = (q, k, v, kpm, am, out, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            *kpm_strides, *am_strides, H, Sq, Sk, D, float(scale), seed, offset, threshold, drop_scale,
-            _tune_bucket(Sq), _tune_bucket(Sk))
-    meta = dict(BLOCK_D=block_d, EVEN_D=D == block_d, HAS_KPM=key_padding_mask is not None,
-                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
-                INPUT_PRECISION=input_precision(q.dtype),
-                LARGE_OFFSETS=_large_offsets(Sq, Sk, (q.stride(2), out.stride(2)), (k.stride(2), v.stride(2)),
-                                             am_strides, kpm_strides))
-    _launch("fwd", _attention_fwd, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
-            q.element_size(), args, meta)
-    return out, lse
+    return forward(q, k, v, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale, dropout_p, seed,
+                   offset)
 
 
 @on_device_of_first_tensor
@@ -386,7 +504,6 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
     seed, offset = read_philox(philox, "attention_bwd")
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
         raise ValueError(f"attention_bwd: dout and out must have q's shape {tuple(q.shape)} and lse "
                          f"{(B, H, Sq)}; got {tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
@@ -394,47 +511,8 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         raise ValueError("attention_bwd: dout and out must have a contiguous last dimension")
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("attention_bwd: lse must be a contiguous fp32 (B, H, Sq) tensor")
-    # laid out like empty_like(q / k / v), as every backend's kernels and the shared fake promise
-    # (a transposed (B, S, H, D) input gets a gradient of that layout); the kernel writes dk and dv
-    # with one set of strides, so a dv laid out otherwise than dk is written to a copy of dk's layout
-    dq, dk = _grad_like(q), _grad_like(k)
-    dv_out = _grad_like(v)
-    dv = dv_out if dv_out.stride() == dk.stride() else torch.empty_like(dk)
-    if B * H == 0 or D == 0:
-        return dq, dk, dv_out
-    if Sq == 0:
-        return dq, dk.zero_(), dv_out.zero_()
-    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
-    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
-    block_d = _block_d(D)
-    even_d = D == block_d
-    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    large = _large_offsets(Sq, Sk, (q.stride(2), out.stride(2), dout.stride(2), dq.stride(2)),
-                           (k.stride(2), v.stride(2), dk.stride(2)), am_strides, kpm_strides)
-    pre_block = INTERPRET_BLOCKS["BLOCK_M"] if INTERPRET else PREPROCESS_BLOCK_M
-    torch.library.wrap_triton(kernels._attention_bwd_preprocess)[(triton.cdiv(Sq, pre_block), H, B)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), H, Sq, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=even_d, LARGE_OFFSETS=large)
-
-    common = (q, k, v, dout, lse, delta, kpm, am)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-               *kpm_strides, *am_strides)
-    scalars = (H, Sq, Sk, D, float(scale), seed, offset, threshold, drop_scale,
-               _tune_bucket(Sq), _tune_bucket(Sk))
-    meta = dict(BLOCK_D=block_d, EVEN_D=even_d, HAS_KPM=key_padding_mask is not None,
-                HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
-                INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large)
-    elt = q.element_size()
-    if Sk > 0:
-        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), H, B),
-                block_d, elt, (*common, dk, dv, *strides, dk.stride(0), dk.stride(1), dk.stride(2), *scalars),
-                meta)
-    _launch("dq", kernels._attention_bwd_dq, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B),
-            block_d, elt, (*common, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *scalars), meta)
-    if dv is not dv_out:
-        dv_out.copy_(dv)
-    return dq, dk, dv_out
+    return backward(dout, q, k, v, out, lse, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale,
+                    dropout_p, seed, offset)
 
 
 # q, k, v (B, H, S, D) -> out (B, H, Sq, D), lse (B, H, Sq) fp32
@@ -477,34 +555,48 @@ def _spec(name: str, fn, types: dict, constexprs: dict, num_warps: int, num_stag
             "num_stages": num_stages, "divisible_by_16": _divisible_by_16(fn, signature)}
 
 
-def aot_specs() -> List[dict]:
-    """One spec per kernel specialisation the host code launches on a GPU: each dtype, each
-    BLOCK_D bucket, each feature class with each of its autotune configs. A class is compiled
-    with all of its features on, its largest code and register footprint: "light" = padding
-    mask + causal, "heavy" = those + additive mask + dropout. The preprocess kernel runs at its
-    one fixed block."""
+def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]:
+    """Specs of the forward, dK/dV and dQ kernels: each dtype, each BLOCK_D bucket, each feature
+    class ``{name: (heavy, constexprs)}`` (its features all on: its largest code and register
+    footprint) with each of its autotune configs."""
     specs = []
     kinds = {"fwd": _attention_fwd, "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():
         elt = torch.empty((), dtype=dtype).element_size()
-        types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
-        types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32",
-                      "KPM": "*u8", "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32"})
+        types = _types(ptr)
         # fp32 runs "ieee" dots, or "tf32" ones where torch allows tf32 matmuls (its own specs)
         for precision in (("ieee", "tf32") if dtype == torch.float32 else ("ieee",)):
             for block_d in BLOCK_D_BUCKETS:
-                for heavy in (False, True):
-                    features = dict(BLOCK_D=block_d, EVEN_D=True, HAS_KPM=True, HAS_MASK=heavy, IS_CAUSAL=True,
-                                    HAS_DROPOUT=heavy, INPUT_PRECISION=precision, LARGE_OFFSETS=False)
+                for cls, (heavy, features) in classes.items():
+                    features = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION=precision, LARGE_OFFSETS=False,
+                                    **features)
                     for kind, fn in kinds.items():
-                        for cfg in _configs(kind, block_d, elt, heavy):
+                        for cfg in _configs(kind, block_d, elt, heavy, varlen):
                             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-                            name = (f"attention_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}_d{block_d}"
-                                    f"_{'heavy' if heavy else 'light'}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}")
+                            name = (f"{prefix}_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}_d{block_d}"
+                                    f"_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}")
                             specs.append(_spec(name, fn, types, {**features, **cfg.kwargs}, cfg.num_warps,
                                                cfg.num_stages))
+    return specs
+
+
+def _types(ptr: str) -> dict:
+    types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
+    types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32", "KPM": "*u8",
+                  "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"})
+    return types
+
+
+def aot_specs() -> List[dict]:
+    """One spec per kernel specialisation the padded op's host code launches on a GPU (see
+    kernel_specs): "light" = padding mask + causal, "heavy" = those + additive mask + dropout.
+    The preprocess kernel (the varlen op's too) runs at its one fixed block."""
+    specs = kernel_specs("attention", {
+        "light": (False, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, VARLEN=False)),
+        "heavy": (True, dict(HAS_KPM=True, HAS_MASK=True, IS_CAUSAL=True, HAS_DROPOUT=True, VARLEN=False))})
+    for ptr in _PTR.values():
         for block_d in BLOCK_D_BUCKETS:
             specs.append(_spec(f"attention_bwd_preprocess_{ptr[1:]}_d{block_d}", kernels._attention_bwd_preprocess,
-                               types, {"BLOCK_M": PREPROCESS_BLOCK_M, "BLOCK_D": block_d, "EVEN_D": True,
-                                      "LARGE_OFFSETS": False}, 4, 1))
+                               _types(ptr), {"BLOCK_M": PREPROCESS_BLOCK_M, "BLOCK_D": block_d, "EVEN_D": True,
+                                             "LARGE_OFFSETS": False}, 4, 1))
     return specs

@@ -11,12 +11,14 @@ With P = softmax(S) recomputed from the saved lse, Z the dropout keep-mask scale
 
 The masks (padding, bottom-right causal, additive, dropout) are regenerated exactly as the
 forward made them; rows with lse = +inf (nothing visible) get P = 0, hence zero gradients.
+With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
+preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
 """
 import triton
 import triton.language as tl
 
 from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, load_rows,
-                              mask_bases, masked_scores, program_ids, store_rows)
+                              mask_bases, masked_scores, program_ids, sequence, stats_row, store_rows)
 
 
 @triton.jit
@@ -63,12 +65,13 @@ def _load_row_stats(lse_row, delta_row, rows, Sq):
 def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d,
                              q_base, stride_qm, do_base, stride_dom, lse_row, delta_row,
                              kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n,
-                             Sq, Sk, D, qk_scale, seed, rng_base, drop_threshold, drop_scale,
+                             Sq, Sk, D, qk_scale, seed, rng_base, drop_cols, drop_threshold, drop_scale,
                              MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                              HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              HAS_DROPOUT: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
-    """Accumulate one query tile's contribution to this key tile's dK and dV."""
+    """Accumulate one query tile's contribution to this key tile's dK and dV (``Sq``, ``Sk``: this
+    sequence's lengths; ``drop_cols``: the dropout rows' width)."""
     qm = start_m + offs_m
     q = load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     do = load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
@@ -81,7 +84,7 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
     dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     if HAS_DROPOUT:
         # the forward's (BM, BN) tile of queries qm and keys from start_n, transposed to (BN, BM)
-        keep = tl.trans(keep_tile(seed, rng_base, qm, start_n, Sk, drop_threshold, k.shape[0]))
+        keep = tl.trans(keep_tile(seed, rng_base, qm, start_n, drop_cols, drop_threshold, k.shape[0]))
         dv = dot(cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
         dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
     else:
@@ -93,26 +96,28 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
 
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
 def _attention_bwd_dkdv(
-    Q,  # (B, H, Sq, D) queries
-    K,  # (B, H, Sk, D) keys
-    V,  # (B, H, Sk, D) values
-    DO,  # (B, H, Sq, D) gradient of the output
-    Lse,  # (B, H, Sq) fp32 contiguous forward log-sum-exp
-    Delta,  # (B, H, Sq) fp32 contiguous rowsum(dO * O)
+    Q,  # (B, H, Sq, D) queries; VARLEN: (total_q, H, D) packed sequences
+    K,  # (B, H, Sk, D) keys; VARLEN: (total_k, H, D)
+    V,  # (B, H, Sk, D) values; VARLEN: (total_k, H, D)
+    DO,  # (B, H, Sq, D) gradient of the output; VARLEN: (total_q, H, D)
+    Lse,  # fp32 forward log-sum-exp: (B, H, Sq); VARLEN: (H, total_q)
+    Delta,  # fp32 rowsum(dO * O), laid out as Lse
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
-    DK,  # (B, H, Sk, D) gradient of k
-    DV,  # (B, H, Sk, D) gradient of v
-    stride_qb,  # q batch stride
+    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (a dummy otherwise)
+    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (a dummy otherwise)
+    DK,  # (B, H, Sk, D) gradient of k; VARLEN: (total_k, H, D)
+    DV,  # (B, H, Sk, D) gradient of v; VARLEN: (total_k, H, D)
+    stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
     stride_qm,  # q row stride
-    stride_kb,  # k batch stride
+    stride_kb,  # k batch stride (0 with VARLEN)
     stride_kh,  # k head stride
     stride_kn,  # k row stride
-    stride_vb,  # v batch stride
+    stride_vb,  # v batch stride (0 with VARLEN)
     stride_vh,  # v head stride
     stride_vn,  # v row stride
-    stride_dob,  # dout batch stride
+    stride_dob,  # dout batch stride (0 with VARLEN)
     stride_doh,  # dout head stride
     stride_dom,  # dout row stride
     stride_kpm_b,  # key padding mask batch stride
@@ -121,12 +126,14 @@ def _attention_bwd_dkdv(
     stride_am_h,  # additive mask head stride (0 when broadcast)
     stride_am_m,  # additive mask query stride (0 when broadcast)
     stride_am_n,  # additive mask key stride (0 when broadcast)
-    stride_dkb,  # dk / dv batch stride
+    stride_dkb,  # dk / dv batch stride (0 with VARLEN)
     stride_dkh,  # dk / dv head stride
     stride_dkn,  # dk / dv row stride
     H,  # number of heads
-    Sq,  # number of queries
-    Sk,  # number of keys
+    Sq,  # number of queries (VARLEN: max_seqlen_q), the dropout rows per head
+    Sk,  # number of keys (VARLEN: max_seqlen_k), the dropout rows' width
+    total_q,  # VARLEN: rows of q (every sequence is clamped into them) and of each head of lse; unused otherwise
+    total_k,  # VARLEN: rows of k and v; unused otherwise
     D,  # head dim (<= BLOCK_D)
     scale,  # fp32 score scale
     seed,  # i64 dropout Philox seed
@@ -145,20 +152,25 @@ def _attention_bwd_dkdv(
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
+    VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
 ):
     start_n, h, b64, h64 = program_ids(BLOCK_N, False)
+    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    if VARLEN:
+        if start_n >= Lk:  # the grid covers the longest sequence: this one ends before the tile
+            return
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = load_rows(head_base(K, b64, h64, stride_kb, stride_kh), offs_n, stride_kn, offs_d, Sk, D, EVEN_D,
-                  LARGE_OFFSETS)
-    v = load_rows(head_base(V, b64, h64, stride_vb, stride_vh), offs_n, stride_vn, offs_d, Sk, D, EVEN_D,
-                  LARGE_OFFSETS)
-    q_base = head_base(Q, b64, h64, stride_qb, stride_qh)
-    do_base = head_base(DO, b64, h64, stride_dob, stride_doh)
-    lse_row = Lse + (b64 * H + h) * Sq
-    delta_row = Delta + (b64 * H + h) * Sq
+    k = load_rows(head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn, offs_d, Lk, D,
+                  EVEN_D, LARGE_OFFSETS)
+    v = load_rows(head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn), offs_n, stride_vn, offs_d, Lk, D,
+                  EVEN_D, LARGE_OFFSETS)
+    q_base = head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm)
+    do_base = head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom)
+    lse_row = stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN)
+    delta_row = stats_row(Delta, b64, h, H, Sq, q0, total_q, VARLEN)
     kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
                                              stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
@@ -166,42 +178,43 @@ def _attention_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:
-        # query i sees key j iff i >= j - (Sk - Sq): earlier query tiles are skipped whole, and
+        # query i sees key j iff i >= j - (Lk - Lq): earlier query tiles are skipped whole, and
         # from full_lo on every query of a tile sees every key of this tile
-        lo = tl.maximum(start_n + Sq - Sk, 0) // BLOCK_M * BLOCK_M
-        full_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N - 1 + Sq - Sk, BLOCK_M) * BLOCK_M, lo)
-        for start_m in range(lo, tl.minimum(full_lo, Sq), BLOCK_M):
+        lo = tl.maximum(start_n + Lq - Lk, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N - 1 + Lq - Lk, BLOCK_M) * BLOCK_M, lo)
+        for start_m in range(lo, tl.minimum(full_lo, Lq), BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
                 dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
-                lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
-                qk_scale, seed, rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK,
+                lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
+                qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK,
                 IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
     else:
         full_lo = 0
-    # query rows past Sq have lse = +inf (P = 0) and keys past Sk are never stored: no edge mask
-    for start_m in range(full_lo, Sq, BLOCK_M):
+    # query rows past Lq have lse = +inf (P = 0) and keys past Lk are never stored: no edge mask
+    for start_m in range(full_lo, Lq, BLOCK_M):
         dk, dv = _attention_bwd_dkdv_tile(
             dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
-            lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D,
-            qk_scale, seed, rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK,
+            lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
+            qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK,
             IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
 
     dk = dk * scale
-    store_rows(head_base(DK, b64, h64, stride_dkb, stride_dkh), cast(dk, DK.dtype.element_ty), offs_n,
-               stride_dkn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
-    store_rows(head_base(DV, b64, h64, stride_dkb, stride_dkh), cast(dv, DV.dtype.element_ty), offs_n,
-               stride_dkn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(DK, b64, h64, stride_dkb, stride_dkh, k0, stride_dkn), cast(dk, DK.dtype.element_ty),
+               offs_n, stride_dkn, offs_d, Lk, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(DV, b64, h64, stride_dkb, stride_dkh, k0, stride_dkn), cast(dv, DV.dtype.element_ty),
+               offs_n, stride_dkn, offs_d, Lk, D, EVEN_D, LARGE_OFFSETS)
 
 
 @triton.jit
 def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d,
                            k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
                            am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
-                           seed, rng_base, drop_threshold, drop_scale,
+                           seed, rng_base, drop_cols, drop_threshold, drop_scale,
                            MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                            HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
-    """Accumulate one key tile's contribution to this query tile's dQ."""
+    """Accumulate one key tile's contribution to this query tile's dQ (``Sq``, ``Sk``: this
+    sequence's lengths; ``drop_cols``: the dropout rows' width)."""
     kn = start_n + offs_n
     k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
     v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
@@ -212,7 +225,7 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     if HAS_DROPOUT:
-        keep = keep_tile(seed, rng_base, offs_m, start_n, Sk, drop_threshold, k.shape[0])  # (BM, BN)
+        keep = keep_tile(seed, rng_base, offs_m, start_n, drop_cols, drop_threshold, k.shape[0])  # (BM, BN)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])  # (BM, BN)
     return dot(cast(ds, k.dtype), k, dq, INPUT_PRECISION)
@@ -220,25 +233,27 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
 
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
 def _attention_bwd_dq(
-    Q,  # (B, H, Sq, D) queries
-    K,  # (B, H, Sk, D) keys
-    V,  # (B, H, Sk, D) values
-    DO,  # (B, H, Sq, D) gradient of the output
-    Lse,  # (B, H, Sq) fp32 contiguous forward log-sum-exp
-    Delta,  # (B, H, Sq) fp32 contiguous rowsum(dO * O)
+    Q,  # (B, H, Sq, D) queries; VARLEN: (total_q, H, D) packed sequences
+    K,  # (B, H, Sk, D) keys; VARLEN: (total_k, H, D)
+    V,  # (B, H, Sk, D) values; VARLEN: (total_k, H, D)
+    DO,  # (B, H, Sq, D) gradient of the output; VARLEN: (total_q, H, D)
+    Lse,  # fp32 forward log-sum-exp: (B, H, Sq); VARLEN: (H, total_q)
+    Delta,  # fp32 rowsum(dO * O), laid out as Lse
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
-    DQ,  # (B, H, Sq, D) gradient of q
-    stride_qb,  # q batch stride
+    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (a dummy otherwise)
+    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (a dummy otherwise)
+    DQ,  # (B, H, Sq, D) gradient of q; VARLEN: (total_q, H, D)
+    stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
     stride_qm,  # q row stride
-    stride_kb,  # k batch stride
+    stride_kb,  # k batch stride (0 with VARLEN)
     stride_kh,  # k head stride
     stride_kn,  # k row stride
-    stride_vb,  # v batch stride
+    stride_vb,  # v batch stride (0 with VARLEN)
     stride_vh,  # v head stride
     stride_vn,  # v row stride
-    stride_dob,  # dout batch stride
+    stride_dob,  # dout batch stride (0 with VARLEN)
     stride_doh,  # dout head stride
     stride_dom,  # dout row stride
     stride_kpm_b,  # key padding mask batch stride
@@ -247,12 +262,14 @@ def _attention_bwd_dq(
     stride_am_h,  # additive mask head stride (0 when broadcast)
     stride_am_m,  # additive mask query stride (0 when broadcast)
     stride_am_n,  # additive mask key stride (0 when broadcast)
-    stride_dqb,  # dq batch stride
+    stride_dqb,  # dq batch stride (0 with VARLEN)
     stride_dqh,  # dq head stride
     stride_dqm,  # dq row stride
     H,  # number of heads
-    Sq,  # number of queries
-    Sk,  # number of keys
+    Sq,  # number of queries (VARLEN: max_seqlen_q), the dropout rows per head
+    Sk,  # number of keys (VARLEN: max_seqlen_k), the dropout rows' width
+    total_q,  # VARLEN: rows of q (every sequence is clamped into them) and of each head of lse; unused otherwise
+    total_k,  # VARLEN: rows of k and v; unused otherwise
     D,  # head dim (<= BLOCK_D)
     scale,  # fp32 score scale
     seed,  # i64 dropout Philox seed
@@ -271,36 +288,44 @@ def _attention_bwd_dq(
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
+    VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
 ):
     start_m, h, b64, h64 = program_ids(BLOCK_M, IS_CAUSAL)
+    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    if VARLEN:
+        if start_m >= Lq:  # the grid covers the longest sequence: this one ends before the tile
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh), offs_m, stride_qm, offs_d, Sq, D, EVEN_D,
-                  LARGE_OFFSETS)
-    do = load_rows(head_base(DO, b64, h64, stride_dob, stride_doh), offs_m, stride_dom, offs_d, Sq, D, EVEN_D,
-                   LARGE_OFFSETS)
-    lse2, delta = _load_row_stats(Lse + (b64 * H + h) * Sq, Delta + (b64 * H + h) * Sq, offs_m, Sq)
-    k_base = head_base(K, b64, h64, stride_kb, stride_kh)
-    v_base = head_base(V, b64, h64, stride_vb, stride_vh)
+    q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm), offs_m, stride_qm, offs_d, Lq, D,
+                  EVEN_D, LARGE_OFFSETS)
+    do = load_rows(head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom), offs_m, stride_dom, offs_d, Lq,
+                   D, EVEN_D, LARGE_OFFSETS)
+    lse2, delta = _load_row_stats(stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN),
+                                  stats_row(Delta, b64, h, H, Sq, q0, total_q, VARLEN), offs_m, Lq)
+    k_base = head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn)
+    v_base = head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn)
     kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
                                              stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = causal_key_bounds(start_m, Sq, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    full_hi, hi = causal_key_bounds(start_m, Lq, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
-            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
-            rng_base, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
+            rng_base, Sk, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+            INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
-            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, seed,
-            rng_base, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
+            kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
+            rng_base, Sk, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
+            INPUT_PRECISION, LARGE_OFFSETS)
 
     dq = dq * scale
-    store_rows(head_base(DQ, b64, h64, stride_dqb, stride_dqh), cast(dq, DQ.dtype.element_ty), offs_m,
-               stride_dqm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
+    store_rows(head_base(DQ, b64, h64, stride_dqb, stride_dqh, q0, stride_dqm), cast(dq, DQ.dtype.element_ty),
+               offs_m, stride_dqm, offs_d, Lq, D, EVEN_D, LARGE_OFFSETS)

@@ -1,8 +1,9 @@
 """The tile helpers every flash-attention kernel shares: the forward (attention.py) and the two
 backward kernels (attention_backward.py) load and store head rows, apply the masks (key padding,
 bottom-right causal, additive) to a score tile, regenerate the dropout keep-mask, bound the causal
-key range and set up a program's head pointers through these, so the three kernels see one
-definition of the masks and the dropout stream. Scores live in log2 units (``s * log2(e)``).
+key range and set up a program's sequence and head pointers through these, so the three kernels
+see one definition of the masks and the dropout stream, for the padded (B, H, S, D) layout and
+the packed varlen one alike. Scores live in log2 units (``s * log2(e)``).
 """
 import triton
 import triton.language as tl
@@ -119,7 +120,8 @@ def masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed (
 @triton.jit
 def dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
     """Philox counter of head (b, h)'s first group: the probabilities are rows of ``Sk`` keys,
-    ``ceil(Sk / 8)`` counters a row, the ``B*H*Sq`` query rows in order (fastformer/philox.py)."""
+    ``ceil(Sk / 8)`` counters a row, the ``B*H*Sq`` query rows in order (fastformer/philox.py).
+    Packed sequences (VARLEN) take the padded op's counters: ``Sq``, ``Sk`` the longest lengths."""
     return rng_offset + (b64 * H + h) * Sq * tl.cdiv(Sk, 8)
 
 
@@ -127,7 +129,7 @@ def dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
 def keep_tile(seed, rng_base, qi, start_n, Sk, threshold, BLOCK_N: tl.constexpr):
     """Keep-mask (BM, BLOCK_N) of queries ``qi`` (BM,) and keys ``start_n + arange(BLOCK_N)``
     (``start_n`` a multiple of BLOCK_N, itself a multiple of 8), ``rng_base`` from
-    :func:`dropout_rng_base`."""
+    :func:`dropout_rng_base` and ``Sk`` the dropout rows' width, as there."""
     return dropout_keep_tile(seed, rng_base, qi, tl.cdiv(Sk, 8), start_n, threshold, BLOCK_N)
 
 
@@ -160,13 +162,43 @@ def program_ids(BLOCK: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def head_base(X, b64, h64, stride_b, stride_h):
-    """Pointer to row 0 of head (b, h) of a (B, H, S, D) tensor (int64 batch and head offsets)."""
-    return X + b64 * stride_b + h64 * stride_h
+def sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN: tl.constexpr):
+    """(q0, k0, Lq, Lk) of batch entry b: its first query and key row and its numbers of queries
+    and keys. Padded layout: 0, 0, Sq, Sk (the batch strides address b). VARLEN: from the int32
+    cumulative lengths, clamped (the host reads none of them: that would synchronise) so that
+    every row lies in [0, total) and no length passes its maximum Sq / Sk (the grid's and the
+    dropout rows' bound); q0, k0 in int64."""
+    if VARLEN:
+        q0 = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + b64), 0), total_q)
+        q1 = tl.minimum(tl.maximum(tl.load(CuSeqlensQ + b64 + 1), q0), total_q)
+        k0 = tl.minimum(tl.maximum(tl.load(CuSeqlensK + b64), 0), total_k)
+        k1 = tl.minimum(tl.maximum(tl.load(CuSeqlensK + b64 + 1), k0), total_k)
+        return q0.to(tl.int64), k0.to(tl.int64), tl.minimum(q1 - q0, Sq), tl.minimum(k1 - k0, Sk)
+    else:
+        return 0, 0, Sq, Sk
+
+
+@triton.jit
+def head_base(X, b64, h64, stride_b, stride_h, row0, stride_row):
+    """Pointer to the first row of head h of batch entry b: ``b * stride_b`` into a (B, H, S, D)
+    tensor (``row0`` the constant 0, which folds away), or row ``row0`` of a packed (total, H, D)
+    one (``stride_b`` 0). Offsets in int64."""
+    return X + b64 * stride_b + h64 * stride_h + row0 * stride_row
+
+
+@triton.jit
+def stats_row(X, b64, h, H, Sq, q0, total_q, VARLEN: tl.constexpr):
+    """Pointer to the first entry of head h of batch entry b in a contiguous per-row statistic
+    (lse, delta): (B, H, Sq), or with VARLEN the schema's (H, total_q) from packed row q0."""
+    if VARLEN:
+        return X + h.to(tl.int64) * total_q + q0
+    else:
+        return X + (b64 * H + h) * Sq
 
 
 @triton.jit
 def mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b, stride_am_b, stride_am_h):
-    """(key padding mask row, additive mask of head (b, h), Philox counter of its first group)."""
-    return (KPM + b64 * stride_kpm_b, head_base(AM, b64, h64, stride_am_b, stride_am_h),
+    """(key padding mask row, additive mask of head (b, h), Philox counter of its first group).
+    ``Sq``, ``Sk``: the dropout rows' shape (the longest sequence's with VARLEN)."""
+    return (KPM + b64 * stride_kpm_b, head_base(AM, b64, h64, stride_am_b, stride_am_h, 0, 0),
             dropout_rng_base(rng_offset, b64, H, h, Sq, Sk))
