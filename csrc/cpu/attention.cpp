@@ -19,14 +19,6 @@
 namespace fastformer {
 namespace {
 
-bool blas_rows_ok(const at::Tensor& t) {
-  const int64_t D = t.size(3);
-  return t.size(2) <= 1 || (t.stride(2) >= D && t.stride(2) <= INT_MAX);
-}
-
-// t itself when its rows can be handed to the GEMMs as they are, else a contiguous copy.
-at::Tensor as_blas_rows(const at::Tensor& t) { return blas_rows_ok(t) ? t : t.contiguous(); }
-
 // The checked masks as the kernels read them (fills `mask`); returns the tensors that must
 // outlive the kernel.
 std::vector<at::Tensor> prepare_masks(const checks::AttentionMasks& masks, bool is_causal,
@@ -35,7 +27,6 @@ std::vector<at::Tensor> prepare_masks(const checks::AttentionMasks& masks, bool 
   std::vector<at::Tensor> keep_alive;
   mask.Sk = Sk;
   mask.causal = is_causal;
-  mask.shift = Sk - Sq;
   if (masks.key_padding_mask.defined()) {
     const at::Tensor padded = masks.key_padding_mask.contiguous();
     at::Tensor bias = at::zeros({B, Sk}, at::kFloat)
@@ -83,17 +74,10 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
   at::Tensor out = empty_large({B, H, Sq, D}, q_in.options());  // pooled when large
   at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
-  const at::Tensor q = as_blas_rows(q_in), k = as_blas_rows(k_in), v = as_blas_rows(v_in);
+  const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
   FF_ISA(attention_fwd_impl)(dims, q, k, v, mask, scale, dropout_p, static_cast<uint64_t>(seed),
                              static_cast<uint64_t>(offset), out, lse);
   return {out, lse};
-}
-
-// The gradient of x, laid out like empty_like(x) (as the fake implementation promises).
-at::Tensor grad_like(const at::Tensor& x) {
-  if (x.is_contiguous()) return empty_large_like(x);  // pooled when large (large_buffers.h)
-  at::Tensor g = at::empty_like(x);
-  return g.stride(3) == 1 || g.size(3) == 1 ? g : at::empty(x.sizes(), x.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
@@ -114,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
 
   at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
   if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv};
-  const at::Tensor q = as_blas_rows(q_in), k = as_blas_rows(k_in), v = as_blas_rows(v_in);
-  const at::Tensor dout = as_blas_rows(dout_in), lse = lse_in.contiguous();
+  const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
+  const at::Tensor dout = as_blas_rows(dout_in, 2), lse = lse_in.contiguous();
   const at::ScalarType acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(acc_dtype));
   FF_ISA(attention_bwd_impl)(dims, dout, q, k, v, out_in, lse, mask, scale, dropout_p,

@@ -1,6 +1,12 @@
-// Flash-style CPU attention: fastformer::attention_fwd and attention_bwd (schemas in csrc/ops.cpp).
+// Flash-style CPU attention: fastformer::attention_fwd / attention_bwd and attention_varlen_fwd /
+// attention_varlen_bwd (schemas in csrc/schemas.h).
 //
-// Forward, per (batch, head, block of kBlockQ queries): S = Q K^T for one block of kBlockK keys
+// One problem description serves both ops: attention's (B, H, S, D) batch of equal-length rows
+// and attention_varlen's packed sequences (total, H, D) with cu_seqlens (Problem::Lq / Lk per
+// sequence, Rows addressing a sequence's rows through cu), so every tile, mask and dropout step
+// below is the same code for both.
+//
+// Forward, per (sequence, head, block of kBlockQ queries): S = Q K^T for one block of kBlockK keys
 // at a time, scale and masks applied while the tile is hot, an online softmax (running max m and
 // sum l per row), dropout on the probabilities from the shared Philox stream, and O += P V.
 // Only the per-row log-sum-exp lse = m + log(l) is kept for backward (+inf for a row with no
@@ -9,14 +15,15 @@
 // Backward recomputes P = exp(S - lse) tile by tile and regenerates the dropout mask from
 // (seed, offset): with Z the dropout multipliers (0 or 1 / (1 - p)) and delta = rowsum(dO * O),
 //   dV += (P Z)^T dO,  dP = (dO V^T) Z,  dS = scale P (dP - delta),  dQ += dS K,  dK += dS^T Q.
-// Two race-free schedules:
-//   * one task per (batch, head) computing dQ, dK and dV together (five products per tile),
-//     when there are enough heads to keep every thread busy;
-//   * otherwise two passes: dK and dV per (batch, head, key block), then dQ per
-//     (batch, head, query block), recomputing S and dP in each (seven products per tile).
+// Two race-free schedules, chosen per sequence:
+//   * one task per (sequence, head) computing dQ, dK and dV together (five products per tile),
+//     when the head is a small share of the whole call's work;
+//   * otherwise two passes: dK and dV per (sequence, head, key block), then dQ per
+//     (sequence, head, query block), recomputing S and dP in each (seven products per tile).
 // Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
-// are skipped. Threads take tasks one at a time from a shared counter (parallel_tasks), so
-// rows of different lengths do not leave a thread waiting for another.
+// are skipped. Threads take tasks one at a time from a shared counter, heaviest first
+// (TaskList, parallel_tasks), so sequences of different lengths do not leave a thread waiting
+// for another.
 //
 // The tile products are plain row-major C (+)= A B (attention_gemm.h: oneDNN's brgemm ukernel
 // through at::native::cpublas for fp32, MKL for fp64); the transposed operands (K^T, V^T,
@@ -86,19 +93,57 @@ class TaskQueue {
   std::atomic<int64_t> next_{0};
 };
 
-// Runs fn(queue) on as many of at::parallel_for's threads as tasks [0, n) of `grain` tasks each
-// keep busy (one thread, inline, for small problems); each thread sets up its scratch once and
-// then pops tasks until none is left. at::parallel_for alone hands each thread one contiguous
-// range of tasks, and under key padding (batch rows of different lengths) or a causal mask one
-// range can hold much more work than another while the other threads wait at the barrier. Each
-// task writes only its own rows, so which thread runs it does not change a bit of the result.
+// Runs fn(queue) on as many of at::parallel_for's threads as tasks [0, n) of `work` multiply-adds
+// in all keep busy (~2^17 each; one thread, inline, for small problems); each thread sets up its
+// scratch once and then pops tasks until none is left. at::parallel_for alone hands each thread
+// one contiguous range of tasks, and with sequences of different lengths (key padding, packed
+// sequences) or a causal mask one range can hold much more work than another while the other
+// threads wait at the barrier. Each task writes only its own rows, so which thread runs it does
+// not change a bit of the result.
 template <typename Fn>
-void parallel_tasks(int64_t n, int64_t grain, const Fn& fn) {
+void parallel_tasks(int64_t n, int64_t work, const Fn& fn) {
   if (n <= 0) return;
-  const int64_t threads = std::clamp<int64_t>(ceil_div(n, grain), 1, at::get_num_threads());
+  const int64_t threads = std::clamp<int64_t>(ceil_div(work, int64_t{1} << 17), 1,
+                                              std::min<int64_t>(n, at::get_num_threads()));
   TaskQueue queue(n);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { fn(queue); });
 }
+
+// The tasks of one pass: items (sequence b, block) each run for every one of H heads, task
+// h * items + item. Each head's items go heaviest first (longest processing time first): with
+// the dynamic queue the last tasks are light ones, so a long sequence among short ones is started
+// early instead of being the last thing one thread works on while the others wait. Head-major:
+// threads working at once take different sequences of one head, not neighbouring heads of one
+// sequence, whose pieces of the packed rows (H D apart) lie side by side.
+class TaskList {
+ public:
+  struct Item {
+    int64_t b, block, work;  // block: a query or key block index, or kWholeHead
+  };
+  static constexpr int64_t kWholeHead = -1;
+
+  explicit TaskList(int64_t H) : H_(H) {}
+  void add(int64_t b, int64_t block, int64_t work) {
+    items_.push_back({b, block, work});
+    work_ += work;
+  }
+  // Call once every item is added.
+  void sort() {
+    std::stable_sort(items_.begin(), items_.end(),
+                     [](const Item& x, const Item& y) { return x.work > y.work; });
+  }
+  int64_t size() const { return static_cast<int64_t>(items_.size()) * H_; }
+  int64_t work() const { return work_ * H_; }  // multiply-adds of all tasks
+  const Item& item(int64_t task, int64_t& h) const {
+    const int64_t n = static_cast<int64_t>(items_.size());
+    h = task / n;
+    return items_[task % n];
+  }
+
+ private:
+  int64_t H_, work_ = 0;
+  std::vector<Item> items_;
+};
 
 template <typename T>
 constexpr T neg_inf() { return -std::numeric_limits<T>::infinity(); }
@@ -107,46 +152,88 @@ constexpr T neg_inf() { return -std::numeric_limits<T>::infinity(); }
 // Operands and masks
 // ---------------------------------------------------------------------------------------------
 
-// A (B, H, S, D) tensor read through its strides: row s of head (b, h) is D contiguous elements,
-// rows ld apart (ld >= D, as the GEMMs need).
+// An operand read through its strides: row s of head h of sequence b is D contiguous elements
+// (one for lse / delta), rows ld apart (ld >= D, as the GEMMs need). Padded (B, H, S, D):
+// sequence b starts at b * sb; packed (total, H, D): at row cu[b].
 template <typename T>
 struct Rows {
   T* data;
   int64_t sb, sh, ld;
-  T* row(int64_t b, int64_t h, int64_t s) const { return data + b * sb + h * sh + s * ld; }
+  const int32_t* cu = nullptr;
+  T* row(int64_t b, int64_t h, int64_t s) const {
+    return data + (cu != nullptr ? (cu[b] + s) * ld : b * sb + s * ld) + h * sh;
+  }
 };
 
+// A padded (B, H, S, D) tensor.
 template <typename T>
 Rows<T> rows_of(const at::Tensor& t) {
   const int64_t ld = t.size(2) <= 1 ? t.size(3) : t.stride(2);
   return Rows<T>{const_cast<T*>(t.data_ptr<T>()), t.stride(0), t.stride(1), ld};
 }
 
+// A packed (total, H, D) tensor whose sequences start at rows cu[b].
+template <typename T>
+Rows<T> packed_rows_of(const at::Tensor& t, const int32_t* cu) {
+  const int64_t ld = t.size(0) <= 1 ? t.size(2) : t.stride(0);
+  return Rows<T>{const_cast<T*>(t.data_ptr<T>()), 0, t.stride(1), ld, cu};
+}
+
 template <typename scalar_t>
 struct Problem {
   using acc_t = at::opmath_type<scalar_t>;
+  // Sq, Sk: every sequence's lengths (padded) or the longest (packed); either way the dropout
+  // counters' grid (B, H, Sq, Sk).
   int64_t B, H, Sq, Sk, D;
+  const int32_t* cu_q = nullptr;  // packed: sequence b's query rows [cu_q[b], cu_q[b + 1])
+  const int32_t* cu_k = nullptr;  //          and key rows [cu_k[b], cu_k[b + 1])
   Rows<scalar_t> q, k, v;
   Masks mask;
   acc_t scale;
   DropoutParams dropout;
   uint64_t seed, offset;
 
-  // The keys [first, second) that queries [.., i_end) of batch b can see at all: outside lie only
-  // padded keys and, under causal, keys past the diagonal of query i_end - 1. Tiles there are
-  // skipped (their P is 0).
+  // Sequence b's query and key counts.
+  int64_t Lq(int64_t b) const { return cu_q != nullptr ? int64_t{cu_q[b + 1]} - cu_q[b] : Sq; }
+  int64_t Lk(int64_t b) const { return cu_k != nullptr ? int64_t{cu_k[b + 1]} - cu_k[b] : Sk; }
+  // Causal (bottom-right): key j of sequence b is visible to its query i iff j <= i + shift(b).
+  int64_t shift(int64_t b) const { return Lk(b) - Lq(b); }
+  // The query rows of all sequences (the rows of out, lse, delta).
+  int64_t total_q() const { return cu_q != nullptr ? int64_t{cu_q[B]} : B * Sq; }
+  // (sequence, query) of query row t < total_q().
+  std::pair<int64_t, int64_t> locate_q(int64_t t) const {
+    if (cu_q == nullptr) return {t / Sq, t % Sq};
+    const int64_t b = std::upper_bound(cu_q + 1, cu_q + B + 1, t) - (cu_q + 1);  // skips empty ones
+    return {b, t - cu_q[b]};
+  }
+  // lse / delta rows: (B, H, Sq) contiguous, or (H, total_q) for packed sequences.
+  template <typename T>
+  Rows<T> stat_rows(T* data) const {
+    if (cu_q != nullptr) return Rows<T>{data, 0, total_q(), 1, cu_q};
+    return Rows<T>{data, H * Sq, Sq, 1};
+  }
+
+  // The keys [first, second) that queries [.., i_end) of sequence b can see at all: outside lie
+  // only padded keys and, under causal, keys past the diagonal of query i_end - 1. Tiles there
+  // are skipped (their P is 0).
   std::pair<int64_t, int64_t> key_span(int64_t b, int64_t i_end) const {
-    int64_t lo = 0, hi = Sk;
+    const int64_t lk = Lk(b);
+    int64_t lo = 0, hi = lk;
     if (mask.key_span != nullptr) {
       lo = mask.key_span[2 * b];
       hi = mask.key_span[2 * b + 1];
     }
-    if (mask.causal) hi = std::min(hi, std::clamp<int64_t>(i_end + mask.shift, 0, Sk));
+    if (mask.causal) hi = std::min(hi, std::clamp<int64_t>(i_end + shift(b), 0, lk));
     return {lo, std::max(lo, hi)};
   }
-  // The first query that can see key j0.
-  int64_t query_begin(int64_t j0) const {
-    return mask.causal ? std::clamp<int64_t>(j0 - mask.shift, 0, Sq) : 0;
+  // The first query of sequence b that can see key j0.
+  int64_t query_begin(int64_t b, int64_t j0) const {
+    return mask.causal ? std::clamp<int64_t>(j0 - shift(b), 0, Lq(b)) : 0;
+  }
+  // Multiply-adds of one head's score tiles for queries [i0, i0 + mq) of sequence b (D each).
+  int64_t tile_area(int64_t b, int64_t i0, int64_t mq) const {
+    const auto [kbegin, kend] = key_span(b, i0 + mq);
+    return mq * (kend - kbegin) * D;
   }
   // out[0, npad) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
   // (b, h, i), then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
@@ -209,18 +296,18 @@ void add_mask_row(T* s, const float* a, int64_t stride, int64_t n) {
   }
 }
 
-// s[0, n) = scale * s + masks for query i against keys j0 .. j0 + n - 1, and the padding
-// s[n, n_pad) = -inf.
+// s[0, n) = scale * s + masks for query i against keys j0 .. j0 + n - 1 (causal: key j visible
+// iff j <= i + shift), and the padding s[n, n_pad) = -inf.
 template <typename T>
-void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
-                    int64_t n_pad, T* s) {
+void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, int64_t shift,
+                    int64_t j0, int64_t n, int64_t n_pad, T* s) {
   scale_row(s, n, scale);
   if (mk.key_bias != nullptr) add_mask_row(s, mk.key_bias + b * mk.Sk + j0, 1, n);
   if (mk.am != nullptr) {
     add_mask_row(s, mk.am + b * mk.am_sb + h * mk.am_sh + i * mk.am_sq + j0 * mk.am_sk, mk.am_sk, n);
   }
   if (mk.causal) {
-    const int64_t first_hidden = std::max<int64_t>(0, i + mk.shift - j0 + 1);
+    const int64_t first_hidden = std::max<int64_t>(0, i + shift - j0 + 1);
     for (int64_t c = first_hidden; c < n; ++c) s[c] = neg_inf<T>();
   }
   for (int64_t c = n; c < n_pad; ++c) s[c] = neg_inf<T>();
@@ -313,8 +400,9 @@ void store_scaled_row(T* src, T f, D* dst, int64_t n) {
 }
 
 // Rows [s0, s0 + n) of one head of a q / k / v / dout operand as GEMM-ready acc_t rows: the
-// tensor's own memory for fp32 and fp64; a converted fp32 copy for bf16, kept while the rows
-// asked for lie within the last rows converted (a task can convert a whole head up front).
+// tensor's own memory for fp32 and fp64 (also rows ld > D apart: a copy to contiguous rows was
+// measured slower, the GEMMs read strided rows well); a converted fp32 copy for bf16, kept while
+// the rows asked for lie within the last rows converted (a task can convert a whole head up front).
 template <typename scalar_t>
 class OperandTile {
  public:
@@ -360,23 +448,32 @@ void store_rows(const acc_t* acc, const Rows<scalar_t>& dst, int64_t b, int64_t 
 // Forward
 // ---------------------------------------------------------------------------------------------
 
+// out: rows of (b, h, i) as Rows (D each); lse: p.stat_rows.
 template <typename scalar_t>
-void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse) {
+void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out, const Rows<float>& lse) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t nqb = ceil_div(p.Sq, kBlockQ), D = p.D;
+  const int64_t D = p.D;
   const bool dropout = p.dropout.drop;
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.scale);
 
-  const int64_t grain = grain_for(2 * std::min(kBlockQ, p.Sq) * p.Sk * D);
-  parallel_tasks(p.B * p.H * nqb, grain, [&](TaskQueue& tasks) {
+  TaskList list(p.H);  // (sequence, query block): only the blocks a sequence has
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t i0 = 0, qb = 0; i0 < p.Lq(b); i0 += kBlockQ, ++qb) {
+      list.add(b, qb, 2 * p.tile_area(b, i0, std::min(kBlockQ, p.Lq(b) - i0)));
+    }
+  }
+  list.sort();
+  parallel_tasks(list.size(), list.work(), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kBlockK);
     const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
     for (int64_t task; tasks.pop(task);) {
-      const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
-      const int64_t i0 = qb * kBlockQ, mq = std::min(kBlockQ, p.Sq - i0);
+      int64_t h;
+      const TaskList::Item& it = list.item(task, h);
+      const int64_t b = it.b, i0 = it.block * kBlockQ, mq = std::min(kBlockQ, p.Lq(b) - i0);
+      const int64_t shift = p.shift(b);
       std::fill(m.begin(), m.end(), neg_inf<acc_t>());
       std::fill(l.begin(), l.end(), acc_t(0));
       std::fill(acc.begin(), acc.begin() + mq * D, acc_t(0));
@@ -392,7 +489,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t i = i0 + r;
           acc_t* s = S.data() + r * kBlockK;
-          scale_mask_row(p.mask, p.scale, b, h, i, j0, nk, npad, s);
+          scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
           const acc_t tile_max = row_max(s, npad);  // NaN if a score is NaN
           const acc_t m_new = std::isnan(m[r]) || std::isnan(tile_max) ? nan_of<acc_t>()
                                                                        : std::max(m[r], tile_max);
@@ -424,15 +521,15 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, scalar_t* out, float* lse)
         const acc_t* Vj = v_tile.get(p.v, b, h, j0, nk, ldv);
         attn::matmul(mq, D, nk, S.data(), kBlockK, Vj, ldv, acc.data(), D, true);
       }
+      float* lse_rows = lse.row(b, h, i0);
       for (int64_t r = 0; r < mq; ++r) {
-        const int64_t row = (b * p.H + h) * p.Sq + i0 + r;
-        scalar_t* o = out + row * D;
+        scalar_t* o = out.row(b, h, i0 + r);
         if (l[r] == acc_t(0)) {  // no visible key: output 0, lse +inf
           std::fill(o, o + D, scalar_t(0));
-          lse[row] = std::numeric_limits<float>::infinity();
+          lse_rows[r] = std::numeric_limits<float>::infinity();
         } else {
           store_scaled_row(acc.data() + r * D, keep_scale / l[r], o, D);
-          lse[row] = static_cast<float>(m[r] + std::log(l[r]));
+          lse_rows[r] = static_cast<float>(m[r] + std::log(l[r]));
         }
       }
     }
@@ -447,8 +544,8 @@ template <typename scalar_t>
 struct BwdData {
   using acc_t = at::opmath_type<scalar_t>;
   Rows<scalar_t> dout;
-  const float* lse;     // (B, H, Sq) contiguous
-  const acc_t* delta;   // (B, H, Sq) contiguous: rowsum(dout * out)
+  Rows<float> lse;      // Problem::stat_rows
+  Rows<acc_t> delta;    // Problem::stat_rows: rowsum(dout * out)
   Rows<scalar_t> dq, dk, dv;  // the gradients, each row written once
 };
 
@@ -498,7 +595,9 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
                    const at::opmath_type<scalar_t>* Kj, int64_t ldk, at::opmath_type<scalar_t>* dq,
                    at::opmath_type<scalar_t>* dk, at::opmath_type<scalar_t>* dv) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t D = p.D, npad = round_up(nk, kPad), head = (b * p.H + h) * p.Sq;
+  const int64_t D = p.D, npad = round_up(nk, kPad), shift = p.shift(b);
+  const float* lse = g.lse.row(b, h, i0);
+  const acc_t* delta = g.delta.row(b, h, i0);
   const bool dropout = p.dropout.drop;
   const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, static_cast<acc_t>(p.dropout.scale));
   int64_t ldq, lddo;
@@ -510,8 +609,8 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t i = i0 + r;
     acc_t* s = w.S.data() + r * kBlockK;
-    scale_mask_row(p.mask, p.scale, b, h, i, j0, nk, npad, s);
-    const float row_lse = g.lse[head + i];
+    scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
+    const float row_lse = lse[r];
     if (row_lse == std::numeric_limits<float>::infinity()) {
       std::fill(s, s + npad, acc_t(0));  // no visible key
     } else if (std::isnan(row_lse)) {
@@ -538,7 +637,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     acc_t* dp = w.dP.data() + r * kBlockK;
     std::fill(dp + nk, dp + npad, acc_t(0));
     if (dropout) mul_row(dp, w.keep.data() + r * kBlockK, npad);
-    softmax_bwd_row(dp, w.S.data() + r * kBlockK, npad, g.delta[head + i0 + r], p.scale);
+    softmax_bwd_row(dp, w.S.data() + r * kBlockK, npad, delta[r], p.scale);
   }
 
   if (dq != nullptr) {
@@ -555,14 +654,15 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
 // delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d]
 template <typename scalar_t>
 void row_dots(const Problem<scalar_t>& p, const Rows<scalar_t>& dout, const Rows<scalar_t>& out,
-              at::opmath_type<scalar_t>* delta) {
+              const Rows<at::opmath_type<scalar_t>>& delta) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr bool kLowp = !std::is_same_v<scalar_t, acc_t>;
   const int64_t D = p.D;
-  at::parallel_for(0, p.B * p.H * p.Sq, grain_for(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.total_q() * p.H, grain_for(D), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> x(kLowp ? D : 0), y(kLowp ? D : 0);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t i = row % p.Sq, h = (row / p.Sq) % p.H, b = row / (p.Sq * p.H);
+      const int64_t h = row % p.H;
+      const auto [b, i] = p.locate_q(row / p.H);
       const acc_t* a;
       const acc_t* c;
       if constexpr (kLowp) {
@@ -574,7 +674,7 @@ void row_dots(const Problem<scalar_t>& p, const Rows<scalar_t>& dout, const Rows
         a = dout.row(b, h, i);
         c = out.row(b, h, i);
       }
-      delta[row] = at::vec::map2_reduce_all<acc_t>(
+      *delta.row(b, h, i) = at::vec::map2_reduce_all<acc_t>(
           [](Vec<acc_t> u, Vec<acc_t> t) { return u * t; },
           [](Vec<acc_t> u, Vec<acc_t> t) { return u + t; }, a, c, D);
     }
@@ -590,14 +690,15 @@ void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, 
   const int64_t D = p.D;
   std::fill(w.dk.begin(), w.dk.begin() + nb * D, acc_t(0));
   std::fill(w.dv.begin(), w.dv.begin() + nb * D, acc_t(0));
-  const auto [kbegin, kend] = p.key_span(b, p.Sq);
+  const int64_t lq = p.Lq(b);
+  const auto [kbegin, kend] = p.key_span(b, lq);
   const int64_t j0 = std::max(jb, kbegin), j1 = std::min(jb + nb, kend);  // keys anyone sees
   if (j0 < j1) {
     const acc_t* Kj;
     int64_t ldk;
     w.load_keys(p, b, h, j0, j1 - j0, Kj, ldk);
-    for (int64_t i0 = p.query_begin(j0) / kBlockQ * kBlockQ; i0 < p.Sq; i0 += kBlockQ) {
-      const int64_t mq = std::min(kBlockQ, p.Sq - i0);
+    for (int64_t i0 = p.query_begin(b, j0) / kBlockQ * kBlockQ; i0 < lq; i0 += kBlockQ) {
+      const int64_t mq = std::min(kBlockQ, lq - i0);
       backward_tile(p, g, w, b, h, i0, mq, j0, j1 - j0, Kj, ldk, dq != nullptr ? dq + i0 * D : nullptr,
                     w.dk.data() + (j0 - jb) * D, w.dv.data() + (j0 - jb) * D);
     }
@@ -609,47 +710,78 @@ void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, 
 template <typename scalar_t>
 void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t nqb = ceil_div(p.Sq, kBlockQ), nkb = ceil_div(p.Sk, kBlockK), D = p.D;
+  const int64_t D = p.D, threads = at::get_num_threads();
   const bool dropout = p.dropout.drop;
-  const int64_t threads = at::get_num_threads(), heads = p.B * p.H;
-  const bool two_pass = threads > 1 && heads < 4 * threads && (nqb > 1 || nkb > 1);
 
-  if (!two_pass) {
-    // One task per head: key blocks in turn, dQ accumulated over the whole head.
-    parallel_tasks(heads, grain_for(5 * p.Sq * p.Sk * D), [&](TaskQueue& tasks) {
-      attn::BlasSingleThread blas;
-      BwdScratch<scalar_t> w(dropout, D, p.Sq, kBlockK);
-      for (int64_t bh; tasks.pop(bh);) {
-        const int64_t b = bh / p.H, h = bh % p.H;
-        int64_t ld;
-        w.q.get(p.q, b, h, 0, p.Sq, ld);  // bf16: convert the head's q and dout once
-        w.dout.get(g.dout, b, h, 0, p.Sq, ld);
-        std::fill(w.dq.begin(), w.dq.end(), acc_t(0));
-        for (int64_t jb = 0; jb < p.Sk; jb += kBlockK) {
-          backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, p.Sk - jb), w.dq.data());
-        }
-        store_rows(w.dq.data(), g.dq, b, h, 0, p.Sq, D);
-      }
-    });
-    return;
+  // A head's score-tile work per sequence; the whole call's is H times their sum.
+  std::vector<int64_t> head_work(p.B, 0);
+  int64_t total = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t i0 = 0; i0 < p.Lq(b); i0 += kBlockQ) {
+      head_work[b] += p.tile_area(b, i0, std::min(kBlockQ, p.Lq(b) - i0));
+    }
+    total += p.H * head_work[b];
   }
-  // Pass 1: dK, dV, each (b, h, key block) task owning its rows.
-  parallel_tasks(heads * nkb, grain_for(4 * p.Sq * std::min(kBlockK, p.Sk) * D), [&](TaskQueue& tasks) {
+  // A head of more than one tile is split into key and query blocks (two passes, seven products
+  // a tile instead of five) when as one task it would be over a quarter of a thread's share:
+  // then the one-task-per-head schedule cannot balance (for equal sequences: fewer than
+  // 4 x threads heads, as for the padded op).
+  auto split = [&](int64_t b) {
+    return threads > 1 && (p.Lq(b) > kBlockQ || p.Lk(b) > kBlockK) && 4 * threads * head_work[b] > total;
+  };
+  TaskList pass1(p.H), pass2(p.H);  // pass 1: whole heads and key blocks; pass 2: query blocks
+  int64_t whole_rows = 0;           // the longest whole head's queries (its dq accumulator)
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t lq = p.Lq(b), lk = p.Lk(b);
+    if (!split(b)) {
+      pass1.add(b, TaskList::kWholeHead, 5 * head_work[b]);
+      whole_rows = std::max(whole_rows, lq);
+      continue;
+    }
+    const auto [kbegin, kend] = p.key_span(b, lq);
+    for (int64_t jb = 0, kb = 0; jb < lk; jb += kBlockK, ++kb) {
+      const int64_t nk = std::max<int64_t>(0, std::min(jb + kBlockK, kend) - std::max(jb, kbegin));
+      pass1.add(b, kb, 4 * (lq - p.query_begin(b, jb)) * nk * D);
+    }
+    for (int64_t i0 = 0, qb = 0; i0 < lq; i0 += kBlockQ, ++qb) {
+      pass2.add(b, qb, 3 * p.tile_area(b, i0, std::min(kBlockQ, lq - i0)));
+    }
+  }
+  pass1.sort();
+  pass2.sort();
+
+  // Pass 1: each whole-head task owns its dQ, dK, dV rows, each key-block task its dK, dV rows.
+  parallel_tasks(pass1.size(), pass1.work(), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
-    BwdScratch<scalar_t> w(dropout, D, 0, kBlockK);
+    BwdScratch<scalar_t> w(dropout, D, whole_rows, kBlockK);
     for (int64_t task; tasks.pop(task);) {
-      const int64_t kb = task % nkb, h = (task / nkb) % p.H, b = task / (nkb * p.H);
-      const int64_t jb = kb * kBlockK;
-      backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, p.Sk - jb), nullptr);
+      int64_t h;
+      const TaskList::Item& it = pass1.item(task, h);
+      const int64_t b = it.b, lq = p.Lq(b), lk = p.Lk(b);
+      if (it.block != TaskList::kWholeHead) {
+        const int64_t jb = it.block * kBlockK;
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr);
+        continue;
+      }
+      // key blocks in turn, dQ accumulated over the whole head
+      int64_t ld;
+      w.q.get(p.q, b, h, 0, lq, ld);  // bf16: convert the head's q and dout once
+      w.dout.get(g.dout, b, h, 0, lq, ld);
+      std::fill(w.dq.begin(), w.dq.begin() + lq * D, acc_t(0));
+      for (int64_t jb = 0; jb < lk; jb += kBlockK) {
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), w.dq.data());
+      }
+      store_rows(w.dq.data(), g.dq, b, h, 0, lq, D);
     }
   });
-  // Pass 2: dQ, each (b, h, query block) task owning its rows.
-  parallel_tasks(heads * nqb, grain_for(3 * std::min(kBlockQ, p.Sq) * p.Sk * D), [&](TaskQueue& tasks) {
+  // Pass 2: dQ of the split heads, each (sequence, head, query block) task owning its rows.
+  parallel_tasks(pass2.size(), pass2.work(), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     BwdScratch<scalar_t> w(dropout, D, kBlockQ, 0);
     for (int64_t task; tasks.pop(task);) {
-      const int64_t qb = task % nqb, h = (task / nqb) % p.H, b = task / (nqb * p.H);
-      const int64_t i0 = qb * kBlockQ, mq = std::min(kBlockQ, p.Sq - i0);
+      int64_t h;
+      const TaskList::Item& it = pass2.item(task, h);
+      const int64_t b = it.b, i0 = it.block * kBlockQ, mq = std::min(kBlockQ, p.Lq(b) - i0);
       const auto [kbegin, kend] = p.key_span(b, i0 + mq);
       std::fill(w.dq.begin(), w.dq.end(), acc_t(0));
       for (int64_t j0 = kbegin; j0 < kend; j0 += kBlockK) {
@@ -664,9 +796,10 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
   });
 }
 
+// The problem of q, k, v read as Rows (rows_of or packed_rows_of).
 template <typename scalar_t>
-Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Tensor& q,
-                               const at::Tensor& k, const at::Tensor& v, const Masks& mask,
+Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const Rows<scalar_t>& q,
+                               const Rows<scalar_t>& k, const Rows<scalar_t>& v, const Masks& mask,
                                double scale, double dropout_p, uint64_t seed, uint64_t offset) {
   Problem<scalar_t> p;
   p.B = dims[0];
@@ -674,15 +807,40 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Ten
   p.Sq = dims[2];
   p.Sk = dims[3];
   p.D = dims[4];
-  p.q = rows_of<scalar_t>(q);
-  p.k = rows_of<scalar_t>(k);
-  p.v = rows_of<scalar_t>(v);
+  p.cu_q = q.cu;
+  p.cu_k = k.cu;
+  p.q = q;
+  p.k = k;
+  p.v = v;
   p.mask = mask;
   p.scale = static_cast<at::opmath_type<scalar_t>>(scale);
   p.dropout = dropout_params(dropout_p);
   p.seed = seed;
   p.offset = offset;
   return p;
+}
+
+// Padded (B, H, S, D) operands.
+template <typename scalar_t>
+Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Tensor& q,
+                               const at::Tensor& k, const at::Tensor& v, const Masks& mask,
+                               double scale, double dropout_p, uint64_t seed, uint64_t offset) {
+  return make_problem<scalar_t>(dims, rows_of<scalar_t>(q), rows_of<scalar_t>(k), rows_of<scalar_t>(v),
+                                mask, scale, dropout_p, seed, offset);
+}
+
+// Packed sequences: no masks but the per-sequence causal one.
+template <typename scalar_t>
+Problem<scalar_t> make_varlen_problem(const Varlen& lens, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, bool causal, double scale,
+                                      double dropout_p, uint64_t seed, uint64_t offset) {
+  Masks mask;
+  mask.causal = causal;
+  return make_problem<scalar_t>({lens.B, lens.H, lens.max_q, lens.max_k, lens.D},
+                                packed_rows_of<scalar_t>(q, lens.cu_q),
+                                packed_rows_of<scalar_t>(k, lens.cu_k),
+                                packed_rows_of<scalar_t>(v, lens.cu_k), mask, scale, dropout_p, seed,
+                                offset);
 }
 
 }  // namespace
@@ -692,7 +850,7 @@ void attention_fwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& q,
                         uint64_t seed, uint64_t offset, at::Tensor& out, at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_fwd", [&] {
     const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
-    attention_fwd_kernel<scalar_t>(p, out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+    attention_fwd_kernel<scalar_t>(p, rows_of<scalar_t>(out), p.stat_rows(lse.data_ptr<float>()));
   });
 }
 
@@ -704,9 +862,36 @@ void attention_bwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& do
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
-    BwdData<scalar_t> g{rows_of<scalar_t>(dout), lse.data_ptr<float>(), delta.data_ptr<acc_t>(),
-                        rows_of<scalar_t>(dq), rows_of<scalar_t>(dk), rows_of<scalar_t>(dv)};
-    row_dots(p, g.dout, rows_of<scalar_t>(out), delta.data_ptr<acc_t>());
+    BwdData<scalar_t> g{rows_of<scalar_t>(dout), p.stat_rows(lse.data_ptr<float>()),
+                        p.stat_rows(delta.data_ptr<acc_t>()), rows_of<scalar_t>(dq),
+                        rows_of<scalar_t>(dk), rows_of<scalar_t>(dv)};
+    row_dots(p, g.dout, rows_of<scalar_t>(out), g.delta);
+    attention_bwd_kernel<scalar_t>(p, g);
+  });
+}
+
+void attention_varlen_fwd_impl(const Varlen& lens, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, bool causal, double scale, double dropout_p,
+                               uint64_t seed, uint64_t offset, at::Tensor& out, at::Tensor& lse) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_fwd", [&] {
+    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
+    attention_fwd_kernel<scalar_t>(p, packed_rows_of<scalar_t>(out, lens.cu_q),
+                                   p.stat_rows(lse.data_ptr<float>()));
+  });
+}
+
+void attention_varlen_bwd_impl(const Varlen& lens, const at::Tensor& dout, const at::Tensor& q,
+                               const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse, bool causal, double scale, double dropout_p,
+                               uint64_t seed, uint64_t offset, at::Tensor& delta, at::Tensor& dq,
+                               at::Tensor& dk, at::Tensor& dv) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
+    BwdData<scalar_t> g{packed_rows_of<scalar_t>(dout, lens.cu_q), p.stat_rows(lse.data_ptr<float>()),
+                        p.stat_rows(delta.data_ptr<acc_t>()), packed_rows_of<scalar_t>(dq, lens.cu_q),
+                        packed_rows_of<scalar_t>(dk, lens.cu_k), packed_rows_of<scalar_t>(dv, lens.cu_k)};
+    row_dots(p, g.dout, packed_rows_of<scalar_t>(out, lens.cu_q), g.delta);
     attention_bwd_kernel<scalar_t>(p, g);
   });
 }

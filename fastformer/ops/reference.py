@@ -105,7 +105,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     G = philox.groups_per_row(max_seqlen_k)
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng)
-    out = q.new_zeros(q.shape[:2] + v.shape[2:])  # (total_q, H, D)
+    pieces = []  # each sequence's (Lq, H, D) rows, in order: together the (total_q, H, D) output
     for b in range(len(cq) - 1):
         Lq, Lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
         if Lq == 0:
@@ -121,8 +121,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if dropout_p > 0.0:  # the padded op's rows (b, h, i < Lq) of (B, H, max_seqlen_q, max_seqlen_k)
             keep = philox.keep_mask((H, max_seqlen_q, max_seqlen_k), dropout_p, seed,
                                     offset + b * H * max_seqlen_q * G, device=q.device)[:, :Lq, :Lk]
-        out[cq[b]:cq[b + 1]] = _masked_softmax_v(s, hidden, vb, dropout_p, keep).transpose(0, 1)
-    return out
+        pieces.append(_masked_softmax_v(s, hidden, vb, dropout_p, keep).transpose(0, 1))
+    if not pieces:  # no query row at all: an empty output that is still part of the graph
+        return q.new_zeros(q.shape[:2] + v.shape[2:]) + 0.0 * (q.sum() + k.sum() + v.sum())
+    return torch.cat(pieces)
 
 
 def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenorm=False, rng=None):

@@ -1,0 +1,82 @@
+// attention_varlen_fwd / attention_varlen_bwd on CPU: the argument checks (csrc/checks/
+// attention_varlen.h) and the op registration. The math is attention's own kernel
+// (attention_kernel.cpp) reading the packed rows per sequence through cu_seqlens, run at the ISA
+// level isa.h chose: no padded position is computed and no operand is copied (but one whose rows
+// the GEMMs cannot take).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "attention.h"
+#include "large_buffers.h"
+#include "../checks/attention_varlen.h"
+#include "../philox_arg.h"
+
+namespace fastformer {
+namespace {
+
+// The checks both ops share, cu_seqlens' values included (the host reads them before any row is
+// addressed through them); returns what the kernels need of the lengths.
+Varlen check_varlen(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                    int64_t max_seqlen_k, double scale, double dropout_p, checks::VarlenDims& dims) {
+  dims = checks::check_varlen_qkv(checks::kCpu, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, scale, dropout_p);
+  checks::check_cu_seqlens_values(op, "cu_seqlens_q", cu_seqlens_q, dims.total_q, max_seqlen_q, "total_q",
+                                  "max_seqlen_q");
+  checks::check_cu_seqlens_values(op, "cu_seqlens_k", cu_seqlens_k, dims.total_k, max_seqlen_k, "total_k",
+                                  "max_seqlen_k");
+  return {cu_seqlens_q.const_data_ptr<int32_t>(), cu_seqlens_k.const_data_ptr<int32_t>(), dims.B, dims.H,
+          dims.D, max_seqlen_q, max_seqlen_k};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    double dropout_p, const at::Tensor& philox) {
+  const char* op = "attention_varlen_fwd";
+  const auto [seed, offset] = read_philox(op, philox);
+  checks::VarlenDims dims;
+  const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, scale, dropout_p, dims);
+  at::Tensor out = empty_large({dims.total_q, dims.H, dims.D}, q_in.options());  // pooled when large
+  at::Tensor lse = at::empty({dims.H, dims.total_q}, q_in.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
+  FF_ISA(attention_varlen_fwd_impl)(lens, q, k, v, is_causal, scale, dropout_p, static_cast<uint64_t>(seed),
+                                    static_cast<uint64_t>(offset), out, lse);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    double dropout_p, const at::Tensor& philox) {
+  const char* op = "attention_varlen_bwd";
+  const auto [seed, offset] = read_philox(op, philox);
+  checks::VarlenDims dims;
+  const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, scale, dropout_p, dims);
+  checks::check_varlen_bwd_tensors(checks::kCpu, op, dout_in, out_in, lse_in, q_in, dims);
+
+  at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
+  if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv};  // (a sequence without queries: dk = 0)
+  const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
+  const at::Tensor dout = as_blas_rows(dout_in, 0), lse = lse_in.contiguous();
+  const at::ScalarType acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(acc_dtype));
+  FF_ISA(attention_varlen_bwd_impl)(lens, dout, q, k, v, out_in, lse, is_causal, scale, dropout_p,
+                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), delta, dq,
+                                    dk, dv);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace fastformer
+
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
+  m.impl("attention_varlen_fwd", &fastformer::attention_varlen_fwd_cpu);
+  m.impl("attention_varlen_bwd", &fastformer::attention_varlen_bwd_cpu);
+}
