@@ -42,3 +42,13 @@ def one_thread_module():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """16 x 16 Triton attention tiles in the interpreter: sequences span several tiles, so tile
+    skipping and edges get exercised (on a GPU the kernels keep their own tiles)."""
+    tiles = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
+    if tiles.INTERPRET:
+        monkeypatch.setitem(tiles.INTERPRET_BLOCKS, "BLOCK_M", 16)
+        monkeypatch.setitem(tiles.INTERPRET_BLOCKS, "BLOCK_N", 16)

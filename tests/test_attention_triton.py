@@ -25,14 +25,6 @@ TOL = {"out": (2e-5, 1e-4), "grad": (1e-4, 1e-4)}
 LOWP_FACTOR = 2.0
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """16 x 16 tiles in the interpreter: more tiles per row, so skipping and edges get exercised."""
-    if A.INTERPRET:
-        monkeypatch.setitem(A.INTERPRET_BLOCKS, "BLOCK_M", 16)
-        monkeypatch.setitem(A.INTERPRET_BLOCKS, "BLOCK_N", 16)
-
-
 def _inputs(B, H, Sq, Sk, D, dtype=torch.float32, kpm_frac=0.0, mask=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, S, D, generator=g).to(DEVICE, dtype) for S in (Sq, Sk, Sk))

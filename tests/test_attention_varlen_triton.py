@@ -25,14 +25,6 @@ TOL = {"out": (2e-5, 1e-4), "grad": (1e-4, 1e-4)}  # fp32 (atol, rtol), as the p
 LOWP_FACTOR = 2.0
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """16 x 16 tiles in the interpreter: sequences span several tiles."""
-    if A.INTERPRET:
-        monkeypatch.setitem(A.INTERPRET_BLOCKS, "BLOCK_M", 16)
-        monkeypatch.setitem(A.INTERPRET_BLOCKS, "BLOCK_N", 16)
-
-
 def _cu(lengths):
     c = [0]
     for n in lengths:

@@ -13,16 +13,22 @@ namespace checks {
 // fastformer/ops/attention.py).
 constexpr int64_t kMaxHeadDim = 256;
 
-// q, k, v, dout or out: 4-D (B, H, S, D) in a floating dtype of the backend, on q's device, with
-// unit stride along D (the other strides are free: head views of a (B, S, H, D) projection).
-inline void check_attention_operand(const Backend& be, const char* op, const char* name,
-                                    const at::Tensor& t, const at::Tensor& q) {
+// q, k, v, dout or out of the padded op (`layout` "4-D (B, H, S, D)") or the varlen op ("3-D
+// (total, H, D)"): that rank, a floating dtype of the backend, q's device and dtype, unit stride
+// along D (the other strides are free: head views of a projection).
+inline void check_heads_operand(const Backend& be, const char* op, const char* name, const at::Tensor& t,
+                                const at::Tensor& q, int64_t rank, const char* layout) {
   check_device(be, op, name, t, &q, "q");
-  TORCH_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D (B, H, S, D), got shape ", t.sizes());
+  TORCH_CHECK(t.dim() == rank, op, ": ", name, " must be ", layout, ", got shape ", t.sizes());
   check_float_dtype(be, op, name, t);
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1 || t.numel() == 0, op, ": ", name,
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0, op, ": ", name,
               " must have a contiguous last dimension (stride 1), got strides ", t.strides());
   if (&t != &q) check_same_dtype(op, name, t, q, "q");
+}
+
+inline void check_attention_operand(const Backend& be, const char* op, const char* name,
+                                    const at::Tensor& t, const at::Tensor& q) {
+  check_heads_operand(be, op, name, t, q, 4, "4-D (B, H, S, D)");
 }
 
 // q, k, v and the scalars of both ops; returns (B, H, Sq, Sk, D).

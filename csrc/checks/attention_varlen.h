@@ -14,16 +14,9 @@ struct VarlenDims {
   int64_t B, H, total_q, total_k, D, max_seqlen_q, max_seqlen_k;
 };
 
-// q, k, v, dout or out: 3-D (total, H, D) in a floating dtype of the backend, on q's device, unit
-// stride along D (the row and head strides are free: views of a (total, 3, H, D) projection).
 inline void check_varlen_operand(const Backend& be, const char* op, const char* name,
                                  const at::Tensor& t, const at::Tensor& q) {
-  check_device(be, op, name, t, &q, "q");
-  TORCH_CHECK(t.dim() == 3, op, ": ", name, " must be 3-D (total, H, D), got shape ", t.sizes());
-  check_float_dtype(be, op, name, t);
-  TORCH_CHECK(t.stride(2) == 1 || t.size(2) == 1 || t.numel() == 0, op, ": ", name,
-              " must have a contiguous last dimension (stride 1), got strides ", t.strides());
-  if (&t != &q) check_same_dtype(op, name, t, q, "q");
+  check_heads_operand(be, op, name, t, q, 3, "3-D (total, H, D)");
 }
 
 // A cu_seqlens argument: int32, 1-D (B + 1,), contiguous, on q's device. Its values are checked by

@@ -8,6 +8,7 @@ at most ``LOWP_FACTOR`` times the error of the reference itself computed in that
 (plus a small floor). The exit status is non-zero when any line fails.
 """
 import argparse
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -50,6 +51,16 @@ def _attention_case(B, H, Sq, Sk, D, masks):
             kw["attn_mask"] = _rand(gen, B, 1, Sq, Sk)  # (B, 1, Sq, Sk)
         return [q, k, v], kw
     return Case(f"B{B} H{H} {Sq}x{Sk} D{D} {'+'.join(masks) or 'nomask'}", make)
+
+
+def _varlen_case(H, D, lengths_q, lengths_k, causal):
+    def make(gen):
+        def cu(lengths):  # (B + 1,) int32 cumulative lengths
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        q, k, v = (_rand(gen, sum(n), H, D) for n in (lengths_q, lengths_k, lengths_k))
+        return [q, k, v], {"cu_seqlens_q": cu(lengths_q), "cu_seqlens_k": cu(lengths_k),
+                           "max_seqlen_q": max(lengths_q), "max_seqlen_k": max(lengths_k), "is_causal": causal}
+    return Case(f"H{H} D{D} lengths {lengths_q} x {lengths_k}{' causal' if causal else ''}", make)
 
 
 def _aln_case(N, C, prenorm):
@@ -102,6 +113,10 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
         _attention_case(2, 3, 7, 7, 40, ("kpm", "causal")),
         _attention_case(1, 2, 13, 29, 59, ("bool",)),
         _attention_case(2, 1, 29, 13, 80, ("causal", "float")),
+    ]),
+    "attention_varlen": (ops.attention_varlen, reference.attention_varlen, [
+        _varlen_case(2, 40, [7, 1, 0, 29], [7, 1, 3, 29], True),
+        _varlen_case(3, 59, [13, 2], [29, 0], False),
     ]),
     "add_layer_norm": (ops.add_layer_norm, reference.add_layer_norm, [
         _aln_case(7, 1023, False), _aln_case(16, 64, False), _aln_case(5, 333, True),
