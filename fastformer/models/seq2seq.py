@@ -148,18 +148,18 @@ class Seq2SeqTransformer(torch.nn.Module):
         x = x + self.positional(tokens.shape[1])[packing.positions].to(x.dtype)
         return self.embed_dropout(x)
 
-    def _skips_padding(self, *packings: Packing) -> bool:
-        """Whether to run on the packed rows: asked for, not traced, and some token in each batch."""
-        return (self.skip_padding and not torch.compiler.is_compiling()
-                and all(p.num_tokens for p in packings))
+    def _runs_packed(self) -> bool:
+        """Whether to run on the packed rows: asked for, and not traced (under torch.compile the
+        number of real tokens would be a data-dependent shape)."""
+        return self.skip_padding and not torch.compiler.is_compiling()
 
     def encode(self, src: torch.Tensor):
         """Source ids (B, Ss) -> (memory (B, Ss, d_model), source padding mask (B, Ss) bool)."""
         self._check_tokens("src", src)
         src_kpm = padding_mask(src, self.pad_idx)
-        if self.skip_padding and not torch.compiler.is_compiling():
+        if self._runs_packed():
             packing = Packing(src_kpm)
-            if self._skips_padding(packing):
+            if packing.num_tokens:
                 return packing.unpack(self._encode_packed(src, packing)), src_kpm
         memory = self.encoder(self.embed(self.src_embed, src), src_key_padding_mask=src_kpm, is_causal=False)
         return memory, src_kpm
@@ -184,10 +184,10 @@ class Seq2SeqTransformer(torch.nn.Module):
     # ---------------------------------------------------------------------------- the API
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """``src`` (B, Ss), ``tgt`` (B, St) token ids -> logits (B, St, tgt_vocab_size)."""
-        if self.skip_padding and not torch.compiler.is_compiling():
+        if self._runs_packed():
             self._check_pair(src, tgt)
             src_packing, tgt_packing = Packing(padding_mask(src, self.pad_idx)), Packing(padding_mask(tgt, self.pad_idx))
-            if self._skips_padding(src_packing, tgt_packing):
+            if src_packing.num_tokens and tgt_packing.num_tokens:
                 memory = self._encode_packed(src, src_packing)
                 return tgt_packing.unpack(self.output_proj(self._decode_packed(tgt, memory, tgt_packing, src_packing)))
         memory, src_kpm = self.encode(src)
@@ -223,11 +223,11 @@ class Seq2SeqTransformer(torch.nn.Module):
         if tgt.shape[1] < 2:
             raise ValueError(f"tgt must hold at least 2 positions (input and target), got shape {tuple(tgt.shape)}")
         tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:].long()
-        if self.skip_padding and not torch.compiler.is_compiling():
+        if self._runs_packed():
             self._check_pair(src, tgt)
             src_packing = Packing(padding_mask(src, self.pad_idx))
             tgt_packing = Packing(padding_mask(tgt_in, self.pad_idx))
-            if self._skips_padding(src_packing, tgt_packing):
+            if src_packing.num_tokens and tgt_packing.num_tokens:
                 return self._packed_loss(src, tgt_in, tgt_out, src_packing, tgt_packing, label_smoothing)
         memory, src_kpm = self.encode(src)
         hidden = self.decode(tgt_in, memory, src_kpm)  # (B, St - 1, d)
@@ -265,7 +265,7 @@ class Seq2SeqTransformer(torch.nn.Module):
             raise ValueError(f"src_segments and tgt_segments must hold the same number of sentences (of at least "
                              f"one source token and two target tokens), got {src_packing.num_sequences} and "
                              f"{tgt_packing.num_sequences}")
-        if not self._skips_padding(src_packing, tgt_packing):
+        if not (self.skip_padding and src_packing.num_tokens and tgt_packing.num_tokens):  # compiling raised above
             raise ValueError("packed sentence pairs need skip_padding=True and at least one sentence pair")
         return self._packed_loss(src, tgt, tgt_out, src_packing, tgt_packing, label_smoothing)
 
