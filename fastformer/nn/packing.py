@@ -15,6 +15,7 @@ Packed-sequence training puts several short sentences into one row: ``segment_id
 then says which sentence of its row each position belongs to (a sentence is a run of equal ids),
 attention stays within each sentence and ``positions`` restart at 0 in each.
 """
+import functools
 from typing import Optional
 
 import torch
@@ -57,8 +58,8 @@ class Packing:
         self._rows = self.index // self.seq_len  # (n,) batch row of each token
         self._cols = self.index % self.seq_len  # (n,) its column in the padded layout
         self._pad_index = padding_mask.reshape(-1).nonzero().squeeze(1)  # (B * S - n,)
+        self._lengths: Optional[torch.Tensor] = None  # (num_sequences,), computed when first asked for
         if segment_ids is None:
-            lengths = (~padding_mask).sum(dim=1)  # (B,): one sequence a row, empty rows included
             self.positions = self._cols  # as in the padded layout, where a row's column is its position
         else:
             if (not isinstance(segment_ids, torch.Tensor) or segment_ids.shape != padding_mask.shape
@@ -74,9 +75,28 @@ class Packing:
             first = new.nonzero().squeeze(1)  # (num_sequences,)
             lengths = torch.diff(first, append=first.new_tensor([self.num_tokens]))
             self.positions = self._cols - self._cols[first].repeat_interleave(lengths)  # 0 at each sentence's start
-        self.num_sequences = int(lengths.numel())
-        self.cu_seqlens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-        self.max_seqlen = int(lengths.max()) if self.num_sequences else 0
+            self._lengths = lengths
+
+    # The sequences are computed only when asked for: the position-wise layers never need them
+    # (a Hugging Face encoder layer takes only pack / unpack), and max_seqlen reads a GPU tensor.
+    @property
+    def _sequence_lengths(self) -> torch.Tensor:
+        if self._lengths is None:  # one sequence a row, empty rows included
+            self._lengths = (~self.padding_mask).sum(dim=1)  # (B,)
+        return self._lengths
+
+    @property
+    def num_sequences(self) -> int:
+        return self.batch_size if self._lengths is None else int(self._lengths.numel())
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        lengths = self._sequence_lengths
+        return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+    @functools.cached_property
+    def max_seqlen(self) -> int:
+        return int(self._sequence_lengths.max()) if self.num_sequences else 0
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, S, *rest)`` -> ``(n, *rest)``: the rows of the real tokens."""

@@ -63,17 +63,11 @@ def _lengths(B: int, S: int, g: torch.Generator) -> torch.Tensor:
     return lengths[torch.randperm(B, generator=g)]
 
 
-def shift_right(labels: torch.Tensor) -> torch.Tensor:
-    """BART's ``shift_tokens_right``: the decoder's inputs from the labels (-100 read as padding)."""
-    out = torch.full_like(labels, PAD)
-    out[:, 1:] = labels[:, :-1]
-    out[:, 0] = DECODER_START
-    return out.masked_fill(out == IGNORE, PAD)
-
-
 def make_batch(shape: Dict, device: torch.device, seed: int = 0) -> Dict[str, torch.Tensor]:
     """``input_ids``/``attention_mask`` ``<s> ... </s>`` then padding, ``labels`` ``... </s>`` then
     -100, and the ``decoder_input_ids`` shifted from them; all ``(B, S)``."""
+    from transformers.models.bart.modeling_bart import shift_tokens_right  # -100 becomes padding too
+
     B, S, V = shape["B"], shape["S"], shape["vocab"]
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, V, (B, S), generator=g)
@@ -85,7 +79,7 @@ def make_batch(shape: Dict, device: torch.device, seed: int = 0) -> Dict[str, to
         labels[row, lt - 1] = EOS
         labels[row, lt:] = IGNORE
     batch = {"input_ids": input_ids, "attention_mask": (input_ids != PAD).long(),
-             "decoder_input_ids": shift_right(labels), "labels": labels}
+             "decoder_input_ids": shift_tokens_right(labels, PAD, DECODER_START), "labels": labels}
     return {k: v.to(device) for k, v in batch.items()}
 
 
