@@ -3,7 +3,9 @@
     nvcc -c -O3 -std=c++17 -gencode arch=compute_80,code=sm_80
          -gencode arch=compute_90,code=sm_90 -Xptxas -v csrc/cuda/<op>.cu
 
-for every csrc/cuda/*.cu, all files at once in parallel. A file fails on a compile error or on any
+for every csrc/cuda/*.cu, and for tests/simt/mma_selftest.cu (the test kernels of the tensor-core
+wrappers csrc/cuda/mma.cuh: the inline PTX is checked by ptxas only here), the selected files at
+once in parallel (``-k mma_selftest`` compiles one). A file fails on a compile error or on any
 register spill (ptxas's "bytes spill stores / loads" not 0, any function). The table of registers,
 stack frame and shared memory per kernel and target prints with ``pytest -s`` and is attached to
 every failure message. Skipped, with the reason, only where nvcc is not installed.
@@ -19,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) + [
+    os.path.join(ROOT, "tests", "simt", "mma_selftest.cu")]
 ARCHS = ("80", "90")
 TIMEOUT_S = 600  # a guard against hangs; a file takes 10-60 s on two busy cores
 
@@ -119,11 +122,15 @@ def _table(cu, result):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(request):
+    # the files of the tests this session runs (every file when run whole), compiled together
+    files = [cu for cu in CU_FILES
+             if any(getattr(item, "callspec", None) is not None and item.callspec.params.get("cu") == cu
+                    for item in request.session.items)]
     with tempfile.TemporaryDirectory() as out_dir:
-        jobs = max(1, min(len(CU_FILES), os.cpu_count() or 1))
+        jobs = max(1, min(len(files), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            results = dict(zip(CU_FILES, pool.map(lambda cu: _compile(cu, out_dir), CU_FILES)))
+            results = dict(zip(files, pool.map(lambda cu: _compile(cu, out_dir), files)))
     for cu, result in results.items():
         print(_table(cu, result))
     return results

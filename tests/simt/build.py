@@ -1,6 +1,8 @@
 """Builds the SIMT harness library: the CUDA kernels of csrc/cuda/*.cu compiled as host C++ with
 -DFF_SIMT (tests/simt/simt.h stands in for the CUDA headers), the CUDA glue csrc/cuda/*.cpp, the
-scheduler (simt.cpp) and the registrations (simt_lib.cpp: the op schemas under the namespace
+scheduler (simt.cpp), the harness's own test kernels (selftest.cu, and mma_selftest.cu for the
+tensor-core wrappers of csrc/cuda/mma.cuh: test kernels stay out of csrc/cuda, which setup.py
+builds into the extension) and the registrations (simt_lib.cpp: the op schemas under the namespace
 fastformer_simt, the harness's own test ops under fastformer_simt_selftest).
 
     python tests/simt/build.py          # builds (incrementally) and prints the library's path
@@ -43,7 +45,8 @@ def _wrap(cu: str, wrap_dir: str) -> str:
 def sources(build_dir: str):
     wrap_dir = os.path.join(build_dir, "cu")
     os.makedirs(wrap_dir, exist_ok=True)
-    cus = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) + [os.path.join(SIMT, "selftest.cu")]
+    cus = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) + [
+        os.path.join(SIMT, "selftest.cu"), os.path.join(SIMT, "mma_selftest.cu")]
     glue = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
     return ([os.path.join(SIMT, "simt.cpp"), os.path.join(SIMT, "simt_lib.cpp")]
             + [_wrap(cu, wrap_dir) for cu in cus] + glue)

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -57,9 +58,16 @@ namespace ff_simt {
 namespace {
 
 constexpr int kMaxThreads = 1024;
-constexpr size_t kMaxDynamicSmem = 48 * 1024;
 
 enum class State : uint8_t { kReady, kBlock, kWarp, kDone };
+
+// A cp.async whose group has not been waited for: the source bytes, read at issue.
+struct PendingCopy {
+  unsigned char* dst;
+  int bytes;
+  int group;  // the number of commit_group calls before it: its group's index
+  unsigned char data[16];
+};
 
 struct Fiber {
 #ifdef FF_SIMT_USE_UCONTEXT
@@ -75,6 +83,10 @@ struct Fiber {
   int width = 32;
   uint64_t value = 0;
   uint64_t result = 0;
+  const char* name = nullptr;  // a warp-collective instruction's name (op kCollective)
+  // cp.async: the copies not yet completed, and the number of groups committed so far
+  std::vector<PendingCopy> pending;
+  int committed = 0;
 };
 
 struct Launch {
@@ -94,10 +106,14 @@ struct Launch {
   unsigned char* smem = nullptr;
   size_t smem_bytes = 0;
   uint3 block_index{0, 0, 0};
+  uint32_t warp_scratch[kMaxThreads / 32][kWarpScratchWords];  // ff_simt::warp_scratch()
 };
 
 std::mutex g_launch_mutex;  // launches are serialised: the indices are plain globals
 Launch* g_launch = nullptr;
+// cudaFuncAttributeMaxDynamicSharedMemorySize per kernel function (guarded by g_launch_mutex);
+// a kernel not in the map has the default limit.
+std::map<const void*, size_t> g_smem_limit;
 int g_reverse = -1;  // threads run last to first: -1 not decided yet (FF_SIMT_SCHEDULE), 0, 1
 
 bool reverse_order() {
@@ -179,7 +195,10 @@ void prepare_fiber(Launch* L, int t) {
   unsigned char* pool = stack_pool(&stride);
   unsigned char* lo = pool + t * stride + (stride - kStackBytes);  // above the guard page
   Fiber& f = L->fibers[t];
+  std::vector<PendingCopy> pending = std::move(f.pending);  // keeps its capacity
+  pending.clear();
   f = Fiber();
+  f.pending = std::move(pending);
 #ifdef FF_SIMT_USE_UCONTEXT
   getcontext(&f.ctx);
   f.ctx.uc_stack.ss_sp = lo;
@@ -237,6 +256,16 @@ const char* warp_op_name(int op) {
   }
 }
 
+// The name of the intrinsic or instruction fiber f waits at.
+const char* op_name(const Fiber& f) {
+  return f.op == kCollective && f.name != nullptr ? f.name : warp_op_name(f.op);
+}
+
+bool same_warp_op(const Fiber& a, const Fiber& b) {
+  if (a.op != b.op || a.mask != b.mask || a.width != b.width) return false;
+  return a.op != kCollective || std::strcmp(a.name, b.name) == 0;
+}
+
 std::string where(const Launch* L) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), "kernel %s, block (%u, %u, %u) of (%u, %u, %u), %d threads: ",
@@ -272,17 +301,17 @@ bool release_warps(Launch* L) {
     if (first < 0) continue;
     const Fiber& ref = f[first];
     const std::string warp = "warp " + std::to_string(base / 32) + ": ";
-    const std::string op = warp_op_name(ref.op);
+    const std::string op = op_name(ref);
     bool all_arrived = true;
     std::vector<int> exited;
     unsigned part = 0;  // the lanes that take part: existing, named, waiting here
     for (int l = 0; l < lanes; ++l) {
       const bool named = (ref.mask >> l) & 1u;
       if (f[l].state == State::kWarp) {
-        if (f[l].op != ref.op || f[l].mask != ref.mask || f[l].width != ref.width) {
+        if (!same_warp_op(f[l], ref)) {
           stop(L, warp + "lane " + std::to_string(first) + " is at " + op + " (mask " +
                       hex(ref.mask) + ", width " + std::to_string(ref.width) + ") but lane " +
-                      std::to_string(l) + " at " + warp_op_name(f[l].op) + " (mask " +
+                      std::to_string(l) + " at " + op_name(f[l]) + " (mask " +
                       hex(f[l].mask) + ", width " + std::to_string(f[l].width) +
                       "): the lanes of a warp must meet at the same intrinsic with the same mask");
           return true;
@@ -304,13 +333,21 @@ bool release_warps(Launch* L) {
                   thread_list(exited) + " named in its mask have exited");
       return true;
     }
+    if (ref.op == kCollective && lanes < 32) {
+      // a warp-collective instruction is .aligned: every lane of a full warp executes it
+      stop(L, warp + op + " needs all 32 lanes of the warp, but the block has " +
+                  std::to_string(L->nthreads) + " threads, so this warp has " +
+                  std::to_string(lanes));
+      return true;
+    }
     if (!all_arrived) continue;
     const int width = ref.width;
     if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
       stop(L, warp + op + ": width must be a power of two in [1, 32], got " + std::to_string(width));
       return true;
     }
-    if (ref.op == kSyncWarp || ref.op == kBallot || ref.op == kAny || ref.op == kAll) {
+    if (ref.op == kSyncWarp || ref.op == kCollective || ref.op == kBallot || ref.op == kAny ||
+        ref.op == kAll) {
       unsigned ballot = 0;
       for (int l = 0; l < lanes; ++l) {
         if (((part >> l) & 1u) && f[l].value != 0) ballot |= 1u << l;
@@ -405,8 +442,7 @@ void report_deadlock(Launch* L) {
   std::string msg = "no thread can continue (a barrier or warp intrinsic reached by only part of "
                     "the threads):";
   if (!at_warp.empty()) {
-    msg += " threads " + thread_list(at_warp) + " wait at " +
-           warp_op_name(L->fibers[at_warp[0]].op) + ";";
+    msg += " threads " + thread_list(at_warp) + " wait at " + op_name(L->fibers[at_warp[0]]) + ";";
   }
   if (!at_barrier.empty()) msg += " threads " + thread_list(at_barrier) + " wait at __syncthreads;";
   if (!exited.empty()) msg += " threads " + thread_list(exited) + " have exited;";
@@ -453,8 +489,8 @@ Launch* running(const char* what) {
 
 }  // namespace
 
-void run_grid(const char* name, dim3 grid, dim3 block, size_t smem_bytes, void (*body)(void*),
-              void* ctx) {
+void run_grid(const char* name, const void* kernel, dim3 grid, dim3 block, size_t smem_bytes,
+              void (*body)(void*), void* ctx) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   char cfg[200];
@@ -466,12 +502,20 @@ void run_grid(const char* name, dim3 grid, dim3 block, size_t smem_bytes, void (
     set_error(cudaErrorInvalidConfiguration, std::string("invalid configuration argument") + cfg);
     return;
   }
-  if (smem_bytes > kMaxDynamicSmem) {
-    set_error(cudaErrorInvalidValue,
-              std::string("invalid argument: more than 48 KiB of dynamic shared memory") + cfg);
+  const auto limit_it = g_smem_limit.find(kernel);
+  const size_t limit = limit_it == g_smem_limit.end() ? kMaxDynamicSmemDefault : limit_it->second;
+  if (smem_bytes > limit) {
+    std::string why = "invalid argument: more dynamic shared memory than the kernel's limit of " +
+                      std::to_string(limit) + " bytes";
+    why += limit_it == g_smem_limit.end()
+               ? " (48 KiB without opt-in: raise it with cudaFuncSetAttribute(kernel, "
+                 "cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), up to " +
+                     std::to_string(kMaxDynamicSmemOptIn) + ")"
+               : " (set by cudaFuncSetAttribute)";
+    set_error(cudaErrorInvalidValue, why + cfg);
     return;
   }
-  static Launch launch_state;  // about 60 KiB of fiber records, reused
+  static Launch launch_state;  // about 200 KiB of fiber records and warp scratch, reused
   Launch* L = &launch_state;
   L->name = name;
   L->body = body;
@@ -522,6 +566,92 @@ uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, int param, int width)
 }
 
 void* dynamic_smem() { return running("dynamic shared memory")->smem; }
+
+int lane() { return running("ff_simt::lane")->current % 32; }
+
+void warp_collective(const char* instruction) {
+  Launch* L = running(instruction);
+  Fiber& f = L->fibers[L->current];
+  f.state = State::kWarp;
+  f.op = kCollective;
+  f.mask = 0xffffffffu;
+  f.width = 32;
+  f.value = 0;
+  f.name = instruction;
+  to_scheduler(L);
+}
+
+uint32_t* warp_scratch() {
+  Launch* L = running("ff_simt::warp_scratch");
+  return L->warp_scratch[L->current / 32];
+}
+
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  Launch* L = running("cp.async");
+  char msg[200];
+  if (bytes != 4 && bytes != 8 && bytes != 16) {
+    std::snprintf(msg, sizeof(msg), "thread %d: cp.async copies 4, 8 or 16 bytes, not %d",
+                  L->current, bytes);
+    fail(msg);
+  }
+  if (src_bytes < 0 || src_bytes > bytes) {
+    std::snprintf(msg, sizeof(msg), "thread %d: cp.async src-size %d is not in [0, %d]", L->current,
+                  src_bytes, bytes);
+    fail(msg);
+  }
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+    std::snprintf(msg, sizeof(msg), "thread %d: cp.async of %d bytes from %p to %p: both addresses "
+                  "must be %d-byte aligned", L->current, bytes, src, dst, bytes);
+    fail(msg);
+  }
+  Fiber& f = L->fibers[L->current];
+  PendingCopy c{static_cast<unsigned char*>(dst), bytes, f.committed, {}};
+  // only src_bytes are read: a zero-fill copy of an out-of-bounds row may name any address
+  std::memcpy(c.data, src, static_cast<size_t>(src_bytes));
+  std::memset(c.data + src_bytes, 0, static_cast<size_t>(bytes - src_bytes));
+  f.pending.push_back(c);
+}
+
+void cp_async_commit() {
+  Launch* L = running("cp.async.commit_group");
+  ++L->fibers[L->current].committed;
+}
+
+void cp_async_wait(int n) {
+  Launch* L = running("cp.async.wait_group");
+  Fiber& f = L->fibers[L->current];
+  // groups 0 .. committed - 1 exist; all but the n most recent complete (uncommitted copies stay)
+  size_t kept = 0;
+  for (const PendingCopy& c : f.pending) {
+    if (c.group < f.committed - n) {
+      std::memcpy(c.dst, c.data, static_cast<size_t>(c.bytes));
+    } else {
+      f.pending[kept++] = c;
+    }
+  }
+  f.pending.resize(kept);
+}
+
+cudaError_t set_func_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  bool ok = false;
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    ok = value >= 0 && static_cast<size_t>(value) <= kMaxDynamicSmemOptIn;
+    if (ok) g_smem_limit[kernel] = static_cast<size_t>(value);
+  } else if (attr == cudaFuncAttributePreferredSharedMemoryCarveout) {
+    ok = value >= -1 && value <= 100;
+  }
+  if (ok) return cudaSuccess;
+  // like the runtime, the error is returned and also left for cudaGetLastError
+  set_error(cudaErrorInvalidValue,
+            "invalid argument: cudaFuncSetAttribute(attribute " + std::to_string(attr) + ", value " +
+                std::to_string(value) + ")" +
+                (attr == cudaFuncAttributeMaxDynamicSharedMemorySize
+                     ? ": the dynamic shared memory limit must be in [0, " +
+                           std::to_string(kMaxDynamicSmemOptIn) + "] bytes"
+                     : ""));
+  return cudaErrorInvalidValue;
+}
 
 void set_reverse_schedule(bool reverse) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);

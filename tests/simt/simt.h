@@ -4,9 +4,13 @@
 //
 // What it models
 //   * Launches (FF_LAUNCH -> ff_simt::launch): grid and block up to 3-D, CUDA's limits on their
-//     sizes (1024 threads a block, block.z <= 64, grid.y / grid.z <= 65535) and at most 48 KiB of
-//     dynamic shared memory; a bad configuration is reported as CUDA reports it, through
-//     cudaGetLastError(). Blocks run one at a time in blockIdx order (x fastest).
+//     sizes (1024 threads a block, block.z <= 64, grid.y / grid.z <= 65535) and on dynamic shared
+//     memory: 48 KiB a block unless the kernel opted in to more with
+//     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), which takes
+//     at most kMaxDynamicSmemOptIn = 232448 bytes (227 KiB, sm_90's per-block opt-in maximum; sm_80
+//     allows 163 KiB). The opt-in is per kernel function and lasts for the process, as on a GPU. A bad
+//     configuration is reported as CUDA reports it, through cudaGetLastError(). Blocks run one at a
+//     time in blockIdx order (x fastest).
 //   * The threads of a block are cooperative fibers on the launching OS thread (a hand-written
 //     context switch on x86-64, ucontext elsewhere): thread 0 runs until it blocks at a barrier or a
 //     warp intrinsic, then thread 1, ... in linear thread order. Deterministic: the same launch
@@ -26,6 +30,15 @@
 //     the mask). Anything else (part of a warp at a shuffle while the rest waits at __syncthreads
 //     or has exited, mismatched masks, reads of missing lanes) stops the launch with an error.
 //     Results are computed from every lane's value at once, as the hardware exchanges them.
+//   * Warp-collective instructions (the tensor-core wrappers of csrc/cuda/mma.cuh: mma.sync,
+//     ldmatrix): ff_simt::warp_collective(name) is a warp barrier that all 32 lanes must reach under
+//     the same instruction name; the wrappers exchange fragments through ff_simt::warp_scratch(), the
+//     running warp's scratch words, between two such barriers.
+//   * cp.async (ff_simt::cp_async, through mma.cuh's ff_cp_async_*): the source is read when the copy
+//     is issued, the destination written only when cp.async.wait_group completes its group, so a
+//     read before the wait (a missing or too lax wait_group) sees the old bytes (0xFF in fresh
+//     dynamic shared memory) instead of passing by luck. Copies still pending when a thread exits
+//     are dropped.
 //   * A stopped launch skips its remaining blocks; cudaGetLastError() then returns
 //     cudaErrorLaunchFailure and cudaGetErrorString() the harness's message (the launchers return
 //     it, FF_CHECK_LAUNCH raises it as a RuntimeError). Nothing hangs, nothing aborts the process.
@@ -54,9 +67,14 @@
 //   * Independent thread scheduling hazards (divergent lanes reconverging in another order, a
 //     lane spinning on another's progress: a spin loop never yields and hangs the harness).
 //   * Occupancy, registers, the real shared-memory limits of a block of a given size (only the
-//     48 KiB dynamic limit is checked; static __shared__ is not counted), launch latency, streams
+//     dynamic limits above are checked; static __shared__ is not counted against them, nor is it
+//     against the opt-in maximum, which on a GPU holds static + dynamic), launch latency, streams
 //     (every launch runs to completion at once), asynchrony, timing, float atomics, texture and
 //     constant memory, printf buffering, out-of-bounds accesses (plain host memory: use ASan).
+//   * Poison in static __shared__: it keeps what the last block or launch wrote, so a read of a
+//     tile that was never written there (a cp.async not waited for) can pass by luck; stage tiles
+//     in dynamic shared memory, which is refilled with 0xFF before every block. Nor do ldmatrix and
+//     cp.async check that their shared-memory addresses are in shared memory.
 //   * The GPU's floating-point details: no FTZ/DAZ, host libm accuracy, FMA contraction as the host
 //     compiler decides.
 #pragma once
@@ -134,22 +152,55 @@ enum cudaError_t {
 cudaError_t cudaGetLastError();
 cudaError_t cudaPeekAtLastError();
 const char* cudaGetErrorString(cudaError_t err);
+// The function attributes a kernel may set (CUDA's enumerator values).
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+  cudaFuncAttributePreferredSharedMemoryCarveout = 9,  // accepted (-1 .. 100) and ignored
+};
 
 // ---------------------------------------------------------------- the scheduler's interface
 namespace ff_simt {
 
-enum WarpOp : int { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp };
+enum WarpOp : int { kShflIdx, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp, kCollective };
 enum BlockOp : int { kSync, kSyncCount, kSyncAnd, kSyncOr };
 
-// Runs body(ctx) as every thread of every block of the grid (see the top of this file).
-void run_grid(const char* name, dim3 grid, dim3 block, size_t smem_bytes, void (*body)(void*),
-              void* ctx);
+// Dynamic shared memory a block may have: without opt-in, and at most with
+// cudaFuncAttributeMaxDynamicSharedMemorySize (sm_90's cudaDevAttrMaxSharedMemoryPerBlockOptin).
+constexpr size_t kMaxDynamicSmemDefault = 48 * 1024;
+constexpr size_t kMaxDynamicSmemOptIn = 232448;  // 227 KiB
+
+// Runs body(ctx) as every thread of every block of the grid (see the top of this file); kernel
+// identifies the kernel function whose attributes (cudaFuncSetAttribute) apply.
+void run_grid(const char* name, const void* kernel, dim3 grid, dim3 block, size_t smem_bytes,
+              void (*body)(void*), void* ctx);
+// cudaFuncSetAttribute for the kernel function `kernel`.
+cudaError_t set_func_attribute(const void* kernel, cudaFuncAttribute attr, int value);
 // Waits at a block barrier; returns the reduction of pred for kSyncCount / And / Or.
 int block_barrier(BlockOp op, int pred);
 // Waits at a warp intrinsic; returns this lane's result (a shuffled value's bits, a ballot).
 uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, int param, int width);
 // The running block's dynamic shared memory.
 void* dynamic_smem();
+// The running thread's lane: its linear thread id (x fastest) % 32.
+int lane();
+// A warp barrier for the warp-collective instruction `instruction` (a string literal naming it in
+// messages): returns when all 32 lanes of the warp have reached a warp_collective with the same
+// name. A warp with fewer than 32 threads, lanes that have exited, or lanes at another intrinsic
+// stop the launch with an error.
+void warp_collective(const char* instruction);
+// The running warp's kWarpScratchWords words of scratch (blocks run one at a time, so one set of
+// per-warp buffers serves every block). Its contents are meaningful only between two
+// warp_collective barriers of the same instruction.
+constexpr int kWarpScratchWords = 512;
+uint32_t* warp_scratch();
+// cp.async of `bytes` bytes from src (global) to dst (shared), both `bytes`-aligned: the first
+// src_bytes (0 .. bytes) are copied, the rest of dst zero-filled. The source is read now, dst is
+// written when cp_async_wait completes the copy's group (see the top of this file).
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+// cp.async.commit_group: the thread's copies issued since the last commit form a group.
+void cp_async_commit();
+// cp.async.wait_group n: completes every committed group but the n most recent.
+void cp_async_wait(int n);
 // Threads run last to first (true) or first to last (false, the default unless the environment
 // variable FF_SIMT_SCHEDULE=reverse is set) in every following launch.
 void set_reverse_schedule(bool reverse);
@@ -165,13 +216,23 @@ void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, size_
     void (*kernel)(P...);
     Params params;
   } ctx{kernel, Params(std::forward<A>(args)...)};
-  run_grid(name, grid, block, smem_bytes,
+  run_grid(name, reinterpret_cast<const void*>(kernel), grid, block, smem_bytes,
            [](void* c) {
              Ctx* x = static_cast<Ctx*>(c);
              std::apply(x->kernel, x->params);  // by value: every thread gets its own copies
            },
            &ctx);
 }
+
+}  // namespace ff_simt
+
+// cudaFuncSetAttribute(kernel, attr, value), as the CUDA runtime's template overload takes it.
+template <typename... P>
+cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attr, int value) {
+  return ff_simt::set_func_attribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
+
+namespace ff_simt {
 
 template <typename T>
 inline uint64_t to_bits(T v) {

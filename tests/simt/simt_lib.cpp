@@ -1,12 +1,14 @@
 // The SIMT harness library's registrations: the fastformer op schemas under the namespace
 // fastformer_simt (implemented for CPU tensors by the CUDA glue, csrc/cuda/*.cpp, compiled with
-// -DFF_SIMT), and the harness's own test ops fastformer_simt_selftest::* (tests/test_simt.py).
+// -DFF_SIMT), and the harness's own test ops fastformer_simt_selftest::* (tests/test_simt.py, and
+// tests/test_cuda_mma.py for the tensor-core wrappers of csrc/cuda/mma.cuh).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>
 
 #include "glue.h"
+#include "mma_selftest.h"
 #include "schemas.h"
 #include "selftest.h"
 
@@ -87,6 +89,86 @@ at::Tensor racy(int64_t n, bool reverse) {
   return out;
 }
 
+// ---- the tensor-core wrappers (mma_selftest.cu); 32-bit registers travel as int32 tensors
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+at::Tensor mma_fragments(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c_in,
+                         int64_t kind) {
+  const at::Tensor a = checked(a_in, "a", at::kInt, "mma_fragments");
+  const at::Tensor b = checked(b_in, "b", at::kInt, "mma_fragments");
+  const at::Tensor c = checked(c_in, "c", at::kFloat, "mma_fragments");
+  TORCH_CHECK(a.dim() == 3 && a.size(1) == 32 && a.size(2) == 4 && b.dim() == 3 &&
+                  b.size(0) == a.size(0) && b.size(1) == 32 && b.size(2) == 2 &&
+                  c.sizes() == a.sizes(),
+              "mma_fragments: want a (tiles, 32, 4), b (tiles, 32, 2), c (tiles, 32, 4)");
+  at::Tensor d = at::empty_like(c);
+  FF_CHECK_LAUNCH(launch_selftest_mma_fragments(ptr<uint32_t>(a), ptr<uint32_t>(b), ptr<float>(c),
+                                                ptr<float>(d), a.size(0), static_cast<int>(kind),
+                                                nullptr));
+  return d;
+}
+
+at::Tensor tf32(const at::Tensor& x_in) {
+  const at::Tensor x = checked(x_in, "x", at::kFloat, "tf32");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kInt));
+  FF_CHECK_LAUNCH(launch_selftest_tf32(ptr<float>(x), ptr<uint32_t>(out), x.numel(), nullptr));
+  return out;
+}
+
+at::Tensor ldmatrix(const at::Tensor& tile_in, const at::Tensor& offsets_in, int64_t num, bool trans) {
+  const at::Tensor tile = checked(tile_in, "tile", at::kShort, "ldmatrix");
+  const at::Tensor offsets = checked(offsets_in, "offsets", at::kInt, "ldmatrix");
+  TORCH_CHECK(offsets.dim() == 1, "ldmatrix: offsets must be 1-D (one per thread)");
+  at::Tensor out = at::empty({offsets.size(0), num}, offsets.options());
+  FF_CHECK_LAUNCH(launch_selftest_ldmatrix(ptr<uint16_t>(tile), tile.numel(), ptr<int32_t>(offsets),
+                                           static_cast<int>(offsets.size(0)), static_cast<int>(num),
+                                           trans, ptr<uint32_t>(out), nullptr));
+  return out;
+}
+
+at::Tensor mma_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c_in,
+                    bool b_kmajor, int64_t mistake) {
+  const int dtype = ff_dtype_code(a_in, "a", "mma_gemm");
+  const at::Tensor a = checked(a_in, "a", a_in.scalar_type(), "mma_gemm");
+  const at::Tensor b = checked(b_in, "b", a_in.scalar_type(), "mma_gemm");
+  const at::Tensor c = checked(c_in, "c", at::kFloat, "mma_gemm");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, "mma_gemm: a, b, c must be 2-D");
+  const int64_t M = a.size(0), K = a.size(1), N = b_kmajor ? b.size(1) : b.size(0);
+  TORCH_CHECK(b.size(b_kmajor ? 0 : 1) == K && c.size(0) == M && c.size(1) == N,
+              "mma_gemm: want a (M, K), b (K, N) or (N, K), c (M, N)");
+  at::Tensor d = at::empty_like(c);
+  FF_CHECK_LAUNCH(launch_selftest_mma_gemm(a.data_ptr(), b.data_ptr(), ptr<float>(c), ptr<float>(d),
+                                           M, N, K, dtype, b_kmajor, static_cast<int>(mistake),
+                                           nullptr));
+  return d;
+}
+
+std::tuple<at::Tensor, at::Tensor> cp_async(const at::Tensor& src_in, const at::Tensor& sizes_in) {
+  const at::Tensor src = checked(src_in, "src", at::kByte, "cp_async");
+  const at::Tensor sizes = checked(sizes_in, "sizes", at::kInt, "cp_async");
+  TORCH_CHECK(sizes.numel() % 2 == 0 && src.numel() == sizes.numel() * 16,
+              "cp_async: want an even number of 16-byte chunks and a size for each");
+  at::Tensor mid = at::empty_like(src), out = at::empty_like(src);
+  FF_CHECK_LAUNCH(launch_selftest_cp_async(ptr<uint8_t>(src), ptr<int32_t>(sizes), sizes.numel(),
+                                           ptr<uint8_t>(mid), ptr<uint8_t>(out), nullptr));
+  return {mid, out};
+}
+
+at::Tensor big_smem(int64_t which, int64_t bytes, int64_t opt_in) {
+  at::Tensor out = at::empty({bytes / 4}, at::kFloat);
+  FF_CHECK_LAUNCH(launch_selftest_big_smem(static_cast<int>(which), bytes, opt_in, ptr<float>(out),
+                                           nullptr));
+  return out;
+}
+
+void mma_broken(int64_t mode) {
+  const at::Tensor src = at::zeros({16}, at::kByte);
+  FF_CHECK_LAUNCH(launch_selftest_mma_broken(static_cast<int>(mode), ptr<uint8_t>(src), nullptr));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fastformer_simt_selftest, m) {
@@ -98,6 +180,13 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("from_bits(Tensor bits, int kind) -> Tensor");
   m.def("many_blocks(int blocks) -> Tensor");
   m.def("racy(int n, bool reverse) -> Tensor");
+  m.def("mma_fragments(Tensor a, Tensor b, Tensor c, int kind) -> Tensor");
+  m.def("tf32(Tensor x) -> Tensor");
+  m.def("ldmatrix(Tensor tile, Tensor offsets, int num, bool trans) -> Tensor");
+  m.def("mma_gemm(Tensor a, Tensor b, Tensor c, bool b_kmajor, int mistake) -> Tensor");
+  m.def("cp_async(Tensor src, Tensor sizes) -> (Tensor, Tensor)");
+  m.def("big_smem(int which, int bytes, int opt_in) -> Tensor");
+  m.def("mma_broken(int mode) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
@@ -106,6 +195,11 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
   m.impl("reverse", &reverse);
   m.impl("to_bits", &to_bits);
   m.impl("from_bits", &from_bits);
+  m.impl("mma_fragments", &mma_fragments);
+  m.impl("tf32", &tf32);
+  m.impl("ldmatrix", &ldmatrix);
+  m.impl("mma_gemm", &mma_gemm);
+  m.impl("cp_async", &cp_async);
 }
 
 // Ops without a tensor argument dispatch through CompositeExplicitAutograd.
@@ -113,4 +207,6 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CompositeExplicitAutograd, m) {
   m.impl("broken", &broken);
   m.impl("many_blocks", &many_blocks);
   m.impl("racy", &racy);
+  m.impl("big_smem", &big_smem);
+  m.impl("mma_broken", &mma_broken);
 }
