@@ -65,8 +65,8 @@ def _default_providers(size: str, device: torch.device, explicit: Optional[List[
     if explicit:
         return explicit
     names = list(REGISTRY)
-    if size in ("quick", "smoke"):
-        # no compile (tens of seconds per graph on CPU) and no slow reference in short runs
+    if size in ("quick", "smoke", "gpu-check"):
+        # no compile (tens of seconds per graph, per shape) and no slow reference in short runs
         names = [n for n in names if "compile" not in REGISTRY[n].tags and "slow" not in REGISTRY[n].tags]
     return names
 
