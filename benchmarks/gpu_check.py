@@ -12,12 +12,13 @@ after it is recorded as skipped), and the exit status is 1 if any step failed:
    RuntimeError, not crash the process (it crashed in the first GPU build); when it crashes, the
    log gets what the process loaded (which objects define libstdc++'s stream and locale code,
    which compilers built the extension);
-3. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op: attention over the
-   grid B 8, H 16, S 512/2048, D 64/128, causal or not, dropout 0 or 0.1, forward and backward,
-   fastformer's cuda and triton backends against SDPA's flash kernel and eager PyTorch (TFLOP/s);
-   the other ops at their quick shapes against their torch composition (GB/s or TFLOP/s);
-   ``results.json`` and ``results.md`` (every op's table) and ``attention.md`` (the grid, one row
-   per shape and mode, one column per provider) in the same folder;
+3. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op (attention in two
+   runs, one per head dim): attention over the grid B 8, H 16, S 512/2048, D 64/128, causal or
+   not, dropout 0 or 0.1, forward and backward, fastformer's cuda and triton backends against
+   SDPA's flash kernel and eager PyTorch (TFLOP/s); the other ops at their quick shapes against
+   their torch composition (GB/s or TFLOP/s); ``results.json`` and ``results.md`` (every op's
+   table) and ``attention.md`` (the grid, one row per shape and mode, one column per provider)
+   in the same folder;
 4. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
    left out, and the log's first line says which);
 5. ``check``: ``python -m fastformer check``.
@@ -50,7 +51,8 @@ BENCH_OPS = ["attention", "add_layer_norm", "feed_forward", "cross_entropy", "li
 BENCH_PROVIDERS = ["torch-eager", "fastformer-cuda", "fastformer-triton", "sdpa-flash", "fastformer-padded",
                    "torch-copy-alone", "torch-linear-cross-entropy-chunked"]
 # (step, seconds it may take at most): the budget caps each further
-STEP_LIMITS = {"build": 240, "error-path": 30, "bench-attention": 120, "gpu-tests": 120, "check": 90}
+STEP_LIMITS = {"build": 210, "error-path": 30, "bench-attention-d64": 100, "bench-attention-d128": 100,
+               "gpu-tests": 100, "check": 80}
 BENCH_LIMIT = 40  # each other op's bench
 
 
@@ -101,10 +103,13 @@ def unimportable_tests(tests_dir: str, missing: Sequence[str]) -> Dict[str, List
     return out
 
 
-def bench_step(op: str, out: str, python: str, plots: bool) -> Step:
+def bench_step(op: str, out: str, python: str, plots: bool, shapes: Sequence[str] = ()) -> Step:
+    """One `fastformer bench` run (``shapes``: only the op's shapes whose label has these words)."""
     cmd = [python, "-m", "fastformer", "bench", "--device", "cuda", "--sweep", "gpu-check", "--ops", op,
            "--modes", "fwd", "bwd", "--providers", *BENCH_PROVIDERS, "--out", out]
-    return Step(f"bench-{op}", cmd + ([] if plots else ["--no-plots"]), STEP_LIMITS.get(f"bench-{op}", BENCH_LIMIT))
+    name = "-".join([f"bench-{op}"] + [w.lower() for w in shapes])
+    return Step(name, cmd + (["--shapes", *shapes] if shapes else []) + ([] if plots else ["--no-plots"]),
+                STEP_LIMITS.get(name, BENCH_LIMIT))
 
 
 def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = None,
@@ -118,7 +123,13 @@ def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = Non
               Step("error-path", [python, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--probe"],
                    STEP_LIMITS["error-path"],
                    skip=None if cuda_home else "the CUDA kernels are not built (no nvcc of torch's CUDA)")]
-    result += [bench_step(op, out, python, plots="matplotlib" not in missing) for op in BENCH_OPS]
+    from fastformer.jobs.bench.ops import GPU_CHECK_ATTENTION
+
+    plots = "matplotlib" not in missing
+    # attention in two runs, one per head dim (each compiles its own Triton kernels), so that a run
+    # cut short by its limit loses half the grid, not all of it
+    result += [bench_step("attention", out, python, plots, shapes=[f"D{d}"]) for d in GPU_CHECK_ATTENTION["D"]]
+    result += [bench_step(op, out, python, plots) for op in BENCH_OPS if op != "attention"]
     tests = [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
     left_out = unimportable_tests(os.path.join(ROOT, "tests"), missing)
     tests += [f"--ignore={path}" for path in left_out]
@@ -186,6 +197,25 @@ def run_step(step: Step, log_path: str, limit: float) -> Tuple[Optional[int], fl
 
 
 # -- the error-path probe and the report of a crash ---------------------------------------------
+# std::ostream::_M_insert<long> (integer output) and std::locale::classic(): a shared object that
+# exports them carries its own copy of libstdc++'s streams and locale. Next to the process's
+# libstdc++ that breaks integer formatting in TORCH_CHECK messages (a test extension linked with
+# -static-libstdc++ here dropped the integers from its messages and aborted on another), the
+# suspected cause of the first GPU build's crash in exactly those messages.
+LIBSTDCXX_MARKERS = ("_ZNSo9_M_insertIlEERSoT_", "_ZNSt6locale7classicEv")
+
+
+def private_libstdcxx(path: str) -> Optional[List[str]]:
+    """The LIBSTDCXX_MARKERS that the shared object ``path`` defines (None: nm is not here)."""
+    try:
+        out = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True,
+                             timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    defined = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    return [s for s in LIBSTDCXX_MARKERS if s in defined]
+
+
 def probe() -> int:
     """One failing check of the CUDA glue whose message formats integers must raise."""
     import torch
@@ -196,6 +226,13 @@ def probe() -> int:
     print("backends:", {k: (a.available, a.reason) for k, a in fastformer.available_backends().items()})
     if _ext.load_error():
         print(f"error-path: the extension is not loaded: {_ext.load_error()}")
+        return 1
+    import fastformer._C as ext
+
+    private = private_libstdcxx(ext.__file__)
+    if private:
+        print(f"error-path: FAILED: {ext.__file__} carries its own libstdc++ (defines {', '.join(private)}): "
+              f"build it with a compiler whose libstdc++ this process loads, without -static-libstdc++")
         return 1
     dev = torch.device("cuda")
     q, k, v = (torch.randn(n, 2, 8, device=dev) for n in (5, 7, 7))
@@ -221,18 +258,14 @@ def abi_report() -> int:
 
     import fastformer._C as ext
 
-    symbols = ("_ZNSo9_M_insertIlEERSoT_", "_ZNSt6locale7classicEv")
     with open("/proc/self/maps") as f:
         objects = sorted({line.split()[-1] for line in f if ".so" in line.split()[-1]})
     print(f"extension: {ext.__file__}")
     for obj in objects:
-        try:
-            out = subprocess.run(["nm", "-D", "--defined-only", obj], capture_output=True, text=True,
-                                 timeout=60).stdout
-        except (OSError, subprocess.SubprocessError) as e:
-            print(f"nm unavailable ({e}); loaded objects: {' '.join(objects)}")
+        found = private_libstdcxx(obj)
+        if found is None:
+            print(f"nm unavailable; loaded objects: {' '.join(objects)}")
             break
-        found = [s for s in symbols if f" {s}" in out]
         if found:
             print(f"defines {', '.join(found)}: {obj}")
     for cmd in (["readelf", "-p", ".comment", ext.__file__], ["ldd", ext.__file__]):

@@ -342,3 +342,27 @@ def test_device_timed_callables_report_their_own_time():
     assert t.median_ms == t.min_ms == 250.0 and t.reps == 3
     t = measure(gpu_like, warmup=0, min_reps=3, max_reps=3, min_time=0.0)
     assert t.median_ms == 250.0
+
+
+def test_a_run_of_some_shapes_replaces_only_their_records(tmp_path):
+    """gpu-check benchmarks attention in two runs (``--shapes D64``, ``--shapes D128``): the second
+    keeps the first's records, while a run of whole ops still replaces each op's records."""
+    from fastformer.jobs.bench import report
+    from fastformer.jobs.bench.__init__ import shape_wanted
+
+    assert shape_wanted("B8 H16 S512 D64 nopad causal p0.1", ["D64", "causal"])
+    assert not shape_wanted("B8 H16 S512 D64 nopad full p0", ["D64", "causal"])
+    assert not shape_wanted("B8 H16 S512 D640", ["D64"])  # whole words only
+    path = str(tmp_path / "results.json")
+
+    def rec(op, label, value):
+        return {"op": op, "label": label, "v": value}
+
+    report.write_json(path, {}, {}, [rec("attention", "D64", 1), rec("feed_forward", "N1", 1)])
+    doc = report.write_json(path, {}, {}, [rec("attention", "D128", 2)], per_shape=True)
+    assert sorted((r["op"], r["label"], r["v"]) for r in doc["results"]) == [
+        ("attention", "D128", 2), ("attention", "D64", 1), ("feed_forward", "N1", 1)]
+    doc = report.write_json(path, {}, {}, [rec("attention", "D64", 3)], per_shape=True)
+    assert sorted((r["label"], r["v"]) for r in doc["results"] if r["op"] == "attention") == [("D128", 2), ("D64", 3)]
+    doc = report.write_json(path, {}, {}, [rec("attention", "D32", 4)])
+    assert [(r["op"], r["label"]) for r in doc["results"]] == [("feed_forward", "N1"), ("attention", "D32")]

@@ -106,10 +106,13 @@ def test_cpu_torch_has_nothing_to_build_for():
     assert r.cuda_home is None and "CPU build" in r.message
 
 
-def _fake_nvcc(home):
+def _fake_nvcc(home, headers=True):
     os.makedirs(os.path.join(home, "bin"))
     path = os.path.join(home, "bin", "nvcc")
     open(path, "w").close()
+    if headers:
+        os.makedirs(os.path.join(home, "include"))
+        open(os.path.join(home, "include", "cuda_runtime.h"), "w").close()
     return path
 
 
@@ -118,12 +121,22 @@ def test_locate_looks_at_cuda_home_path_and_pip_folders_once_each(tmp_path):
     versions = {os.path.join(env_home, "bin", "nvcc"): (12, 4), os.path.join(pip_home, "bin", "nvcc"): (13, 0)}
     for home in (env_home, pip_home):
         _fake_nvcc(home)
-    found = find_nvcc.locate([pip_home, str(tmp_path / "absent")], env={"CUDA_HOME": env_home},
-                             which=lambda name: os.path.join(env_home, "bin", "nvcc"),  # PATH: the same nvcc
+    wrapper = _fake_nvcc(str(tmp_path / "usr-local"), headers=False)  # a script in /usr/local/bin, say
+    found = find_nvcc.locate([pip_home, str(tmp_path / "absent")], env={"CUDA_HOME": env_home, "CUDA_PATH": env_home},
+                             which=lambda name: wrapper,  # PATH: a wrapper whose folder is no toolkit
                              version=lambda nvcc: versions.get(nvcc))  # (and this machine's /usr/local/cuda)
     assert [(c.where, c.cuda_home, c.release) for c in found
             if c.cuda_home != "/usr/local/cuda"] == [("$CUDA_HOME", env_home, (12, 4)),
                                                      ("pip package", pip_home, (13, 0))]
+
+
+def test_cuda12_wheels_headers_are_beside_its_nvcc(tmp_path):
+    nvcc_home = tmp_path / "nvidia" / "cuda_nvcc"
+    _fake_nvcc(str(nvcc_home), headers=False)
+    assert not find_nvcc.has_runtime_headers(str(nvcc_home))
+    (tmp_path / "nvidia" / "cuda_runtime" / "include").mkdir(parents=True)
+    (tmp_path / "nvidia" / "cuda_runtime" / "include" / "cuda_runtime.h").write_text("")
+    assert find_nvcc.has_runtime_headers(str(nvcc_home))
 
 
 def test_cli_prints_cuda_home_or_one_line(monkeypatch, capsys):

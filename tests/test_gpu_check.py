@@ -4,6 +4,8 @@ where there is no GPU rather than passing by running nothing."""
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -21,16 +23,18 @@ def _steps(**kw):
 
 def test_steps_build_probe_bench_every_op_then_tests_and_check():
     steps = _steps(cuda_home="/cuda")
-    assert list(steps) == ["build", "error-path", "bench-attention", "bench-add_layer_norm", "bench-feed_forward",
-                           "bench-cross_entropy", "bench-linear_cross_entropy", "bench-attention_varlen",
-                           "gpu-tests", "check"]
+    assert list(steps) == ["build", "error-path", "bench-attention-d64", "bench-attention-d128",
+                           "bench-add_layer_norm", "bench-feed_forward", "bench-cross_entropy",
+                           "bench-linear_cross_entropy", "bench-attention_varlen", "gpu-tests", "check"]
     build = steps["build"]
     assert build.cmd == ["py", "setup.py", "build_ext", "--inplace"] and build.env["CUDA_HOME"] == "/cuda"
     assert "FASTFORMER_BUILD_CUDA" not in build.env
-    bench = steps["bench-attention"].cmd
+    bench = steps["bench-attention-d128"].cmd
     assert bench[:4] == ["py", "-m", "fastformer", "bench"]
     assert bench[bench.index("--sweep") + 1] == "gpu-check" and bench[bench.index("--out") + 1] == "OUT"
     assert bench[bench.index("--ops") + 1] == "attention" and "--no-plots" not in bench
+    assert bench[bench.index("--shapes"):] == ["--shapes", "D128"]
+    assert "--shapes" not in steps["bench-feed_forward"].cmd
     providers = bench[bench.index("--providers") + 1:bench.index("--out")]
     assert {"fastformer-cuda", "fastformer-triton", "sdpa-flash", "torch-eager"} <= set(providers)
     assert "torch-compile" not in providers  # a compilation per shape would take the whole budget
@@ -61,7 +65,7 @@ def test_missing_packages_leave_out_what_needs_them(tmp_path, monkeypatch):
                                                              f"--ignore={tests / 'test_c.py'}"]
     assert steps["gpu-tests"].note == ("left out 2 test files that import what is not installed "
                                        "(hypothesis, transformers): test_a.py, test_c.py")
-    assert "--no-plots" in steps["bench-attention"].cmd
+    assert "--no-plots" in steps["bench-attention-d64"].cmd
     assert _steps(cuda_home="/cuda", missing=["pytest"])["gpu-tests"].skip == "pytest is not installed"
 
 
@@ -152,3 +156,30 @@ def test_results_are_written_as_tables_beside_the_json(tmp_path):
     assert "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 0.50x |" in summary
     assert "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 0.50x |" in (tmp_path / "attention.md").read_text()
     assert "### attention" in (tmp_path / "results.md").read_text()
+
+
+CPP = "#include <sstream>\n#include <string>\nstd::string fmt(long v) { std::ostringstream s; s << v; return s.str(); }\n"
+
+
+@pytest.mark.skipif(not all(shutil.which(t) for t in ("g++", "nm")), reason="needs g++ and nm (binutils)")
+def test_a_private_libstdcxx_copy_is_recognised(tmp_path):
+    """The error-path step's check: an object linked with -static-libstdc++ exports libstdc++'s
+    integer output and locale, one linked as usual does not."""
+    (tmp_path / "f.cpp").write_text(CPP)
+    for name, extra in (("shared", []), ("static", ["-static-libstdc++"])):
+        subprocess.run(["g++", "-shared", "-fPIC", "-O1", str(tmp_path / "f.cpp"), "-o", str(tmp_path / f"{name}.so")]
+                       + extra, check=True, timeout=120)
+    assert gpu_check.private_libstdcxx(str(tmp_path / "shared.so")) == []
+    assert gpu_check.private_libstdcxx(str(tmp_path / "static.so")) == list(gpu_check.LIBSTDCXX_MARKERS)
+
+
+def test_this_builds_extension_has_no_private_libstdcxx():
+    from fastformer import _ext
+
+    if _ext.load_error():
+        pytest.skip(f"the extension is not built here: {_ext.load_error()}")
+    if not shutil.which("nm"):
+        pytest.skip("needs nm (binutils)")
+    import fastformer._C as ext
+
+    assert gpu_check.private_libstdcxx(ext.__file__) == []

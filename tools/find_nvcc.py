@@ -99,10 +99,21 @@ def site_dirs() -> List[str]:
     return list(dict.fromkeys(d for d in dirs if d and os.path.isdir(d)))
 
 
+def has_runtime_headers(home: str) -> bool:
+    """Whether a toolkit folder has cuda_runtime.h: in its include/, or, for CUDA 12's nvcc wheel
+    (nvidia/cuda_nvcc), in the runtime wheel's nvidia/cuda_runtime/include beside it (setup.py
+    adds that one). A folder without it is not a CUDA_HOME, e.g. /usr/local for an nvcc wrapper
+    script in /usr/local/bin."""
+    home = os.path.normpath(home)
+    return any(os.path.isfile(os.path.join(d, "cuda_runtime.h"))
+               for d in (os.path.join(home, "include"), os.path.join(os.path.dirname(home), "cuda_runtime", "include")))
+
+
 def locate(folders: Iterable[str], env=None, which: Callable[[str], Optional[str]] = shutil.which,
            version: Callable[[str], Optional[Tuple[int, int]]] = nvcc_version) -> List[Candidate]:
-    """Every distinct nvcc: $CUDA_HOME's, PATH's, /usr/local/cuda's, then those of the toolkit
-    ``folders`` (absolute paths of site-packages/nvidia/...)."""
+    """Every distinct toolkit with an nvcc and the CUDA runtime's headers: $CUDA_HOME's, PATH's,
+    /usr/local/cuda's, then those of the toolkit ``folders`` (absolute paths of
+    site-packages/nvidia/...)."""
     env = os.environ if env is None else env
     homes: List[Tuple[str, str]] = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
@@ -117,7 +128,7 @@ def locate(folders: Iterable[str], env=None, which: Callable[[str], Optional[str
     for where, home in homes:
         nvcc = os.path.join(home, "bin", "nvcc")
         key = os.path.realpath(nvcc)
-        if key in seen or not os.path.isfile(nvcc):
+        if key in seen or not os.path.isfile(nvcc) or not has_runtime_headers(home):
             continue
         seen.add(key)
         out.append(Candidate(where, home, version(nvcc)))
@@ -158,9 +169,9 @@ def find(torch_cuda_version: Optional[str], install: bool = False, env=None,
     if chosen is not None:
         return Result(chosen.cuda_home, f"nvcc {'.'.join(map(str, chosen.release))} at {chosen.cuda_home} "
                                         f"({chosen.where}) for torch's {wanted}")
+    none_here = f"no nvcc of CUDA {want[0]}, torch's {wanted} major, here ({describe(found)})"
     if not install:
-        return Result(None, f"no nvcc of torch's {wanted} major here ({describe(found)}); "
-                            f"pip install '{reqs[-1]}' or set CUDA_HOME to a CUDA {want[0]} toolkit")
+        return Result(None, f"{none_here}; pip install '{reqs[-1]}' or set CUDA_HOME to a CUDA {want[0]} toolkit")
     failures = []
     for req in reqs:
         ok, last = installer(req)
@@ -172,8 +183,8 @@ def find(torch_cuda_version: Optional[str], install: bool = False, env=None,
             failures.append(f"{req} installed but no nvcc of CUDA {want[0]} appeared under {folder}")
         else:
             failures.append(f"{req}: {last}")
-    return Result(None, f"no nvcc of torch's {wanted} major here ({describe(found)}) and pip could not install "
-                        f"one ({'; '.join(failures)}); offline? put a CUDA {want[0]} nvcc on PATH or set CUDA_HOME")
+    return Result(None, f"{none_here} and pip could not install one ({'; '.join(failures)}); "
+                        f"offline? put a CUDA {want[0]} nvcc on PATH or set CUDA_HOME")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
