@@ -37,10 +37,15 @@ def test_versions_are_read_from_nvcc_and_torch():
 
 
 def test_package_names_per_cuda_major():
-    # CUDA 12: the suffixed wheel; CUDA 13 on: the unsuffixed one (nvidia-cuda-nvcc-cu13 is an empty
-    # placeholder), each torch's minor first, then any of the major
-    assert find_nvcc.package(12, 8) == (["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cuda-nvcc-cu12"], "nvidia/cuda_nvcc")
-    assert find_nvcc.package(13, 0) == (["nvidia-cuda-nvcc==13.0.*", "nvidia-cuda-nvcc==13.*"], "nvidia/cu13")
+    # CUDA 12: the suffixed wheels (nvcc's has no cuda_runtime.h: the runtime wheel's has); CUDA 13 on:
+    # the unsuffixed ones (nvidia-cuda-nvcc-cu13 is an empty placeholder) with nvcc's dependencies
+    # named, each at torch's minor first, then any of the major
+    assert find_nvcc.package(12, 8) == ([["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cuda-runtime-cu12==12.8.*"],
+                                         ["nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12"]], "nvidia/cuda_nvcc")
+    attempts, folder = find_nvcc.package(13, 0)
+    assert folder == "nvidia/cu13" and attempts == [
+        ["nvidia-cuda-nvcc==13.0.*", "nvidia-cuda-runtime==13.0.*", "nvidia-cuda-crt==13.0.*", "nvidia-nvvm==13.0.*"],
+        ["nvidia-cuda-nvcc==13.*", "nvidia-cuda-runtime==13.*", "nvidia-cuda-crt==13.*", "nvidia-nvvm==13.*"]]
     assert find_nvcc.package(14, 1)[1] == "nvidia/cu14"
 
 
@@ -75,9 +80,9 @@ def test_another_major_installs_nvidias_package_and_takes_it():
         return True, ""
 
     r = find_nvcc.find("12.8", install=True, installer=installer, candidates=lambda: list(found))
-    assert installed == ["nvidia-cuda-nvcc-cu12==12.8.*"]
+    assert installed == [["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cuda-runtime-cu12==12.8.*"]]
     assert r.cuda_home == "/venv/site-packages/nvidia/cuda_nvcc"
-    assert r.message.startswith("installed nvidia-cuda-nvcc-cu12==12.8.*")
+    assert r.message.startswith("installed nvidia-cuda-nvcc-cu12==12.8.* nvidia-cuda-runtime-cu12==12.8.*: nvcc 12.8")
 
 
 def test_offline_says_why_in_one_line_and_what_to_do():
@@ -90,15 +95,22 @@ def test_offline_says_why_in_one_line_and_what_to_do():
     r = find_nvcc.find("12.8", install=True, installer=offline,
                        candidates=lambda: [Candidate("PATH", "/usr/local/cuda", (13, 0))])
     assert r.cuda_home is None
-    assert tried == ["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cuda-nvcc-cu12"]  # exact minor, then any
+    assert [reqs[0] for reqs in tried] == ["nvidia-cuda-nvcc-cu12==12.8.*", "nvidia-cuda-nvcc-cu12"]  # exact, any
     assert "\n" not in r.message
     for part in ("CUDA 12.8", "13.0 at /usr/local/cuda", "no network", "set CUDA_HOME"):
         assert part in r.message
 
 
+def test_an_install_that_brings_no_usable_nvcc_says_so():
+    r = find_nvcc.find("13.0", install=True, installer=lambda reqs: (True, ""), candidates=lambda: [])
+    assert r.cuda_home is None
+    assert "nvidia-cuda-nvcc==13.0.* nvidia-cuda-runtime==13.0.* nvidia-cuda-crt==13.0.* nvidia-nvvm==13.0.* installed " \
+           "but no nvcc of CUDA 13 with the runtime's headers appeared under nvidia/cu13" in r.message
+
+
 def test_without_install_nothing_is_installed_and_the_package_is_named():
     r = find_nvcc.find("13.0", install=False, installer=None, candidates=lambda: [])
-    assert r.cuda_home is None and "nvidia-cuda-nvcc==13.*" in r.message and "no nvcc found" in r.message
+    assert r.cuda_home is None and "pip install nvidia-cuda-nvcc==13.0.*" in r.message and "no nvcc found" in r.message
 
 
 def test_cpu_torch_has_nothing_to_build_for():

@@ -22,26 +22,28 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
-# NVIDIA's nvcc wheels per CUDA major: the suffixed names up to CUDA 12; from CUDA 13 on the
-# unsuffixed name carries the major in its version (nvidia-cuda-nvcc-cu13 is an empty, deprecated
-# placeholder). Each entry: (pip requirement for major.minor, for major, the toolkit folder that
-# the wheel installs under site-packages).
+# NVIDIA's nvcc wheels per CUDA major: the suffixed names up to CUDA 12 (whose nvcc wheel has no
+# cuda_runtime.h: the runtime wheel beside it does); from CUDA 13 on the unsuffixed names carry
+# the major in their version (nvidia-cuda-nvcc-cu13 is an empty, deprecated placeholder), and
+# the nvcc wheel needs the runtime, crt and nvvm wheels, which install into the same folder. Each
+# entry: (the wheels to install, the toolkit folder they make under site-packages).
 PACKAGES = {
-    11: ("nvidia-cuda-nvcc-cu11=={v}.*", "nvidia-cuda-nvcc-cu11", "nvidia/cuda_nvcc"),
-    12: ("nvidia-cuda-nvcc-cu12=={v}.*", "nvidia-cuda-nvcc-cu12", "nvidia/cuda_nvcc"),
+    11: (["nvidia-cuda-nvcc-cu11", "nvidia-cuda-runtime-cu11"], "nvidia/cuda_nvcc"),
+    12: (["nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12"], "nvidia/cuda_nvcc"),
 }
 
 
-def package(major: int, minor: Optional[int] = None) -> Tuple[List[str], str]:
-    """(pip requirements to try in order, toolkit folder under site-packages) for a CUDA version:
-    the same major.minor as torch's first (headers newer than torch's CUDA runtime may call what
-    that runtime lacks), then any of the major."""
-    if major in PACKAGES:
-        exact, anyminor, folder = PACKAGES[major]
-    else:  # CUDA 13 and later
-        exact, anyminor, folder = "nvidia-cuda-nvcc=={v}.*", f"nvidia-cuda-nvcc=={major}.*", f"nvidia/cu{major}"
-    reqs = ([exact.format(v=f"{major}.{minor}")] if minor is not None else []) + [anyminor]
-    return reqs, folder
+def package(major: int, minor: Optional[int] = None) -> Tuple[List[List[str]], str]:
+    """(pip installs to try in order, each a list of requirements; the toolkit folder under
+    site-packages) for a CUDA version: the same major.minor as torch's first (headers newer than
+    torch's CUDA runtime may call what that runtime lacks), then any of the major."""
+    # from CUDA 13 on, the wheels nvcc needs are named too, to pin them to torch's minor as well
+    names, folder = PACKAGES.get(major, (["nvidia-cuda-nvcc", "nvidia-cuda-runtime", "nvidia-cuda-crt", "nvidia-nvvm"],
+                                         f"nvidia/cu{major}"))
+    suffixed = major in PACKAGES  # the major is in the name; else only in the version
+    attempts = [[f"{n}=={major}.{minor}.*" for n in names]] if minor is not None else []
+    attempts.append(list(names) if suffixed else [f"{n}=={major}.*" for n in names])
+    return attempts, folder
 
 
 def parse_release(version_text: str) -> Optional[Tuple[int, int]]:
@@ -135,10 +137,14 @@ def locate(folders: Iterable[str], env=None, which: Callable[[str], Optional[str
     return out
 
 
-def pip_install(requirement: str, python: str = sys.executable, timeout: float = 600) -> Tuple[bool, str]:
-    """``pip install requirement`` into ``python``; (ok, last line of its output). Few retries:
-    on a machine without network it should say so in seconds, not minutes."""
-    cmd = [python, "-m", "pip", "install", "--quiet", "--retries", "1", "--timeout", "15", requirement]
+def pip_install(requirements: List[str], python: str = sys.executable, timeout: float = 600) -> Tuple[bool, str]:
+    """``pip install requirements`` into ``python``; (ok, last line of its output). Few retries:
+    on a machine without network it should say so in seconds, not minutes. --ignore-installed:
+    the wheels land together in this Python's own site-packages even where another site-packages
+    that it sees (make gpu-check's venv sees torch's) holds some of them already, so that the
+    toolkit folder has nvcc and the runtime's headers side by side."""
+    cmd = [python, "-m", "pip", "install", "--quiet", "--ignore-installed", "--retries", "1", "--timeout", "15",
+           *requirements]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError) as e:
@@ -155,13 +161,13 @@ class Result:
 
 def find(torch_cuda_version: Optional[str], install: bool = False, env=None,
          candidates: Optional[Callable[[], List[Candidate]]] = None,
-         installer: Callable[[str], Tuple[bool, str]] = pip_install) -> Result:
+         installer: Callable[[List[str]], Tuple[bool, str]] = pip_install) -> Result:
     """The CUDA_HOME to build with for torch's CUDA version (``torch.version.cuda``), installing
     NVIDIA's nvcc package when ``install`` and no nvcc here matches."""
     want = parse_torch_cuda(torch_cuda_version)
     if want is None:
         return Result(None, "torch is a CPU build (torch.version.cuda is None): there is no CUDA to build for")
-    reqs, folder = package(*want)
+    attempts, folder = package(*want)
     scan = candidates or (lambda: locate([os.path.join(d, folder) for d in site_dirs()], env=env))
     found = scan()
     chosen = pick(want, found)
@@ -171,18 +177,21 @@ def find(torch_cuda_version: Optional[str], install: bool = False, env=None,
                                         f"({chosen.where}) for torch's {wanted}")
     none_here = f"no nvcc of CUDA {want[0]}, torch's {wanted} major, here ({describe(found)})"
     if not install:
-        return Result(None, f"{none_here}; pip install '{reqs[-1]}' or set CUDA_HOME to a CUDA {want[0]} toolkit")
+        return Result(None, f"{none_here}; pip install {' '.join(attempts[0])} "
+                            f"or set CUDA_HOME to a CUDA {want[0]} toolkit")
     failures = []
-    for req in reqs:
-        ok, last = installer(req)
+    for reqs in attempts:
+        ok, last = installer(reqs)
+        wheels = " ".join(reqs)
         if ok:
             chosen = pick(want, scan())
             if chosen is not None:
-                return Result(chosen.cuda_home, f"installed {req}: nvcc {'.'.join(map(str, chosen.release))} at "
+                return Result(chosen.cuda_home, f"installed {wheels}: nvcc {'.'.join(map(str, chosen.release))} at "
                                                 f"{chosen.cuda_home} for torch's {wanted}")
-            failures.append(f"{req} installed but no nvcc of CUDA {want[0]} appeared under {folder}")
+            failures.append(f"{wheels} installed but no nvcc of CUDA {want[0]} with the runtime's headers "
+                            f"appeared under {folder}")
         else:
-            failures.append(f"{req}: {last}")
+            failures.append(f"{wheels}: {last}")
     return Result(None, f"{none_here} and pip could not install one ({'; '.join(failures)}); "
                         f"offline? put a CUDA {want[0]} nvcc on PATH or set CUDA_HOME")
 
