@@ -2,7 +2,7 @@
 first has one (``make gpu-check`` prepares the Python it runs in: tools/gpu_env.py).
 
 Steps, each logged to ``benchmarks/results/<gpu-name>/<step>.log``; every step runs even if an
-earlier one failed, within one time budget (``--budget``, default 400 s; a step that would start
+earlier one failed, within one time budget (``--budget``, default 360 s; a step that would start
 after it is recorded as skipped), and the exit status is 1 if any step failed:
 
 1. ``build``: tools/find_nvcc.py picks an nvcc of torch's CUDA major (pip-installing NVIDIA's
@@ -212,7 +212,7 @@ def private_libstdcxx(path: str) -> Optional[List[str]]:
                              timeout=120).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    defined = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    defined = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}  # less @@GLIBCXX_x
     return [s for s in LIBSTDCXX_MARKERS if s in defined]
 
 
@@ -329,7 +329,6 @@ def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> 
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     if records:
-        sys.path.insert(0, ROOT)
         from fastformer.jobs.bench import report
 
         with open(os.path.join(out, "results.md"), "w") as f:
@@ -338,10 +337,12 @@ def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="make gpu-check: build, GPU tests, check and benchmarks")
-    p.add_argument("--budget", type=float, default=400.0, help="seconds for all steps together (default 400)")
+    p.add_argument("--budget", type=float, default=360.0, help="seconds for all steps together (default 360)")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--abi-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    # the checkout's fastformer (built in place) and tools/: run as a script, only benchmarks/ is on the path
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
     if args.probe:
         return probe()
     if args.abi_report:
@@ -352,8 +353,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     import torch
 
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     from fastformer.jobs.bench.report import device_name
     import find_nvcc
 

@@ -41,7 +41,7 @@ def test_steps_build_probe_bench_every_op_then_tests_and_check():
     assert steps["gpu-tests"].cmd[:5] == ["py", "-m", "pytest", "-m", "gpu"]
     assert steps["check"].cmd == ["py", "-m", "fastformer", "check"]
     assert all(s.skip is None for s in steps.values())
-    # even every step at its limit fits one 15-minute GPU loan (the default budget caps it at 400 s)
+    # even every step at its limit fits one 15-minute GPU loan (the default budget caps it at 360 s)
     assert sum(s.limit for s in steps.values()) <= 14 * 60
 
 
@@ -183,3 +183,21 @@ def test_this_builds_extension_has_no_private_libstdcxx():
     import fastformer._C as ext
 
     assert gpu_check.private_libstdcxx(ext.__file__) == []
+
+
+def test_abi_report_names_the_one_libstdcxx_of_a_healthy_process():
+    """What the error-path step logs after a crash, run as the step runs it (a script, from the
+    checkout): here, with an extension linked as usual, only libstdc++ itself defines its stream
+    and locale code."""
+    from fastformer import _ext
+
+    if _ext.load_error():
+        pytest.skip(f"the extension is not built here: {_ext.load_error()}")
+    if not shutil.which("nm"):
+        pytest.skip("needs nm (binutils)")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--abi-report"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    defining = [line for line in proc.stdout.splitlines() if line.startswith("defines ")]
+    assert len(defining) == 1 and "libstdc++.so" in defining[0], proc.stdout
+    assert "$ ldd " in proc.stdout and "CXX=" in proc.stdout
