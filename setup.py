@@ -72,6 +72,36 @@ def build_cuda():
             and os.environ.get("FASTFORMER_BUILD_CUDA", "1") == "1")
 
 
+def pip_toolkit_dirs(cuda_home, link_dir):
+    """(include dirs, library dirs) that a CUDA toolkit installed from NVIDIA's pip wheels lacks
+    (tools/find_nvcc.py installs one when the system's nvcc is of another major than torch's CUDA):
+    CUDA 12's nvcc wheel (site-packages/nvidia/cuda_nvcc) keeps cuda_runtime.h and libcudart in
+    its sibling nvidia/cuda_runtime; and a wheel ships libcudart.so.<major> only, never the
+    unversioned libcudart.so that `-lcudart` links, so link_dir gets that symlink. Nothing for an
+    ordinary toolkit (/usr/local/cuda has both)."""
+    if not cuda_home:
+        return [], []
+    cuda_home = os.path.normpath(cuda_home)
+    include_dirs, library_dirs = [], []
+    lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib")]
+    runtime = os.path.join(os.path.dirname(cuda_home), "cuda_runtime")
+    if os.path.basename(os.path.normpath(cuda_home)) == "cuda_nvcc" and os.path.isdir(runtime):
+        include_dirs.append(os.path.join(runtime, "include"))
+        library_dirs.append(os.path.join(runtime, "lib"))
+        lib_dirs.append(os.path.join(runtime, "lib"))
+    lib_dirs = [d for d in lib_dirs if os.path.isdir(d)]
+    if lib_dirs and not any(os.path.exists(os.path.join(d, "libcudart.so")) for d in lib_dirs):
+        versioned = [f for d in lib_dirs for f in sorted(glob.glob(os.path.join(d, "libcudart.so.*")))]
+        if versioned:
+            os.makedirs(link_dir, exist_ok=True)
+            link = os.path.join(link_dir, "libcudart.so")
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(versioned[0], link)
+            library_dirs.append(link_dir)
+    return include_dirs, library_dirs
+
+
 def extension(name="fastformer._C", ops=None, cuda=None):
     """The extension: the CPU sources of cpu_sources(ops) and, when cuda (default: build_cuda()),
     csrc/cuda. The per-ISA kernel sources ride along as ext.isa_sources (BuildExtension builds them)."""
@@ -80,15 +110,22 @@ def extension(name="fastformer._C", ops=None, cuda=None):
     # every header, so an incremental build (tools/dev_build.py) recompiles what includes an edited one
     depends = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)
                      + glob.glob(os.path.join("csrc", "**", "*.cuh"), recursive=True))
-    extra = {"cxx": cpu_flags()}
+    # torch's own C++ ABI, said explicitly: torch 2.11 and 2.13 no longer pass it and leave it to the
+    # compiler's default, which a GCC configured --with-default-libstdcxx-abi=gcc4-compatible (as
+    # RHEL's toolsets are) gets wrong, and the extension then fails to load on undefined symbols.
+    abi = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    extra = {"cxx": cpu_flags() + abi}
     if build_cuda() if cuda is None else cuda:
         # csrc/cuda/*.cu through nvcc, the glue csrc/cuda/*.cpp through the C++ compiler (cxx flags).
         # No --use_fast_math: the kernels use fast intrinsics (__expf) only where they chose to,
         # so the GPU's results stay within the tolerances the tests check on the SIMT harness.
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        extra["nvcc"] = ["-O3", "-std=c++17", "-lineinfo"]
-        ext = cpp_extension.CUDAExtension(name, sources, include_dirs=include_dirs, depends=depends,
+        extra["nvcc"] = ["-O3", "-std=c++17", "-lineinfo"] + abi
+        more_includes, library_dirs = pip_toolkit_dirs(cpp_extension.CUDA_HOME,
+                                                       os.path.join(ROOT, "build", "cuda-link"))
+        ext = cpp_extension.CUDAExtension(name, sources, include_dirs=include_dirs + more_includes,
+                                          library_dirs=library_dirs, depends=depends,
                                           extra_compile_args=extra, extra_link_args=["-fopenmp"])
     else:
         ext = cpp_extension.CppExtension(name, sources, include_dirs=include_dirs, depends=depends,

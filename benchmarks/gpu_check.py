@@ -1,32 +1,69 @@
-"""``make gpu-check``: everything that needs a GPU, in one go, for whoever first has one.
+"""``make gpu-check``: everything that needs a GPU, in one go and in a few minutes, for whoever
+first has one (``make gpu-check`` prepares the Python it runs in: tools/gpu_env.py).
 
-Steps (each logged to ``benchmarks/results/<device-name>/<step>.log``; every step runs even if
-an earlier one failed, and the exit status is 1 if any failed):
+Steps, each logged to ``benchmarks/results/<gpu-name>/<step>.log``; every step runs even if an
+earlier one failed, within one time budget (``--budget``, default 360 s; a step that would start
+after it is recorded as skipped), and the exit status is 1 if any step failed:
 
-1. ``pytest -m gpu``: every gpu-marked test (kernels at GPU-only sizes, the per-op smoke tests
-   of each GPU backend against the reference);
-2. ``python -m fastformer check``: every op on every kernel backend here against the reference;
-3. ``python -m fastformer bench --device cuda``: the GPU benchmarks, results in the same folder.
+1. ``build``: tools/find_nvcc.py picks an nvcc of torch's CUDA major (pip-installing NVIDIA's
+   when the machine's is of another major; where it cannot, one line says so and the extension
+   is built without its CUDA kernels), then ``setup.py build_ext --inplace``;
+2. ``error-path``: one CUDA glue check that fails with an integer in its message must raise a
+   RuntimeError, not crash the process (it crashed in the first GPU build); when it crashes, the
+   log gets what the process loaded (which objects define libstdc++'s stream and locale code,
+   which compilers built the extension);
+3. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op (attention in two
+   runs, one per head dim): attention over the grid B 8, H 16, S 512/2048, D 64/128, causal or
+   not, dropout 0 or 0.1, forward and backward, fastformer's cuda and triton backends against
+   SDPA's flash kernel and eager PyTorch (TFLOP/s); the other ops at their quick shapes against
+   their torch composition (GB/s or TFLOP/s); ``results.json`` and ``results.md`` (every op's
+   table) and ``attention.md`` (the grid, one row per shape and mode, one column per provider)
+   in the same folder;
+4. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
+   left out, and the log's first line says which);
+5. ``check``: ``python -m fastformer check``.
 
-``summary.md`` there lists each step's status and time. Without a CUDA GPU it says why and
-exits 1 at once: it never passes by running nothing.
+``summary.md`` there lists each step's status and time. Without a CUDA GPU it says why in one
+line and exits 1 at once: it never passes by running nothing.
 """
+import argparse
+import ast
+import glob
+import importlib.util
+import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# the ops benchmarked after attention (each its own `fastformer bench` run, so a slow one costs
+# only its own records)
+BENCH_OPS = ["attention", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
+             "attention_varlen"]
+# named, so that the log says why one cannot run; torch.compile is left out (a compilation per
+# shape would take the whole budget)
+BENCH_PROVIDERS = ["torch-eager", "fastformer-cuda", "fastformer-triton", "sdpa-flash", "fastformer-padded",
+                   "torch-copy-alone", "torch-linear-cross-entropy-chunked"]
+# (step, seconds it may take at most): the budget caps each further
+STEP_LIMITS = {"build": 210, "error-path": 30, "bench-attention-d64": 100, "bench-attention-d128": 100,
+               "gpu-tests": 100, "check": 80}
+BENCH_LIMIT = 40  # each other op's bench
 
-def steps(out: str, python: str = sys.executable) -> List[Tuple[str, List[str]]]:
-    """(name, command) of each step, in order."""
-    return [
-        ("gpu-tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"]),
-        ("check", [python, "-m", "fastformer", "check"]),
-        ("bench", [python, "-m", "fastformer", "bench", "--device", "cuda", "--out", out]),
-    ]
+
+@dataclass
+class Step:
+    name: str
+    cmd: List[str]
+    limit: float
+    env: Dict[str, str] = field(default_factory=dict)
+    skip: Optional[str] = None  # why it does not run (it is then recorded as skipped)
+    note: str = ""  # one line written first in its log
 
 
 def why_not_gpu() -> Optional[str]:
@@ -38,44 +75,321 @@ def why_not_gpu() -> Optional[str]:
     return None
 
 
-def run_step(name: str, cmd: List[str], log_path: str) -> Tuple[int, float]:
-    """Run one step with its output both on the terminal and in its log; (exit status, seconds)."""
-    print(f"==> {name}: {' '.join(cmd)}", flush=True)
+def missing_modules(names: Sequence[str]) -> List[str]:
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def top_level_imports(path: str) -> List[str]:
+    """The top-level packages a file imports at module level (what its collection needs)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module.split(".")[0])
+    return names
+
+
+def unimportable_tests(tests_dir: str, missing: Sequence[str]) -> Dict[str, List[str]]:
+    """test file -> the missing packages it imports at module level (pytest would fail to collect
+    it, and a collection error fails the whole run)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(tests_dir, "*.py"))):
+        gone = sorted(set(top_level_imports(path)) & set(missing))
+        if gone:
+            out[path] = gone
+    return out
+
+
+def bench_step(op: str, out: str, python: str, plots: bool, shapes: Sequence[str] = ()) -> Step:
+    """One `fastformer bench` run (``shapes``: only the op's shapes whose label has these words)."""
+    cmd = [python, "-m", "fastformer", "bench", "--device", "cuda", "--sweep", "gpu-check", "--ops", op,
+           "--modes", "fwd", "bwd", "--providers", *BENCH_PROVIDERS, "--out", out]
+    name = "-".join([f"bench-{op}"] + [w.lower() for w in shapes])
+    return Step(name, cmd + (["--shapes", *shapes] if shapes else []) + ([] if plots else ["--no-plots"]),
+                STEP_LIMITS.get(name, BENCH_LIMIT))
+
+
+def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = None,
+          nvcc_note: str = "", missing: Sequence[str] = ()) -> List[Step]:
+    """The steps, in order. ``cuda_home``: the toolkit to build the CUDA kernels with (None: build
+    without them, ``nvcc_note`` says why); ``missing``: packages that are not installed."""
+    build_env = {"MAX_JOBS": str(os.cpu_count() or 4)}
+    build_env.update({"CUDA_HOME": cuda_home} if cuda_home else {"FASTFORMER_BUILD_CUDA": "0"})
+    result = [Step("build", [python, "setup.py", "build_ext", "--inplace"], STEP_LIMITS["build"], build_env,
+                   note=nvcc_note),
+              Step("error-path", [python, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--probe"],
+                   STEP_LIMITS["error-path"],
+                   skip=None if cuda_home else "the CUDA kernels are not built (no nvcc of torch's CUDA)")]
+    from fastformer.jobs.bench.ops import GPU_CHECK_ATTENTION
+
+    plots = "matplotlib" not in missing
+    # attention in two runs, one per head dim (each compiles its own Triton kernels), so that a run
+    # cut short by its limit loses half the grid, not all of it
+    result += [bench_step("attention", out, python, plots, shapes=[f"D{d}"]) for d in GPU_CHECK_ATTENTION["D"]]
+    result += [bench_step(op, out, python, plots) for op in BENCH_OPS if op != "attention"]
+    tests = [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+    left_out = unimportable_tests(os.path.join(ROOT, "tests"), missing)
+    tests += [f"--ignore={path}" for path in left_out]
+    note = ""
+    if left_out:
+        note = (f"left out {len(left_out)} test files that import what is not installed "
+                f"({', '.join(sorted({m for ms in left_out.values() for m in ms}))}): "
+                + ", ".join(os.path.basename(p) for p in left_out))
+    result.append(Step("gpu-tests", tests + ["tests"], STEP_LIMITS["gpu-tests"], note=note,
+                       skip="pytest is not installed" if "pytest" in missing else None))
+    result.append(Step("check", [python, "-m", "fastformer", "check"], STEP_LIMITS["check"]))
+    return result
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def status_of(code: Optional[int], timed_out: bool = False, skip: Optional[str] = None) -> str:
+    if skip:
+        return f"skipped: {skip}"
+    if timed_out:
+        return "FAILED (out of time)"
+    if code == 0:
+        return "ok"
+    return f"FAILED ({_signal_name(code)})" if code is not None and code < 0 else f"FAILED (exit {code})"
+
+
+def run_step(step: Step, log_path: str, limit: float) -> Tuple[Optional[int], float, bool]:
+    """Run one step with its output both on the terminal and in its log, for at most ``limit``
+    seconds (then its process group is killed); (exit status, seconds, timed out)."""
+    print(f"==> {step.name}: {' '.join(step.cmd)}", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
+        if step.note:
+            print(f"    {step.note}", flush=True)
+            log.write(f"# {step.note}\n")
+        log.write(f"$ {' '.join(step.cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **step.env}, start_new_session=True)
+        deadline = started + limit
+        timed_out = False
+
+        def watchdog():  # the output is read line by line below; this kills the group past the limit
+            nonlocal timed_out
+            while proc.poll() is None:
+                if time.perf_counter() > deadline:
+                    timed_out = True
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=watchdog, daemon=True).start()
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
         code = proc.wait()
-    return code, time.perf_counter() - started
+        if timed_out:
+            log.write(f"\n# killed after {limit:.0f}s (the step's share of the time budget)\n")
+    return code, time.perf_counter() - started, timed_out
+
+
+# -- the error-path probe and the report of a crash ---------------------------------------------
+# std::ostream::_M_insert<long> (integer output) and std::locale::classic(): a shared object that
+# exports them carries its own copy of libstdc++'s streams and locale. Next to the process's
+# libstdc++ that breaks integer formatting in TORCH_CHECK messages (a test extension linked with
+# -static-libstdc++ here dropped the integers from its messages and aborted on another), the
+# suspected cause of the first GPU build's crash in exactly those messages.
+LIBSTDCXX_MARKERS = ("_ZNSo9_M_insertIlEERSoT_", "_ZNSt6locale7classicEv")
+
+
+def private_libstdcxx(path: str) -> Optional[List[str]]:
+    """The LIBSTDCXX_MARKERS that the shared object ``path`` defines (None: nm is not here)."""
+    try:
+        out = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True,
+                             timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    defined = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}  # less @@GLIBCXX_x
+    return [s for s in LIBSTDCXX_MARKERS if s in defined]
+
+
+def probe() -> int:
+    """One failing check of the CUDA glue whose message formats integers must raise."""
+    import torch
+
+    import fastformer
+    from fastformer import _ext, philox
+
+    print("backends:", {k: (a.available, a.reason) for k, a in fastformer.available_backends().items()})
+    if _ext.load_error():
+        print(f"error-path: the extension is not loaded: {_ext.load_error()}")
+        return 1
+    import fastformer._C as ext
+
+    private = private_libstdcxx(ext.__file__)
+    if private:
+        print(f"error-path: FAILED: {ext.__file__} carries its own libstdc++ (defines {', '.join(private)}): "
+              f"build it with a compiler whose libstdc++ this process loads, without -static-libstdc++")
+        return 1
+    dev = torch.device("cuda")
+    q, k, v = (torch.randn(n, 2, 8, device=dev) for n in (5, 7, 7))
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, 4, 7], dtype=torch.int32, device=dev)
+    try:
+        torch.ops.fastformer.attention_varlen_fwd(q, k, v, cu_q, cu_k, -1, 4, False, 0.5, 0.0, philox.pack(0, 0))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        ok = "got -1" in first
+        print(f"error-path: {'ok' if ok else 'FAILED'}: RuntimeError: {first}")
+        return 0 if ok else 1
+    print("error-path: FAILED: max_seqlen_q = -1 was accepted")
+    return 1
+
+
+def abi_report() -> int:
+    """What a crash in the error path is looked at with: the C++ runtime objects in the process,
+    each one that defines libstdc++'s integer output (std::ostream::_M_insert<long>) or its locale
+    (two definitions: two copies of the locale's facet ids, the classic cause of a crash in integer
+    formatting only), and the compilers named in the extension's .comment section."""
+    import torch  # noqa: F401  (load what a real run has loaded)
+
+    import fastformer._C as ext
+
+    with open("/proc/self/maps") as f:
+        objects = sorted({line.split()[-1] for line in f if ".so" in line.split()[-1]})
+    print(f"extension: {ext.__file__}")
+    for obj in objects:
+        found = private_libstdcxx(obj)
+        if found is None:
+            print(f"nm unavailable; loaded objects: {' '.join(objects)}")
+            break
+        if found:
+            print(f"defines {', '.join(found)}: {obj}")
+    for cmd in (["readelf", "-p", ".comment", ext.__file__], ["ldd", ext.__file__]):
+        try:
+            print(f"$ {' '.join(cmd)}\n" + subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout)
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"$ {' '.join(cmd)}: {e}")
+    for var in ("CC", "CXX", "LD_LIBRARY_PATH", "LD_PRELOAD"):
+        print(f"{var}={os.environ.get(var, '')}")
+    return 0
+
+
+# -- the results ----------------------------------------------------------------------------------
+def attention_table(records: List[Dict]) -> str:
+    """The attention grid as one Markdown table: a row per (shape, dtype, mode), a column per
+    provider, each cell its TFLOP/s (from the best time) or its error, and fastformer's
+    backends over SDPA's flash kernel."""
+    rows = [r for r in records if r["op"] == "attention"]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    keys = list(dict.fromkeys((r["label"], r["dtype"], r["mode"]) for r in rows))
+    cell = {(r["label"], r["dtype"], r["mode"], r["provider"]): r for r in rows}
+    ratios = [p for p in ("fastformer-cuda", "fastformer-triton") if p in providers]
+    head = ["shape", "dtype", "mode"] + [f"{p} TFLOP/s" for p in providers] + [f"{p} / flash" for p in ratios]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def fmt(r: Optional[Dict]) -> str:
+        if r is None:
+            return "-"
+        if r["status"] != "ok":
+            return r["status"].replace("|", "/")[:60]
+        return f"{r['throughput']:.1f}"
+
+    for label, dtype, mode in keys:
+        cells = [label, dtype, mode] + [fmt(cell.get((label, dtype, mode, p))) for p in providers]
+        flash = cell.get((label, dtype, mode, "sdpa-flash"))
+        for p in ratios:
+            r = cell.get((label, dtype, mode, p))
+            ok = r and flash and r["status"] == "ok" and flash["status"] == "ok"
+            cells.append(f"{flash['min_ms'] / r['min_ms']:.2f}x" if ok else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> None:
+    """``summary.md`` (each step's status and seconds, then the attention grid), and
+    ``results.md`` rewritten from ``results.json`` with every op's table (each bench run wrote only
+    its own op's)."""
+    records: List[Dict] = []
+    path = os.path.join(out, "results.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            records = json.load(f).get("results", [])
+    lines = [f"# make gpu-check on {gpu}\n", "| step | status | seconds | log |", "|---|---|---|---|"]
+    lines += [f"| {name} | {status} | {seconds:.0f} | {name}.log |" for name, status, seconds in results]
+    text = "\n".join(lines) + "\n"
+    if any(r["op"] == "attention" for r in records):
+        table = attention_table(records)
+        with open(os.path.join(out, "attention.md"), "w") as f:
+            f.write(f"# attention on {gpu}: TFLOP/s from the best of 10 timed calls (CUDA events)\n\n{table}")
+        text += f"\n## attention\n\n{table}"
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text)
+    if records:
+        from fastformer.jobs.bench import report
+
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write(f"fastformer bench (gpu-check) on {gpu}\n\n" + report.markdown(records))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="make gpu-check: build, GPU tests, check and benchmarks")
+    p.add_argument("--budget", type=float, default=360.0, help="seconds for all steps together (default 360)")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--abi-report", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    # the checkout's fastformer (built in place) and tools/: run as a script, only benchmarks/ is on the path
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
+    if args.probe:
+        return probe()
+    if args.abi_report:
+        return abi_report()
     reason = why_not_gpu()
     if reason:
         print(f"gpu-check: FAILED: {reason}", file=sys.stderr)
         return 1
     import torch
 
-    sys.path.insert(0, ROOT)
     from fastformer.jobs.bench.report import device_name
+    import find_nvcc
 
     out = os.path.join(ROOT, "benchmarks", "results", device_name(torch.device("cuda")))
     os.makedirs(out, exist_ok=True)
-    results = []
-    for name, cmd in steps(out):
-        code, seconds = run_step(name, cmd, os.path.join(out, f"{name}.log"))
-        results.append((name, code, seconds))
-        print(f"<== {name}: {'ok' if code == 0 else f'FAILED (exit {code})'} in {seconds:.0f}s", flush=True)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(f"# make gpu-check on {torch.cuda.get_device_name()}\n\n| step | status | seconds | log |\n|---|---|---|---|\n")
-        for name, code, seconds in results:
-            f.write(f"| {name} | {'ok' if code == 0 else f'FAILED (exit {code})'} | {seconds:.0f} | {name}.log |\n")
-    failed = [name for name, code, _ in results if code != 0]
-    print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'} (logs in {out})")
+    nvcc = find_nvcc.find(torch.version.cuda, install=True)
+    note = nvcc.message if nvcc.cuda_home else f"building WITHOUT the CUDA kernels: {nvcc.message}"
+    print(f"gpu-check: {note}", flush=True)
+    missing = missing_modules(["pytest", "hypothesis", "matplotlib", "transformers", "triton"])
+    if missing:
+        print(f"gpu-check: not installed here, so left out where needed: {', '.join(missing)}", flush=True)
+    started = time.perf_counter()
+    # no nvcc of torch's CUDA: everything else still runs, but the run fails, saying why
+    results = [] if nvcc.cuda_home else [("nvcc", f"FAILED: {nvcc.message}", 0.0)]
+    for step in steps(out, cuda_home=nvcc.cuda_home, nvcc_note=note, missing=missing):
+        left = args.budget - (time.perf_counter() - started)
+        if step.skip is None and left < 5:
+            step.skip = f"out of the {args.budget:.0f}s budget"
+        if step.skip:
+            status, seconds = status_of(None, skip=step.skip), 0.0
+        else:
+            log_path = os.path.join(out, f"{step.name}.log")
+            code, seconds, timed_out = run_step(step, log_path, min(step.limit, left))
+            status = status_of(code, timed_out)
+            if step.name == "error-path" and code is not None and code < 0:
+                # the crash itself printed nothing useful: what the process had loaded, in its log
+                report = subprocess.run([sys.executable, __file__, "--abi-report"], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=120)
+                with open(log_path, "a") as log:
+                    log.write(f"\n# the process died of {_signal_name(code)}; what it had loaded:\n"
+                              + report.stdout + report.stderr)
+        results.append((step.name, status, seconds))
+        print(f"<== {step.name}: {status} in {seconds:.0f}s", flush=True)
+    write_results(out, torch.cuda.get_device_name(), results)
+    failed = [name for name, status, _ in results if status.startswith("FAILED")]
+    print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'} "
+          f"in {time.perf_counter() - started:.0f}s (logs in {out})")
     return 1 if failed else 0
 
 

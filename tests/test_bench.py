@@ -276,3 +276,93 @@ def test_copy_yardstick_moves_the_ops_bytes_and_gives_the_fraction_of_copy_bandw
         assert copy["speedup_vs_eager"] is None and copy["copy_fraction"] is None
         for name in ("torch-eager", "fastformer-cpu"):
             assert rows[name]["copy_fraction"] == pytest.approx(copy["min_ms"] / rows[name]["min_ms"])
+
+
+# -- make gpu-check's sweep (benchmarks/gpu_check.py runs `bench --sweep gpu-check` on a GPU) -----------
+def test_gpu_check_attention_grid_is_every_combination_unpadded():
+    shapes = bench_ops.ATTENTION.sweep("cuda", "gpu-check")
+    combos = {(s["B"], s["H"], s["S"], s["D"], s["causal"], s["dropout"]) for s in shapes}
+    assert len(shapes) == len(combos) == 16
+    assert combos == {(8, 16, S, D, c, p) for S in (512, 2048) for D in (64, 128) for c in (False, True)
+                      for p in (0.0, 0.1)}
+    assert all(s["pad"] is False for s in shapes)  # SDPA's flash kernel takes no mask
+    labels = [bench_ops.ATTENTION.label(s) for s in shapes]
+    assert len(set(labels)) == 16 and "B8 H16 S512 D64 nopad full p0" in labels
+    assert "B8 H16 S2048 D128 nopad causal p0.1" in labels
+    # the older sweeps keep their labels (their results.json records stay comparable)
+    assert bench_ops.ATTENTION.label(dict(B=8, H=8, S=64, D=64)) == "B8 H8 S64 D64"
+    # every provider the gpu-check names applies to the whole grid
+    assert all(registry.REGISTRY["sdpa-flash"].supports(bench_ops.ATTENTION, s) for s in shapes)
+
+
+def test_gpu_check_attention_flops_count_the_causal_half():
+    full, causal = (dict(B=8, H=16, S=512, D=64, causal=c, dropout=0.0, pad=False) for c in (False, True))
+    assert bench_ops.ATTENTION.flops(full, "fwd") == 4.0 * 8 * 16 * 512 * 512 * 64
+    assert bench_ops.ATTENTION.flops(causal, "fwd") == bench_ops.ATTENTION.flops(full, "fwd") / 2
+    assert bench_ops.ATTENTION.flops(full, "bwd") == 2.5 * bench_ops.ATTENTION.flops(full, "fwd")
+
+
+def test_gpu_check_other_ops_take_their_quick_shapes():
+    from fastformer.jobs.bench.records import STEP_TIMING, TIMING
+
+    for op, spec in bench_ops.OPS.items():
+        if op != "attention":
+            assert spec.sweep("cuda", "gpu-check") == spec.sweep("cuda", "quick"), op
+    warmup, min_reps, max_reps, _ = TIMING["gpu-check"]
+    assert warmup >= 1 and min_reps == max_reps  # a fixed, small number of samples per case
+    assert "gpu-check" in STEP_TIMING
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_providers_run_the_shapes_causal_setting(causal):
+    """torch-eager's merged mask, SDPA and fastformer compute the same attention for a shape's
+    ``causal`` (dropout 0), so the gpu-check grid compares like with like."""
+    shape = dict(B=2, H=2, S=16, D=32, causal=causal, dropout=0.0, pad=False)
+    x = bench_ops.ATTENTION.make_inputs(shape, torch.device("cpu"), torch.float32)
+    want = torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=causal)
+    torch.testing.assert_close(bench_ops.ATTENTION.eager(x, shape), want)
+    with fastformer.use_backend("reference"):
+        torch.testing.assert_close(bench_ops.ATTENTION.fastformer(x, shape), want, atol=1e-5, rtol=1e-5)
+    sdpa = registry.REGISTRY["sdpa"].factory(bench_ops.ATTENTION)  # a CUDA provider; its math runs anywhere
+    torch.testing.assert_close(sdpa(x, shape), want)
+    padded = dict(shape, pad=True)  # its boolean mask path against eager's merged float mask
+    xp = bench_ops.ATTENTION.make_inputs(padded, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(sdpa(xp, padded), bench_ops.ATTENTION.eager(xp, padded), atol=1e-5, rtol=1e-5)
+
+
+def test_device_timed_callables_report_their_own_time():
+    """On CUDA, synchronized() keeps each call's GPU time (CUDA events) as device_seconds; the
+    timers take that over the wall clock, which includes the host's synchronisation."""
+    from fastformer.jobs.bench.timing import measure_interleaved
+
+    def gpu_like():
+        time.sleep(0.001)
+    gpu_like.device_seconds = 0.25
+    t = measure_interleaved({"gpu": gpu_like}, warmup=0, min_reps=3, max_reps=3)["gpu"]
+    assert t.median_ms == t.min_ms == 250.0 and t.reps == 3
+    t = measure(gpu_like, warmup=0, min_reps=3, max_reps=3, min_time=0.0)
+    assert t.median_ms == 250.0
+
+
+def test_a_run_of_some_shapes_replaces_only_their_records(tmp_path):
+    """gpu-check benchmarks attention in two runs (``--shapes D64``, ``--shapes D128``): the second
+    keeps the first's records, while a run of whole ops still replaces each op's records."""
+    from fastformer.jobs.bench import report
+    from fastformer.jobs.bench.__init__ import shape_wanted
+
+    assert shape_wanted("B8 H16 S512 D64 nopad causal p0.1", ["D64", "causal"])
+    assert not shape_wanted("B8 H16 S512 D64 nopad full p0", ["D64", "causal"])
+    assert not shape_wanted("B8 H16 S512 D640", ["D64"])  # whole words only
+    path = str(tmp_path / "results.json")
+
+    def rec(op, label, value):
+        return {"op": op, "label": label, "v": value}
+
+    report.write_json(path, {}, {}, [rec("attention", "D64", 1), rec("feed_forward", "N1", 1)])
+    doc = report.write_json(path, {}, {}, [rec("attention", "D128", 2)], per_shape=True)
+    assert sorted((r["op"], r["label"], r["v"]) for r in doc["results"]) == [
+        ("attention", "D128", 2), ("attention", "D64", 1), ("feed_forward", "N1", 1)]
+    doc = report.write_json(path, {}, {}, [rec("attention", "D64", 3)], per_shape=True)
+    assert sorted((r["label"], r["v"]) for r in doc["results"] if r["op"] == "attention") == [("D128", 2), ("D64", 3)]
+    doc = report.write_json(path, {}, {}, [rec("attention", "D32", 4)])
+    assert [(r["op"], r["label"]) for r in doc["results"]] == [("feed_forward", "N1"), ("attention", "D32")]

@@ -1,7 +1,12 @@
-"""``make gpu-check`` (benchmarks/gpu_check.py): its steps, and that it fails, saying why, where
-there is no GPU rather than passing by running nothing."""
+"""``make gpu-check`` (benchmarks/gpu_check.py): its steps and their time limits, what it leaves
+out when a package or nvcc is missing, the tables it writes, and that it fails, saying why,
+where there is no GPU rather than passing by running nothing."""
 import importlib.util
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,37 +17,187 @@ gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 
 
-def test_steps_are_gpu_tests_check_and_cuda_bench():
-    steps = dict(gpu_check.steps("OUT", python="py"))
-    assert list(steps) == ["gpu-tests", "check", "bench"]
-    assert steps["gpu-tests"][:5] == ["py", "-m", "pytest", "-m", "gpu"]
-    assert steps["check"] == ["py", "-m", "fastformer", "check"]
-    bench = steps["bench"]
+def _steps(**kw):
+    return {s.name: s for s in gpu_check.steps("OUT", python="py", **kw)}
+
+
+def test_steps_build_probe_bench_every_op_then_tests_and_check():
+    steps = _steps(cuda_home="/cuda")
+    assert list(steps) == ["build", "error-path", "bench-attention-d64", "bench-attention-d128",
+                           "bench-add_layer_norm", "bench-feed_forward", "bench-cross_entropy",
+                           "bench-linear_cross_entropy", "bench-attention_varlen", "gpu-tests", "check"]
+    build = steps["build"]
+    assert build.cmd == ["py", "setup.py", "build_ext", "--inplace"] and build.env["CUDA_HOME"] == "/cuda"
+    assert "FASTFORMER_BUILD_CUDA" not in build.env
+    bench = steps["bench-attention-d128"].cmd
     assert bench[:4] == ["py", "-m", "fastformer", "bench"]
-    assert bench[bench.index("--device") + 1] == "cuda" and bench[bench.index("--out") + 1] == "OUT"
+    assert bench[bench.index("--sweep") + 1] == "gpu-check" and bench[bench.index("--out") + 1] == "OUT"
+    assert bench[bench.index("--ops") + 1] == "attention" and "--no-plots" not in bench
+    assert bench[bench.index("--shapes"):] == ["--shapes", "D128"]
+    assert "--shapes" not in steps["bench-feed_forward"].cmd
+    providers = bench[bench.index("--providers") + 1:bench.index("--out")]
+    assert {"fastformer-cuda", "fastformer-triton", "sdpa-flash", "torch-eager"} <= set(providers)
+    assert "torch-compile" not in providers  # a compilation per shape would take the whole budget
+    assert steps["gpu-tests"].cmd[:5] == ["py", "-m", "pytest", "-m", "gpu"]
+    assert steps["check"].cmd == ["py", "-m", "fastformer", "check"]
+    assert all(s.skip is None for s in steps.values())
+    # even every step at its limit fits one 15-minute GPU loan (the default budget caps it at 360 s)
+    assert sum(s.limit for s in steps.values()) <= 14 * 60
+
+
+def test_without_nvcc_the_build_leaves_out_the_cuda_kernels_and_says_why():
+    steps = _steps(cuda_home=None, nvcc_note="building WITHOUT the CUDA kernels: no nvcc of CUDA 12")
+    assert steps["build"].env["FASTFORMER_BUILD_CUDA"] == "0" and "CUDA_HOME" not in steps["build"].env
+    assert steps["build"].note.startswith("building WITHOUT")
+    assert "not built" in steps["error-path"].skip
+
+
+def test_missing_packages_leave_out_what_needs_them(tmp_path, monkeypatch):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("import os\nfrom hypothesis import given\n")
+    (tests / "test_b.py").write_text("import torch\n\ndef f():\n    import hypothesis\n")  # imported late: fine
+    (tests / "test_c.py").write_text("import transformers.models\n")
+    monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path))
+    steps = _steps(cuda_home="/cuda", missing=["hypothesis", "transformers", "matplotlib"])
+    cmd = steps["gpu-tests"].cmd
+    assert [c for c in cmd if c.startswith("--ignore=")] == [f"--ignore={tests / 'test_a.py'}",
+                                                             f"--ignore={tests / 'test_c.py'}"]
+    assert steps["gpu-tests"].note == ("left out 2 test files that import what is not installed "
+                                       "(hypothesis, transformers): test_a.py, test_c.py")
+    assert "--no-plots" in steps["bench-attention-d64"].cmd
+    assert _steps(cuda_home="/cuda", missing=["pytest"])["gpu-tests"].skip == "pytest is not installed"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_refuses_without_a_gpu(capsys):
     assert gpu_check.main([]) == 1
-    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "torch.cuda.is_available() is False" in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_failing_step_fails_the_run(tmp_path, monkeypatch):
-    """Every step runs and is logged; one non-zero step makes the exit status 1."""
-    import sys
+def _fake_gpu(monkeypatch, tmp_path, steps, cuda_home="/cuda"):
+    import fastformer.jobs.bench.report as report
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import find_nvcc
 
     monkeypatch.setattr(gpu_check, "why_not_gpu", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path))
-    cmds = [("one", [sys.executable, "-c", "print('first')"]),
-            ("two", [sys.executable, "-c", "import sys; print('second'); sys.exit(3)"]),
-            ("three", [sys.executable, "-c", "print('third')"])]
-    monkeypatch.setattr(gpu_check, "steps", lambda out, python=None: cmds)
-    import fastformer.jobs.bench.report as report
+    monkeypatch.setattr(gpu_check, "steps", lambda out, **kw: steps)
     monkeypatch.setattr(report, "device_name", lambda device: "fake-gpu")
+    monkeypatch.setattr(find_nvcc, "find", lambda version, install: find_nvcc.Result(cuda_home, "nvcc: test"))
+    return tmp_path / "benchmarks" / "results" / "fake-gpu"
+
+
+def test_a_failing_step_fails_the_run(tmp_path, monkeypatch):
+    """Every step runs and is logged; one non-zero step makes the exit status 1."""
+    py = sys.executable
+    out = _fake_gpu(monkeypatch, tmp_path, [
+        gpu_check.Step("one", [py, "-c", "print('first')"], 60),
+        gpu_check.Step("two", [py, "-c", "import sys; print('second'); sys.exit(3)"], 60),
+        gpu_check.Step("three", [py, "-c", "print('third')"], 60, note="a note"),
+        gpu_check.Step("four", [py, "-c", "print('never')"], 60, skip="not wanted here")])
     assert gpu_check.main([]) == 1
-    out = tmp_path / "benchmarks" / "results" / "fake-gpu"
-    assert "second" in (out / "two.log").read_text() and "third" in (out / "three.log").read_text()
+    assert "second" in (out / "two.log").read_text()
+    assert (out / "three.log").read_text().startswith("# a note\n") and "third" in (out / "three.log").read_text()
+    assert not (out / "four.log").exists()
     summary = (out / "summary.md").read_text()
     assert "| two | FAILED (exit 3)" in summary and "| one | ok" in summary
+    assert "| four | skipped: not wanted here" in summary
+
+
+def test_no_nvcc_fails_the_run_though_every_step_passes(tmp_path, monkeypatch):
+    out = _fake_gpu(monkeypatch, tmp_path, [gpu_check.Step("one", [sys.executable, "-c", "pass"], 60)], cuda_home=None)
+    assert gpu_check.main([]) == 1
+    assert "| nvcc | FAILED: nvcc: test |" in (out / "summary.md").read_text()
+
+
+def test_a_step_past_its_limit_is_killed_and_the_budget_skips_the_rest(tmp_path, monkeypatch):
+    py = sys.executable
+    out = _fake_gpu(monkeypatch, tmp_path, [
+        gpu_check.Step("slow", [py, "-c", "import time; print('started', flush=True); time.sleep(60)"], 1),
+        gpu_check.Step("late", [py, "-c", "pass"], 60)])
+    assert gpu_check.main(["--budget", "6"]) == 1
+    summary = (out / "summary.md").read_text()
+    assert "| slow | FAILED (out of time) |" in summary
+    assert "| late | skipped: out of the 6s budget |" in summary
+    assert "killed after 1s" in (out / "slow.log").read_text()
+
+
+def _rec(label, mode, provider, ms, status="ok"):
+    return {"op": "attention", "label": label, "dtype": "bf16", "mode": mode, "provider": provider,
+            "status": status, "min_ms": ms if status == "ok" else None, "median_ms": ms,
+            "throughput": 100.0 / ms if status == "ok" else None, "unit": "TFLOP/s",
+            "q25_ms": ms, "q75_ms": ms, "iqr_ms": 0.0, "tokens_per_s": 1.0, "peak_mem_mb": 1.0,
+            "first_call_ms": ms}
+
+
+def test_attention_table_has_a_row_per_shape_and_mode_and_ratios_to_flash():
+    records = [_rec("S512 full p0", "fwd", "sdpa-flash", 1.0), _rec("S512 full p0", "fwd", "fastformer-cuda", 2.0),
+               _rec("S512 full p0", "fwd", "fastformer-triton", 0.5),
+               _rec("S512 full p0", "bwd", "sdpa-flash", 2.0),
+               _rec("S512 full p0", "bwd", "fastformer-cuda", 0, status="error: RuntimeError: out of memory"),
+               _rec("S512 full p0", "bwd", "fastformer-triton", 4.0)]
+    lines = gpu_check.attention_table(records).splitlines()
+    assert lines[0] == ("| shape | dtype | mode | sdpa-flash TFLOP/s | fastformer-cuda TFLOP/s | fastformer-triton TFLOP/s"
+                        " | fastformer-cuda / flash | fastformer-triton / flash |")
+    assert lines[2] == "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 200.0 | 0.50x | 2.00x |"
+    assert lines[3] == "| S512 full p0 | bf16 | bwd | 50.0 | error: RuntimeError: out of memory | 25.0 | - | 0.50x |"
+
+
+def test_results_are_written_as_tables_beside_the_json(tmp_path):
+    records = [_rec("S512 full p0", "fwd", "sdpa-flash", 1.0), _rec("S512 full p0", "fwd", "fastformer-cuda", 2.0)]
+    (tmp_path / "results.json").write_text(json.dumps({"machine": {}, "settings": {}, "results": records}))
+    gpu_check.write_results(str(tmp_path), "Fake GPU", [("build", "ok", 61.0), ("bench-attention", "ok", 30.0)])
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# make gpu-check on Fake GPU") and "| build | ok | 61 | build.log |" in summary
+    assert "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 0.50x |" in summary
+    assert "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 0.50x |" in (tmp_path / "attention.md").read_text()
+    assert "### attention" in (tmp_path / "results.md").read_text()
+
+
+CPP = "#include <sstream>\n#include <string>\nstd::string fmt(long v) { std::ostringstream s; s << v; return s.str(); }\n"
+
+
+@pytest.mark.skipif(not all(shutil.which(t) for t in ("g++", "nm")), reason="needs g++ and nm (binutils)")
+def test_a_private_libstdcxx_copy_is_recognised(tmp_path):
+    """The error-path step's check: an object linked with -static-libstdc++ exports libstdc++'s
+    integer output and locale, one linked as usual does not."""
+    (tmp_path / "f.cpp").write_text(CPP)
+    for name, extra in (("shared", []), ("static", ["-static-libstdc++"])):
+        subprocess.run(["g++", "-shared", "-fPIC", "-O1", str(tmp_path / "f.cpp"), "-o", str(tmp_path / f"{name}.so")]
+                       + extra, check=True, timeout=120)
+    assert gpu_check.private_libstdcxx(str(tmp_path / "shared.so")) == []
+    assert gpu_check.private_libstdcxx(str(tmp_path / "static.so")) == list(gpu_check.LIBSTDCXX_MARKERS)
+
+
+def test_this_builds_extension_has_no_private_libstdcxx():
+    from fastformer import _ext
+
+    if _ext.load_error():
+        pytest.skip(f"the extension is not built here: {_ext.load_error()}")
+    if not shutil.which("nm"):
+        pytest.skip("needs nm (binutils)")
+    import fastformer._C as ext
+
+    assert gpu_check.private_libstdcxx(ext.__file__) == []
+
+
+def test_abi_report_names_the_one_libstdcxx_of_a_healthy_process():
+    """What the error-path step logs after a crash, run as the step runs it (a script, from the
+    checkout): here, with an extension linked as usual, only libstdc++ itself defines its stream
+    and locale code."""
+    from fastformer import _ext
+
+    if _ext.load_error():
+        pytest.skip(f"the extension is not built here: {_ext.load_error()}")
+    if not shutil.which("nm"):
+        pytest.skip("needs nm (binutils)")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--abi-report"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    defining = [line for line in proc.stdout.splitlines() if line.startswith("defines ")]
+    assert len(defining) == 1 and "libstdc++.so" in defining[0], proc.stdout
+    assert "$ ldd " in proc.stdout and "CXX=" in proc.stdout

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp32 and bf16 autocast; hf_bart_step runs fp32, and bf16 autocast when named")
     p.add_argument("--sweep", choices=sorted(TIMING), default=None,
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="WORD",
+                   help="only the op shapes whose label has every WORD (e.g. D128 causal); results.json "
+                        "then keeps the records of the op's other shapes")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP + "; recorded with the results")
     p.add_argument("--out", metavar="DIR", default=None,
@@ -65,16 +68,23 @@ def _default_providers(size: str, device: torch.device, explicit: Optional[List[
     if explicit:
         return explicit
     names = list(REGISTRY)
-    if size in ("quick", "smoke"):
-        # no compile (tens of seconds per graph on CPU) and no slow reference in short runs
+    if size in ("quick", "smoke", "gpu-check"):
+        # no compile (tens of seconds per graph, per shape) and no slow reference in short runs
         names = [n for n in names if "compile" not in REGISTRY[n].tags and "slow" not in REGISTRY[n].tags]
     return names
 
 
+def shape_wanted(label: str, words: Optional[List[str]]) -> bool:
+    """Whether a shape's label has every one of ``words`` (None: every shape)."""
+    return words is None or set(words) <= set(label.split())
+
+
 def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
-             providers: Optional[List[str]], modes: List[str], log=None) -> List[Dict]:
-    """Records for every (shape, dtype, provider, mode) of ``op``; the providers of one (shape,
-    dtype, mode) are timed interleaved within each repetition."""
+             providers: Optional[List[str]], modes: List[str], log=None,
+             shapes: Optional[List[str]] = None) -> List[Dict]:
+    """Records for every (shape, dtype, provider, mode) of ``op`` (``shapes``: only the shapes whose
+    label has these words); the providers of one (shape, dtype, mode) are timed interleaved within
+    each repetition."""
     spec = OPS[op]
     records = []
     for dtype in dtypes:
@@ -87,6 +97,8 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
                 log(f"  {op}: {provider.name} skipped: {reason}")
         for shape in spec.sweep(device.type, size):
             label = spec.label(shape)
+            if not shape_wanted(label, shapes):
+                continue
             cases, setup = {}, {}
             for provider in runnable:
                 if not provider.supports(spec, shape):
@@ -153,7 +165,7 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
 def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, quick: bool = False,
         size: Optional[str] = None, modes: Optional[List[str]] = None, dtypes: Optional[List[str]] = None,
         device: str = "auto", out: Optional[str] = None, plots: bool = True, verbose: bool = True,
-        threads: Optional[int] = None) -> Dict:
+        threads: Optional[int] = None, shapes: Optional[List[str]] = None) -> Dict:
     """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
     known = set(REGISTRY) | set(train_step.PROVIDERS) | set(hf_step.PROVIDERS)
     unknown = [p for p in providers or [] if p not in known]
@@ -193,20 +205,21 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         elif op == hf_step.OP:
             records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes)
         else:
-            records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log)
+            records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log, shapes=shapes)
     report.add_speedups(records)
     load_after = report._load_average()
     if dev.type == "cpu" and quiet:
         # a run that made the machine busy part-way (other work started) is not a result either
         quiet, verdict = report.quiet_verdict(load_before, os.cpu_count() or 1, load_after)
     os.makedirs(out, exist_ok=True)
-    settings = {"sweep": size, "ops": ops, "providers": chosen, "modes": modes,
+    settings = {"sweep": size, "ops": ops, "shapes": shapes, "providers": chosen, "modes": modes,
                 "dtypes": [_DTYPE_NAMES[d] for d in torch_dtypes], "seconds": time.perf_counter() - started,
                 "load_average_before": load_before, "load_average_after": load_after,
                 "readme_grade": quiet, "verdict": verdict,
                 "method": "providers compared are timed interleaved within each repetition (training step); "
                           "speed-ups are ratios of best times from the same run"}
-    doc = report.write_json(os.path.join(out, "results.json"), machine, settings, records)
+    doc = report.write_json(os.path.join(out, "results.json"), machine, settings, records,
+                            per_shape=shapes is not None)
     table = report.markdown(records)
     header = (f"fastformer bench ({size}) on {machine['gpu'] or machine['cpu']}, {machine['torch_threads']} threads, "
               f"torch {machine['torch']}, triton {machine['triton']}, cpu kernels {machine['cpu_capability']}, "
@@ -227,4 +240,5 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
 
 def run_from_args(args: argparse.Namespace) -> Dict:
     return run(ops=args.ops, providers=args.providers, quick=args.quick, size=args.sweep, modes=args.modes,
-               dtypes=args.dtypes, device=args.device, out=args.out, plots=args.plots, threads=args.threads)
+               dtypes=args.dtypes, device=args.device, out=args.out, plots=args.plots, threads=args.threads,
+               shapes=args.shapes)

@@ -24,6 +24,10 @@ import fastformer
 DROPOUT = 0.1
 SMOOTHING = 0.1
 MODES = ("fwd", "bwd", "fwd_bwd")
+# `make gpu-check`'s sweep (benchmarks/gpu_check.py): attention's grid against SDPA's flash kernel
+# (GPU_CHECK_ATTENTION), every other op at its quick sweep's shapes; a few minutes on one GPU
+GPU_CHECK = "gpu-check"
+GPU_CHECK_ATTENTION = dict(B=(8,), H=(16,), S=(512, 2048), D=(64, 128), causal=(False, True), dropout=(0.0, 0.1))
 Inputs = Dict[str, torch.Tensor]
 
 
@@ -34,7 +38,7 @@ class OpSpec:
     make_inputs: Callable[[Dict, torch.device, torch.dtype], Inputs]
     eager: Callable[[Inputs, Dict], torch.Tensor]
     fastformer: Callable[[Inputs, Dict], torch.Tensor]
-    sweep: Callable[[str, str], List[Dict]]  # (device type, "quick"|"full"|"smoke") -> shapes
+    sweep: Callable[[str, str], List[Dict]]  # (device type, "quick"|"full"|"smoke"|GPU_CHECK) -> shapes
     label: Callable[[Dict], str]
     tokens: Callable[[Dict], int]
     flops: Optional[Callable[[Dict, str], float]] = None  # (shape, mode) -> FLOPs
@@ -67,6 +71,11 @@ def _randn_leaves(device, dtype, seed: int = 0) -> Callable[..., torch.Tensor]:
     return leaf
 
 
+def _gpu_check_as_quick(sweep: Callable[[str, str], List[Dict]]) -> Callable[[str, str], List[Dict]]:
+    """An op's sweep whose gpu-check shapes are its quick sweep's."""
+    return lambda device, size: sweep(device, "quick" if size == GPU_CHECK else size)
+
+
 _MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 2.5 x forward (FlashAttention)
 
 
@@ -82,23 +91,45 @@ def _attention_inputs(s: Dict, device, dtype) -> Inputs:
     return {"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask}
 
 
+def attention_causal(s: Dict) -> bool:
+    """Whether an attention shape is causal (every sweep but gpu-check's: the decoder's case)."""
+    return s.get("causal", True)
+
+
+def attention_dropout(s: Dict) -> float:
+    return s.get("dropout", DROPOUT)
+
+
 def _attention_eager(x: Inputs, s: Dict) -> torch.Tensor:
     q, k, v, kpm = x["q"], x["k"], x["v"], x["key_padding_mask"]
     S = q.shape[2]
-    causal = torch.triu(torch.full((S, S), float("-inf"), device=q.device, dtype=q.dtype), diagonal=1)
+    causal = torch.triu(torch.full((S, S), float("-inf"), device=q.device, dtype=q.dtype),
+                        diagonal=1 if attention_causal(s) else S)
     pad = torch.zeros(kpm.shape, device=q.device, dtype=q.dtype).masked_fill(kpm, float("-inf"))
     mask = causal[None, None, :, :] + pad[:, None, None, :]  # (B, 1, S, S) merged as MHA does
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=DROPOUT)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=attention_dropout(s))
 
 
 def _attention_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
-    return fastformer.ops.attention(x["q"], x["k"], x["v"], key_padding_mask=x["key_padding_mask"],
-                                    is_causal=True, dropout_p=DROPOUT)
+    kpm = x["key_padding_mask"] if s.get("pad", True) else None  # no mask at all when nothing is padded
+    return fastformer.ops.attention(x["q"], x["k"], x["v"], key_padding_mask=kpm,
+                                    is_causal=attention_causal(s), dropout_p=attention_dropout(s))
+
+
+def gpu_check_attention_shapes() -> List[Dict]:
+    """The gpu-check grid: every combination of GPU_CHECK_ATTENTION, no padding (so SDPA's flash
+    kernel, which takes no mask, runs the same attention)."""
+    import itertools
+
+    keys = list(GPU_CHECK_ATTENTION)
+    return [dict(zip(keys, values), pad=False) for values in itertools.product(*GPU_CHECK_ATTENTION.values())]
 
 
 def _attention_sweep(device: str, size: str) -> List[Dict]:
     if size == "smoke":
         return [dict(B=2, H=2, S=16, D=32)]
+    if size == GPU_CHECK:
+        return gpu_check_attention_shapes()
     if device == "cuda":
         lengths = [512, 1024, 2048] if size == "quick" else [512, 1024, 2048, 4096, 8192]
         return [dict(B=max(1, 16384 // S), H=16, S=S, D=64, pad=pad) for pad in (True, False) for S in lengths]
@@ -107,13 +138,21 @@ def _attention_sweep(device: str, size: str) -> List[Dict]:
 
 
 def _attention_flops(s: Dict, mode: str) -> float:
-    return 4.0 * s["B"] * s["H"] * s["S"] * s["S"] * s["D"] * 0.5 * _MODE_FACTOR[mode]  # causal: half
+    causal = 0.5 if attention_causal(s) else 1.0  # causal: half the scores
+    return 4.0 * s["B"] * s["H"] * s["S"] * s["S"] * s["D"] * causal * _MODE_FACTOR[mode]
+
+
+def _attention_label(s: Dict) -> str:
+    label = f"B{s['B']} H{s['H']} S{s['S']} D{s['D']}" + ("" if s.get("pad", True) else " nopad")
+    if "causal" in s:  # the gpu-check grid names both settings; the older sweeps' labels stay as they were
+        label += (" causal" if s["causal"] else " full") + f" p{s['dropout']:g}"
+    return label
 
 
 ATTENTION = OpSpec(
     name="attention", make_inputs=_attention_inputs, eager=_attention_eager, fastformer=_attention_fastformer,
     sweep=_attention_sweep, tokens=lambda s: s["B"] * s["S"], flops=_attention_flops, leaves=["q", "k", "v"],
-    label=lambda s: f"B{s['B']} H{s['H']} S{s['S']} D{s['D']}" + ("" if s.get("pad", True) else " nopad"))
+    label=_attention_label)
 
 
 # -- attention_varlen: the same attention on packed rows --------------------------------------------
@@ -178,7 +217,8 @@ def _varlen_flops(s: Dict, mode: str) -> float:  # causal over the real tokens: 
 
 ATTENTION_VARLEN = OpSpec(
     name="attention_varlen", make_inputs=_varlen_inputs, eager=_varlen_eager, fastformer=_varlen_fastformer,
-    sweep=_varlen_sweep, tokens=lambda s: int(_varlen_lengths(s).sum()), flops=_varlen_flops, leaves=["q", "k", "v"],
+    sweep=_gpu_check_as_quick(_varlen_sweep), tokens=lambda s: int(_varlen_lengths(s).sum()), flops=_varlen_flops,
+    leaves=["q", "k", "v"],
     label=lambda s: f"B{s['B']} H{s['H']} S<={s['S']} D{s['D']}")
 
 
@@ -215,7 +255,8 @@ def _aln_bytes(s: Dict, mode: str, elem: int) -> float:
 
 ADD_LAYER_NORM = OpSpec(
     name="add_layer_norm", make_inputs=_aln_inputs, eager=_aln_eager, fastformer=_aln_fastformer,
-    sweep=_aln_sweep, tokens=lambda s: s["N"], bytes=_aln_bytes, leaves=["x", "residual", "weight", "bias"],
+    sweep=_gpu_check_as_quick(_aln_sweep), tokens=lambda s: s["N"], bytes=_aln_bytes,
+    leaves=["x", "residual", "weight", "bias"],
     label=lambda s: f"N{s['N']} C{s['C']}")
 
 
@@ -247,7 +288,7 @@ def _ffn_sweep(device: str, size: str) -> List[Dict]:
 
 FEED_FORWARD = OpSpec(
     name="feed_forward", make_inputs=_ffn_inputs, eager=_ffn_eager, fastformer=_ffn_fastformer,
-    sweep=_ffn_sweep, tokens=lambda s: s["N"], leaves=["x", "w1", "b1", "w2", "b2"],
+    sweep=_gpu_check_as_quick(_ffn_sweep), tokens=lambda s: s["N"], leaves=["x", "w1", "b1", "w2", "b2"],
     flops=lambda s, mode: 4.0 * s["N"] * s["E"] * s["F"] * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode],
     label=lambda s: f"N{s['N']} E{s['E']} F{s['F']}")
 
@@ -283,7 +324,7 @@ def _ce_sweep(device: str, size: str) -> List[Dict]:
 
 CROSS_ENTROPY = OpSpec(
     name="cross_entropy", make_inputs=_ce_inputs, eager=_ce_eager, fastformer=_ce_fastformer,
-    sweep=_ce_sweep, tokens=lambda s: s["N"], leaves=["logits"],
+    sweep=_gpu_check_as_quick(_ce_sweep), tokens=lambda s: s["N"], leaves=["logits"],
     bytes=lambda s, mode, elem: {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode] * s["N"] * s["V"] * elem,
     label=lambda s: f"N{s['N']} V{s['V']}")
 
@@ -316,7 +357,7 @@ def _lce_sweep(device: str, size: str) -> List[Dict]:
 
 LINEAR_CROSS_ENTROPY = OpSpec(
     name="linear_cross_entropy", make_inputs=_lce_inputs, eager=_lce_eager, fastformer=_lce_fastformer,
-    sweep=_lce_sweep, tokens=lambda s: s["N"], leaves=["hidden", "weight", "bias"],
+    sweep=_gpu_check_as_quick(_lce_sweep), tokens=lambda s: s["N"], leaves=["hidden", "weight", "bias"],
     flops=lambda s, mode: 2.0 * s["N"] * s["D"] * s["V"] * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[mode],
     label=lambda s: f"N{s['N']} D{s['D']} V{s['V']}")
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import backends
 
-from .ops import DROPOUT, MODES, OPS, SMOOTHING, Inputs, OpSpec, varlen_padded_fastformer
+from .ops import (MODES, OPS, SMOOTHING, Inputs, OpSpec, attention_causal, attention_dropout,
+                  varlen_padded_fastformer)
 from .timing import synchronized
 
 Forward = Callable[[Inputs, Dict], torch.Tensor]
@@ -134,16 +135,18 @@ def _sdpa_factory(kernel: Optional[str]) -> Callable[[OpSpec], Forward]:
 
         def forward(x: Inputs, shape: Dict) -> torch.Tensor:
             q, k, v, kpm = x["q"], x["k"], x["v"], x["key_padding_mask"]
+            causal, p = attention_causal(shape), attention_dropout(shape)
             if kernel == "flash":
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
             if not shape.get("pad", True):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=DROPOUT)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
             S = q.shape[2]
-            hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)[None, None] | kpm[:, None, None, :]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, dropout_p=DROPOUT)
+            hidden = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1 if causal else S)[None, None] \
+                | kpm[:, None, None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, dropout_p=p)
         return forward
     return factory
 

@@ -8,8 +8,12 @@ from .ops import OPS
 from .timing import Timing, measure_interleaved, peak_memory_bytes
 
 # (warmup calls, min samples, max samples, min seconds) per sweep size
-TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "full": (3, 10, 200, 0.5)}
-STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "full": (2, 10, 30, 2.0)}
+# gpu-check: `make gpu-check` on a borrowed GPU, the whole sweep in a couple of minutes (a GPU's
+# device-timed calls vary little, so 10 samples after 3 warm-up calls give a stable minimum)
+TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "gpu-check": (3, 10, 10, 0.0),
+          "full": (3, 10, 200, 0.5)}
+STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "gpu-check": (1, 3, 5, 0.0),
+               "full": (2, 10, 30, 2.0)}
 
 
 def new_record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: str, status: str) -> Dict:

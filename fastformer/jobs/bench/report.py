@@ -181,15 +181,19 @@ def add_speedups(records: List[Dict]) -> None:
 
 
 # -- files ----------------------------------------------------------------------------------------
-def write_json(path: str, machine: Dict, settings: Dict, records: List[Dict]) -> Dict:
-    """Write (atomically) the run's records, keeping earlier records of ops not run this time."""
-    ops_now = {r["op"] for r in records}
+def write_json(path: str, machine: Dict, settings: Dict, records: List[Dict], per_shape: bool = False) -> Dict:
+    """Write (atomically) the run's records, keeping earlier records of ops not run this time
+    (``per_shape``: of the (op, shape) pairs not run this time, for a run of some shapes only)."""
+    def key(r: Dict):
+        return (r.get("op"), r.get("label")) if per_shape else r.get("op")
+
+    now = {key(r) for r in records}
     kept: List[Dict] = []
     if os.path.exists(path):
         try:
             with open(path) as f:
                 old = json.load(f)
-            kept = [r for r in old.get("results", []) if r.get("op") not in ops_now]
+            kept = [r for r in old.get("results", []) if key(r) not in now]
         except (OSError, ValueError):
             kept = []
     doc = {"machine": machine, "settings": settings, "results": kept + records}

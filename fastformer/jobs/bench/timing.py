@@ -3,8 +3,9 @@
 Timing: the first call is timed alone (it includes any compilation), then warm-up calls,
 then repeated calls until both ``min_reps`` and ``min_time`` are reached (or ``max_reps``);
 each call is timed on its own so the median and the inter-quartile range can be reported.
-On CUDA the callable itself synchronises (see :func:`synchronized`), so wall time is
-device time.
+On CUDA the callable itself synchronises and times itself with CUDA events (see
+:func:`synchronized`): the samples are the GPU's time between the events, without the
+synchronisation's host round trip (the first call stays wall time: it includes compilation).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over one call, above what was
 allocated before it. On CPU, ``tracemalloc`` does not see torch's allocator, so one call runs
@@ -37,16 +38,31 @@ class Timing:
 
 
 def synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """``fn`` followed by a device synchronisation when ``device`` is a GPU."""
+    """``fn`` followed by a device synchronisation when ``device`` is a GPU; the returned callable
+    then also keeps, as ``device_seconds``, the GPU time of its last call (CUDA events around it)."""
     if device.type != "cuda":
         return fn
 
     def run():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         out = fn()
+        end.record()
         torch.cuda.synchronize(device)
+        run.device_seconds = start.elapsed_time(end) / 1e3
         return out
 
+    run.device_seconds = None
     return run
+
+
+def _call(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` took: its own device time when it keeps one, else wall time."""
+    t = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t
+    device = getattr(fn, "device_seconds", None)
+    return wall if device is None else device
 
 
 def _quantile(sorted_values: List[float], q: float) -> float:
@@ -69,9 +85,7 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, max
     samples: List[float] = []
     start = time.perf_counter()
     while len(samples) < max_reps:
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
+        samples.append(_call(fn))
         spent = time.perf_counter() - start
         if len(samples) >= min_reps and spent >= min_time:
             break
@@ -106,9 +120,7 @@ def measure_interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int = 2
     for rep in range(max_reps):
         for i in range(len(names)):
             name = names[(i + rep) % len(names)]
-            t = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - t)
+            samples[name].append(_call(fns[name]))
         if rep + 1 >= min_reps and time.perf_counter() - start >= min_time:
             break
     return {name: _timing(samples[name], first[name]) for name in names}
