@@ -377,7 +377,11 @@ HARNESS_ONLY = pytest.mark.skipif(not SIMT, reason="the SIMT harness's modelled 
 
 @pytest.fixture
 def free_memory():
-    """set(bytes): the harness's modelled free device memory for the rest of the test."""
+    """set(bytes): the harness's modelled free device memory for the rest of the test (a GPU has
+    its own: nothing to set there)."""
+    if not SIMT:
+        yield lambda _bytes: None
+        return
     ops = torch.ops.fastformer_simt_selftest
     previous = ops.set_free_memory(-1)
     yield ops.set_free_memory
@@ -400,25 +404,25 @@ def test_cuda_chunks_are_sized_for_the_device(backend):
     assert rows(100, 32_000, 2, 0) == 100
 
 
-@HARNESS_ONLY
 @pytest.mark.parametrize("backend", CUDA)
 def test_cuda_bf16_dweight_accumulates_in_fp32_across_chunks(backend, free_memory):
-    """16 chunks of 256 rows (no spare device memory modelled: the GPU rule's smallest chunks),
-    bf16. Chunk 2j + 1 repeats chunk 2j's rows with upstream gradient -3/4 instead of 1, so each
-    pair adds only a quarter of either partial product; weight 0 and V = 64 make every dlogits
-    value (1/64 - onehot) * g exact in bf16, so the reference's only error is dweight's final
-    rounding. Rounding each chunk's (V, D) product to bf16 before adding it (the old scheme, also
-    computed here) errs several times more and breaks FlashAttention's 2x bound; accumulating in
-    fp32 inside the GEMM keeps it."""
+    """16 chunks, bf16: of 256 rows on the harness (no spare device memory modelled: the GPU
+    rule's smallest chunks), of 4096 on a GPU (there through cuBLAS's fp32-output GEMM). Chunk
+    2j + 1 repeats chunk 2j's rows with upstream gradient -3/4 instead of 1, so each pair adds
+    only a quarter of either partial product; weight 0 and V = 64 make every dlogits value
+    (1/64 - onehot) * g exact in bf16, so the reference's only error is dweight's final rounding.
+    Rounding each chunk's (V, D) product to bf16 before adding it (the old scheme, also computed
+    here) errs ~3x as much and breaks FlashAttention's 2x bound; accumulating in fp32 inside the
+    GEMM keeps it."""
     free_memory(0)
     device = device_for(backend)
-    chunk, pairs, D, V = 256, 8, 32, 64
+    chunk, pairs, D, V = 256 if SIMT else 4096, 8, 32, 64
     gen = torch.Generator().manual_seed(21)
     h = torch.randn(pairs, chunk, D, generator=gen).to(torch.bfloat16)
     t = torch.randint(0, V, (pairs, chunk), generator=gen)
-    hidden = torch.stack([h, h], 1).reshape(-1, D).to(device)  # (4096, D): chunks 2j and 2j + 1 equal
+    hidden = torch.stack([h, h], 1).reshape(-1, D).to(device)  # (16 chunk, D): 2j and 2j + 1 equal
     target = torch.stack([t, t], 1).reshape(-1).to(device)
-    up = torch.tensor([1.0, -0.75]).repeat_interleave(chunk).repeat(pairs).to(device)  # (4096,)
+    up = torch.tensor([1.0, -0.75]).repeat_interleave(chunk).repeat(pairs).to(device)  # (16 chunk,)
     weight = torch.zeros(V, D, dtype=torch.bfloat16, device=device)
     kern = backends.Kernels(backend)
     _, dw, _ = kern.linear_cross_entropy_bwd(up, hidden, weight, None, target, 0.0, -100)
