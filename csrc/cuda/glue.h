@@ -105,19 +105,30 @@ inline int64_t& ff_simt_free_bytes() {
 #endif
 
 // The memory t's device has to spare, in bytes: the driver's free memory plus what the caching
-// allocator holds reserved but unallocated (it hands that out first). Under the harness the
-// modelled amount, -1 when none is modelled.
+// allocator holds reserved but unallocated (it hands that out first); the driver's alone when the
+// allocator keeps no statistics (a pluggable one), -1 when not even that can be read. Under the
+// harness the modelled amount, -1 when none is modelled.
 inline int64_t ff_device_free_bytes(const at::Tensor& t) {
 #ifdef FF_SIMT
   (void)t;
   return ff_simt_free_bytes();
 #else
-  c10::DeviceAllocator* alloc = c10::getDeviceAllocator(t.device().type());
   const c10::DeviceIndex device = t.device().index();
-  const size_t driver_free = alloc->getMemoryInfo(device).first;
-  const auto stats = alloc->getDeviceStats(device);
-  constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  const int64_t cached = stats.reserved_bytes[all].current - stats.allocated_bytes[all].current;
-  return static_cast<int64_t>(driver_free) + (cached > 0 ? cached : 0);
+  c10::DeviceAllocator* alloc = nullptr;
+  int64_t driver_free = -1;
+  try {
+    alloc = c10::getDeviceAllocator(t.device().type());
+    driver_free = static_cast<int64_t>(alloc->getMemoryInfo(device).first);
+  } catch (const c10::Error&) {
+    return -1;
+  }
+  try {
+    const auto stats = alloc->getDeviceStats(device);
+    constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const int64_t cached = stats.reserved_bytes[all].current - stats.allocated_bytes[all].current;
+    return driver_free + (cached > 0 ? cached : 0);
+  } catch (const c10::Error&) {
+    return driver_free;
+  }
 #endif
 }

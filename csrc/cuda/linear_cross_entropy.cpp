@@ -51,8 +51,9 @@ void addmm_f32_(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Rows per chunk: sized for the device (checks::linear_cross_entropy_device_chunk_rows) from the
-// memory it has to spare. The SIMT harness has device memory only when a test models some; else
-// the CPU rule (16 MiB of logits), which its tests of the chunk loop are written for.
+// memory it has to spare. Where that is unknown (the SIMT harness unless a test models some memory,
+// an allocator that cannot tell) the CPU rule, 16 MiB of logits: the harness's chunk-loop tests are
+// written for it.
 int64_t chunk_rows(const at::Tensor& hidden, int64_t V) {
   const int64_t n = hidden.size(0), elem = hidden.element_size();
   const int64_t free_bytes = ff_device_free_bytes(hidden);
