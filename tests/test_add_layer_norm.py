@@ -1,6 +1,9 @@
 """add_layer_norm: the reference against torch, then every kernel backend against the reference
 (forward and every gradient), dropout exactness and statistics, gradcheck, opcheck, bad input."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -297,6 +300,90 @@ def test_dropout_mask_is_the_reference_mask_for_odd_rows(backend, C, dtype):
         dx, _, _, _ = kern.add_layer_norm_bwd(torch.zeros_like(h), torch.ones_like(h), h, w, mean, rstd,
                                               p, philox.pack(seed, offset), True)
         assert torch.equal(dx, h), f"backward mask, p={p} offset={offset}"
+
+
+# The backward's grid comes from the SM count: the SIMT harness models one, which these tests set.
+HARNESS_SM_COUNT = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="sets the SIMT harness's modelled SM count (a GPU has its own)")
+
+
+@pytest.fixture
+def sm_count():
+    """set(n): the harness's modelled SM count for the rest of the test (restored after it)."""
+    ops = torch.ops.fastformer_simt_selftest
+    previous = ops.set_sm_count(0)  # 0 reads it
+    yield ops.set_sm_count
+    ops.set_sm_count(previous)
+
+
+@HARNESS_SM_COUNT
+@pytest.mark.parametrize("N,C", [(203, 256), (67, 1023), (37, 1500), (9, 4096)])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_backward_grid_from_the_sm_count(backend, N, C, sm_count):
+    """1 SM (4 warp-row blocks or 1-2 block-row blocks: a warp or block takes many rows, its
+    dweight / dbias sums kept in registers across them), 3 SMs, 132 (an H100: more blocks than
+    rows, some with none): the partial rows reduce to dweight / dbias within fp32 rounding of the
+    exact sums; dx and dresidual are per-row work, the same bits whatever the grid; a second run
+    on the same grid gives the same bits (no atomics)."""
+    device = device_for(backend)
+    kern = backends.Kernels(backend)
+    g = torch.Generator().manual_seed(N * 131 + C)
+    x, r, dy, dh = (torch.randn(N, C, generator=g).to(device) for _ in range(4))
+    w, b = (torch.randn(C, generator=g).to(device) for _ in range(2))
+    _, h, mean, rstd = kern.add_layer_norm_fwd(x, r, w, b, 1e-5, 0.2, philox.pack(3, 5))
+    xhat = (h.double() - mean.double()[:, None]) * rstd.double()[:, None]
+    want_dw, want_db = (dy.double() * xhat).sum(0).float(), dy.double().sum(0).float()
+    got = {}
+    for sms in (1, 3, 132):
+        sm_count(sms)
+        got[sms] = kern.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, 0.2, philox.pack(3, 5), True)
+        _, _, dw, db = got[sms]
+        assert_close(f"dweight ({sms} SMs)", dw, want_dw, *FP32_TOL[backend]["grad"])
+        assert_close(f"dbias ({sms} SMs)", db, want_db, *FP32_TOL[backend]["grad"])
+    for sms in (3, 132):
+        for name, a, c in zip(("dx", "dresidual"), got[sms][:2], got[1][:2]):
+            assert torch.equal(a, c), f"{name} differs between 1 and {sms} SMs"
+    again = kern.add_layer_norm_bwd(dy, dh, h, w, mean, rstd, 0.2, philox.pack(3, 5), True)
+    for name, a, c in zip(("dx", "dresidual", "dweight", "dbias"), again, got[132]):
+        assert torch.equal(a, c), f"{name} differs between two runs"
+
+
+@HARNESS_SM_COUNT
+@pytest.mark.parametrize("C", [16400, 16411])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_backward_columns_past_the_register_sums(backend, C, sm_count):
+    """Past 16384 columns (4 units of 8 a thread, 512 threads) a block-row thread's further
+    columns accumulate dweight / dbias in the block's partial row instead of registers: 128-bit
+    (16400) and scalar (16411) paths, every output and gradient against the reference, 1 SM so
+    one block takes every row."""
+    sm_count(1)
+    shape = (3, C)
+    inputs = _make_inputs(shape, "post_dropout", device_for(backend))
+    (outs, grads), _, (ref_outs, ref_grads) = _run_case(backend, shape, "post_dropout", torch.float32, inputs)
+    for name, o, r in zip(("y", "h"), outs, ref_outs):
+        assert_close(name, o, r, *FP32_TOL[backend]["out"])
+    assert set(grads) == set(ref_grads)
+    for name in ref_grads:
+        assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
+                    reason="the SIMT harness's schedule (a GPU runs its own), not from within itself")
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_reversed_thread_schedule(backend):
+    """The backward's block sums (warps added in shared memory) and the partial-sum kernel's tree
+    with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse), which shows the other
+    half of a missing barrier: the grid, register-overflow, fp32 dropout and 128-bit / scalar tests
+    of this file in a fresh process on the already built harness."""
+    from simt import plugin
+
+    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__), "-k",
+           "cuda and (sm_count or register_sums or (fp32 and (post_dropout or prenorm_grad_both)) or vector_and_scalar)"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("C", [1, 7, 8, 9, 65])

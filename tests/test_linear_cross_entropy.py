@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import _ext, backends
 from fastformer.ops import linear_cross_entropy, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends, max_err
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -368,6 +368,77 @@ def test_cuda_several_chunks(backend):
     _, ref = _loss_and_grads(_reference_fn(t, label_smoothing=0.1, reduction="none"), (h, w, b), up)
     for name, got in zip(INPUT_NAMES, (dh, dw, db)):
         assert_close(f"d{name}", got, ref[name], *FP32_TOL[backend]["grad"])
+
+
+# The harness has no device memory unless a test models some: the glue then sizes chunks by the
+# CPU rule; with memory modelled it takes a GPU's rule (linear_cross_entropy_device_chunk_rows).
+HARNESS_ONLY = pytest.mark.skipif(not SIMT, reason="the SIMT harness's modelled device (a GPU has its own)")
+
+
+@pytest.fixture
+def free_memory():
+    """set(bytes): the harness's modelled free device memory for the rest of the test (a GPU has
+    its own: nothing to set there)."""
+    if not SIMT:
+        yield lambda _bytes: None
+        return
+    ops = torch.ops.fastformer_simt_selftest
+    previous = ops.set_free_memory(-1)
+    yield ops.set_free_memory
+    ops.set_free_memory(previous)
+
+
+@HARNESS_ONLY
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_chunks_are_sized_for_the_device(backend):
+    """4096 rows where memory allows (V 32k or 128k in bf16 on an 80 GB GPU); fewer, in multiples
+    of 64, when the (rows, V) logits would pass 1/8 of the free memory; never under 256 rows or
+    over n."""
+    rows = torch.ops.fastformer_simt_selftest.lce_device_chunk_rows
+    assert rows(100_000, 32_000, 2, 80 << 30) == 4096
+    assert rows(100_000, 128_256, 2, 80 << 30) == 4096
+    assert rows(100_000, 32_000, 2, 1 << 30) == 2048  # 2^30 / 8 / 64000 = 2097 rows
+    assert rows(100_000, 32_000, 4, 1 << 30) == 1024  # fp32: twice the bytes a row
+    assert rows(100_000, 32_000, 2, 0) == 256
+    assert rows(1000, 32_000, 2, 80 << 30) == 1000
+    assert rows(100, 32_000, 2, 0) == 100
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_bf16_dweight_accumulates_in_fp32_across_chunks(backend, free_memory):
+    """16 chunks, bf16: of 256 rows on the harness (no spare device memory modelled: the GPU
+    rule's smallest chunks), of 4096 on a GPU (there through cuBLAS's fp32-output GEMM). Chunk
+    2j + 1 repeats chunk 2j's rows with upstream gradient -3/4 instead of 1, so each pair adds
+    only a quarter of either partial product; weight 0 and V = 64 make every dlogits value
+    (1/64 - onehot) * g exact in bf16, so the reference's only error is dweight's final rounding.
+    Rounding each chunk's (V, D) product to bf16 before adding it (the old scheme, also computed
+    here) errs ~3x as much and breaks FlashAttention's 2x bound; accumulating in fp32 inside the
+    GEMM keeps it."""
+    free_memory(0)
+    device = device_for(backend)
+    chunk, pairs, D, V = 256 if SIMT else 4096, 8, 32, 64
+    gen = torch.Generator().manual_seed(21)
+    h = torch.randn(pairs, chunk, D, generator=gen).to(torch.bfloat16)
+    t = torch.randint(0, V, (pairs, chunk), generator=gen)
+    hidden = torch.stack([h, h], 1).reshape(-1, D).to(device)  # (16 chunk, D): 2j and 2j + 1 equal
+    target = torch.stack([t, t], 1).reshape(-1).to(device)
+    up = torch.tensor([1.0, -0.75]).repeat_interleave(chunk).repeat(pairs).to(device)  # (16 chunk,)
+    weight = torch.zeros(V, D, dtype=torch.bfloat16, device=device)
+    kern = backends.Kernels(backend)
+    _, dw, _ = kern.linear_cross_entropy_bwd(up, hidden, weight, None, target, 0.0, -100)
+
+    def reference_dw(dtype):
+        w = weight.to(dtype).requires_grad_()
+        loss = reference.linear_cross_entropy(hidden.to(dtype), w, target, reduction="none")
+        return torch.autograd.grad(loss, w, up.to(dtype))[0]
+
+    ref, lowp = reference_dw(torch.float32), reference_dw(torch.bfloat16)
+    assert dw.dtype == torch.bfloat16
+    assert_close_lowp("dweight", dw, ref, lowp, factor=2.0)
+    dlogits = up[:, None] * (1 / V - F.one_hot(target, V).float())  # exact in bf16
+    old = sum(torch.mm(dlogits[k:k + chunk].t().bfloat16(), hidden[k:k + chunk]).float()
+              for k in range(0, len(target), chunk)).bfloat16()
+    assert max_err(old, ref) > 2.0 * max_err(lowp, ref) + 1e-5, "the test no longer tells the schemes apart"
 
 
 @pytest.mark.parametrize("backend", CUDA)

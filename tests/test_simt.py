@@ -2,7 +2,7 @@
 csrc/cuda kernels are) against torch -- warp shuffles and ballots, a shared-memory transpose with
 barriers, dynamic shared memory and integer atomics, detection of barriers and warp intrinsics that
 only part of the threads reach, launch-configuration errors, fp16 / bf16 conversions bit for bit
-against torch's."""
+against torch's, the modelled device's SM count and free memory."""
 import time
 
 import pytest
@@ -136,3 +136,20 @@ def test_backend_uses_the_harness_for_cpu_tensors_only_when_forced():
     if not torch.cuda.is_available():
         assert not backends.available_backends()["cuda"].available
         assert "no CUDA GPU" in backends.available_backends()["cuda"].reason
+
+
+def test_modelled_device_sm_count_and_free_memory():
+    """The modelled device: 4 SMs and no free memory (-1) unless a test sets them; each setter
+    returns the previous value (set_sm_count(0) only reads); bad values are refused."""
+    sms, free = ops().set_sm_count(0), ops().set_free_memory(-1)
+    try:
+        assert (sms, free) == (4, -1), "another test left the modelled device changed"
+        assert ops().set_sm_count(132) == 4 and ops().set_sm_count(0) == 132
+        assert ops().set_free_memory(1 << 30) == -1 and ops().set_free_memory(0) == 1 << 30
+        with pytest.raises(RuntimeError, match=r"set_sm_count: n must be in \[0, 2\^20\], got -1"):
+            ops().set_sm_count(-1)
+        with pytest.raises(RuntimeError, match=r"set_free_memory: bytes must be >= -1"):
+            ops().set_free_memory(-2)
+    finally:
+        ops().set_sm_count(sms)
+        ops().set_free_memory(free)

@@ -1,7 +1,7 @@
 // The argument checks of cross_entropy_fwd and linear_cross_entropy_fwd / _bwd, shared by
 // csrc/{cpu,cuda}/cross_entropy.cpp and csrc/{cpu,cuda}/linear_cross_entropy.cpp (see common.h),
-// and the chunking rule and forward returns of linear_cross_entropy, which both backends must
-// split and return the same way.
+// and the chunking rules and forward returns of linear_cross_entropy (the CPU rule is also the
+// SIMT harness's; a GPU sizes its chunks for the device, linear_cross_entropy_device_chunk_rows).
 // The target's values are not checked here: the CPU glue scans them (count_valid_targets); the
 // CUDA kernels never use an out-of-range one as an address.
 #pragma once
@@ -114,6 +114,24 @@ inline void check_grad_loss(const Backend& be, const char* op, const at::Tensor&
 inline int64_t linear_cross_entropy_chunk_rows(int64_t n, int64_t V, int64_t elem_size) {
   int64_t rows = FASTFORMER_LCE_CHUNK_BYTES / std::max<int64_t>(1, V * elem_size);
   rows = std::max<int64_t>(256, rows / 16 * 16);
+  return std::max<int64_t>(1, std::min(rows, n));
+}
+
+// linear_cross_entropy's rows per chunk on a GPU with free_bytes of memory to spare (the driver's
+// free memory plus what the caching allocator holds unused). Each chunk's weight-gradient GEMM
+// reads and writes the fp32 (V, D) accumulator, 8 V D bytes, against the chunk's three GEMMs'
+// 6 C V D flops; on an H100 (~990 TFLOP/s dense 16-bit, ~3.35 TB/s) that traffic is at most ~10%
+// of the GEMM time once C >= 4 * 990 / 3.35 / 3 / 0.1 ~ 3900, so 4096 rows: more gains nothing
+// and costs memory. The (C, V) logits buffer takes at most 1/8 of free_bytes, so the chunk never
+// is what runs the device out of memory (4096 rows of V = 32k in bf16: 256 MiB). Rows are a
+// multiple of 64 (whole tensor-core tiles along the GEMMs' M / K), at least 256, at most n.
+constexpr int64_t kLceDeviceChunkRows = 4096;
+
+inline int64_t linear_cross_entropy_device_chunk_rows(int64_t n, int64_t V, int64_t elem_size,
+                                                      int64_t free_bytes) {
+  const int64_t row_bytes = std::max<int64_t>(1, V * elem_size);
+  int64_t rows = std::min(kLceDeviceChunkRows, std::max<int64_t>(0, free_bytes) / 8 / row_bytes);
+  rows = std::max<int64_t>(256, rows / 64 * 64);
   return std::max<int64_t>(1, std::min(rows, n));
 }
 

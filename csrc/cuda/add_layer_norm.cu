@@ -12,13 +12,28 @@
 // Forward: h = residual + dropout(x) is formed in fp32, rounded to T and stored; mean and the
 // variance (two passes, fp32) come from the stored h re-read by the same thread (L1 / L2), then
 // y = (h - mean) * rstd * weight + bias.
-// Backward: pass 1 the row sums of g = dy * weight and g * xhat, pass 2 dx (and dresidual);
-// dweight / dbias: each row group ("part": a warp or a block, its rows part, part + parts, ...)
-// adds dy * xhat and dy into its own fp32 row of partial (parts, 2, C), columns owned by one
-// thread each, then a second kernel sums the parts in order: deterministic, no atomics.
+// Backward: pass 1 the row sums of g = dy * weight and g * xhat, pass 2 dx (and dresidual).
+// dweight / dbias: the grid is sized from the SM count (add_layer_norm_bwd_parts: enough blocks to
+// fill every SM, no more, since each block costs one partial row); every thread keeps the fp32
+// sums of dy * xhat and dy for its own columns in registers over all its rows. At the end a block
+// writes ONE row of partial (blocks, 2, C) (warp-per-row blocks first add their warps' sums in
+// shared memory, in warp order); a second kernel reduces the partial rows per column tile as a
+// tree (add_layer_norm_partial_sum_kernel). Fixed orders throughout: deterministic, no atomics.
+// The bits depend on the grid, so on the device's SM count: the same on the same GPU model.
+//
+// Expected HBM bandwidth of the backward (H100 SXM, ~3.35 TB/s): per row it must move
+// C * sizeof(T) * (2 reads dy, h [+ dh] + 1 write dx [+ dresidual]) + 8 bytes (mean, rstd); the
+// second pass re-reads h, dy and weight from L1 / L2 (a warp's or block's row is 2-16 KB, and 4
+// warps x 4 blocks an SM keep well under the 256 KB L1). The dweight / dbias partials add
+// 2 * (blocks x 2C x 4) bytes (write, then read), e.g. N = 16384, C = 1024, bf16, post-LN with a
+// residual and dropout: 16384 x 8 KB = 134 MB of rows against 528 x 8 KB = 4.3 MB of partials
+// (written and read: +6%). A row-streaming kernel with 128-bit loads and ~16 warps an SM in flight
+// reaches ~85-90% of peak on an H100, so expect ~75-80% of 3.35 TB/s end to end (~50 us for that
+// example), the rest being the partials, the tail of the last wave and the two launches.
 #include "common.cuh"
 #include "philox.cuh"
 
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -26,8 +41,14 @@ namespace {
 constexpr int kUnit = 8;                 // columns per unit (= one Philox group)
 constexpr int64_t kWarpRowMaxC = 1024;   // warp-per-row up to this hidden size
 constexpr int kWarpRowThreads = 128;     // 4 rows per block in warp-per-row mode
-constexpr int kMaxParts = 512;           // row groups of the backward's first dweight/dbias stage
-constexpr int kColsumThreads = 256;
+constexpr int kRegUnits = 4;             // units a backward thread keeps dweight / dbias sums of in registers
+constexpr int kBwdThreadsPerSm = 512;    // resident backward threads an SM is given: 16 warps (with
+                                         // 128-bit loads enough bytes in flight to cover HBM latency),
+                                         // as many as 128 registers a thread allow (64K an SM)
+constexpr int kSumCols = 32;             // partial-sum kernel: columns a block owns (one warp wide) ...
+constexpr int kSumLanes = 16;            // ... and the lanes that split the parts of each column
+static_assert(kRegUnits * kFfWarpSize * kUnit >= kWarpRowMaxC,
+              "a warp-per-row thread must hold all its columns' dweight / dbias sums in registers");
 
 // The 8 values of unit columns [c, c + 8) as fp32 (0 past C).
 template <typename T, bool kVec>
@@ -174,8 +195,35 @@ __global__ void add_layer_norm_fwd_kernel(const T* __restrict__ x,         // (N
   }
 }
 
+// One unit of pass 1: adds dy * xhat and dy into (pw, pb) and the unit's share of the two row sums.
+template <typename T, bool kVec>
+FF_DEVICE void bwd_unit_pass1(const T* __restrict__ dy, const T* __restrict__ h,
+                              const T* __restrict__ weight, int64_t c, int64_t C, float mu,
+                              float rs, float (&pw)[kUnit], float (&pb)[kUnit], float& sum_g,
+                              float& sum_gx) {
+  float hv[kUnit], g[kUnit], w[kUnit];
+  load8<T, kVec>(h, c, C, hv);
+  load8<T, kVec>(dy, c, C, g);
+  load8<T, kVec>(weight, c, C, w);
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    const float xhat = (hv[j] - mu) * rs;  // dy is 0 past C: nothing is added there
+    pw[j] = fmaf(g[j], xhat, pw[j]);
+    pb[j] += g[j];
+    const float gw = g[j] * w[j];
+    sum_g += gw;
+    sum_gx = fmaf(gw, xhat, sum_gx);
+  }
+}
+
+// Block rows launch up to 512 threads, so at most 128 registers a thread (their 64 fp32 sums fit
+// without spills). Warp rows launch 128: at least 3 blocks an SM (<= 170 registers) lets the
+// scalar path keep its sums unspilled too (~170 registers: 3 of the grid's 4 blocks an SM resident,
+// a short second wave; that path serves only C % 8 != 0 or unaligned rows); the 128-bit path needs
+// <= 128, so all 4 blocks (kBwdThreadsPerSm) stay resident there.
 template <typename T, bool kVec, bool kWarpRow>
-__global__ void add_layer_norm_bwd_kernel(const T* __restrict__ dy,      // (N, C)
+__global__ void __launch_bounds__(kWarpRow ? kWarpRowThreads : 512, kWarpRow ? 3 : 1)
+    add_layer_norm_bwd_kernel(const T* __restrict__ dy,      // (N, C)
                                           const T* __restrict__ dh,      // (N, C) or null
                                           const T* __restrict__ h,       // (N, C)
                                           const T* __restrict__ weight,  // (C,)
@@ -183,44 +231,54 @@ __global__ void add_layer_norm_bwd_kernel(const T* __restrict__ dy,      // (N, 
                                           const float* __restrict__ rstd,  // (N,)
                                           T* __restrict__ dx,            // (N, C) out
                                           T* __restrict__ dresidual,     // (N, C) out or null
-                                          float* __restrict__ partial,   // (parts, 2, C) out
+                                          float* __restrict__ partial,   // (gridDim.x, 2, C) out
                                           int64_t N, int64_t C, bool drop, uint32_t threshold,
                                           float scale, uint64_t seed, uint64_t offset) {
   __shared__ float red[kFfWarpSize];
   const RowSplit s = row_split<kWarpRow>();
   const int64_t G = ff_dropout_groups(C);
   const float inv_c = 1.0f / static_cast<float>(C);
-  float* dw_part = partial + s.part * 2 * C;  // this row group's dweight row, then its dbias row
-  float* db_part = dw_part + C;
-  const float zero[kUnit] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t u = s.t; u < G; u += s.P) {
-    store8<float, kVec>(dw_part, u * kUnit, C, zero);
-    store8<float, kVec>(db_part, u * kUnit, C, zero);
+  float* dw_part = partial + static_cast<int64_t>(blockIdx.x) * 2 * C;  // this block's dweight row,
+  float* db_part = dw_part + C;                                          // then its dbias row
+  // This thread's units t + k P (k < kRegUnits) keep their sums in registers. Units past
+  // kRegUnits * P exist only for block rows with C > kRegUnits * 8 * 512 (16384): their sums go
+  // straight to the block's partial row, which only this thread touches at those columns.
+  float acc_w[kRegUnits][kUnit], acc_b[kRegUnits][kUnit];
+#pragma unroll
+  for (int k = 0; k < kRegUnits; ++k) {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) acc_w[k][j] = acc_b[k][j] = 0.0f;
+  }
+  if constexpr (!kWarpRow) {
+    const float zero[kUnit] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t u = s.t + static_cast<int64_t>(kRegUnits) * s.P; u < G; u += s.P) {
+      store8<float, kVec>(dw_part, u * kUnit, C, zero);
+      store8<float, kVec>(db_part, u * kUnit, C, zero);
+    }
   }
   for (int64_t row = s.part; row < N; row += s.parts) {
     const int64_t base = row * C;
     const float mu = mean[row], rs = rstd[row];
     // pass 1: the two row sums, and this row's share of dweight / dbias (own columns only)
     float sum_g = 0.0f, sum_gx = 0.0f;
-    for (int64_t u = s.t; u < G; u += s.P) {
-      const int64_t c = u * kUnit;
-      float hv[kUnit], g[kUnit], w[kUnit], pw[kUnit], pb[kUnit];
-      load8<T, kVec>(h + base, c, C, hv);
-      load8<T, kVec>(dy + base, c, C, g);
-      load8<T, kVec>(weight, c, C, w);
-      load8<float, kVec>(dw_part, c, C, pw);
-      load8<float, kVec>(db_part, c, C, pb);
 #pragma unroll
-      for (int j = 0; j < kUnit; ++j) {
-        const float xhat = (hv[j] - mu) * rs;  // dy is 0 past C: nothing is added there
-        pw[j] = fmaf(g[j], xhat, pw[j]);
-        pb[j] += g[j];
-        const float gw = g[j] * w[j];
-        sum_g += gw;
-        sum_gx = fmaf(gw, xhat, sum_gx);
+    for (int k = 0; k < kRegUnits; ++k) {
+      const int64_t u = s.t + static_cast<int64_t>(k) * s.P;
+      if (u < G) {
+        bwd_unit_pass1<T, kVec>(dy + base, h + base, weight, u * kUnit, C, mu, rs, acc_w[k],
+                                acc_b[k], sum_g, sum_gx);
       }
-      store8<float, kVec>(dw_part, c, C, pw);
-      store8<float, kVec>(db_part, c, C, pb);
+    }
+    if constexpr (!kWarpRow) {
+      for (int64_t u = s.t + static_cast<int64_t>(kRegUnits) * s.P; u < G; u += s.P) {
+        const int64_t c = u * kUnit;
+        float pw[kUnit], pb[kUnit];
+        load8<float, kVec>(dw_part, c, C, pw);
+        load8<float, kVec>(db_part, c, C, pb);
+        bwd_unit_pass1<T, kVec>(dy + base, h + base, weight, c, C, mu, rs, pw, pb, sum_g, sum_gx);
+        store8<float, kVec>(dw_part, c, C, pw);
+        store8<float, kVec>(db_part, c, C, pb);
+      }
     }
     const float c1 = row_sum<kWarpRow>(sum_g, red) * inv_c;
     const float c2 = row_sum<kWarpRow>(sum_gx, red) * inv_c;
@@ -247,23 +305,72 @@ __global__ void add_layer_norm_bwd_kernel(const T* __restrict__ dy,      // (N, 
       store8<T, kVec>(dx + base, c, C, g);
     }
   }
+  if constexpr (kWarpRow) {
+    // The block's warps add their sums into one (2, C) row of shared memory, warp 0 first, then
+    // the block writes it out (coalesced). C <= kWarpRowMaxC, so at most 8 KB.
+    __shared__ float block_sum[2 * kWarpRowMaxC];
+    const int warp = threadIdx.x / kFfWarpSize, warps = blockDim.x / kFfWarpSize;
+    for (int w = 0; w < warps; ++w) {
+      if (warp == w) {
+#pragma unroll
+        for (int k = 0; k < kRegUnits; ++k) {
+          const int64_t c0 = (s.t + static_cast<int64_t>(k) * s.P) * kUnit;
+#pragma unroll
+          for (int j = 0; j < kUnit; ++j) {
+            const int64_t c = c0 + j;
+            if (c < C) {
+              block_sum[c] = w == 0 ? acc_w[k][j] : block_sum[c] + acc_w[k][j];
+              block_sum[C + c] = w == 0 ? acc_b[k][j] : block_sum[C + c] + acc_b[k][j];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int64_t i = threadIdx.x; i < 2 * C; i += blockDim.x) dw_part[i] = block_sum[i];
+  } else {
+    // A block-per-row thread owns its columns in the block's row: it writes them itself.
+#pragma unroll
+    for (int k = 0; k < kRegUnits; ++k) {
+      const int64_t u = s.t + static_cast<int64_t>(k) * s.P;
+      if (u < G) {
+        store8<float, kVec>(dw_part, u * kUnit, C, acc_w[k]);
+        store8<float, kVec>(db_part, u * kUnit, C, acc_b[k]);
+      }
+    }
+  }
 }
 
-// dweight[c] / dbias[c] = the sums over parts of partial[part][0][c] / partial[part][1][c], in
-// part order.
+// dweight[c] / dbias[c] = the sum over parts of partial[part][0][c] / partial[part][1][c]. A
+// block (kSumCols, kSumLanes) owns kSumCols columns of one of the two rows (blockIdx.y: 0 dweight,
+// 1 dbias); lane y adds parts y, y + kSumLanes, ... of its column in order (a warp reads 32
+// consecutive floats of one part: coalesced), then the lanes are added as a tree in shared
+// memory. Fixed order: the same bits every run.
 template <typename T>
-__global__ void add_layer_norm_colsum_kernel(const float* __restrict__ partial,  // (parts, 2, C)
-                                             T* __restrict__ dweight, T* __restrict__ dbias,
-                                             int64_t parts, int64_t C) {
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float sw = 0.0f, sb = 0.0f;
-    for (int64_t p = 0; p < parts; ++p) {
-      sw += partial[(2 * p) * C + c];
-      sb += partial[(2 * p + 1) * C + c];
+__global__ void add_layer_norm_partial_sum_kernel(const float* __restrict__ partial,  // (parts, 2, C)
+                                                  T* __restrict__ dweight, T* __restrict__ dbias,
+                                                  int64_t parts, int64_t C) {
+  __shared__ float tile[kSumLanes][kSumCols + 1];
+  const int x = threadIdx.x, y = threadIdx.y;
+  const int which = blockIdx.y;
+  T* __restrict__ out = which == 0 ? dweight : dbias;
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * kSumCols; c0 < C;
+       c0 += static_cast<int64_t>(gridDim.x) * kSumCols) {  // uniform in the block: barriers are safe
+    const int64_t c = c0 + x;
+    float sum = 0.0f;
+    if (c < C) {
+      const float* p = partial + which * C + c;
+#pragma unroll 4
+      for (int64_t part = y; part < parts; part += kSumLanes) sum += p[part * 2 * C];
     }
-    dweight[c] = ff_from_float<T>(sw);
-    dbias[c] = ff_from_float<T>(sb);
+    tile[y][x] = sum;
+#pragma unroll
+    for (int half = kSumLanes / 2; half > 0; half /= 2) {
+      __syncthreads();
+      if (y < half) tile[y][x] += tile[y + half][x];
+    }
+    if (y == 0 && c < C) out[c] = ff_from_float<T>(tile[0][x]);
+    __syncthreads();  // the next tile's writes wait for the last step's reads
   }
 }
 
@@ -302,7 +409,7 @@ void bwd(const void* dy, const void* dh, const void* h, const void* w, const flo
          void* stream) {
   auto* kernel = &add_layer_norm_bwd_kernel<T, kVec, kWarpRow>;
   const bool drop = scale != 1.0f || threshold != 0u;
-  FF_LAUNCH(kernel, dim3(static_cast<unsigned>(parts / rows_per_block(C))), dim3(row_threads(C)),
+  FF_LAUNCH(kernel, dim3(static_cast<unsigned>(parts)), dim3(row_threads(C)),
             0, stream, static_cast<const T*>(dy), static_cast<const T*>(dh),
             static_cast<const T*>(h), static_cast<const T*>(w), mean, rstd, static_cast<T*>(dx),
             static_cast<T*>(dres), partial, N, C, drop, threshold, scale, seed, offset);
@@ -335,12 +442,26 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
   return ff_last_error();
 }
 
+// The current device's SM count (the SIMT harness models one). 1 if it cannot be read, which a
+// device with live tensors never does; the sticky error is cleared so no launch reports it.
+int device_sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  return sms;
+}
+
+// The backward's blocks (= partial rows): one wave of kBwdThreadsPerSm threads an SM (4 blocks of
+// 128 threads for warp rows, 1-4 blocks for block rows), fewer when there are fewer rows. More
+// blocks would not run sooner, only add partial rows to write and reduce.
 int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C) {
   const int64_t rpb = rows_per_block(C);
-  int64_t blocks = (N + rpb - 1) / rpb;
-  if (blocks > kMaxParts / rpb) blocks = kMaxParts / rpb;
-  if (blocks < 1) blocks = 1;
-  return blocks * rpb;
+  const int64_t per_sm = std::max<int64_t>(1, kBwdThreadsPerSm / row_threads(C));
+  const int64_t blocks = std::min<int64_t>((N + rpb - 1) / rpb, device_sm_count() * per_sm);
+  return std::max<int64_t>(1, blocks);
 }
 
 const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void* h,
@@ -368,8 +489,8 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
       bwd<T, false, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
     }
     if (const char* err = ff_last_error()) return err;
-    auto* colsum = &add_layer_norm_colsum_kernel<T>;
-    FF_LAUNCH(colsum, dim3(ff_grid_blocks(C, kColsumThreads)), dim3(kColsumThreads), 0, stream,
+    auto* sum = &add_layer_norm_partial_sum_kernel<T>;
+    FF_LAUNCH(sum, dim3(ff_grid_blocks(C, kSumCols), 2), dim3(kSumCols, kSumLanes), 0, stream,
               static_cast<const float*>(partial), static_cast<T*>(dweight), static_cast<T*>(dbias),
               parts, C);
   });

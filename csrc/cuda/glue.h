@@ -13,9 +13,11 @@
 //   FF_CHECK_LAUNCH(launch_xxx(...))         TORCH_CHECK on a launcher's returned error string
 //   ff_philox_args(philox, op)               the (seed, offset) the launchers take, from `Tensor philox`
 //   ff_check_aligned(t, "name", bytes, op)   the data pointer is a multiple of bytes
+//   ff_device_free_bytes(t)                  memory t's device has to spare (-1: unknown)
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
@@ -91,4 +93,42 @@ inline FfPhiloxArgs ff_philox_args(const at::Tensor& philox, const char* op) {
 inline void ff_check_aligned(const at::Tensor& t, const char* name, int64_t bytes, const char* op) {
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(bytes) == 0,
               op, ": ", name, " must be ", bytes, "-byte aligned (its data pointer is not)");
+}
+
+#ifdef FF_SIMT
+// The harness's modelled free device memory in bytes, -1 (the default) for none: the tests set it
+// (fastformer_simt_selftest::set_free_memory) to run the device-sized paths on small inputs.
+inline int64_t& ff_simt_free_bytes() {
+  static int64_t bytes = -1;
+  return bytes;
+}
+#endif
+
+// The memory t's device has to spare, in bytes: the driver's free memory plus what the caching
+// allocator holds reserved but unallocated (it hands that out first); the driver's alone when the
+// allocator keeps no statistics (a pluggable one), -1 when not even that can be read. Under the
+// harness the modelled amount, -1 when none is modelled.
+inline int64_t ff_device_free_bytes(const at::Tensor& t) {
+#ifdef FF_SIMT
+  (void)t;
+  return ff_simt_free_bytes();
+#else
+  const c10::DeviceIndex device = t.device().index();
+  c10::DeviceAllocator* alloc = nullptr;
+  int64_t driver_free = -1;
+  try {
+    alloc = c10::getDeviceAllocator(t.device().type());
+    driver_free = static_cast<int64_t>(alloc->getMemoryInfo(device).first);
+  } catch (const c10::Error&) {
+    return -1;
+  }
+  try {
+    const auto stats = alloc->getDeviceStats(device);
+    constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    const int64_t cached = stats.reserved_bytes[all].current - stats.allocated_bytes[all].current;
+    return driver_free + (cached > 0 ? cached : 0);
+  } catch (const c10::Error&) {
+    return driver_free;
+  }
+#endif
 }

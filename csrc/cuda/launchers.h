@@ -55,14 +55,15 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
                                       int64_t N, int64_t C, int dtype, double eps,
                                       double dropout_p, uint64_t seed, uint64_t offset,
                                       void* stream);
-// The number of row parts of the backward's first dweight / dbias stage (its workspace is
-// (parts, 2, C) fp32).
+// The backward's blocks for N rows of C on the current device (sized from its SM count), one
+// partial dweight / dbias row each: the workspace is (parts, 2, C) fp32.
 int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C);
 // Backward: with g = dy * weight, xhat = (h - mean) * rstd,
 //   dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh when dh is not null],
 //   dx = dh_total * keep * scale, dresidual = dh_total (written only when dresidual is not null),
-//   dweight = sum over rows of dy * xhat, dbias = sum of dy: per part of rows into partial
-//   (parts, 2, C), then summed over parts in a fixed order (deterministic, no atomics).
+//   dweight = sum over rows of dy * xhat, dbias = sum of dy: each block's sums (kept in registers
+//   over its rows) into its row of partial (parts, 2, C), then the parts reduced per column as a
+//   tree in a fixed order (deterministic, no atomics).
 const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void* h,
                                       const void* weight, const float* mean, const float* rstd,
                                       void* dx, void* dresidual, void* dweight, void* dbias,

@@ -2,9 +2,11 @@
 // chunks; per chunk one ATen GEMM makes logits = hidden_chunk weight^T + bias, the cross-entropy
 // row kernel (csrc/cuda/cross_entropy.cu) writes the chunk's loss rows and, in place, dlogits;
 // then dhidden_chunk = dlogits weight, dweight += dlogits^T hidden_chunk (ATen) and dbias +=
-// the deterministic column sums of dlogits. 16-bit inputs accumulate dweight and dbias in fp32
-// and cast at the end. Schema, returns and chunking as csrc/cpu/linear_cross_entropy.cpp.
+// the deterministic column sums of dlogits. dweight and dbias accumulate in fp32 for 16-bit
+// inputs too (dweight inside the GEMM, addmm_f32_) and are cast once at the end. Schema and
+// returns as csrc/cpu/linear_cross_entropy.cpp; chunks sized for the device (chunk_rows).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -20,6 +22,45 @@ namespace {
 
 using Grads = checks::LinearCrossEntropyGrads;
 
+// Whether ATen has the 16-bit x 16-bit -> fp32 GEMM (addmm.dtype_out: cuBLAS with fp32 compute and
+// an fp32 C, beta = 1 in place) for the kernel device's tensors. CUDA builds of torch >= 2.8 do;
+// CPU ATen (the SIMT harness) does not.
+bool has_fp32_out_gemm() {
+  static const bool has = [] {
+    const auto op = c10::Dispatcher::singleton().findSchema({"aten::addmm", "dtype_out"});
+    return op.has_value() && op->hasKernelForDispatchKey(kFfKernelDevice == c10::DeviceType::CUDA
+                                                             ? c10::DispatchKey::CUDA
+                                                             : c10::DispatchKey::CPU);
+  }();
+  return has;
+}
+
+// acc (M, N) fp32 += a (M, K) @ b (K, N), a and b of one dtype: the products accumulate in fp32
+// inside the GEMM and land in acc in place, so a 16-bit dweight is rounded once, at the end, and
+// no (V, D) 16-bit partial product is written and re-read per chunk.
+void addmm_f32_(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kFloat) {
+    acc.addmm_(a, b);
+  } else if (has_fp32_out_gemm()) {
+    at::addmm_out(acc, acc, a, b, at::kFloat);  // beta = alpha = 1
+  } else {
+    // CPU ATen has no such GEMM: the same arithmetic from fp32 copies (16-bit values and their
+    // products are exact in fp32; the sum accumulates in fp32). Only the harness comes here.
+    acc.addmm_(a.to(at::kFloat), b.to(at::kFloat));
+  }
+}
+
+// Rows per chunk: sized for the device (checks::linear_cross_entropy_device_chunk_rows) from the
+// memory it has to spare. Where that is unknown (the SIMT harness unless a test models some memory,
+// an allocator that cannot tell) the CPU rule, 16 MiB of logits: the harness's chunk-loop tests are
+// written for it.
+int64_t chunk_rows(const at::Tensor& hidden, int64_t V) {
+  const int64_t n = hidden.size(0), elem = hidden.element_size();
+  const int64_t free_bytes = ff_device_free_bytes(hidden);
+  return free_bytes < 0 ? checks::linear_cross_entropy_chunk_rows(n, V, elem)
+                        : checks::linear_cross_entropy_device_chunk_rows(n, V, elem, free_bytes);
+}
+
 // The chunk loop shared by the forward (loss rows; grads for mean / sum scaled by mean_count or
 // 1) and the backward of reduction none (grads with row_scale = grad_loss).
 Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
@@ -30,18 +71,16 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   const int64_t n = hidden.size(0), D = hidden.size(1), V = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   const at::ScalarType dtype = hidden.scalar_type();
-  const bool lowp = dtype != at::kFloat;
   const auto f32 = hidden.options().dtype(at::kFloat);
-  const int64_t rows_per_chunk = checks::linear_cross_entropy_chunk_rows(n, V, hidden.element_size());
+  const int64_t rows_per_chunk = chunk_rows(hidden, V);
   const int code = ff_dtype_code(hidden, "hidden");
   void* stream = ff_stream(hidden);
 
   Grads out;
-  at::Tensor dweight_acc, dweight_part, dbias_acc, partial;
+  at::Tensor dweight_acc, dbias_acc, partial;
   if (compute_grad) {
     out.dhidden = at::empty({n, D}, hidden.options());
     dweight_acc = at::zeros({V, D}, f32);
-    if (lowp) dweight_part = at::empty({V, D}, weight.options());
     if (has_bias) {
       dbias_acc = at::zeros({V}, f32);
       partial = at::empty({colsum_num_parts(rows_per_chunk), V}, f32);  // (parts, V)
@@ -67,12 +106,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
     // logits now holds dlogits (rows, V).
     at::Tensor dh = out.dhidden.narrow(0, c0, rows);
     at::mm_out(dh, logits, weight);  // (rows, V) @ (V, D)
-    if (lowp) {
-      at::mm_out(dweight_part, logits.t(), h);  // (V, rows) @ (rows, D) in 16 bits, then into fp32
-      dweight_acc.add_(dweight_part);
-    } else {
-      dweight_acc.addmm_(logits.t(), h);  // (V, rows) @ (rows, D)
-    }
+    addmm_f32_(dweight_acc, logits.t(), h);  // (V, rows) @ (rows, D), fp32 accumulation
     if (has_bias) {
       FF_CHECK_LAUNCH(launch_colsum(logits.const_data_ptr(), rows, V, code, partial.data_ptr<float>(),
                                     colsum_num_parts(rows), dbias_acc.data_ptr<float>(), 1, stream));
@@ -80,7 +114,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   }
 
   if (compute_grad) {
-    out.dweight = lowp ? dweight_acc.to(dtype) : dweight_acc;
+    out.dweight = dweight_acc.to(dtype);  // no copy for fp32
     out.dbias = has_bias ? dbias_acc.to(dtype) : at::empty({0}, weight.options());
   }
   return out;

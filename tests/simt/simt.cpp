@@ -115,6 +115,7 @@ Launch* g_launch = nullptr;
 // a kernel not in the map has the default limit.
 std::map<const void*, size_t> g_smem_limit;
 int g_reverse = -1;  // threads run last to first: -1 not decided yet (FF_SIMT_SCHEDULE), 0, 1
+int g_sm_count = 4;  // the modelled device's SM count (set_sm_count)
 
 bool reverse_order() {
   if (g_reverse < 0) {
@@ -666,7 +667,29 @@ void fail(const char* message) {
   std::abort();
 }
 
+int set_sm_count(int n) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  const int previous = g_sm_count;
+  if (n >= 1) g_sm_count = n;
+  return previous;
+}
+
 }  // namespace ff_simt
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0 || attr != cudaDevAttrMultiProcessorCount) {
+    ff_simt::set_error(cudaErrorInvalidValue,
+                       "invalid argument (the SIMT harness models device 0's SM count only)");
+    return cudaErrorInvalidValue;
+  }
+  *value = ff_simt::g_sm_count;
+  return cudaSuccess;
+}
 
 cudaError_t cudaGetLastError() {
   const cudaError_t err = ff_simt::g_last_error;

@@ -53,6 +53,10 @@
 //     (__expf) are MORE accurate here than on a GPU; tolerances must allow the GPU's error.
 //   * __ldg, dim3, uint3, the vector types (float2/float4, int2/int4, uint2/uint4) with their
 //     CUDA alignment, min / max overloads, __popc, __clz, __ffs, __umulhi, bit casts.
+//   * One device (cudaGetDevice gives 0) with a modelled SM count for cudaDeviceGetAttribute(
+//     cudaDevAttrMultiProcessorCount): 4 unless ff_simt::set_sm_count says otherwise, so kernels
+//     that size their grid from the SM count run their multi-block paths on small inputs. Any
+//     other attribute is cudaErrorInvalidValue: the harness has no other device properties.
 //
 // What it does NOT model (write kernels that never depend on any of it)
 //   * Memory ordering without a barrier: between barriers a thread runs to completion before the
@@ -157,6 +161,11 @@ enum cudaFuncAttribute {
   cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
   cudaFuncAttributePreferredSharedMemoryCarveout = 9,  // accepted (-1 .. 100) and ignored
 };
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+};
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 
 // ---------------------------------------------------------------- the scheduler's interface
 namespace ff_simt {
@@ -204,6 +213,8 @@ void cp_async_wait(int n);
 // Threads run last to first (true) or first to last (false, the default unless the environment
 // variable FF_SIMT_SCHEDULE=reverse is set) in every following launch.
 void set_reverse_schedule(bool reverse);
+// The SM count cudaDeviceGetAttribute reports from now on (n >= 1); returns the previous one.
+int set_sm_count(int n);
 // Stops the launch with message (called from kernel code: never returns).
 [[noreturn]] void fail(const char* message);
 

@@ -7,12 +7,17 @@
 
 #include <tuple>
 
+#include "checks/cross_entropy.h"
 #include "glue.h"
 #include "mma_selftest.h"
 #include "schemas.h"
 #include "selftest.h"
 
 TORCH_LIBRARY(fastformer_simt, m) { ff_define_schemas(m); }
+
+namespace ff_simt {
+int set_sm_count(int n);  // simt.h (not included here: its CUDA keywords are for kernel code)
+}
 
 namespace {
 
@@ -169,6 +174,27 @@ void mma_broken(int64_t mode) {
   FF_CHECK_LAUNCH(launch_selftest_mma_broken(static_cast<int>(mode), ptr<uint8_t>(src), nullptr));
 }
 
+// The harness's modelled SM count from now on (n >= 1; 0 only reads it): returns the previous one.
+int64_t set_sm_count(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= 1 << 20, "set_sm_count: n must be in [0, 2^20], got ", n);
+  const int previous = ff_simt::set_sm_count(n == 0 ? -1 : static_cast<int>(n));
+  return previous;
+}
+
+// The harness's modelled free device memory from now on (bytes; -1: none, the glue's CPU-rule
+// fallbacks): returns the previous amount.
+int64_t set_free_memory(int64_t bytes) {
+  TORCH_CHECK(bytes >= -1, "set_free_memory: bytes must be >= -1 (-1: none modelled), got ", bytes);
+  const int64_t previous = ff_simt_free_bytes();
+  ff_simt_free_bytes() = bytes;
+  return previous;
+}
+
+// linear_cross_entropy's rows per chunk on a GPU (csrc/checks/cross_entropy.h), for its tests.
+int64_t lce_device_chunk_rows(int64_t n, int64_t V, int64_t elem_size, int64_t free_bytes) {
+  return fastformer::checks::linear_cross_entropy_device_chunk_rows(n, V, elem_size, free_bytes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fastformer_simt_selftest, m) {
@@ -187,6 +213,9 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("cp_async(Tensor src, Tensor sizes) -> (Tensor, Tensor)");
   m.def("big_smem(int which, int bytes, int opt_in) -> Tensor");
   m.def("mma_broken(int mode) -> ()");
+  m.def("set_sm_count(int n) -> int");
+  m.def("set_free_memory(int bytes) -> int");
+  m.def("lce_device_chunk_rows(int n, int V, int elem_size, int free_bytes) -> int");
 }
 
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
@@ -209,4 +238,7 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CompositeExplicitAutograd, m) {
   m.impl("racy", &racy);
   m.impl("big_smem", &big_smem);
   m.impl("mma_broken", &mma_broken);
+  m.impl("set_sm_count", &set_sm_count);
+  m.impl("set_free_memory", &set_free_memory);
+  m.impl("lce_device_chunk_rows", &lce_device_chunk_rows);
 }
