@@ -75,8 +75,8 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
 // one source for both ops. Row i of sequence b, head h of an operand in dtype (unit stride along
 // the head dim) is element b batch + (start_b + i) row + h head: the padded op's (B, H, S, D)
 // tensors have start_b = 0 (every sequence max_seqlen_q queries and max_seqlen_k keys); varlen's
-// (total, H, D) rows have batch = 0 and start_b = cu_seqlens[b]. lse and delta take the same
-// description (fp32, unit head-dim stride unused).
+// (total, H, D) rows have batch = 0 and start_b = cu_seqlens[b]. lse and delta (fp32, one value
+// a row) are described the same way.
 struct FfRows {
   int64_t batch, row, head;  // element strides
 };
