@@ -1,8 +1,12 @@
-"""attention on the cuda backend, beyond the shared matrix of tests/test_attention.py: rows wider
-than one warp's keys (the block-wide softmax reduction, several key groups a thread) with head dim
-256, fp16, dropout equal to the cpu backend's for the same seed and offset, NaN across warps,
-empty sizes, and the glue's checks. Without a GPU these run on the SIMT harness (tests/simt)."""
+"""attention on the cuda backend, beyond the shared matrix of tests/test_attention.py: rows of
+2100 keys (many key tiles) with head dim 256, fp16, dropout equal to the cpu backend's for the same
+seed and offset, NaN in a later key tile, empty sizes, the glue's checks, the memory claim (nothing
+of size Sq x Sk is allocated), and the same under the SIMT harness's reversed thread schedule.
+Without a GPU these run on the SIMT harness (tests/simt)."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,7 +58,7 @@ def _check(got, want, equal_nan=False):
 
 
 def _wide(device, D=256, Sq=3, Sk=2100, seed=0):
-    """Rows of Sk = 2100 keys: 263 groups of 8, so 256 threads (8 warps) a row, some with two groups."""
+    """Rows of Sk = 2100 keys: 132 key tiles of 16 (D = 256) or 33 of 64 (D <= 64), the last one partial."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, S, D, generator=gen) for S in (Sq, Sk, Sk))
     dout = torch.randn(1, 2, Sq, D, generator=gen)
@@ -76,9 +80,10 @@ def test_wide_rows_head_dim_256(backend, p):
 
 
 @pytest.mark.parametrize("backend", CUDA)
-def test_wide_rows_nan_in_a_later_warp(backend):
-    """A NaN key read by warp 5 of the row block poisons every row that sees it, as in the
-    reference; one hidden by the padding changes nothing."""
+def test_wide_rows_nan_in_a_later_tile(backend):
+    """A NaN key in the 24th of 33 key tiles poisons every row that sees it, as in the reference (dV NaN at
+    every key of those rows, hidden ones too; dK only at the keys they see); one hidden by the
+    padding changes nothing."""
     (q, k, v, dout), masks = _wide(device_for(backend), D=40)
     k = k.clone()
     k[0, 0, 1500, 3] = float("nan")  # visible to every query of head (0, 0)
@@ -201,3 +206,60 @@ def test_glue_checks_name_the_argument(backend):
     for args, message in bwd_cases:
         with pytest.raises(RuntimeError, match=message):
             bwd(*args, None, None, False, 0.5, 0.0, philox.no_dropout())
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_no_sq_by_sk_buffer(backend):
+    """Forward and backward allocate nothing of size Sq x Sk per head, with every mask kind and
+    dropout (an attn_mask view that is not contiguous is read in place, never copied): on the
+    harness the largest allocation the profiler sees, on a GPU the peak memory above the inputs."""
+    device = device_for(backend)
+    B, H, S, D = 1, 1, 1024, 16
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(B, H, S, D, generator=gen).to(device) for _ in range(4))
+    kpm = (torch.rand(B, S, generator=gen) < 0.1).to(device)
+    am = torch.randn(S, S, generator=gen).to(device).t().expand(B, H, S, S)  # a transposed view
+    square = S * S * 4  # one fp32 Sq x Sk matrix of one head: 4 MiB, 64x the size of q
+    # what may exist at once: out, dq, dk, dv (64 KiB each), lse and delta (4 KiB each)
+    kern = backends.Kernels(backend)
+    args = (kpm, am, True, D ** -0.5, 0.1, philox.pack(3, 0))
+
+    def run():
+        out, lse = kern.attention_fwd(q, k, v, *args)
+        return kern.attention_bwd(dout, q, k, v, out, lse, *args)
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            grads = run()
+        peak = max((e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty")), default=0)
+    assert 0 < peak < square / 4, f"{peak} bytes allocated at once; an Sq x Sk fp32 matrix is {square}"
+    assert all(torch.isfinite(g).all() and g.abs().amax() > 0 for g in grads)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
+                    reason="the SIMT harness's schedule (a GPU runs its own), not from within itself")
+@pytest.mark.parametrize("backend", CUDA)
+def test_reversed_thread_schedule(backend):
+    """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
+    which shows the other half of a missing barrier: the tests of this file and part of the
+    shared matrix, in a fresh process on the already built harness."""
+    from simt import plugin
+
+    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           os.path.join(here, "test_attention_cuda.py"), os.path.join(here, "test_attention.py"),
+           "-k", "cuda and not reversed and not glue_checks and not bf16 and not statistics"
+                 " and (not fp32 or d111 or 203x203)"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]

@@ -1,375 +1,621 @@
-// Attention's fused row kernels for CUDA; the four products run as batched GEMMs in ATen
-// (csrc/cuda/attention.cpp). Every kernel takes one row of an (B, H, Sq, Sk) fp32 matrix per
-// block, row r = (b H + h) Sq + i (the query), Sk columns (the keys), rows Sk apart.
+// Attention for CUDA, both ops: `attention` (padded (B, H, S, D) heads, key padding, attn_mask)
+// and `attention_varlen` (packed rows through cu_seqlens) run the same fused kernels,
+// FlashAttention-2's algorithm in plain FMA (SIMT) arithmetic with fp32 accumulation. Tensor-core
+// mma.sync is a later step: it replaces the dot-product loops over a row group's head-dim slice
+// below and keeps the tiles, the masks and the softmax steps. The glue is csrc/cuda/attention.cpp
+// and csrc/cuda/attention_varlen.cpp; the definitions fastformer/ops/reference.py::attention and
+// ::attention_varlen.
 //
-//   forward           s = q k^T (fp32)  ->  attention_softmax_fwd: scale + key padding + additive
-//                     mask + bottom-right causal, softmax (fp32, online max / sum per thread, then
-//                     a block reduction), lse, Philox v2 dropout  ->  p_d (may overwrite s)
-//   backward, first   s = q k^T again   ->  attention_probs_bwd: P = exp(masked s - lse) (no
-//                     max / sum pass), kept fp32 over s, and P_d = dropout(P) for dV = P_d^T dO
-//   backward, second  dp = dO v^T (fp32) ->  attention_softmax_bwd: delta = rowsum(dO * out),
-//                     dS = scale P (dp Z - delta) (may overwrite dp) for dQ = dS k, dK = dS^T q
+//   forward   attention_fwd: a block owns (sequence b, head h, a tile of kRows queries); it streams
+//             the sequence's keys in tiles of kTile rows (K and V through shared memory), takes a
+//             tile's scores in register chunks of at most 32 keys, each an online-softmax step in
+//             fp32 (running max m and sum l per row, the output accumulator rescaled); writes
+//             out = acc / l and only lse = m + log(l) per row.
+//   backward  attention_bwd_dq: a block owns (b, h, a tile of kRows queries); first delta =
+//               rowsum(dO * O) of its rows (fp32, kept in registers and written for the next
+//               kernel), then it streams K and V tiles: dS = P (dP Z - delta), dQ += scale dS K;
+//             attention_bwd_dkdv: a block owns (b, h, a tile of kRows keys), keeps k, v, dk, dv rows
+//               in registers and streams the queries that can see its keys in tiles of kTile rows
+//               (Q, dO, lse, delta through shared memory): P = exp(scale s + mask - lse),
+//               dV += (P Z)^T dO, dK += scale dS^T Q.
+//             Every gradient element has one owner thread: no atomics, deterministic. Nothing of
+//             size Sq x Sk exists anywhere: only out and lse (forward) and delta (backward).
 //
-// Masks, exactly as fastformer/ops/reference.py: key j is hidden from query i when key j is
-// padded, when the additive mask is -inf (whatever the score, NaN included), or, causal, when
-// j > i + Sk - Sq. A row's visibility comes from the masks alone: a row with no visible key gets
-// P = 0, lse = +inf and so dS = 0; a visible row with a NaN or +inf score (or whose visible scores
-// are all -inf) is NaN throughout, lse NaN.
+// Problems (Params): row i of sequence b, head h of an operand (q, k, v, out, dout, the gradients,
+// lse and delta) is element b batch + (start_b + i) row + h head (+ d along the head dim, unit
+// stride) with the operand's FfRows strides. The padded op has start_b = 0 and lengths Lq = Sq,
+// Lk = Sk (max_seqlen = Sq, Sk); varlen has batch = 0 and reads start_b and the lengths from
+// cu_seqlens on the device only, each sequence's [start, end) clamped to [0, total) and its length
+// to max_seqlen, so any values are memory-safe. A block whose tile starts past its sequence's
+// length exits at once.
 //
-// Dropout (Philox v2, philox.cuh): the probabilities are rows of C = Sk columns, one per query;
-// each group of 8 columns gets its single Philox call from one lane, and warp shuffles hand its
-// keep bits to the lanes that own its columns (coalesced, see for_row_columns). Kept values are
-// scaled by 1 / (1 - p): Z = keep / (1 - p).
+// Thread layout (all kernels, kThreads = 256 a block): a row the block owns (a query, or a key in
+// attention_bwd_dkdv) is handled by kTpr = kD / 16 consecutive lanes ("a row group", inside one
+// warp); lane g of the group owns the head-dim columns d = g + kTpr c, c < 16, of that row's
+// registers. A dot product with a shared-memory row is 16 FMAs a lane and a butterfly over the
+// group (__shfl_xor_sync), which leaves the full value in every lane of the group; the group's
+// lanes then read shared memory at kTpr consecutive addresses (conflict-free, broadcast across
+// groups).
+//
+// Head dims are compile-time buckets kD = 64, 128, 256 (D <= kD: columns d >= D are zeros in
+// registers and shared memory, never stored). Tiles: kRows = 4096 / kD rows a block (64, 32, 16),
+// kTile = 4096 / kD streamed rows (64, 32, 16): two fp32 tiles of kTile x kD take 32 KiB of static
+// shared memory in every bucket (under the 48 KiB a block gets without opt-in on sm_80 / sm_90).
+//
+// Masks, exactly as the reference: key j of a sequence is hidden from its query i when j >= Lk,
+// when causal and j > i + Lk - Lq (bottom-right), when key_padding_mask (B, Sk) marks it, or when
+// the additive attn_mask (fp32, read through broadcast strides; a bool mask arrives as -inf / 0) is
+// -inf there, whatever the score (NaN included); otherwise its score is scale q.k + attn_mask. Key
+// tiles that no query of a block sees causally are skipped, in every kernel. A row's visibility
+// comes from the masks alone: a row with no visible key gives out 0, lse +inf and zero gradients;
+// a NaN score makes its row NaN (lse NaN), and so does a row whose visible scores are all -inf or
+// one +inf. Hidden keys get dS = 0 exactly and P = 0, except in a NaN row, where P (for dV) is NaN
+// at every key as the reference's is, within the (query tile, key tile) pairs a block visits.
+//
+// Dropout (Philox v2, philox.cuh), the padded op's counters on (B, H, max_seqlen_q, max_seqlen_k):
+// query i of head h of sequence b is row r = (b H + h) max_seqlen_q + i, key j of the sequence
+// column j, group j / 8 of G = ceil(max_seqlen_k / 8) a row. Every kernel computes the keep bits of
+// its current (queries x keys) tile into shared memory first (one Philox call per group of 8 keys,
+// spread over the block's threads); key tiles start at multiples of 8.
 #include "common.cuh"
 #include "philox.cuh"
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 namespace {
 
-constexpr int kMaxThreads = 256;
+constexpr int kThreads = 256;
 
-// The masks of one launch. kpm: (B, Sk) bool, True = padded, or null. am: fp32 additive mask read
-// through (broadcast, 0 where size 1) strides, or null. causal: key j visible to query i iff
-// j <= i + shift, shift = Sk - Sq.
-struct AttnMasks {
-  const bool* kpm;
-  const float* am;
+template <int kD>
+struct Tile {
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head-dim buckets are 64, 128, 256");
+  static constexpr int kTpr = kD / 16;                 // lanes a row: 4, 8, 16
+  static constexpr int kSlice = kD / kTpr;             // head-dim columns a lane: 16
+  static constexpr int kRows = kThreads / kTpr;        // rows a block owns: 64, 32, 16
+  static constexpr int kTile = 4096 / kD;              // streamed rows a tile: 64, 32, 16
+  static constexpr int kGroups = kTile / kFfDropoutGroup;
+  static_assert(kRows % kFfDropoutGroup == 0 && kTile % kFfDropoutGroup == 0,
+                "key tiles start at multiples of the dropout group");
+};
+
+// What every kernel of a launch shares (built by the launchers from FfAttentionArgs).
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  FfRows q_s, k_s, v_s;
+  const int32_t* cu_q;  // varlen: sequence b's rows from cu_q[b]; null for the padded op
+  const int32_t* cu_k;
+  int64_t H, D, total_q, total_k, max_q, max_k;
+  const bool* kpm;  // (B, max_k) contiguous, True = padded key, or null
+  const float* am;  // additive, (b, h, i, j) at b am_sb + h am_sh + i am_sq + j am_sk, or null
   int64_t am_sb, am_sh, am_sq, am_sk;
   int causal;
-  int64_t shift;
+  int dropout;  // dropout_p > 0: kept values are scaled by keep_scale, the others are 0
+  float scale, keep_scale;
+  uint32_t threshold;
+  uint64_t seed, offset;
 };
 
-// The masks of row (b, h, i): padded-key row, additive-mask row, the last visible causal key.
-struct RowMasks {
+// A sequence's rows: [start, start + len).
+struct Seq {
+  int64_t start, len;
+};
+
+// Sequence b of a varlen operand (cu not null), clamped to the tensor's rows and to max_seqlen;
+// every sequence of the padded op is rows [0, max_len).
+FF_DEVICE Seq seq_of(const int32_t* cu, int64_t b, int64_t total, int64_t max_len) {
+  if (cu == nullptr) return {0, max_len};
+  int64_t s = cu[b], e = cu[b + 1];
+  s = s < 0 ? 0 : (s > total ? total : s);
+  e = e < s ? s : (e > total ? total : e);
+  const int64_t len = e - s;
+  return {s, len > max_len ? max_len : len};
+}
+
+// The element offset of row 0 of sequence s (batch b), head h, in an operand laid out as r.
+FF_DEVICE int64_t row0(const FfRows& r, int64_t b, int64_t h, const Seq& s) {
+  return b * r.batch + s.start * r.row + h * r.head;
+}
+
+// The padded op's masks of (batch b, head h): its key_padding_mask row and attn_mask plane (both
+// null for varlen, or when not given).
+struct Masks {
   const bool* kpm;
   const float* am;
-  int64_t am_sk;
-  int64_t last;  // causal: keys past it are hidden (INT64_MAX when not causal)
+  int64_t am_sq, am_sk;
 };
 
-FF_DEVICE RowMasks row_masks(const AttnMasks& mk, int64_t b, int64_t h, int64_t i, int64_t Sk) {
-  RowMasks r;
-  r.kpm = mk.kpm != nullptr ? mk.kpm + b * Sk : nullptr;
-  r.am = mk.am != nullptr ? mk.am + b * mk.am_sb + h * mk.am_sh + i * mk.am_sq : nullptr;
-  r.am_sk = mk.am_sk;
-  r.last = mk.causal ? i + mk.shift : INT64_MAX;
-  return r;
+FF_DEVICE Masks masks_of(const Params& p, int64_t b, int64_t h) {
+  return {p.kpm != nullptr ? p.kpm + b * p.max_k : nullptr,
+          p.am != nullptr ? p.am + b * p.am_sb + h * p.am_sh : nullptr, p.am_sq, p.am_sk};
 }
 
-// The scaled and masked score of key j: -inf when a mask hides it (visible = false), else
-// scale s + am (NaN and inf pass through).
-FF_DEVICE float masked_score(const float* srow, int64_t j, float scale, const RowMasks& r,
-                             bool& visible) {
-  visible = false;
-  if (j > r.last) return -INFINITY;
-  if (r.kpm != nullptr && r.kpm[j]) return -INFINITY;
-  float x = srow[j] * scale;
-  if (r.am != nullptr) {
-    const float a = r.am[j * r.am_sk];
-    if (a == -INFINITY) return -INFINITY;
-    x += a;
+FF_DEVICE bool key_padded(const Masks& m, int64_t j) { return m.kpm != nullptr && m.kpm[j]; }
+
+// x += attn_mask[i, j]; false where the mask is -inf: that hides the key whatever x is.
+FF_DEVICE bool add_attn_mask(const Masks& m, int64_t i, int64_t j, float& x) {
+  if (m.am == nullptr) return true;
+  const float a = m.am[i * m.am_sq + j * m.am_sk];
+  x += a;
+  return a != -INFINITY;
+}
+
+// The sum of v over a row group of kTpr lanes, in every lane of the group (the same bits).
+template <int kTpr>
+FF_DEVICE float group_sum(float v) {
+#pragma unroll
+  for (int m = kTpr / 2; m > 0; m >>= 1) v += __shfl_xor_sync(kFfFullMask, v, m);
+  return v;
+}
+
+// dst[r kD + c] (fp32, shared) = row first + r, column c of the sequence's rows at base (row
+// stride `stride`, unit column stride), 0 for r >= valid or c >= D. Every thread calls it.
+template <typename T, int kD, int kR>
+FF_DEVICE void load_tile(float* dst, const T* base, int64_t stride, int64_t first, int64_t valid,
+                         int64_t D) {
+  for (int e = threadIdx.x; e < kR * kD; e += kThreads) {
+    const int r = e / kD, c = e % kD;
+    float x = 0.0f;
+    if (r < valid && c < D) x = ff_to_float(base[(first + r) * stride + c]);
+    dst[e] = x;
   }
-  visible = true;
-  return x;
 }
 
-// Online softmax state of part of a row: running max m (over the finite-or-+inf visible scores)
-// and sum l of exp(x - m) (a NaN score makes l NaN for good); v = 1 once a key is visible.
-struct MaxSum {
-  float m, l, v;
+// keep[i (kCols / 8) + g], bit t: key k0 + 8 g + t is kept for query q0 + i of sequence b, head h
+// (0 for a query or key group outside the sequence). k0 is a multiple of 8. Every thread calls it.
+template <int kRowsQ, int kCols>
+FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int64_t q0,
+                         int64_t q_len, int64_t k0, int64_t k_len) {
+  constexpr int kG = kCols / kFfDropoutGroup;
+  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.max_k));
+  for (int e = threadIdx.x; e < kRowsQ * kG; e += kThreads) {
+    const int i = e / kG, g = e % kG;
+    const int64_t qi = q0 + i, kj = k0 + kFfDropoutGroup * g;
+    uint32_t bits = 0u;
+    if (qi < q_len && kj < k_len) {
+      const uint64_t r = static_cast<uint64_t>((b * p.H + h) * p.max_q + qi);
+      bits = ff_dropout_keep8(p.seed, p.offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup),
+                              p.threshold);
+    }
+    keep[e] = static_cast<uint8_t>(bits);
+  }
+}
+
+// The block's (tile, head, sequence) from the flat blockIdx.x = tile + tiles (h + H b).
+struct BlockIdx {
+  int64_t tile, h, b;
 };
 
-FF_DEVICE void max_sum_add(MaxSum& s, float x) {
-  if (x == -INFINITY) return;  // contributes exp(-inf - m) = 0
-  if (x > s.m) {
-    s.l = s.l * expf(s.m - x) + 1.0f;  // m = -inf at first: l = 0 * 0 + 1
-    s.m = x;
-  } else {
-    s.l += expf(x - s.m);  // x NaN: l NaN
-  }
+FF_DEVICE BlockIdx block_idx(int64_t tiles, int64_t H) {
+  const int64_t x = blockIdx.x, bh = x / tiles;
+  return {x % tiles, bh % H, bh / H};
 }
 
-// l rescaled from max mi to the combined max m >= mi (l is 0 or NaN while mi = -inf).
-FF_DEVICE float rescale(float l, float mi, float m) { return mi == m ? l : l * expf(mi - m); }
-
-FF_DEVICE MaxSum max_sum_merge(MaxSum a, MaxSum b) {
-  const float m = fmaxf(a.m, b.m);
-  MaxSum r;
-  r.m = m;
-  r.l = rescale(a.l, a.m, m) + rescale(b.l, b.m, m);
-  r.v = fmaxf(a.v, b.v);
-  return r;
+// One past the last key that a query in [0, q_last] can see (causal), or Lk; may be <= 0.
+FF_DEVICE int64_t key_end(const Params& p, int64_t q_last, int64_t Lq, int64_t Lk) {
+  if (!p.causal) return Lk;
+  const int64_t e = q_last + (Lk - Lq) + 1;
+  return e < Lk ? e : Lk;
 }
 
-// The states of the warp's 32 lanes merged (butterfly), in every lane.
-FF_DEVICE MaxSum warp_max_sum(MaxSum s) {
+// ------------------------------------------------------------------ forward
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ lse, FfRows lse_s,
+              int64_t tiles) {
+  using C = Tile<kD>;
+  constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BM = C::kRows, BN = C::kTile;
+  constexpr int kChunk = BN < 32 ? BN : 32;  // scores held in registers at once
+  __shared__ __align__(16) float ks[BN * kD];
+  __shared__ __align__(16) float vs[BN * kD];
+  __shared__ uint8_t keep_s[BM * C::kGroups];
+
+  const BlockIdx bi = block_idx(tiles, p.H);
+  const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
+  const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
+  const int64_t m0 = bi.tile * BM;
+  if (m0 >= sq.len) return;  // the whole block: no barrier is left waiting
+  const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
+  const int64_t qi = m0 + grp, shift = sk.len - sq.len;
+  const bool row_valid = qi < sq.len;
+  const Masks mk = masks_of(p, bi.b, bi.h);
+
+  const T* qp = static_cast<const T*>(p.q) + row0(p.q_s, bi.b, bi.h, sq);
+  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h, sk);
+  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h, sk);
+  float qr[kSlice], acc[kSlice];
 #pragma unroll
-  for (int mask = kFfWarpSize / 2; mask > 0; mask >>= 1) {
-    MaxSum o;
-    o.m = __shfl_xor_sync(kFfFullMask, s.m, mask);
-    o.l = __shfl_xor_sync(kFfFullMask, s.l, mask);
-    o.v = __shfl_xor_sync(kFfFullMask, s.v, mask);
-    s = max_sum_merge(s, o);
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    qr[c] = row_valid && d < p.D ? ff_to_float(qp[qi * p.q_s.row + d]) : 0.0f;
+    acc[c] = 0.0f;
   }
-  return s;
-}
+  const int64_t q_last = (m0 + BM < sq.len ? m0 + BM : sq.len) - 1;
+  const int64_t n_end = key_end(p, q_last, sq.len, sk.len);  // block-uniform
+  const int64_t row_last = p.causal ? qi + shift : sk.len - 1;
+  float m = -INFINITY, l = 0.0f;
+  bool sees = false;  // a key visible by the masks (whatever its score)
 
-// The state of the whole row, in every thread (blockDim.x a multiple of 32, every thread calls).
-// red: __shared__ scratch of 3 * 32 floats.
-FF_DEVICE MaxSum block_max_sum(MaxSum s, float* red) {
-  s = warp_max_sum(s);
-  const int lane = threadIdx.x % kFfWarpSize, warp = threadIdx.x / kFfWarpSize;
-  const int warps = blockDim.x / kFfWarpSize;
-  __syncthreads();  // the previous row's readers are done with red
-  if (lane == 0) {
-    red[warp] = s.m;
-    red[kFfWarpSize + warp] = s.l;
-    red[2 * kFfWarpSize + warp] = s.v;
-  }
-  __syncthreads();
-  MaxSum w;
-  w.m = lane < warps ? red[lane] : -INFINITY;
-  w.l = lane < warps ? red[kFfWarpSize + lane] : 0.0f;
-  w.v = lane < warps ? red[2 * kFfWarpSize + lane] : 0.0f;
-  return warp_max_sum(w);
-}
+  for (int64_t n0 = 0; n0 < n_end; n0 += BN) {
+    __syncthreads();  // the previous tile's readers are done
+    load_tile<T, kD, BN>(ks, kp, p.k_s.row, n0, sk.len - n0, p.D);
+    load_tile<T, kD, BN>(vs, vp, p.v_s.row, n0, sk.len - n0, p.D);
+    if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
+    __syncthreads();
 
-// The keep mask of the 8 columns of group g of row `row` (bit c: column 8 g + c kept).
-FF_DEVICE uint32_t group_keep(uint64_t seed, uint64_t offset, int64_t row, int64_t Sk, int64_t g,
-                              uint32_t threshold) {
-  return ff_dropout_keep8(seed, ff_dropout_counter(offset, row, Sk, g), threshold);
-}
-
-constexpr int kChunk = kFfWarpSize * kFfDropoutGroup;  // columns a warp takes at a time: 32 groups
-
-// Calls f(j, kept) for the columns j of row `row` that this thread owns, coalesced: warp w of the
-// block takes chunks w, w + warps, ... of 256 columns (32 groups of 8), and lane l columns
-// l, l + 32, ..., l + 224 of a chunk. With dropout, lane l makes the one Philox call of the chunk's
-// group l and the keep bits reach the lanes that own its columns by shuffles (the loop is uniform
-// across the warp: every lane takes part in every shuffle). Without dropout, kept is always true.
-template <typename F>
-FF_DEVICE void for_row_columns(int64_t row, int64_t Sk, bool dropout, uint32_t threshold,
-                               uint64_t seed, uint64_t offset, F&& f) {
-  const int lane = threadIdx.x % kFfWarpSize, warp = threadIdx.x / kFfWarpSize;
-  const int warps = blockDim.x / kFfWarpSize;
-  const int64_t G = ff_dropout_groups(Sk), chunks = (Sk + kChunk - 1) / kChunk;
-  for (int64_t chunk = warp; chunk < chunks; chunk += warps) {
-    const int64_t j0 = chunk * kChunk;
-    if (dropout) {
-      const int64_t g = chunk * kFfWarpSize + lane;  // the group whose Philox call this lane makes
-      const uint32_t keep = g < G ? group_keep(seed, offset, row, Sk, g, threshold) : 0u;
+    // the tile's keys in chunks of kChunk scores (registers), each an online-softmax step
 #pragma unroll
-      for (int m = 0; m < kFfDropoutGroup; ++m) {
-        const int c = lane + kFfWarpSize * m;  // column within the chunk, in group c / 8
-        const uint32_t bits = __shfl_sync(kFfFullMask, keep, c / kFfDropoutGroup);
-        if (j0 + c < Sk) f(j0 + c, ((bits >> (c % kFfDropoutGroup)) & 1u) != 0u);
+    for (int j0 = 0; j0 < BN; j0 += kChunk) {
+      float s[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        float a = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kSlice; ++c) a = fmaf(qr[c], ks[(j0 + j) * kD + g + kTpr * c], a);
+        s[j] = group_sum<kTpr>(a);
       }
-    } else {
+      // hidden keys -inf (a visible -inf score is 0 as well; a row of only those is NaN below)
+      float mt = -INFINITY;
 #pragma unroll
-      for (int m = 0; m < kFfDropoutGroup; ++m) {
-        const int c = lane + kFfWarpSize * m;
-        if (j0 + c < Sk) f(j0 + c, true);
+      for (int j = 0; j < kChunk; ++j) {
+        const int64_t key = n0 + j0 + j;
+        float x = s[j] * p.scale;
+        bool vis = row_valid && key < sk.len && key <= row_last && !key_padded(mk, key);
+        vis = vis && add_attn_mask(mk, qi, key, x);
+        sees = sees || vis;
+        s[j] = vis ? x : -INFINITY;
+        mt = fmaxf(mt, s[j]);  // ignores NaN: a NaN score reaches l and acc through exp below
+      }
+      const float mn = fmaxf(m, mt);
+      const float alpha = m == mn ? 1.0f : expf(m - mn);  // m = -inf before the first visible key: 0
+      l *= alpha;
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) acc[c] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float e = s[j] == -INFINITY ? 0.0f : expf(s[j] - mn);
+        l += e;
+        float z = 1.0f;
+        if (p.dropout) {
+          const int jj = j0 + j;
+          const uint32_t bits = keep_s[grp * C::kGroups + jj / kFfDropoutGroup];
+          z = (bits >> (jj % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        s[j] = e * z;
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+        for (int c = 0; c < kSlice; ++c) acc[c] = fmaf(s[j], vs[(j0 + j) * kD + g + kTpr * c], acc[c]);
+      }
+      m = mn;
+    }
+  }
+
+  if (!row_valid) return;  // no barrier follows
+  float row_lse = INFINITY, inv = 0.0f;
+  if (sees) {
+    // every visible score -inf: the reference's exp(s - max) is NaN there
+    row_lse = m == -INFINITY ? NAN : m + logf(l);
+    inv = m == -INFINITY ? NAN : 1.0f / l;
+  }
+  T* orow = out + row0(out_s, bi.b, bi.h, sq) + qi * out_s.row;
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    if (d < p.D) orow[d] = ff_from_float<T>(sees ? acc[c] * inv : 0.0f);
+  }
+  if (g == 0) lse[row0(lse_s, bi.b, bi.h, sq) + qi * lse_s.row] = row_lse;
+}
+
+// ------------------------------------------------------------------ backward
+
+// dQ of a tile of kRows queries, over the key tiles they see; first the rows' delta, which it
+// writes for attention_bwd_dkdv (launched after it).
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
+  using C = Tile<kD>;
+  constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BM = C::kRows, BN = C::kTile;
+  __shared__ __align__(16) float ks[BN * kD];
+  __shared__ __align__(16) float vs[BN * kD];
+  __shared__ uint8_t keep_s[BM * C::kGroups];
+
+  const BlockIdx bi = block_idx(tiles, p.H);
+  const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
+  const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
+  const int64_t m0 = bi.tile * BM;
+  if (m0 >= sq.len) return;
+  const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
+  const int64_t qi = m0 + grp, shift = sk.len - sq.len;
+  const bool row_valid = qi < sq.len;
+  const Masks mk = masks_of(p, bi.b, bi.h);
+
+  const T* qp = static_cast<const T*>(p.q) + row0(p.q_s, bi.b, bi.h, sq) + qi * p.q_s.row;
+  const T* dop = static_cast<const T*>(w.dout) + row0(w.dout_s, bi.b, bi.h, sq) + qi * w.dout_s.row;
+  const T* op = static_cast<const T*>(w.out) + row0(w.out_s, bi.b, bi.h, sq) + qi * w.out_s.row;
+  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h, sk);
+  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h, sk);
+  float qr[kSlice], dor[kSlice], dq[kSlice];
+  float part = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    const bool in = row_valid && d < p.D;
+    qr[c] = in ? ff_to_float(qp[d]) : 0.0f;
+    dor[c] = in ? ff_to_float(dop[d]) : 0.0f;
+    part = fmaf(dor[c], in ? ff_to_float(op[d]) : 0.0f, part);
+    dq[c] = 0.0f;
+  }
+  const float row_delta = group_sum<kTpr>(part);  // rowsum(dO * O), fp32
+  const int64_t stat = row0(w.stat_s, bi.b, bi.h, sq) + qi * w.stat_s.row;
+  if (row_valid && g == 0) w.delta[stat] = row_delta;
+  const float row_lse = row_valid ? w.lse[stat] : INFINITY;
+  const int64_t q_last = (m0 + BM < sq.len ? m0 + BM : sq.len) - 1;
+  const int64_t n_end = key_end(p, q_last, sq.len, sk.len);
+  const int64_t row_last = p.causal ? qi + shift : sk.len - 1;
+
+  for (int64_t n0 = 0; n0 < n_end; n0 += BN) {
+    __syncthreads();
+    load_tile<T, kD, BN>(ks, kp, p.k_s.row, n0, sk.len - n0, p.D);
+    load_tile<T, kD, BN>(vs, vp, p.v_s.row, n0, sk.len - n0, p.D);
+    if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
+    __syncthreads();
+
+#pragma unroll 2
+    for (int j = 0; j < BN; ++j) {
+      float a = 0.0f, b = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) {
+        a = fmaf(qr[c], ks[j * kD + g + kTpr * c], a);
+        b = fmaf(dor[c], vs[j * kD + g + kTpr * c], b);
+      }
+      a = group_sum<kTpr>(a);
+      b = group_sum<kTpr>(b);
+      const int64_t key = n0 + j;
+      float x = a * p.scale;
+      bool vis = row_valid && key < sk.len && key <= row_last && !key_padded(mk, key);
+      vis = vis && add_attn_mask(mk, qi, key, x);
+      float ds = 0.0f;  // hidden keys: exactly 0, also in a NaN row
+      if (vis) {
+        const float pr = expf(x - row_lse);
+        float z = 1.0f;
+        if (p.dropout) {
+          const uint32_t bits = keep_s[grp * C::kGroups + j / kFfDropoutGroup];
+          z = (bits >> (j % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        ds = pr * (b * z - row_delta);
+      }
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) dq[c] = fmaf(ds, ks[j * kD + g + kTpr * c], dq[c]);
+    }
+  }
+
+  if (!row_valid) return;
+  T* dqrow = static_cast<T*>(w.dq) + row0(w.dq_s, bi.b, bi.h, sq) + qi * w.dq_s.row;
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    if (d < p.D) dqrow[d] = ff_from_float<T>(dq[c] * p.scale);
+  }
+}
+
+// dK and dV of a tile of kRows keys, over the query tiles that see them.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
+  using C = Tile<kD>;
+  constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BN = C::kRows, BM = C::kTile;
+  constexpr int kG = BN / kFfDropoutGroup;
+  __shared__ __align__(16) float qs[BM * kD];
+  __shared__ __align__(16) float dos[BM * kD];
+  __shared__ float lse_s[BM], delta_s[BM];
+  __shared__ uint8_t keep_s[BM * kG];
+
+  const BlockIdx bi = block_idx(tiles, p.H);
+  const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
+  const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
+  const int64_t n0 = bi.tile * BN;
+  if (n0 >= sk.len) return;
+  const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
+  const int64_t kj = n0 + grp, shift = sk.len - sq.len;
+  const bool key_valid = kj < sk.len;
+  const Masks mk = masks_of(p, bi.b, bi.h);
+  const bool key_open = key_valid && !key_padded(mk, kj);  // visible to some query, masks aside
+
+  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h, sk) + kj * p.k_s.row;
+  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h, sk) + kj * p.v_s.row;
+  const T* qp = static_cast<const T*>(p.q) + row0(p.q_s, bi.b, bi.h, sq);
+  const T* dop = static_cast<const T*>(w.dout) + row0(w.dout_s, bi.b, bi.h, sq);
+  const float* lsep = w.lse + row0(w.stat_s, bi.b, bi.h, sq);
+  const float* deltap = w.delta + row0(w.stat_s, bi.b, bi.h, sq);
+  float kr[kSlice], vr[kSlice], dk[kSlice], dv[kSlice];
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    const bool in = key_valid && d < p.D;
+    kr[c] = in ? ff_to_float(kp[d]) : 0.0f;
+    vr[c] = in ? ff_to_float(vp[d]) : 0.0f;
+    dk[c] = 0.0f;
+    dv[c] = 0.0f;
+  }
+  // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the tile
+  int64_t i_begin = p.causal ? n0 - shift : 0;
+  if (i_begin < 0) i_begin = 0;
+
+  for (int64_t i0 = i_begin; i0 < sq.len; i0 += BM) {
+    __syncthreads();
+    load_tile<T, kD, BM>(qs, qp, p.q_s.row, i0, sq.len - i0, p.D);
+    load_tile<T, kD, BM>(dos, dop, w.dout_s.row, i0, sq.len - i0, p.D);
+    for (int t = threadIdx.x; t < BM; t += kThreads) {
+      const bool in = i0 + t < sq.len;
+      lse_s[t] = in ? lsep[(i0 + t) * w.stat_s.row] : INFINITY;
+      delta_s[t] = in ? deltap[(i0 + t) * w.stat_s.row] : 0.0f;
+    }
+    if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, i0, sq.len, n0, sk.len);
+    __syncthreads();
+
+#pragma unroll 2
+    for (int i = 0; i < BM; ++i) {
+      float a = 0.0f, b = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) {
+        a = fmaf(kr[c], qs[i * kD + g + kTpr * c], a);
+        b = fmaf(vr[c], dos[i * kD + g + kTpr * c], b);
+      }
+      a = group_sum<kTpr>(a);
+      b = group_sum<kTpr>(b);
+      const int64_t qi = i0 + i;
+      float x = a * p.scale;
+      bool vis = key_open && qi < sq.len && (!p.causal || kj <= qi + shift);
+      vis = vis && add_attn_mask(mk, qi, kj, x);
+      const float row_lse = lse_s[i];
+      // hidden: P = 0, or NaN in a NaN row (lse NaN) as the reference's; dS = 0 either way
+      float pd = row_lse != row_lse ? row_lse : 0.0f, ds = 0.0f;
+      if (vis) {
+        const float pr = expf(x - row_lse);  // lse +inf (no visible key): 0
+        float z = 1.0f;
+        if (p.dropout) {
+          const uint32_t bits = keep_s[i * kG + grp / kFfDropoutGroup];
+          z = (bits >> (grp % kFfDropoutGroup)) & 1u ? p.keep_scale : 0.0f;
+        }
+        pd = pr * z;
+        ds = pr * (b * z - delta_s[i]);
+      }
+#pragma unroll
+      for (int c = 0; c < kSlice; ++c) {
+        dv[c] = fmaf(pd, dos[i * kD + g + kTpr * c], dv[c]);
+        dk[c] = fmaf(ds, qs[i * kD + g + kTpr * c], dk[c]);
       }
     }
   }
-}
 
-// prob's marker of a key hidden by the masks: -0.0f, which exp never gives. The softmax backward
-// makes dS exactly 0 there even in a NaN row (the reference's masked_fill passes no gradient to a
-// hidden score), while P itself is NaN at every key of a NaN row, as in the reference.
-FF_DEVICE float hidden_prob() { return -0.0f; }
-FF_DEVICE bool is_hidden_prob(float p) { return __float_as_uint(p) == 0x80000000u; }
-
-// Writes P = exp(x - lse) of the masked scores of row `row`: prob (fp32, may alias s: each
-// element is read and written by the same thread) holds P at visible keys and hidden_prob() at
-// hidden ones; dropped (in T, when not null) P Z. lse = +inf (no visible key) gives P = 0.
-// Every thread of the block calls it (for_row_columns shuffles).
-template <typename T>
-FF_DEVICE void write_row_probs(const float* srow, float* prob, T* dropped, int64_t row, int64_t Sk,
-                               float scale, const RowMasks& rm, float lse, uint32_t threshold,
-                               float keep_scale, uint64_t seed, uint64_t offset) {
-  const bool none_visible = lse == INFINITY;
-  const bool dropout = dropped != nullptr && threshold != 0u;
-  for_row_columns(row, Sk, dropout, threshold, seed, offset, [&](int64_t j, bool kept) {
-    float p = 0.0f;
-    bool visible = false;
-    if (!none_visible) p = expf(masked_score(srow, j, scale, rm, visible) - lse);  // hidden: 0, or NaN if lse is
-    if (prob != nullptr) prob[j] = visible ? p : hidden_prob();
-    if (dropped != nullptr) dropped[j] = ff_from_float<T>(kept ? p * keep_scale : 0.0f);
-  });
-}
-
-// Forward: p (rows, Sk) in T (may alias s when T is float) = dropout(softmax(scale s + masks)),
-// lse (rows,) fp32.
-template <typename T>
-__global__ void attention_softmax_fwd(const float* s,       // (rows, Sk) q k^T, unscaled
-                                      T* p,                  // (rows, Sk) out: dropped probabilities
-                                      float* lse,            // (rows,) out: log-sum-exp, +inf if none visible
-                                      int64_t rows, int64_t H, int64_t Sq, int64_t Sk, float scale,
-                                      AttnMasks mk, uint32_t threshold, float keep_scale,
-                                      uint64_t seed, uint64_t offset) {
-  __shared__ float red[3 * kFfWarpSize];
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
-    const float* srow = s + row * Sk;
-    const RowMasks rm = row_masks(mk, b, h, i, Sk);
-    MaxSum st{-INFINITY, 0.0f, 0.0f};
-    for (int64_t j = threadIdx.x; j < Sk; j += blockDim.x) {
-      bool visible;
-      const float x = masked_score(srow, j, scale, rm, visible);
-      if (visible) st.v = 1.0f;
-      max_sum_add(st, x);
+  if (!key_valid) return;
+  T* dkrow = static_cast<T*>(w.dk) + row0(w.dk_s, bi.b, bi.h, sk) + kj * w.dk_s.row;
+  T* dvrow = static_cast<T*>(w.dv) + row0(w.dv_s, bi.b, bi.h, sk) + kj * w.dv_s.row;
+#pragma unroll
+  for (int c = 0; c < kSlice; ++c) {
+    const int d = g + kTpr * c;
+    if (d < p.D) {
+      dkrow[d] = ff_from_float<T>(dk[c] * p.scale);
+      dvrow[d] = ff_from_float<T>(dv[c]);
     }
-    const MaxSum tot = block_max_sum(st, red);
-    float row_lse = INFINITY;
-    if (tot.v > 0.0f) {
-      // every visible score -inf, or one +inf: the reference's exp(s - max) is NaN there
-      const float l = (tot.m == INFINITY || tot.m == -INFINITY) ? NAN : tot.l;
-      row_lse = tot.m + logf(l);
-    }
-    if (threadIdx.x == 0) lse[row] = row_lse;
-    // p may alias s: every element is read and written by the same thread below, and the
-    // reductions above (with their barriers) are done reading s
-    T* prow = p + row * Sk;
-    write_row_probs<T>(srow, nullptr, prow, row, Sk, scale, rm, row_lse, threshold, keep_scale, seed,
-                       offset);
   }
 }
 
-// Backward, first kernel: prob (rows, Sk) fp32 over s = P = exp(masked scale s - lse) (hidden
-// keys: hidden_prob()), and, when dropped is not null, dropped (rows, Sk) in T = P Z.
-template <typename T>
-__global__ void attention_probs_bwd(float* s,              // (rows, Sk) in: q k^T, out: P
-                                    T* dropped,            // (rows, Sk) out: P Z, or null
-                                    const float* lse,      // (rows,) the forward's
-                                    int64_t rows, int64_t H, int64_t Sq, int64_t Sk, float scale,
-                                    AttnMasks mk, uint32_t threshold, float keep_scale,
-                                    uint64_t seed, uint64_t offset) {
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
-    float* srow = s + row * Sk;
-    const RowMasks rm = row_masks(mk, b, h, i, Sk);
-    write_row_probs<T>(srow, srow, dropped != nullptr ? dropped + row * Sk : nullptr, row, Sk, scale,
-                       rm, lse[row], threshold, keep_scale, seed, offset);
-  }
+// ------------------------------------------------------------------ launchers
+
+Params make_params(const FfAttentionArgs& a) {
+  Params p;
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.q_s = a.q_s;
+  p.k_s = a.k_s;
+  p.v_s = a.v_s;
+  p.cu_q = a.cu_seqlens_q;
+  p.cu_k = a.cu_seqlens_k;
+  p.H = a.H;
+  p.D = a.D;
+  p.total_q = a.total_q;
+  p.total_k = a.total_k;
+  p.max_q = a.max_seqlen_q;
+  p.max_k = a.max_seqlen_k;
+  p.kpm = a.key_padding_mask;
+  p.am = a.attn_mask;
+  p.am_sb = a.am_sb;
+  p.am_sh = a.am_sh;
+  p.am_sq = a.am_sq;
+  p.am_sk = a.am_sk;
+  p.causal = a.causal ? 1 : 0;
+  p.dropout = a.dropout_p > 0.0 ? 1 : 0;
+  p.scale = static_cast<float>(a.scale);
+  p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
+  p.threshold = ff_dropout_threshold(a.dropout_p);
+  p.seed = a.seed;
+  p.offset = a.offset;
+  return p;
 }
 
-// Backward, second kernel: ds (rows, Sk) in T (may alias dp when T is float) = scale P (dp Z - delta),
-// 0 at hidden keys, with delta = sum over d of dout * out (row (b, h, i) of each, D columns, read
-// through strides).
-template <typename T>
-__global__ void attention_softmax_bwd(const float* prob,   // (rows, Sk) P, undropped
-                                      const float* dp,     // (rows, Sk) dO v^T
-                                      T* ds,               // (rows, Sk) out
-                                      const T* dout, int64_t do_sb, int64_t do_sh, int64_t do_ss,
-                                      const T* out, int64_t o_sb, int64_t o_sh, int64_t o_ss,
-                                      int64_t rows, int64_t H, int64_t Sq, int64_t Sk, int64_t D,
-                                      float scale, uint32_t threshold, float keep_scale,
-                                      uint64_t seed, uint64_t offset) {
-  __shared__ float red[kFfWarpSize];
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t i = row % Sq, bh = row / Sq, h = bh % H, b = bh / H;
-    const T* gr = dout + b * do_sb + h * do_sh + i * do_ss;
-    const T* orow = out + b * o_sb + h * o_sh + i * o_ss;
-    float part = 0.0f;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) part += ff_to_float(gr[d]) * ff_to_float(orow[d]);
-    const float delta = ff_block_sum(part, red);
-    const float* prow = prob + row * Sk;
-    const float* dprow = dp + row * Sk;
-    T* dsrow = ds + row * Sk;  // may alias dprow: each element is read and written by one thread
-    // threshold 0 keeps every element (kept is then always true), still scaled by 1 / (1 - p)
-    for_row_columns(row, Sk, threshold != 0u, threshold, seed, offset, [&](int64_t j, bool kept) {
-      const float z = kept ? keep_scale : 0.0f;
-      const float pj = prow[j];
-      dsrow[j] = ff_from_float<T>(is_hidden_prob(pj) ? 0.0f : scale * pj * (dprow[j] * z - delta));
-    });
-  }
+// Blocks of a launch over `rows_per_seq` rows of each (sequence, head) in tiles of `tile` rows;
+// 0 for nothing to do, -1 when the grid would be too large.
+int64_t grid_blocks(const FfAttentionArgs& a, int64_t rows_per_seq, int64_t tile, int64_t* tiles) {
+  *tiles = (rows_per_seq + tile - 1) / tile;
+  if (*tiles == 0 || a.B == 0 || a.H == 0) return 0;
+  const int64_t limit = (int64_t{1} << 31) - 1;
+  if (*tiles > limit / a.B || *tiles * a.B > limit / a.H) return -1;
+  return *tiles * a.B * a.H;
 }
 
-// Threads per row block: a warp per chunk of 256 keys, 1 .. 8 warps.
-int row_threads(int64_t Sk) {
-  int64_t t = (Sk + kChunk - 1) / kChunk * kFfWarpSize;
-  if (t < kFfWarpSize) t = kFfWarpSize;
-  if (t > kMaxThreads) t = kMaxThreads;
-  return static_cast<int>(t);
-}
+constexpr const char* kTooManyBlocks =
+    "attention: ceil(sequence length / tile) * B * H blocks exceed the grid's 2^31 - 1";
 
-// What every row launch shares: one block a row, the dropout threshold and 1 / (1 - p).
-struct RowLaunch {
-  int64_t rows;
-  uint32_t threshold;
-  float keep_scale;
-  dim3 grid, block;
-  RowLaunch(int64_t B, int64_t H, int64_t Sq, int64_t Sk, double dropout_p)
-      : rows(B * H * Sq),
-        threshold(ff_dropout_threshold(dropout_p)),
-        keep_scale(static_cast<float>(1.0 / (1.0 - dropout_p))),
-        grid(ff_grid_blocks(rows, 1)),
-        block(row_threads(Sk)) {}
-};
-
-// The launch of attention_softmax_fwd and attention_probs_bwd, which take the same arguments:
-// pick(static_cast<T*>(nullptr)) is the kernel for element type T; S and L are the two kernels'
-// types of s and lse (read or written).
-template <typename Pick, typename S, typename L>
-const char* launch_masked_rows(Pick pick, S* s, void* out, L* lse, int64_t B, int64_t H, int64_t Sq,
-                               int64_t Sk, int dtype, double scale, const bool* kpm, const float* am,
-                               int64_t am_sb, int64_t am_sh, int64_t am_sq, int64_t am_sk,
-                               int causal, double dropout_p, uint64_t seed, uint64_t offset,
-                               void* stream) {
-  if (B * H * Sq == 0 || Sk == 0) return nullptr;
-  const AttnMasks mk{kpm, am, am_sb, am_sh, am_sq, am_sk, causal, Sk - Sq};
-  const RowLaunch rl(B, H, Sq, Sk, dropout_p);
-  FF_DISPATCH_DTYPE(dtype, T, {
-    auto* kernel = pick(static_cast<T*>(nullptr));
-    FF_LAUNCH(kernel, rl.grid, rl.block, 0, stream, s, static_cast<T*>(out), lse, rl.rows, H, Sq,
-              Sk, static_cast<float>(scale), mk, rl.threshold, rl.keep_scale, seed, offset);
+template <int kD>
+const char* launch_fwd(const FfAttentionArgs& a, void* out, FfRows out_s, float* lse, FfRows lse_s,
+                       void* stream) {
+  int64_t tiles;
+  const int64_t blocks = grid_blocks(a, a.max_seqlen_q, Tile<kD>::kRows, &tiles);
+  if (blocks == 0) return nullptr;
+  if (blocks < 0) return kTooManyBlocks;
+  const Params p = make_params(a);
+  FF_DISPATCH_DTYPE(a.dtype, T, {
+    auto* kernel = &attention_fwd<T, kD>;
+    FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p,
+              static_cast<T*>(out), out_s, lse, lse_s, tiles);
   });
   return ff_last_error();
 }
+
+// dQ (and delta) first, then dK / dV, which read delta.
+template <int kD>
+const char* launch_bwd(const FfAttentionArgs& a, const FfAttentionGrads& w, void* stream) {
+  const Params p = make_params(a);
+  int64_t tiles;
+  int64_t blocks = grid_blocks(a, a.max_seqlen_q, Tile<kD>::kRows, &tiles);
+  if (blocks < 0) return kTooManyBlocks;
+  if (blocks > 0) {
+    FF_DISPATCH_DTYPE(a.dtype, T, {
+      auto* kernel = &attention_bwd_dq<T, kD>;
+      FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p, w, tiles);
+    });
+    if (const char* err = ff_last_error()) return err;
+  }
+  blocks = grid_blocks(a, a.max_seqlen_k, Tile<kD>::kRows, &tiles);
+  if (blocks < 0) return kTooManyBlocks;
+  if (blocks > 0) {
+    FF_DISPATCH_DTYPE(a.dtype, T, {
+      auto* kernel = &attention_bwd_dkdv<T, kD>;
+      FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p, w, tiles);
+    });
+  }
+  return ff_last_error();
+}
+
+// The head-dim bucket of D (1 .. 256).
+int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
+
+constexpr const char* kBadHeadDim = "attention: head dim must be in [1, 256]";
 
 }  // namespace
 
-const char* launch_attention_softmax_fwd(const float* s, void* p, float* lse, int64_t B, int64_t H,
-                                         int64_t Sq, int64_t Sk, int dtype, double scale,
-                                         const bool* kpm, const float* am, int64_t am_sb,
-                                         int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
-                                         double dropout_p, uint64_t seed, uint64_t offset,
-                                         void* stream) {
-  const auto pick = [](auto* t) { return &attention_softmax_fwd<std::remove_pointer_t<decltype(t)>>; };
-  return launch_masked_rows(pick, s, p, lse, B, H, Sq, Sk, dtype, scale, kpm, am, am_sb, am_sh, am_sq,
-                            am_sk, causal, dropout_p, seed, offset, stream);
+const char* launch_attention_fwd(const FfAttentionArgs& a, void* out, FfRows out_s, float* lse,
+                                 FfRows lse_s, void* stream) {
+  if (a.D < 1 || a.D > 256) return kBadHeadDim;
+  switch (bucket(a.D)) {
+    case 64: return launch_fwd<64>(a, out, out_s, lse, lse_s, stream);
+    case 128: return launch_fwd<128>(a, out, out_s, lse, lse_s, stream);
+    default: return launch_fwd<256>(a, out, out_s, lse, lse_s, stream);
+  }
 }
 
-const char* launch_attention_probs_bwd(float* s, void* dropped, const float* lse, int64_t B,
-                                       int64_t H, int64_t Sq, int64_t Sk, int dtype, double scale,
-                                       const bool* kpm, const float* am, int64_t am_sb,
-                                       int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
-                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                       void* stream) {
-  const auto pick = [](auto* t) { return &attention_probs_bwd<std::remove_pointer_t<decltype(t)>>; };
-  return launch_masked_rows(pick, s, dropped, lse, B, H, Sq, Sk, dtype, scale, kpm, am, am_sb, am_sh,
-                            am_sq, am_sk, causal, dropout_p, seed, offset, stream);
-}
-
-const char* launch_attention_softmax_bwd(const float* prob, const float* dp, void* ds,
-                                         const void* dout, int64_t do_sb, int64_t do_sh,
-                                         int64_t do_ss, const void* out, int64_t o_sb,
-                                         int64_t o_sh, int64_t o_ss, int64_t B, int64_t H,
-                                         int64_t Sq, int64_t Sk, int64_t D, int dtype, double scale,
-                                         double dropout_p, uint64_t seed, uint64_t offset,
-                                         void* stream) {
-  if (B * H * Sq == 0 || Sk == 0) return nullptr;
-  const RowLaunch rl(B, H, Sq, Sk, dropout_p);
-  FF_DISPATCH_DTYPE(dtype, T, {
-    auto* kernel = &attention_softmax_bwd<T>;
-    FF_LAUNCH(kernel, rl.grid, rl.block, 0, stream, prob, dp, static_cast<T*>(ds),
-              static_cast<const T*>(dout), do_sb, do_sh, do_ss, static_cast<const T*>(out), o_sb,
-              o_sh, o_ss, rl.rows, H, Sq, Sk, D, static_cast<float>(scale), rl.threshold,
-              rl.keep_scale, seed, offset);
-  });
-  return ff_last_error();
+const char* launch_attention_bwd(const FfAttentionArgs& a, const FfAttentionGrads& w, void* stream) {
+  if (a.D < 1 || a.D > 256) return kBadHeadDim;
+  switch (bucket(a.D)) {
+    case 64: return launch_bwd<64>(a, w, stream);
+    case 128: return launch_bwd<128>(a, w, stream);
+    default: return launch_bwd<256>(a, w, stream);
+  }
 }

@@ -1,8 +1,8 @@
-// attention_varlen on CUDA: the glue of the fused kernels of attention_varlen.cu (schema in
-// csrc/schemas.h, checks in csrc/checks/attention_varlen.h). The host never reads cu_seqlens
-// (that would synchronise with the device): the kernels read them and clamp every sequence to
-// the tensors' rows. Only out and lse are made by the forward; the backward adds the fp32 delta
-// (H, total_q) and the three gradients: nothing of size Lq x Lk exists.
+// attention_varlen on CUDA: the glue of the fused kernels of attention.cu, which the padded op
+// shares (schema in csrc/schemas.h, checks in csrc/checks/attention_varlen.h). The host never
+// reads cu_seqlens (that would synchronise with the device): the kernels read them and clamp every
+// sequence to the tensors' rows. Only out and lse are made by the forward; the backward adds the
+// fp32 delta (H, total_q) and the three gradients: nothing of size Lq x Lk exists.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -17,20 +17,23 @@
 namespace fastformer {
 namespace {
 
-FfVarlenArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& cu_q, const at::Tensor& cu_k,
-                         const checks::VarlenDims& dims, bool is_causal, double scale,
-                         double dropout_p, const FfPhiloxArgs& rng, int dtype) {
-  FfVarlenArgs a;
+// The rows of a (total, H, D) operand, as the kernels address them (start_b from cu_seqlens).
+FfRows packed_rows(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; }
+
+// lse and delta: (H, total_q) contiguous fp32.
+FfRows stat_rows(int64_t total_q) { return {0, 1, total_q}; }
+
+FfAttentionArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_q, const at::Tensor& cu_k,
+                            const checks::VarlenDims& dims, bool is_causal, double scale,
+                            double dropout_p, const FfPhiloxArgs& rng, int dtype) {
+  FfAttentionArgs a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
   a.v = v.const_data_ptr();
-  a.q_row = q.stride(0);
-  a.q_head = q.stride(1);
-  a.k_row = k.stride(0);
-  a.k_head = k.stride(1);
-  a.v_row = v.stride(0);
-  a.v_head = v.stride(1);
+  a.q_s = packed_rows(q);
+  a.k_s = packed_rows(k);
+  a.v_s = packed_rows(v);
   a.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
   a.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
   a.B = dims.B;
@@ -40,6 +43,8 @@ FfVarlenArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Ten
   a.total_k = dims.total_k;
   a.max_seqlen_q = dims.max_seqlen_q;
   a.max_seqlen_k = dims.max_seqlen_k;
+  a.key_padding_mask = nullptr;  // the padded op's masks: none here
+  a.attn_mask = nullptr;
   a.dtype = dtype;
   a.causal = is_causal;
   a.scale = scale;
@@ -67,9 +72,10 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   }
   at::Tensor out = at::empty({dims.total_q, dims.H, dims.D}, q.options());  // (total_q, H, D)
   at::Tensor lse = at::empty({dims.H, dims.total_q}, f32);                  // (H, total_q)
-  const FfVarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
-                                     dropout_p, rng, dtype);
-  FF_CHECK_LAUNCH(launch_attention_varlen_fwd(a, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
+  const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
+                                        dropout_p, rng, dtype);
+  FF_CHECK_LAUNCH(launch_attention_fwd(a, out.data_ptr(), packed_rows(out), lse.data_ptr<float>(),
+                                       stat_rows(dims.total_q), ff_stream(q)));
   return {out, lse};
 }
 
@@ -96,13 +102,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
   }
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
-  const FfVarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
-                                     dropout_p, rng, dtype);
-  FF_CHECK_LAUNCH(launch_attention_varlen_bwd(
-      a, dout.const_data_ptr(), dout.stride(0), dout.stride(1), out.const_data_ptr(), out.stride(0),
-      out.stride(1), lse.const_data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr(),
-      dq.stride(0), dq.stride(1), dk.data_ptr(), dk.stride(0), dk.stride(1), dv.data_ptr(),
-      dv.stride(0), dv.stride(1), ff_stream(q)));
+  const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
+                                        dropout_p, rng, dtype);
+  const FfAttentionGrads g{dout.const_data_ptr(), packed_rows(dout), out.const_data_ptr(), packed_rows(out),
+                           lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(dims.total_q),
+                           dq.data_ptr(), packed_rows(dq), dk.data_ptr(), packed_rows(dk),
+                           dv.data_ptr(), packed_rows(dv)};
+  FF_CHECK_LAUNCH(launch_attention_bwd(a, g, ff_stream(q)));
   return {dq, dk, dv};
 }
 

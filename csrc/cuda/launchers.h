@@ -71,70 +71,60 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
                                       void* stream);
 
-// ---- attention (csrc/cuda/attention.cu)
-// Row kernels over (B, H, Sq, Sk) fp32 matrices, contiguous (row r = (b H + h) Sq + i, Sk
-// columns); the products run in ATen (attention.cpp). Masks: kpm (B, Sk) bool contiguous (True =
-// padded) or null; am fp32 additive, element (b, h, i, j) at b am_sb + h am_sh + i am_sq + j am_sk
-// (0 strides broadcast), or null; causal: key j visible to query i iff j <= i + Sk - Sq. Dropout
-// is Philox v2 with rows of C = Sk columns, one per query.
-// Forward: s = q k^T (unscaled); p in dtype (may alias s when dtype is 0) = dropout(softmax(
-// scale s + masks)); lse (B, H, Sq) fp32, +inf for a row with no visible key (its p is 0).
-const char* launch_attention_softmax_fwd(const float* s, void* p, float* lse, int64_t B, int64_t H,
-                                         int64_t Sq, int64_t Sk, int dtype, double scale,
-                                         const bool* kpm, const float* am, int64_t am_sb,
-                                         int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
-                                         double dropout_p, uint64_t seed, uint64_t offset,
-                                         void* stream);
-// Backward, first: s = q k^T on entry, P = exp(scale s + masks - lse) on return (fp32, in place;
-// -0.0f marks a key hidden by the masks); dropped (when not null) in dtype = P Z, Z the forward's
-// dropout multipliers (NaN at every key of a NaN row, as the reference's probabilities).
-const char* launch_attention_probs_bwd(float* s, void* dropped, const float* lse, int64_t B,
-                                       int64_t H, int64_t Sq, int64_t Sk, int dtype, double scale,
-                                       const bool* kpm, const float* am, int64_t am_sb,
-                                       int64_t am_sh, int64_t am_sq, int64_t am_sk, int causal,
-                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                       void* stream);
-// Backward, second: ds in dtype (may alias dp when dtype is 0) = scale P (dp Z - delta), 0 where
-// prob is -0.0f (hidden keys, also in a NaN row), with
-// dp = dO v^T (fp32) and delta = rowsum(dout * out); dout and out (B, H, Sq, D) in dtype with
-// unit last stride, read through their (b, h, s) strides.
-const char* launch_attention_softmax_bwd(const float* prob, const float* dp, void* ds,
-                                         const void* dout, int64_t do_sb, int64_t do_sh,
-                                         int64_t do_ss, const void* out, int64_t o_sb,
-                                         int64_t o_sh, int64_t o_ss, int64_t B, int64_t H,
-                                         int64_t Sq, int64_t Sk, int64_t D, int dtype, double scale,
-                                         double dropout_p, uint64_t seed, uint64_t offset,
-                                         void* stream);
-
-// ---- attention_varlen (csrc/cuda/attention_varlen.cu)
-// Fused flash-style kernels (FlashAttention-2's algorithm, fp32 accumulation) over packed rows:
-// q (total_q, H, D), k / v (total_k, H, D) in dtype, unit last stride, element strides per row and
-// head; cu_seqlens_q / cu_seqlens_k int32 (B + 1,) on the device, read only there (each sequence
-// clamped to [0, total) and to max_seqlen: memory-safe whatever the values). causal: key j of a
-// sequence visible to its query i iff j <= i + Lk - Lq. Dropout: the padded op's Philox v2
-// counters on (B, H, max_seqlen_q, max_seqlen_k). D in [1, 256].
-struct FfVarlenArgs {
+// ---- attention and attention_varlen (csrc/cuda/attention.cu)
+// Fused flash-style kernels (FlashAttention-2's algorithm, fp32 accumulation, no Sq x Sk buffer),
+// one source for both ops. Row i of sequence b, head h of an operand in dtype (unit stride along
+// the head dim) is element b batch + (start_b + i) row + h head: the padded op's (B, H, S, D)
+// tensors have start_b = 0 (every sequence max_seqlen_q queries and max_seqlen_k keys); varlen's
+// (total, H, D) rows have batch = 0 and start_b = cu_seqlens[b]. lse and delta (fp32, one value
+// a row) are described the same way.
+struct FfRows {
+  int64_t batch, row, head;  // element strides
+};
+// cu_seqlens_q / cu_seqlens_k: varlen's int32 (B + 1,) on the device, read only there (each
+// sequence clamped to [0, total) and to max_seqlen: memory-safe whatever the values), or null for
+// the padded op. key_padding_mask (B, max_seqlen_k) bool contiguous (True = padded) or null;
+// attn_mask fp32 additive (-inf hides a key whatever its score), element (b, h, i, j) at
+// b am_sb + h am_sh + i am_sq + j am_sk (0 strides broadcast), or null. causal: key j of a sequence
+// visible to its query i iff j <= i + Lk - Lq. Dropout: Philox v2 counters of the padded
+// (B, H, max_seqlen_q, max_seqlen_k) probabilities. D in [1, 256].
+struct FfAttentionArgs {
   const void* q;
   const void* k;
   const void* v;
-  int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+  FfRows q_s, k_s, v_s;
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   int64_t B, H, D, total_q, total_k, max_seqlen_q, max_seqlen_k;
+  const bool* key_padding_mask;
+  const float* attn_mask;
+  int64_t am_sb, am_sh, am_sq, am_sk;
   int dtype;
   bool causal;
   double scale, dropout_p;
   uint64_t seed, offset;
 };
-// out (total_q, H, D) contiguous in dtype; lse (H, total_q) fp32, +inf for a row with no key. Rows
-// of q that no sequence owns are not written.
-const char* launch_attention_varlen_fwd(const FfVarlenArgs& a, void* out, float* lse, void* stream);
-// dq / dk / dv in dtype through their (row, head) strides, unit last stride; delta (H, total_q)
-// fp32 workspace (= rowsum(dout * out)); dout / out through their strides, lse (H, total_q) fp32
-// contiguous. Deterministic: a dK / dV kernel per key tile, then a dQ kernel per query tile.
-const char* launch_attention_varlen_bwd(const FfVarlenArgs& a, const void* dout, int64_t do_row,
-                                        int64_t do_head, const void* out, int64_t o_row,
-                                        int64_t o_head, const float* lse, float* delta, void* dq,
-                                        int64_t dq_row, int64_t dq_head, void* dk, int64_t dk_row,
-                                        int64_t dk_head, void* dv, int64_t dv_row, int64_t dv_head,
-                                        void* stream);
+// out in dtype and lse fp32 through their rows (lse +inf for a row with no visible key, whose out
+// is 0). Rows of a varlen q that no sequence owns are not written.
+const char* launch_attention_fwd(const FfAttentionArgs& a, void* out, FfRows out_s, float* lse,
+                                 FfRows lse_s, void* stream);
+// The backward's tensors: dout and out (the forward's) in dtype; lse (read) and delta (fp32
+// workspace, = rowsum(dout * out)) with the rows stat_s; dq / dk / dv in dtype, written.
+struct FfAttentionGrads {
+  const void* dout;
+  FfRows dout_s;
+  const void* out;
+  FfRows out_s;
+  const float* lse;
+  float* delta;
+  FfRows stat_s;
+  void* dq;
+  FfRows dq_s;
+  void* dk;
+  FfRows dk_s;
+  void* dv;
+  FfRows dv_s;
+};
+// Deterministic: a dQ kernel per query tile (which also writes delta), then a dK / dV kernel per
+// key tile.
+const char* launch_attention_bwd(const FfAttentionArgs& a, const FfAttentionGrads& g, void* stream);
