@@ -5,9 +5,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "checks/cross_entropy.h"
+#include "flash_mma.h"
 #include "glue.h"
 #include "mma_selftest.h"
 #include "schemas.h"
@@ -195,6 +197,60 @@ int64_t lce_device_chunk_rows(int64_t n, int64_t V, int64_t elem_size, int64_t f
   return fastformer::checks::linear_cross_entropy_device_chunk_rows(n, V, elem_size, free_bytes);
 }
 
+// ---- the tensor-core flash attention forward (csrc/cuda/flash_fwd_mma.cu), before the attention
+// op's glue calls it: tests/test_flash_mma.py. q / k / v keep their strides (unit last stride).
+std::tuple<at::Tensor, at::Tensor> flash_fwd_mma(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& key_padding_mask,
+                                                 const std::optional<at::Tensor>& attn_mask,
+                                                 bool is_causal, double scale, double dropout_p,
+                                                 int64_t seed, int64_t offset) {
+  const char* op = "flash_fwd_mma";
+  const int dtype = ff_dtype_code(q, "q", op);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
+              ": q, k, v must share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(), op,
+              ": want k and v (B, H, Sk, D) with q's B, H, D");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, op,
+              ": q, k, v need a unit last stride");
+  at::Tensor kpm, am;
+  if (key_padding_mask.has_value()) {
+    kpm = key_padding_mask->contiguous();
+    TORCH_CHECK(kpm.scalar_type() == at::kBool && kpm.dim() == 2 && kpm.size(0) == B &&
+                    kpm.size(1) == Sk, op, ": key_padding_mask must be (B, Sk) bool");
+  }
+  if (attn_mask.has_value()) {
+    TORCH_CHECK(attn_mask->scalar_type() == at::kFloat && attn_mask->dim() == 4, op,
+                ": attn_mask must be 4-D fp32 additive (broadcast by 0 strides)");
+    am = attn_mask->expand({B, H, Sq, Sk});
+  }
+  at::Tensor out = at::empty({B, H, Sq, D}, q.options());
+  at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
+  FfFlashFwdArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.q_sb = q.stride(0), a.q_sh = q.stride(1), a.q_ss = q.stride(2);
+  a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_ss = k.stride(2);
+  a.v_sb = v.stride(0), a.v_sh = v.stride(1), a.v_ss = v.stride(2);
+  a.B = B, a.H = H, a.Sq = Sq, a.Sk = Sk, a.D = D;
+  a.dtype = dtype;
+  a.causal = is_causal;
+  a.scale = scale;
+  a.kpm = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
+  a.kpm_sb = Sk;
+  if (am.defined()) {
+    a.am = am.const_data_ptr<float>();
+    a.am_sb = am.stride(0), a.am_sh = am.stride(1), a.am_sq = am.stride(2), a.am_sk = am.stride(3);
+  }
+  a.dropout_p = dropout_p;
+  a.seed = static_cast<uint64_t>(seed);
+  a.offset = static_cast<uint64_t>(offset);
+  FF_CHECK_LAUNCH(launch_flash_fwd_mma(a, out.data_ptr(), lse.data_ptr<float>(), nullptr));
+  return {out, lse};
+}
 }  // namespace
 
 TORCH_LIBRARY(fastformer_simt_selftest, m) {
@@ -216,6 +272,8 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("set_sm_count(int n) -> int");
   m.def("set_free_memory(int bytes) -> int");
   m.def("lce_device_chunk_rows(int n, int V, int elem_size, int free_bytes) -> int");
+  m.def("flash_fwd_mma(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_mask, "
+        "bool is_causal, float scale, float dropout_p, int seed, int offset) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
@@ -229,6 +287,7 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
   m.impl("ldmatrix", &ldmatrix);
   m.impl("mma_gemm", &mma_gemm);
   m.impl("cp_async", &cp_async);
+  m.impl("flash_fwd_mma", &flash_fwd_mma);
 }
 
 // Ops without a tensor argument dispatch through CompositeExplicitAutograd.

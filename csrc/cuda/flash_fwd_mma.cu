@@ -1,0 +1,560 @@
+// Attention forward on tensor cores: FlashAttention-2's algorithm with mma.sync m16n8k16 (bf16 /
+// fp16 inputs, fp32 accumulation), ldmatrix and cp.async (the wrappers of mma.cuh, whose header
+// gives the PTX fragment layouts used below). Launcher declared in flash_mma.h; the definition is
+// fastformer/ops/reference.py::attention. Not yet called by the attention op's glue.
+//
+// Tiling. A block of kWarps = 4 warps owns kBlockM = 64 query rows of one (b, h), 16 per warp
+// (warp w: rows m0 + 16 w .. + 15). It streams the keys in tiles of kBlockN rows (64 for the
+// head-dim buckets 64 and 128, 32 for 256) through shared memory: K and V tiles double-buffered
+// (tile n + 1 is copied with cp.async while tile n is computed; wait_group 1 + __syncthreads
+// before a tile is read, __syncthreads after, before its stage is refilled). The Q tile is copied
+// once; for kD <= 128 each warp keeps its Q rows as mma A fragments in registers (loaded with
+// ldmatrix once), for kD = 256 it re-reads them from shared memory each k-step (registers: the
+// 16 x 256 fp32 output accumulator alone takes 128 a lane).
+//
+// Per key tile and warp (lane = 4 g + t: groupID g, threadID_in_group t):
+//   S = Q K^T    16 x kBlockN fp32 in kBlockN / 8 accumulators s[j][4] (the C layout: s[j][0..1]
+//                = row g, keys 8 j + 2 t, + 1; s[j][2..3] = row g + 8, the same keys). A = Q
+//                (ldmatrix .x4 of the row-major tile), B = K^T "col": K's rows (key-major, head
+//                dim contiguous) are B^T, read with plain ldmatrix .x4 (two n8 tiles x two k
+//                halves a call).
+//   softmax      scores scaled into the log2 domain (scale log2 e), masked to -inf; each lane holds
+//                two rows (g, g + 8) and 2 kBlockN / 8 keys of each: the row max is its own max then
+//                __shfl_xor_sync over the quad (xor 1, 2). Running max m (quad-uniform) and a
+//                lane-partial sum l (reduced over the quad once, at the end); the accumulator and l
+//                are rescaled by exp2(m_old - m_new) when the max grows.
+//   O += P V     P stays in registers: the C fragments of two adjacent n8 score tiles are exactly
+//                the A fragment of one k16 step (a[0] = s[2k][0..1], a[1] = s[2k][2..3], a[2] =
+//                s[2k+1][0..1], a[3] = s[2k+1][2..3]), rounded to 16 bits; B = V, stored k-major
+//                (key rows, head dim contiguous), read with ldmatrix .x4.trans. O: kD / 8
+//                accumulators o[d][4] in the C layout (row g / g + 8, head-dim 8 d + 2 t, + 1).
+//   end          out = O / l rounded to 16 bits, staged through the warp's own Q rows of shared
+//                memory and stored as 16-byte row chunks; lse = (m + log2 l) ln 2 per row.
+// No (Sq, Sk) buffer exists anywhere: a tile's scores live in registers only.
+//
+// Shared memory (dynamic, opt-in above 48 KiB): Q kBlockM x kD, K and V 2 x kBlockN x kD, 16-bit,
+// and a byte per key of each stage (1 = hidden: past Sk or padded). Rows are swizzled in 16-byte
+// chunks, chunk c of row r at chunk c ^ (r % 8), so the eight row addresses of an ldmatrix matrix
+// (consecutive rows, one chunk column) fall in eight different bank groups (kD >= 64: at least 8
+// chunks a row). kD 64: 40 KiB, 128: 80 KiB, 256: 96 KiB (+ 128 / 64 bytes of key flags).
+// Edges: rows past Sq / Sk and columns past D are zero-filled (cp.async src-size), never stored;
+// zero V rows keep P = 0 at hidden keys from meeting garbage. Rows that are not 16-byte aligned
+// (a D not a multiple of 8, an odd view) take plain loads into the same layout (kAligned false).
+//
+// Masks, as the reference: causal is bottom-right (key j visible to query i iff j <= i + Sk - Sq);
+// key tiles no row of the block sees are not visited at all; masks are evaluated per element only
+// in tiles that need them (past Sk, a padding or additive mask, crossing the causal diagonal). A
+// row with no visible key gives out 0 and lse +inf; a NaN score at a visible key makes its row NaN
+// (exp2 of NaN reaches l and O); a row whose visible scores are all -inf, or that has a +inf one,
+// is NaN. "Visible" comes from the masks alone: a per-row flag, OR-ed over the quad at the end.
+// The additive mask is added to the scaled score (scale s + am); am = -inf hides the key.
+//
+// Dropout (Philox v2, philox.cuh): row r = (b H + h) Sq + i, key j in group j / 8 of G =
+// ceil(Sk / 8) a row, counter offset + r G + j / 8. An n8 score tile is one group per row; the
+// four lanes of a quad share its two rows, so lane t computes the groups of the tiles j = t mod 4
+// (both rows, packed in one word) and the quad exchanges them with __shfl_sync. l sums the kept
+// and dropped probabilities alike; kept ones enter O unscaled and O is scaled by 1 / (1 - p) once.
+#include "common.cuh"
+#include "flash_mma.h"
+#include "mma.cuh"
+#include "philox.cuh"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kFfWarpSize;
+constexpr int kBlockM = 16 * kWarps;  // query rows a block
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kD>
+struct Cfg {
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head-dim buckets are 64, 128, 256");
+  static constexpr int kBlockN = kD <= 128 ? 64 : 32;  // keys a tile
+  static constexpr int kChunks = kD / 8;               // 16-byte chunks a row
+  static constexpr bool kQInRegs = kD <= 128;
+  static constexpr int kQElems = kBlockM * kD, kKVElems = kBlockN * kD;
+  static constexpr size_t kSmemBytes = (kQElems + 4 * kKVElems) * 2 + 2 * kBlockN;
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of kD columns.
+template <int kD>
+FF_DEVICE int swz(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss;
+  int64_t H, Sq, Sk, D, m_tiles;
+  int causal, dropout, out_vec;  // out_vec: out rows take 16-byte stores (D % 8 == 0)
+  float scale_log2, keep_scale;  // scale log2(e); 1 / (1 - p)
+  const bool* kpm;
+  int64_t kpm_sb;
+  const float* am;
+  int64_t am_sb, am_sh, am_sq, am_sk;
+  uint32_t threshold;
+  uint64_t seed, offset;
+  void* out;
+  float* lse;
+};
+
+// Copies rows [0, kRows) of the matrix at src (row stride `stride`, unit column stride) into the
+// swizzled tile dst; rows >= valid (>= 1) and columns >= D are zeros. Every thread calls it; with
+// kAligned the copies are cp.async (not committed here), else plain loads and stores. A thread
+// copies the same chunk column of rows r0, r0 + kStep, ...: one source pointer and one step.
+template <int kD, int kRows, bool kAligned>
+FF_DEVICE void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int64_t valid64,
+                         int D) {
+  constexpr int kChunks = kD / 8, kStep = kThreads / kChunks, kPer = kRows / kStep;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0, "chunks spread evenly");
+  const int valid = valid64 < kRows ? static_cast<int>(valid64) : kRows;
+  const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const int cols = D - 8 * ch;  // this thread's columns of a row that exist (<= 0: none)
+  const uint16_t* const s0 = src + r0 * stride + 8 * ch;
+  if constexpr (kAligned) {
+#pragma unroll
+    for (int it = 0; it < kPer; ++it) {
+      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
+      const int bytes = left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
+      // src-size 0 reads nothing: name the tile's first row, which exists
+      ff_cp_async_16_zfill(dst + swz<kD>(r, ch), bytes ? s0 + it * kStep * stride : src, bytes);
+    }
+  } else {
+    // not unrolled: the loads of every chunk in flight at once would need registers that the
+    // 256 bucket's accumulators hold (ptxas spilled)
+#pragma unroll 1
+    for (int it = 0; it < kPer; ++it) {
+      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
+      const uint16_t* const s = s0 + it * kStep * stride;
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t lo = 2 * e < left ? s[2 * e] : 0u;
+        const uint32_t hi = 2 * e + 1 < left ? s[2 * e + 1] : 0u;
+        w[e] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst + swz<kD>(r, ch)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// ldmatrix row addresses without a register per (tile, k-step): for a matrix whose 8 rows are
+// rows 8 q + (lane % 8) of a swizzled tile and whose chunk column is 2 c + h (h = 0, 1),
+//   swz(row, 2 c + h) = row kD + 8 ((h ^ row) & 1) + 16 ((c % 4) ^ (row % 8 / 2)) + 64 (c / 4),
+// since row % 8 = lane % 8 flips only the low three bits of the chunk. So a lane keeps
+// base + 16 ((c % 4) ^ (lane % 8 / 2)) for c % 4 = 0 .. 3 and adds constants for the rest.
+template <int kD>
+struct LdOffsets {
+  int at[4];
+  // row: the lane's row (any multiple of 8 added later is a constant), h: its chunk parity
+  FF_DEVICE LdOffsets(int row, int h) {
+    const int r = row & 7, base = row * kD + 8 * ((h ^ r) & 1);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) at[c] = base + 16 * (c ^ (r >> 1));
+  }
+  // the element offset of chunk column pair c (chunks 2 c + h), rows `plus_rows` further on
+  // (a multiple of 8)
+  FF_DEVICE int operator()(int c, int plus_rows) const { return at[c & 3] + 64 * (c >> 2) + plus_rows * kD; }
+};
+
+// Two floats as the 16-bit pair of one register (lo in the low half), round to nearest even.
+FF_DEVICE uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
+template <typename T, int kD, bool kAligned>
+__global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
+  using C = Cfg<kD>;
+  constexpr int BN = C::kBlockN;
+  constexpr int kNT = BN / 8;    // n8 score tiles a key tile
+  constexpr int kDT = kD / 8;    // n8 output tiles
+  constexpr int kQK = kD / 16;   // k16 steps of Q K^T
+  constexpr int kPV = BN / 16;   // k16 steps of P V
+  FF_DYNAMIC_SMEM(uint16_t, smem);
+  uint16_t* const qs = smem;
+  uint16_t* const ks = qs + C::kQElems;       // 2 stages
+  uint16_t* const vs = ks + 2 * C::kKVElems;  // 2 stages
+  uint8_t* const hid = reinterpret_cast<uint8_t*>(vs + 2 * C::kKVElems);  // 2 x BN
+
+  // sizes fit 32 bits (the launcher checks Sq, Sk < 2^30); addresses are 64-bit
+  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
+  const int64_t bh = blockIdx.x / p.m_tiles, h = bh % p.H, b = bh / p.H;
+  const int m0 = static_cast<int>(blockIdx.x % p.m_tiles) * kBlockM;
+  const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
+  const int g = lane / 4, t = lane % 4;
+  const int shift = Sk - Sq;
+  // the keys any row of the block can see: [0, n_end)
+  const int q_last = (m0 + kBlockM < Sq ? m0 + kBlockM : Sq) - 1;
+  int n_end = Sk;
+  if (p.causal && q_last + shift + 1 < n_end) n_end = q_last + shift + 1;
+  const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+
+  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
+  const uint16_t* const kg = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
+
+  // The lane's rows: row_i[r] = the query of accumulator half r (g, g + 8).
+  const int row_i[2] = {m0 + 16 * warp + g, m0 + 16 * warp + g + 8};
+  // ldmatrix offsets: Q (A: rows 16 warp + lane % 16, chunk parity lane / 16), K (B: key rows
+  // 8 (i / 2) + lane % 8 of a 16-key pair of n8 tiles, parity i % 2), V (B, .trans: key rows
+  // 8 (i % 2) + lane % 8 of a k16 step, parity i / 2), i = lane / 8 the matrix
+  const int i8 = lane / 8;
+  const LdOffsets<kD> q_at(16 * warp + lane % 16, lane / 16);
+  const LdOffsets<kD> k_at(8 * (i8 / 2) + lane % 8, i8 % 2);
+  const LdOffsets<kD> v_at(8 * (i8 % 2) + lane % 8, i8 / 2);
+
+  float o[kDT][4];
+#pragma unroll
+  for (int d = 0; d < kDT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  bool seen[2] = {false, false};
+  uint32_t qf[C::kQInRegs ? kQK : 1][4];
+
+  auto load_kv = [&](int tile, int stage) {
+    const int n0 = tile * BN;
+    load_tile<kD, BN, kAligned>(ks + stage * C::kKVElems, kg + n0 * p.k_ss, p.k_ss, Sk - n0, D);
+    load_tile<kD, BN, kAligned>(vs + stage * C::kKVElems, vg + n0 * p.v_ss, p.v_ss, Sk - n0, D);
+    for (int c = threadIdx.x; c < BN; c += kThreads) {
+      const int key = n0 + c;
+      hid[stage * BN + c] = key >= Sk || (p.kpm != nullptr && p.kpm[b * p.kpm_sb + key]);
+    }
+    ff_cp_async_commit();
+  };
+
+  if (n_tiles > 0) {
+    load_tile<kD, kBlockM, kAligned>(qs, qg + m0 * p.q_ss, p.q_ss, Sq - m0, D);
+    ff_cp_async_commit();
+    load_kv(0, 0);
+    if (C::kQInRegs) {
+      ff_cp_async_wait<1>();  // Q has landed (tile 0 may still be in flight)
+      __syncthreads();        // every thread's chunks of it
+#pragma unroll
+      for (int kk = 0; kk < kQK; ++kk) ff_ldmatrix_x4(qf[C::kQInRegs ? kk : 0], qs + q_at(kk, 0));
+    }
+  }
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1, n0 = it * BN;
+    if (it + 1 < n_tiles) {
+      load_kv(it + 1, stage ^ 1);  // its stage was released by the barrier that ended tile it - 1
+    } else {
+      ff_cp_async_commit();  // an empty group: wait_group 1 below still means "tile it"
+    }
+    ff_cp_async_wait<1>();
+    __syncthreads();  // every thread's copies (and key flags) of tile it are visible
+    const uint16_t* const kt = ks + stage * C::kKVElems;
+    const uint16_t* const vt = vs + stage * C::kKVElems;
+    const uint8_t* const ht = hid + stage * BN;
+
+    // ---- S = Q K^T
+    float s[kNT][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kQK; ++kk) {
+      uint32_t a[4];
+      if (C::kQInRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = qf[C::kQInRegs ? kk : 0][r];
+      } else {
+        ff_ldmatrix_x4(a, qs + q_at(kk, 0));
+      }
+#pragma unroll
+      for (int jp = 0; jp < kNT / 2; ++jp) {
+        // matrices: keys 16 jp + 8 (i / 2) .., head dims 16 kk + 8 (i % 2) .. -> n8 tiles 2 jp
+        // (b[0], b[1]) and 2 jp + 1 (b[2], b[3])
+        uint32_t bf[4];
+        ff_ldmatrix_x4(bf, kt + k_at(kk, 16 * jp));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(s[2 * jp], a, b0);
+        ff_mma_m16n8k16<T>(s[2 * jp + 1], a, b1);
+      }
+    }
+
+    // ---- scale and masks (log2 domain)
+    const bool need_mask = p.kpm != nullptr || p.am != nullptr || n0 + BN > Sk ||
+                           (p.causal && n0 + BN - 1 > m0 + shift);  // block-uniform
+    if (!need_mask) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+      }
+      seen[0] = seen[1] = true;
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // key n0 + c is causally visible to the row iff c <= lim
+        const int lim = p.causal ? row_i[r] + shift - n0 : BN;
+        const float* am_row = nullptr;  // the row's additive mask at key n0
+        if (p.am != nullptr && row_i[r] < Sq) {
+          am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + n0 * p.am_sk;
+        }
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * j + 2 * t + e;
+            bool vis = !ht[c] && c <= lim;
+            float x = s[j][2 * r + e] * p.scale_log2;
+            if (vis && am_row != nullptr) {
+              const float add = am_row[c * p.am_sk];
+              vis = add != -INFINITY;
+              x = fmaf(add, kLog2e, x);
+            }
+            s[j][2 * r + e] = vis ? x : -INFINITY;
+            seen[r] = seen[r] || vis;
+          }
+        }
+      }
+    }
+
+    // ---- dropout keep bits: lane t computes the groups of the n8 tiles j = t mod 4, both rows
+    uint32_t keep_own[(kNT + 3) / 4];
+    if (p.dropout) {
+      const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(Sk));
+#pragma unroll
+      for (int q = 0; q < (kNT + 3) / 4; ++q) {
+        const int j = 4 * q + t, key = n0 + 8 * j;
+        uint32_t bits = 0u;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (j < kNT && row_i[r] < Sq && key < Sk) {
+            const uint64_t row = static_cast<uint64_t>((b * p.H + h) * Sq + row_i[r]);
+            bits |= ff_dropout_keep8(p.seed, p.offset + row * G + static_cast<uint64_t>(key / 8),
+                                     p.threshold) << (8 * r);
+          }
+        }
+        keep_own[q] = bits;
+      }
+    }
+
+    // ---- online softmax
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mt = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mt = fmaxf(mt, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      // fmaxf drops NaN: a NaN score reaches l and O through exp2 below
+      mt = fmaxf(mt, __shfl_xor_sync(kFfFullMask, mt, 1));
+      mt = fmaxf(mt, __shfl_xor_sync(kFfFullMask, mt, 2));
+      const float mn = fmaxf(m[r], mt);
+      const float alpha = m[r] == mn ? 1.0f : exp2f(m[r] - mn);  // m = -inf: 0
+      m[r] = mn;
+      l[r] *= alpha;
+#pragma unroll
+      for (int d = 0; d < kDT; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = s[j][2 * r + e];
+          const float pe = x == -INFINITY ? 0.0f : exp2f(x - mn);  // -inf - -inf would be NaN
+          l[r] += pe;
+          s[j][2 * r + e] = pe;
+        }
+      }
+    }
+    if (p.dropout) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const uint32_t bits = __shfl_sync(kFfFullMask, keep_own[j / 4], (lane & ~3) | (j & 3));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!((bits >> (8 * (e >> 1) + 2 * t + (e & 1))) & 1u)) s[j][e] = 0.0f;
+        }
+      }
+    }
+
+    // ---- O += P V, P's A fragments straight from the score accumulators
+#pragma unroll
+    for (int kk = 0; kk < kPV; ++kk) {
+      const uint32_t pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1], static_cast<T*>(nullptr)),
+                              pack2(s[2 * kk][2], s[2 * kk][3], static_cast<T*>(nullptr)),
+                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], static_cast<T*>(nullptr)),
+                              pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], static_cast<T*>(nullptr))};
+#pragma unroll
+      for (int dp = 0; dp < kDT / 2; ++dp) {
+        // matrices: keys 16 kk + 8 (i % 2) .., head dims 16 dp + 8 (i / 2) .. -> n8 tiles 2 dp
+        // (b[0], b[1]) and 2 dp + 1 (b[2], b[3])
+        uint32_t bf[4];
+        ff_ldmatrix_x4_trans(bf, vt + v_at(dp, 16 * kk));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(o[2 * dp], pa, b0);
+        ff_mma_m16n8k16<T>(o[2 * dp + 1], pa, b1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before tile it + 2's copies refill it
+  }
+
+  // ---- epilogue: the quad's partial sums and flags, out = O / l, lse
+  float inv[2], row_lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lr = l[r];
+    lr += __shfl_xor_sync(kFfFullMask, lr, 1);
+    lr += __shfl_xor_sync(kFfFullMask, lr, 2);
+    int sr = seen[r] ? 1 : 0;
+    sr |= __shfl_xor_sync(kFfFullMask, sr, 1);
+    sr |= __shfl_xor_sync(kFfFullMask, sr, 2);
+    if (!sr) {
+      inv[r] = 0.0f;
+      row_lse[r] = INFINITY;
+    } else if (m[r] == -INFINITY) {  // every visible score -inf: the reference's exp(s - max) is NaN
+      inv[r] = NAN;
+      row_lse[r] = NAN;
+    } else {
+      inv[r] = (p.dropout ? p.keep_scale : 1.0f) / lr;
+      row_lse[r] = m[r] * kLn2 + logf(lr);
+    }
+  }
+  float* const lse_row = p.lse + (b * p.H + h) * Sq;
+  if (t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (row_i[r] < Sq) lse_row[row_i[r]] = row_lse[r];
+    }
+  }
+  // The warp's own 16 rows of the Q tile hold its output rows: no other warp reads them, and its
+  // own last ldmatrix of them (a warp-collective) is behind it.
+  uint16_t* const os = qs + 16 * warp * kD;
+#pragma unroll
+  for (int d = 0; d < kDT; ++d) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;  // (16 warp + row) % 8 == row % 8: the tile's swizzle
+      *reinterpret_cast<uint32_t*>(os + swz<kD>(row, d) + 2 * t) =
+          pack2(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r], static_cast<T*>(nullptr));
+    }
+  }
+  __syncwarp();
+  uint16_t* const og =
+      static_cast<uint16_t*>(p.out) + ((b * p.H + h) * Sq + m0 + 16 * warp) * p.D;
+  constexpr int kChunks = C::kChunks;
+  for (int c = lane; c < 16 * kChunks; c += kFfWarpSize) {
+    const int row = c / kChunks, col = 8 * (c % kChunks);
+    if (m0 + 16 * warp + row >= Sq || col >= D) continue;
+    const uint16_t* src = os + swz<kD>(row, c % kChunks);
+    uint16_t* dst = og + static_cast<int64_t>(row) * D + col;
+    if (p.out_vec) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && col + e < D; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+template <int kD, bool kAligned>
+const char* launch(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, void* stream) {
+  const size_t smem = Cfg<kD>::kSmemBytes;
+  auto* flash_fwd_mma = a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned>
+                                     : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned>;
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(flash_fwd_mma, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess) {
+    return ff_last_error();
+  }
+  FF_LAUNCH(flash_fwd_mma, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
+  return ff_last_error();
+}
+
+template <int kD>
+const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, bool aligned,
+                          void* stream) {
+  return aligned ? launch<kD, true>(a, p, blocks, stream) : launch<kD, false>(a, p, blocks, stream);
+}
+
+}  // namespace
+
+const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream) {
+  if (a.dtype != 1 && a.dtype != 2) {
+    return "flash_fwd_mma: dtype must be 1 (float16) or 2 (bfloat16): tensor cores take 16-bit inputs";
+  }
+  if (a.D < 1 || a.D > 256) return "flash_fwd_mma: head dim must be in [1, 256]";
+  if (a.B < 0 || a.H < 0 || a.Sq < 0 || a.Sk < 0) return "flash_fwd_mma: negative size";
+  if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) return "flash_fwd_mma: dropout_p must be in [0, 1)";
+  if (a.Sq >= (int64_t{1} << 30) || a.Sk >= (int64_t{1} << 30)) {
+    return "flash_fwd_mma: Sq and Sk must be below 2^30";  // the kernel's 32-bit row arithmetic
+  }
+#ifndef FF_SIMT
+  {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      return ff_last_error();
+    }
+    if (major < 8) return "flash_fwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
+  }
+#endif
+  const int64_t m_tiles = (a.Sq + kBlockM - 1) / kBlockM;
+  if (m_tiles == 0 || a.B == 0 || a.H == 0) return nullptr;
+  const int64_t limit = (int64_t{1} << 31) - 1;
+  if (m_tiles > limit / a.B || m_tiles * a.B > limit / a.H) {
+    return "flash_fwd_mma: ceil(Sq / 64) * B * H blocks exceed the grid's 2^31 - 1";
+  }
+  // cp.async needs every row start 16-byte aligned: the pointers and all strides (in 2-byte
+  // elements) multiples of 8; otherwise the kernel's plain-load variant runs
+  const bool aligned = aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
+                       (a.q_sb | a.q_sh | a.q_ss | a.k_sb | a.k_sh | a.k_ss | a.v_sb | a.v_sh |
+                        a.v_ss) % 8 == 0;
+  Params p{};
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.q_sb = a.q_sb;
+  p.q_sh = a.q_sh;
+  p.q_ss = a.q_ss;
+  p.k_sb = a.k_sb;
+  p.k_sh = a.k_sh;
+  p.k_ss = a.k_ss;
+  p.v_sb = a.v_sb;
+  p.v_sh = a.v_sh;
+  p.v_ss = a.v_ss;
+  p.H = a.H;
+  p.Sq = a.Sq;
+  p.Sk = a.Sk;
+  p.D = a.D;
+  p.m_tiles = m_tiles;
+  p.causal = a.causal ? 1 : 0;
+  p.threshold = ff_dropout_threshold(a.dropout_p);
+  p.dropout = p.threshold != 0u ? 1 : 0;
+  p.out_vec = a.D % 8 == 0 && aligned16(out) ? 1 : 0;
+  p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
+  p.kpm = a.kpm;
+  p.kpm_sb = a.kpm_sb;
+  p.am = a.am;
+  p.am_sb = a.am_sb;
+  p.am_sh = a.am_sh;
+  p.am_sq = a.am_sq;
+  p.am_sk = a.am_sk;
+  p.seed = a.seed;
+  p.offset = a.offset;
+  p.out = out;
+  p.lse = lse;
+  const int64_t blocks = m_tiles * a.B * a.H;
+  if (a.D <= 64) return launch_bucket<64>(a, p, blocks, aligned, stream);
+  if (a.D <= 128) return launch_bucket<128>(a, p, blocks, aligned, stream);
+  return launch_bucket<256>(a, p, blocks, aligned, stream);
+}

@@ -1,0 +1,39 @@
+// Plain C++ declaration of the tensor-core flash attention launcher (csrc/cuda/flash_fwd_mma.cu),
+// as csrc/cuda/launchers.h declares the others: no CUDA headers, nullptr on success, else the
+// error string. Not wired into the attention op's glue yet; the SIMT harness's test op
+// fastformer_simt_selftest::flash_fwd_mma (tests/simt/simt_lib.cpp) calls it.
+#pragma once
+#include <cstdint>
+
+// The forward of `attention` (fastformer/ops/reference.py) for 16-bit inputs on sm_80+:
+// q (B, H, Sq, D), k / v (B, H, Sk, D) in dtype (1 float16, 2 bfloat16), unit last stride, any
+// (batch, head, row) element strides. D in [1, 256]. Rows whose starts are all 16-byte aligned
+// (pointers 16-byte aligned, strides multiples of 8 elements) go through cp.async; any others
+// through plain loads (slower, same result).
+// Masks: kpm (B, Sk) bool (True = padded), element (b, j) at b kpm_sb + j, or null; am fp32
+// additive (a bool mask as 0 / -inf), element (b, h, i, j) at b am_sb + h am_sh + i am_sq + j am_sk
+// (0 strides broadcast), or null; causal: key j visible to query i iff j <= i + Sk - Sq. A key is
+// hidden where a mask says so (am -inf included); a row with no visible key gives out 0, lse +inf.
+// Dropout: Philox v2 with rows of C = Sk columns, row r = (b H + h) Sq + i (philox.cuh).
+struct FfFlashFwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_sb, q_sh, q_ss;  // element strides of batch, head, row
+  int64_t k_sb, k_sh, k_ss;
+  int64_t v_sb, v_sh, v_ss;
+  int64_t B, H, Sq, Sk, D;
+  int dtype;  // 1 float16, 2 bfloat16
+  bool causal;
+  double scale;
+  const bool* kpm;
+  int64_t kpm_sb;
+  const float* am;
+  int64_t am_sb, am_sh, am_sq, am_sk;
+  double dropout_p;
+  uint64_t seed, offset;
+};
+
+// out (B, H, Sq, D) in dtype, contiguous; lse (B, H, Sq) fp32 contiguous: log-sum-exp of the
+// visible scaled scores (+inf for a row with no visible key, NaN for a NaN row).
+const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream);

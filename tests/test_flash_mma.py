@@ -1,0 +1,271 @@
+"""The tensor-core flash attention forward (csrc/cuda/flash_fwd_mma.cu: mma.sync m16n8k16, ldmatrix,
+cp.async) against fastformer/ops/reference.py::attention, on the SIMT harness through its test op
+fastformer_simt_selftest::flash_fwd_mma (the attention op's glue does not call the kernel yet).
+
+bf16 and fp16; Sq, Sk in {1, 7, 64, 113, 130} (one to three 64-row query tiles and key tiles,
+Sq != Sk both ways), head dims 40, 59, 64, 80, 128, 200, 256 (the buckets 64 / 128 / 256, zero-padded
+columns; 59 has rows that are not 16-byte aligned: the plain-load variant), causal (bottom-right)
+and not, key padding with fully padded rows, additive / -inf attention masks with broadcasting,
+NaN in q, rows with no visible key (out 0, lse +inf), dropout with the shared Philox counters, and
+strided views. Low precision is judged by FlashAttention's rule: the kernel's error against the
+fp32 reference at most twice that of the reference computed in the 16-bit dtype, plus a small
+floor. The whole file again under the harness's reversed thread schedule (a missing barrier)."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastformer.ops import reference
+from simt import plugin
+
+pytestmark = pytest.mark.skipif(plugin.load_error() is not None, reason=str(plugin.load_error()))
+
+DTYPES = [torch.bfloat16, torch.float16]
+DT_IDS = ["bf16", "f16"]
+
+
+def flash(q, k, v, kpm=None, am=None, causal=False, scale=None, p=0.0, seed=0, offset=0):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.fastformer_simt_selftest.flash_fwd_mma(q, k, v, kpm, am, causal, scale, p, seed, offset)
+
+
+def _hidden(Sq, Sk, B, kpm, am, causal):
+    """(B or 1, H or 1, Sq, Sk) bool: the keys the masks hide, as the reference builds them."""
+    hidden = torch.zeros(1, 1, Sq, Sk, dtype=torch.bool)
+    if causal:
+        hidden = hidden | (torch.arange(Sk)[None, :] > torch.arange(Sq)[:, None] + (Sk - Sq))
+    if kpm is not None:
+        hidden = hidden | kpm[:, None, None, :]
+    if am is not None:
+        hidden = hidden | (am == float("-inf"))
+    return hidden
+
+
+def ref_lse(q, k, kpm, am, causal, scale):
+    """Log-sum-exp of the visible scaled scores per row (+inf where no key is visible), scores
+    from q k^T in q's dtype (fp32 after the product, as the reference's)."""
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    s = torch.matmul(q, k.transpose(-2, -1)).double() * scale
+    if am is not None:
+        s = s + am.masked_fill(am == float("-inf"), 0.0).double()
+    hidden = _hidden(Sq, Sk, B, kpm, am, causal).expand(B, H, Sq, Sk)
+    s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if Sk else torch.full((B, H, Sq), float("-inf"), dtype=torch.double)
+    # a NaN score makes the row NaN (logsumexp propagates it); no visible key: +inf
+    return torch.where((~hidden).any(-1), lse, torch.full_like(lse, float("inf")))
+
+
+def check(name, got, want32, want_lowp, atol):
+    """Non-finite values exactly where the fp32 reference has them; elsewhere FlashAttention's
+    rule: error <= 2 x the low-precision reference's error + atol."""
+    assert got.shape == want32.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want32.shape)}"
+    got, want32, want_lowp = got.double(), want32.double(), want_lowp.double()
+    for what, f in (("NaN", torch.isnan), ("+inf", lambda x: x == float("inf"))):
+        bad = f(got) != f(want32)
+        assert not bad.any(), f"{name}: {what} at {bad.nonzero()[:5].tolist()} differs from the reference"
+    fin = torch.isfinite(want32)
+    if not fin.any():
+        return
+    err = (got[fin] - want32[fin]).abs().max().item()
+    ref_err = (want_lowp[fin] - want32[fin]).abs().max().item()
+    assert err <= 2.0 * ref_err + atol, f"{name}: error {err:.3e} > 2 x {ref_err:.3e} + {atol:.0e}"
+
+
+def run_case(dtype, B, H, Sq, Sk, D, causal=False, kpm=None, am=None, p=0.0, scale=None, qkv=None,
+             seed=1234, offset=0):
+    if qkv is None:
+        qkv = [torch.randn(B, H, S, D).to(dtype) for S in (Sq, Sk, Sk)]
+    q, k, v = qkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out, lse = flash(q, k, v, kpm, am, causal, scale, p, seed, offset)
+    kw = dict(key_padding_mask=kpm, attn_mask=am, is_causal=causal, scale=scale, dropout_p=p,
+              rng=(seed, offset))
+    ref32 = reference.attention(*(t.float() for t in qkv), **kw)
+    ref16 = reference.attention(q, k, v, **kw)
+    check("out", out, ref32, ref16, atol=1e-3)
+    # lse: the kernel's scores are exact products summed in fp32: far closer than 16-bit scores
+    lse32 = ref_lse(*(t.float() for t in (q, k)), kpm, am, causal, scale)
+    lse16 = ref_lse(q, k, kpm, am, causal, scale)
+    check("lse", lse, lse32, lse16, atol=1e-4)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    return out, lse
+
+
+# ---------------------------------------------------------------- shapes, head dims, causal
+SHAPES = [(1, 1), (7, 130), (64, 64), (113, 7), (130, 113), (1, 130), (130, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Sq,Sk", SHAPES, ids=[f"q{a}k{b}" for a, b in SHAPES])
+def test_shapes(dtype, causal, Sq, Sk):
+    run_case(dtype, 2, 2, Sq, Sk, 64, causal=causal)
+
+
+HEAD_DIMS = [16, 40, 59, 80, 128, 200, 256]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("D", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_head_dims(dtype, D):
+    """Every bucket (64: 16, 40, 59; 128: 80, 128; 256: 200, 256) across two key tiles and an edge,
+    causal with Sq < Sk (the diagonal crosses tiles)."""
+    run_case(dtype, 1, 2, 70, 113, D, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_values_far_from_one_and_a_large_scale(dtype):
+    """Scores of a few hundred: the online softmax must rescale (max growing across key tiles)."""
+    B, H, Sq, Sk, D = 1, 2, 64, 130, 64
+    q = (torch.randn(B, H, Sq, D) * 3).to(dtype)
+    k = (torch.randn(B, H, Sk, D) * 3 * torch.linspace(0.2, 2.0, Sk)[:, None]).to(dtype)
+    v = (torch.randn(B, H, Sk, D) * 10).to(dtype)
+    run_case(dtype, B, H, Sq, Sk, D, qkv=[q, k, v], scale=0.5)
+
+
+# ---------------------------------------------------------------- masks and rows that see nothing
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_padding_with_fully_padded_batch(dtype, causal):
+    B, H, Sq, Sk = 3, 2, 113, 130
+    kpm = torch.rand(B, Sk) < 0.3
+    kpm[1] = True    # batch 1 sees nothing: out 0, lse +inf
+    kpm[2, :70] = True  # batch 2: the first key tile entirely padded, causal rows < 10 see nothing
+    out, lse = run_case(dtype, B, H, Sq, Sk, 64, causal=causal, kpm=kpm)
+    assert (out[1] == 0).all() and (lse[1] == float("inf")).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_causal_rows_with_no_visible_key(dtype):
+    """Sq > Sk bottom-right: the first Sq - Sk rows see no key; a whole 64-row block sees none."""
+    out, lse = run_case(dtype, 1, 2, 130, 7, 40, causal=True)
+    assert (out[:, :, :123] == 0).all() and (lse[:, :, :123] == float("inf")).all()
+    assert torch.isfinite(lse[:, :, 123:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_no_keys_at_all(dtype):
+    q = torch.randn(1, 2, 7, 64).to(dtype)
+    kv = torch.randn(1, 2, 0, 64).to(dtype)
+    out, lse = flash(q, kv, kv)
+    assert (out == 0).all() and (lse == float("inf")).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_additive_mask_broadcast_with_minus_inf(dtype):
+    B, H, Sq, Sk = 2, 2, 70, 113
+    am = torch.randn(1, H, Sq, Sk)  # broadcast over the batch (stride 0)
+    am[0, 0, :, 50:] = float("-inf")
+    am[0, 1, 5] = float("-inf")  # a row that sees nothing
+    out, lse = run_case(dtype, B, H, Sq, Sk, 64, am=am, causal=True)
+    assert (out[:, 1, 5] == 0).all() and (lse[:, 1, 5] == float("inf")).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_bool_mask_as_additive_per_query_broadcast(dtype):
+    B, H, Sq, Sk = 2, 1, 64, 130
+    bool_mask = torch.rand(B, 1, 1, Sk) < 0.4  # (B, 1, 1, Sk): broadcast over heads and queries
+    am = torch.zeros(B, 1, 1, Sk).masked_fill(bool_mask, float("-inf"))
+    run_case(dtype, B, H, Sq, Sk, 128, am=am)
+
+
+# ---------------------------------------------------------------- non-finite values
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_in_q_makes_only_its_row_nan(dtype, causal):
+    B, H, Sq, Sk, D = 1, 2, 70, 130, 64
+    qkv = [torch.randn(B, H, S, D).to(dtype) for S in (Sq, Sk, Sk)]
+    qkv[0][0, 1, 3, 5] = float("nan")
+    qkv[0][0, 0, 66, 0] = float("nan")  # in the second query tile
+    out, lse = run_case(dtype, B, H, Sq, Sk, D, causal=causal, qkv=qkv)
+    assert out[0, 1, 3].isnan().all() and lse[0, 1, 3].isnan() and lse[0, 0, 66].isnan()
+    assert out.isnan().sum() == 2 * D
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_nan_at_a_hidden_key_changes_nothing(dtype):
+    """A NaN score at a padded key is hidden (-inf by select, not by adding a mask)."""
+    B, H, Sq, Sk, D = 1, 1, 64, 64, 64
+    qkv = [torch.randn(B, H, S, D).to(dtype) for S in (Sq, Sk, Sk)]
+    qkv[1][0, 0, 9, :] = float("nan")
+    kpm = torch.zeros(B, Sk, dtype=torch.bool)
+    kpm[0, 9] = True
+    out, lse = run_case(dtype, B, H, Sq, Sk, D, kpm=kpm, qkv=qkv)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+# ---------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("D,Sq,Sk,causal", [(64, 70, 130, True), (256, 33, 75, False), (59, 113, 7, False)])
+def test_dropout_drops_what_the_reference_drops(dtype, D, Sq, Sk, causal):
+    out, _ = run_case(dtype, 2, 2, Sq, Sk, D, causal=causal, p=0.3, seed=987654321, offset=77)
+    # and a different seed drops something else
+    out2, _ = run_case(dtype, 2, 2, Sq, Sk, D, causal=causal, p=0.3, seed=123, offset=77)
+    assert not torch.equal(out, out2)
+
+
+# ---------------------------------------------------------------- layouts
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("D,aligned", [(40, True), (40, False), (128, True)], ids=["d40-aligned", "d40-offset", "d128-aligned"])
+def test_strided_views(dtype, D, aligned):
+    """q / k / v as views: (B, S, H, D)-major transposes (row stride H D), and with `aligned` False
+    a one-element offset into a wider last dim, whose rows are not 16-byte aligned."""
+    B, H, Sq, Sk = 2, 3, 70, 113
+    lo = 0 if aligned else 1
+    wide = D + 8
+
+    def view(S):
+        base = torch.randn(B, S, H, wide).to(dtype)
+        return base[..., lo:lo + D].transpose(1, 2)
+
+    qkv = [view(Sq), view(Sk), view(Sk)]
+    assert qkv[0].stride(-1) == 1 and not qkv[0].is_contiguous()
+    out, lse = run_case(dtype, B, H, Sq, Sk, D, causal=True, qkv=qkv)
+    # the same as on contiguous copies
+    out_c, lse_c = flash(*(t.contiguous() for t in qkv), causal=True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+def test_rejects_float32_and_head_dims_past_256():
+    q = torch.randn(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match=r"dtype must be 1 \(float16\) or 2 \(bfloat16\)"):
+        flash(q, q, q)
+    q = torch.randn(1, 1, 8, 264).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"head dim must be in \[1, 256\]"):
+        flash(q, q, q)
+
+
+def test_a_wrong_kernel_would_fail_these_checks():
+    """The rule is not vacuous: the output of attention with the keys in another order, or with
+    the scale off by 2 %, fails it."""
+    dtype, B, H, Sq, Sk, D = torch.bfloat16, 1, 2, 64, 113, 64
+    q, k, v = [torch.randn(B, H, S, D).to(dtype) for S in (Sq, Sk, Sk)]
+    scale = 1.0 / math.sqrt(D)
+    ref32 = reference.attention(q.float(), k.float(), v.float(), scale=scale)
+    ref16 = reference.attention(q, k, v, scale=scale)
+    out, _ = flash(q, k, v, scale=scale)
+    check("out", out, ref32, ref16, atol=1e-3)
+    with pytest.raises(AssertionError):
+        check("out", flash(q, k, v, scale=scale * 1.02)[0], ref32, ref16, atol=1e-3)
+    with pytest.raises(AssertionError):
+        check("out", flash(q, k.flip(2), v, scale=scale)[0], ref32, ref16, atol=1e-3)
+
+
+# ---------------------------------------------------------------- the other thread order
+@pytest.mark.skipif(os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
+                    reason="the reversed schedule, not from within itself")
+def test_reversed_thread_schedule():
+    """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
+    which shows the other half of a missing barrier, in a fresh process on the built harness."""
+    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__),
+           "-k", "(test_shapes and q130k113) or (test_head_dims and (d59 or d128 or d256)) or dropout or "
+                 "key_padding or strided"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
