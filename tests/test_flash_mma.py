@@ -3,13 +3,21 @@ cp.async) against fastformer/ops/reference.py::attention, on the SIMT harness th
 fastformer_simt_selftest::flash_fwd_mma (the attention op's glue does not call the kernel yet).
 
 bf16 and fp16; Sq, Sk in {1, 7, 64, 113, 130} (one to three 64-row query tiles and key tiles,
-Sq != Sk both ways), head dims 40, 59, 64, 80, 128, 200, 256 (the buckets 64 / 128 / 256, zero-padded
-columns; 59 has rows that are not 16-byte aligned: the plain-load variant), causal (bottom-right)
-and not, key padding with fully padded rows, additive / -inf attention masks with broadcasting,
-NaN in q, rows with no visible key (out 0, lse +inf), dropout with the shared Philox counters, and
-strided views. Low precision is judged by FlashAttention's rule: the kernel's error against the
-fp32 reference at most twice that of the reference computed in the 16-bit dtype, plus a small
-floor. The whole file again under the harness's reversed thread schedule (a missing barrier)."""
+Sq != Sk both ways), head dims 16, 40, 59, 64, 80, 128, 200, 256 (the buckets 64 / 128 / 256,
+zero-padded columns; 59 has rows that are not 16-byte aligned: the plain-load variant), causal
+(bottom-right) and not, key padding with fully padded rows, additive / -inf attention masks with
+broadcasting, NaN in q, rows with no visible key (out 0, lse +inf), dropout with the shared Philox
+counters, and strided views. Low precision is judged by FlashAttention's rule: the kernel's error
+against the fp32 reference at most twice that of the reference computed in the 16-bit dtype, plus
+a small floor. A part of the file runs again under the harness's reversed thread schedule.
+
+What these tests cannot see (checked by hand with mutations of the kernel): a missing
+__syncthreads between one warp's cp.async landing and another warp's ldmatrix (the Q tile before
+its fragments are loaded, a K / V stage before it is refilled). The harness switches fibers at
+every warp-collective (each mma / ldmatrix), which keeps the four warps in lockstep under either
+schedule, so those races never open there. Every other mutation tried (a lax wait_group, the wrong
+ldmatrix parity or swizzle, no quad reduction of l, causal off by one, no rescale of O, the wrong
+dropout lane, a skipped mask, the wrong hidden-key bit or mask offset) fails the tests."""
 import math
 import os
 import subprocess
@@ -171,6 +179,22 @@ def test_bool_mask_as_additive_per_query_broadcast(dtype):
     bool_mask = torch.rand(B, 1, 1, Sk) < 0.4  # (B, 1, 1, Sk): broadcast over heads and queries
     am = torch.zeros(B, 1, 1, Sk).masked_fill(bool_mask, float("-inf"))
     run_case(dtype, B, H, Sq, Sk, 128, am=am)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_additive_mask_constant_per_query_shifts_only_lse(dtype):
+    """A (1, H, Sq, 1) mask (broadcast over keys: materialised with a unit key stride) adds a
+    constant to a row: out unchanged, lse shifted by it; -inf there hides the whole row."""
+    B, H, Sq, Sk, D = 1, 2, 70, 75, 64
+    qkv = [torch.randn(B, H, S, D).to(dtype) for S in (Sq, Sk, Sk)]
+    am = torch.randn(1, H, Sq, 1) * 4
+    am[0, 0, 3] = float("-inf")
+    out, lse = run_case(dtype, B, H, Sq, Sk, D, am=am, qkv=qkv)
+    out0, lse0 = flash(*qkv)
+    fin = torch.isfinite(am.expand(B, H, Sq, 1))[..., 0]
+    torch.testing.assert_close(out[fin], out0[fin], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse[fin], (lse0 + am[..., 0])[fin], atol=1e-4, rtol=1e-5)
+    assert (out[0, 0, 3] == 0).all() and lse[0, 0, 3] == float("inf")
 
 
 # ---------------------------------------------------------------- non-finite values

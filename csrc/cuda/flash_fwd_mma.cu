@@ -33,10 +33,13 @@
 // No (Sq, Sk) buffer exists anywhere: a tile's scores live in registers only.
 //
 // Shared memory (dynamic, opt-in above 48 KiB): Q kBlockM x kD, K and V 2 x kBlockN x kD, 16-bit,
-// and a byte per key of each stage (1 = hidden: past Sk or padded). Rows are swizzled in 16-byte
-// chunks, chunk c of row r at chunk c ^ (r % 8), so the eight row addresses of an ldmatrix matrix
-// (consecutive rows, one chunk column) fall in eight different bank groups (kD >= 64: at least 8
-// chunks a row). kD 64: 40 KiB, 128: 80 KiB, 256: 96 KiB (+ 128 / 64 bytes of key flags).
+// and a bit per key of each stage (1 = hidden: past Sk or padded; a warp's __ballot_sync). Rows
+// are swizzled in 16-byte chunks, chunk c of row r at chunk c ^ (r % 8), so the eight row
+// addresses of an ldmatrix matrix (consecutive rows, one chunk column) fall in eight different
+// bank groups (kD >= 64: at least 8 chunks a row); LdOffsets keeps those addresses in 4 registers
+// per operand. kD 64: 40 KiB, 128: 80 KiB, 256: 96 KiB (+ 16 / 16 / 8 bytes of key bits): under
+// sm_80's 163 KiB opt-in (static_assert). Registers (ptxas -v, CUDA 13): 64: 137-180, 128:
+// 192-209, 256: 224-249 a thread, no spill (tests/test_cuda_compile.py); 128 threads a block.
 // Edges: rows past Sq / Sk and columns past D are zero-filled (cp.async src-size), never stored;
 // zero V rows keep P = 0 at hidden keys from meeting garbage. Rows that are not 16-byte aligned
 // (a D not a multiple of 8, an odd view) take plain loads into the same layout (kAligned false).
@@ -47,7 +50,9 @@
 // row with no visible key gives out 0 and lse +inf; a NaN score at a visible key makes its row NaN
 // (exp2 of NaN reaches l and O); a row whose visible scores are all -inf, or that has a +inf one,
 // is NaN. "Visible" comes from the masks alone: a per-row flag, OR-ed over the quad at the end.
-// The additive mask is added to the scaled score (scale s + am); am = -inf hides the key.
+// The additive mask is added to the scaled score (scale s + am); am = -inf hides the key. Its key
+// stride must be 1: a lane's 32 mask loads a tile then share one base address (immediate
+// offsets); with per-element addresses ptxas kept ~60 more registers live.
 //
 // Dropout (Philox v2, philox.cuh): row r = (b H + h) Sq + i, key j in group j / 8 of G =
 // ceil(Sk / 8) a row, counter offset + r G + j / 8. An n8 score tile is one group per row; the
@@ -78,7 +83,8 @@ struct Cfg {
   static constexpr int kChunks = kD / 8;               // 16-byte chunks a row
   static constexpr bool kQInRegs = kD <= 128;
   static constexpr int kQElems = kBlockM * kD, kKVElems = kBlockN * kD;
-  static constexpr size_t kSmemBytes = (kQElems + 4 * kKVElems) * 2 + 2 * kBlockN;
+  static constexpr size_t kSmemBytes = (kQElems + 4 * kKVElems) * 2 + 2 * (kBlockN / 32) * 4;
+  static_assert(kSmemBytes <= 166912, "a block's shared memory fits sm_80's opt-in maximum");
 };
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of kD columns.
@@ -98,7 +104,7 @@ struct Params {
   const bool* kpm;
   int64_t kpm_sb;
   const float* am;
-  int64_t am_sb, am_sh, am_sq, am_sk;
+  int64_t am_sb, am_sh, am_sq;  // the key stride is 1
   uint32_t threshold;
   uint64_t seed, offset;
   void* out;
@@ -190,12 +196,14 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   uint16_t* const qs = smem;
   uint16_t* const ks = qs + C::kQElems;       // 2 stages
   uint16_t* const vs = ks + 2 * C::kKVElems;  // 2 stages
-  uint8_t* const hid = reinterpret_cast<uint8_t*>(vs + 2 * C::kKVElems);  // 2 x BN
+  uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kKVElems);  // 2 x BN / 32 words
 
   // sizes fit 32 bits (the launcher checks Sq, Sk < 2^30); addresses are 64-bit
   const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
   const int64_t bh = blockIdx.x / p.m_tiles, h = bh % p.H, b = bh / p.H;
-  const int m0 = static_cast<int>(blockIdx.x % p.m_tiles) * kBlockM;
+  // the last query tiles first: under causal they see the most keys, so the longest blocks start
+  // early and the short ones fill in behind them
+  const int m0 = static_cast<int>(p.m_tiles - 1 - blockIdx.x % p.m_tiles) * kBlockM;
   const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
   const int g = lane / 4, t = lane % 4;
   const int shift = Sk - Sq;
@@ -230,9 +238,12 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     const int n0 = tile * BN;
     load_tile<kD, BN, kAligned>(ks + stage * C::kKVElems, kg + n0 * p.k_ss, p.k_ss, Sk - n0, D);
     load_tile<kD, BN, kAligned>(vs + stage * C::kKVElems, vg + n0 * p.v_ss, p.v_ss, Sk - n0, D);
-    for (int c = threadIdx.x; c < BN; c += kThreads) {
-      const int key = n0 + c;
-      hid[stage * BN + c] = key >= Sk || (p.kpm != nullptr && p.kpm[b * p.kpm_sb + key]);
+    static_assert(BN % kFfWarpSize == 0 && BN <= kThreads, "whole warps flag the keys");
+    if (static_cast<int>(threadIdx.x) < BN) {  // warp-uniform
+      const int key = n0 + static_cast<int>(threadIdx.x);
+      const bool hidden = key >= Sk || (p.kpm != nullptr && p.kpm[b * p.kpm_sb + key]);
+      const unsigned bits = __ballot_sync(kFfFullMask, hidden);
+      if (lane == 0) hid[stage * (BN / 32) + warp] = bits;
     }
     ff_cp_async_commit();
   };
@@ -260,7 +271,6 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     __syncthreads();  // every thread's copies (and key flags) of tile it are visible
     const uint16_t* const kt = ks + stage * C::kKVElems;
     const uint16_t* const vt = vs + stage * C::kKVElems;
-    const uint8_t* const ht = hid + stage * BN;
 
     // ---- S = Q K^T
     float s[kNT][4];
@@ -298,23 +308,28 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
       }
       seen[0] = seen[1] = true;
     } else {
+      // the hidden-key bits of this lane's keys 8 j + 2 t + e: bit 8 (j % 4) + e of hw[j / 4]
+      uint32_t hw[BN / 32];
+#pragma unroll
+      for (int w = 0; w < BN / 32; ++w) hw[w] = hid[stage * (BN / 32) + w] >> (2 * t);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         // key n0 + c is causally visible to the row iff c <= lim
         const int lim = p.causal ? row_i[r] + shift - n0 : BN;
-        const float* am_row = nullptr;  // the row's additive mask at key n0
+        // the row's additive mask at key n0 + 2 t (unit key stride: one base, immediate offsets)
+        const float* am_row = nullptr;
         if (p.am != nullptr && row_i[r] < Sq) {
-          am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + n0 * p.am_sk;
+          am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + (n0 + 2 * t);
         }
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int c = 8 * j + 2 * t + e;
-            bool vis = !ht[c] && c <= lim;
+            bool vis = !((hw[j / 4] >> (8 * (j % 4) + e)) & 1u) && c <= lim;
             float x = s[j][2 * r + e] * p.scale_log2;
             if (vis && am_row != nullptr) {
-              const float add = am_row[c * p.am_sk];
+              const float add = am_row[8 * j + e];
               vis = add != -INFINITY;
               x = fmaf(add, kLog2e, x);
             }
@@ -494,6 +509,10 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   if (a.D < 1 || a.D > 256) return "flash_fwd_mma: head dim must be in [1, 256]";
   if (a.B < 0 || a.H < 0 || a.Sq < 0 || a.Sk < 0) return "flash_fwd_mma: negative size";
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) return "flash_fwd_mma: dropout_p must be in [0, 1)";
+  if (a.am != nullptr && a.am_sk != 1) {
+    // one base address a row and immediate key offsets keep the mask's loads out of registers
+    return "flash_fwd_mma: attn_mask needs a unit key stride (am_sk == 1): make its last dim contiguous";
+  }
   if (a.Sq >= (int64_t{1} << 30) || a.Sk >= (int64_t{1} << 30)) {
     return "flash_fwd_mma: Sq and Sk must be below 2^30";  // the kernel's 32-bit row arithmetic
   }
@@ -548,7 +567,6 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.am_sb = a.am_sb;
   p.am_sh = a.am_sh;
   p.am_sq = a.am_sq;
-  p.am_sk = a.am_sk;
   p.seed = a.seed;
   p.offset = a.offset;
   p.out = out;

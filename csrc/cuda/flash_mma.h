@@ -12,8 +12,9 @@
 // through plain loads (slower, same result).
 // Masks: kpm (B, Sk) bool (True = padded), element (b, j) at b kpm_sb + j, or null; am fp32
 // additive (a bool mask as 0 / -inf), element (b, h, i, j) at b am_sb + h am_sh + i am_sq + j am_sk
-// (0 strides broadcast), or null; causal: key j visible to query i iff j <= i + Sk - Sq. A key is
-// hidden where a mask says so (am -inf included); a row with no visible key gives out 0, lse +inf.
+// (0 strides broadcast batch, head and query; am_sk must be 1), or null; causal: key j visible to
+// query i iff j <= i + Sk - Sq. A key is hidden where a mask says so (am -inf included); a row
+// with no visible key gives out 0, lse +inf.
 // Dropout: Philox v2 with rows of C = Sk columns, row r = (b H + h) Sq + i (philox.cuh).
 struct FfFlashFwdArgs {
   const void* q;

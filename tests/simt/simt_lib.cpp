@@ -225,6 +225,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_mma(const at::Tensor& q, const at::
     TORCH_CHECK(attn_mask->scalar_type() == at::kFloat && attn_mask->dim() == 4, op,
                 ": attn_mask must be 4-D fp32 additive (broadcast by 0 strides)");
     am = attn_mask->expand({B, H, Sq, Sk});
+    if (am.stride(3) != 1) am = am.contiguous();  // the kernel wants a unit key stride
   }
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
   at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
