@@ -1,6 +1,7 @@
 """The tensor-core flash attention forward (csrc/cuda/flash_fwd_mma.cu: mma.sync m16n8k16, ldmatrix,
 cp.async) against fastformer/ops/reference.py::attention, on the SIMT harness through its test op
-fastformer_simt_selftest::flash_fwd_mma (the attention op's glue does not call the kernel yet).
+fastformer_simt_selftest::flash_fwd_mma, and the attention op's `cuda` backend, whose 16-bit
+forward runs on it wherever it takes the call.
 
 bf16 and fp16; Sq, Sk in {1, 7, 64, 113, 130} (one to three 64-row query tiles and key tiles,
 Sq != Sk both ways), head dims 16, 40, 59, 64, 80, 128, 200, 256 (the buckets 64 / 128 / 256,
@@ -277,6 +278,33 @@ def test_a_wrong_kernel_would_fail_these_checks():
         check("out", flash(q, k, v, scale=scale * 1.02)[0], ref32, ref16, atol=1e-3)
     with pytest.raises(AssertionError):
         check("out", flash(q, k.flip(2), v, scale=scale)[0], ref32, ref16, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_the_attention_op_runs_16_bit_forwards_here(dtype):
+    """fastformer.ops.attention on the cuda backend gives this kernel's bits for a 16-bit input
+    (key padding, causal, a per-key additive mask), and falls back to the FMA kernel, still
+    within the rule, for an attn_mask without a unit key stride (broadcast along the keys)."""
+    import fastformer
+    from fastformer.ops import attention
+
+    B, H, Sq, Sk, D = 2, 2, 70, 113, 40
+    g = torch.Generator().manual_seed(3)
+    q, k, v = [torch.randn(B, H, S, D, generator=g).to(dtype) for S in (Sq, Sk, Sk)]
+    kpm = torch.zeros(B, Sk, dtype=torch.bool)
+    kpm[1, 90:] = True
+    am = torch.randn(1, 1, Sq, Sk, generator=g)
+    with fastformer.use_backend("cuda"):
+        got = attention(q, k, v, key_padding_mask=kpm, attn_mask=am, is_causal=True)
+    want, _ = flash(q, k, v, kpm=kpm, am=am, causal=True)
+    assert torch.equal(got, want)
+
+    per_query = torch.randn(1, 1, Sq, 1, generator=g)  # key stride 0: not this kernel's layout
+    with fastformer.use_backend("cuda"):
+        got = attention(q, k, v, key_padding_mask=kpm, attn_mask=per_query)
+    ref32 = reference.attention(q.float(), k.float(), v.float(), key_padding_mask=kpm, attn_mask=per_query)
+    ref16 = reference.attention(q, k, v, key_padding_mask=kpm, attn_mask=per_query.to(dtype))
+    check("out", got, ref32, ref16, atol=1e-3)
 
 
 # ---------------------------------------------------------------- the other thread order

@@ -1,10 +1,11 @@
 // Attention on CUDA: the glue of the fused kernels of attention.cu (FlashAttention-2's algorithm,
-// shared with attention_varlen): the forward makes out (B, H, Sq, D) and lse (B, H, Sq) fp32
-// only; the backward adds the fp32 delta (B, H, Sq) and the three gradients. Nothing of size
-// Sq x Sk exists at any point. q, k, v, dout and out are read through their strides (unit stride
-// along D); the masks as csrc/checks/attention.h returns them (key_padding_mask made contiguous,
-// attn_mask a broadcast fp32 view read through its strides). Schema, checks and return conventions
-// as csrc/cpu/attention.cpp.
+// shared with attention_varlen) and, for the forward of 16-bit inputs, of the tensor-core kernel
+// flash_fwd_mma.cu. The forward makes out (B, H, Sq, D) and lse (B, H, Sq) fp32 only; the
+// backward adds the fp32 delta (B, H, Sq) and the three gradients. Nothing of size Sq x Sk exists
+// at any point. q, k, v, dout and out are read through their strides (unit stride along D); the
+// masks as csrc/checks/attention.h returns them (key_padding_mask made contiguous, attn_mask a
+// broadcast fp32 view read through its strides). Schema, checks and return conventions as
+// csrc/cpu/attention.cpp.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 #include <optional>
 #include <tuple>
 
+#include "flash_mma.h"
 #include "glue.h"
 #include "launchers.h"
 #include "../checks/attention.h"
@@ -68,6 +70,29 @@ struct Call {
     a.seed = rng.seed;
     a.offset = rng.offset;
   }
+
+  // The same call for the tensor-core forward (flash_fwd_mma.cu), padded rows only.
+  FfFlashFwdArgs flash() const {
+    FfFlashFwdArgs f{};
+    f.q = a.q;
+    f.k = a.k;
+    f.v = a.v;
+    f.q_sb = a.q_s.batch, f.q_sh = a.q_s.head, f.q_ss = a.q_s.row;
+    f.k_sb = a.k_s.batch, f.k_sh = a.k_s.head, f.k_ss = a.k_s.row;
+    f.v_sb = a.v_s.batch, f.v_sh = a.v_s.head, f.v_ss = a.v_s.row;
+    f.B = a.B, f.H = a.H, f.Sq = a.total_q, f.Sk = a.total_k, f.D = a.D;
+    f.dtype = a.dtype;
+    f.causal = a.causal;
+    f.scale = a.scale;
+    f.kpm = a.key_padding_mask;
+    f.kpm_sb = a.total_k;  // kpm is (B, Sk) contiguous
+    f.am = a.attn_mask;
+    f.am_sb = a.am_sb, f.am_sh = a.am_sh, f.am_sq = a.am_sq, f.am_sk = a.am_sk;
+    f.dropout_p = a.dropout_p;
+    f.seed = a.seed;
+    f.offset = a.offset;
+    return f;
+  }
 };
 
 // The gradient of x laid out like empty_like(x) (the fake implementation's promise) where that
@@ -96,8 +121,16 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   const Call call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());  // (B, H, Sq, D)
   at::Tensor lse = at::empty({B, H, Sq}, f32);              // (B, H, Sq)
-  FF_CHECK_LAUNCH(launch_attention_fwd(call.a, out.data_ptr(), heads_rows(out), lse.data_ptr<float>(),
-                                       stat_rows(H, Sq), ff_stream(q)));
+  // 16-bit inputs on tensor cores wherever that kernel takes the call (flash_fwd_mma_why_not: an
+  // sm_80+ GPU, an attn_mask with a unit key stride); else, and for fp32, the FMA kernel. Both
+  // write the same out / lse contract, so the backward (FMA) reads either.
+  const FfFlashFwdArgs flash = call.flash();
+  if (flash_fwd_mma_why_not(flash) == nullptr) {
+    FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
+  } else {
+    FF_CHECK_LAUNCH(launch_attention_fwd(call.a, out.data_ptr(), heads_rows(out), lse.data_ptr<float>(),
+                                         stat_rows(H, Sq), ff_stream(q)));
+  }
   return {out, lse};
 }
 

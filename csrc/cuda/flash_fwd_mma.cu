@@ -502,7 +502,7 @@ const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t bloc
 
 }  // namespace
 
-const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream) {
+const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   if (a.dtype != 1 && a.dtype != 2) {
     return "flash_fwd_mma: dtype must be 1 (float16) or 2 (bfloat16): tensor cores take 16-bit inputs";
   }
@@ -526,6 +526,11 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
     if (major < 8) return "flash_fwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
   }
 #endif
+  return nullptr;
+}
+
+const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream) {
+  if (const char* why = flash_fwd_mma_why_not(a)) return why;
   const int64_t m_tiles = (a.Sq + kBlockM - 1) / kBlockM;
   if (m_tiles == 0 || a.B == 0 || a.H == 0) return nullptr;
   const int64_t limit = (int64_t{1} << 31) - 1;

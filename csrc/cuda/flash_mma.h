@@ -1,7 +1,8 @@
 // Plain C++ declaration of the tensor-core flash attention launcher (csrc/cuda/flash_fwd_mma.cu),
 // as csrc/cuda/launchers.h declares the others: no CUDA headers, nullptr on success, else the
-// error string. Not wired into the attention op's glue yet; the SIMT harness's test op
-// fastformer_simt_selftest::flash_fwd_mma (tests/simt/simt_lib.cpp) calls it.
+// error string. The attention op's glue (csrc/cuda/attention.cpp) runs its forward here whenever
+// flash_fwd_mma_why_not says it can; the SIMT harness's test op fastformer_simt_selftest::
+// flash_fwd_mma (tests/simt/simt_lib.cpp) calls the launcher directly.
 #pragma once
 #include <cstdint>
 
@@ -34,6 +35,10 @@ struct FfFlashFwdArgs {
   double dropout_p;
   uint64_t seed, offset;
 };
+
+// nullptr when the kernel can take the call, else why not (a 32-bit dtype, an attn_mask without a
+// unit key stride, a GPU older than sm_80, sizes out of range).
+const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a);
 
 // out (B, H, Sq, D) in dtype, contiguous; lse (B, H, Sq) fp32 contiguous: log-sum-exp of the
 // visible scaled scores (+inf for a row with no visible key, NaN for a NaN row).
