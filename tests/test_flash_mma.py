@@ -10,15 +10,20 @@ zero-padded columns; 59 has rows that are not 16-byte aligned: the plain-load va
 broadcasting, NaN in q, rows with no visible key (out 0, lse +inf), dropout with the shared Philox
 counters, and strided views. Low precision is judged by FlashAttention's rule: the kernel's error
 against the fp32 reference at most twice that of the reference computed in the 16-bit dtype, plus
-a small floor. A part of the file runs again under the harness's reversed thread schedule.
+a small floor. Parts of the file run again under the harness's other thread schedules
+(tests/simt/simt.h): reverse (last thread first), and warp_ahead / warp_ahead_reverse, where each
+of the four warps runs alone to its next __syncthreads (warp 0 first, or warp 3 first) and its
+cp.async copies land by then.
 
-What these tests cannot see (checked by hand with mutations of the kernel): a missing
-__syncthreads between one warp's cp.async landing and another warp's ldmatrix (the Q tile before
-its fragments are loaded, a K / V stage before it is refilled). The harness switches fibers at
-every warp-collective (each mma / ldmatrix), which keeps the four warps in lockstep under either
-schedule, so those races never open there. Every other mutation tried (a lax wait_group, the wrong
-ldmatrix parity or swizzle, no quad reduction of l, causal off by one, no rescale of O, the wrong
-dropout lane, a skipped mask, the wrong hidden-key bit or mask offset) fails the tests."""
+The warp_ahead schedules catch what the forward and reverse ones cannot, since there the warps
+meet at every mma / ldmatrix and stay in lockstep: a missing __syncthreads between one warp's
+cp.async landing and another warp's ldmatrix (deleting the one after the Q tile's wait fails 61 /
+59 of the 80 tests above under warp_ahead / warp_ahead_reverse), or a K / V stage refilled while
+another warp still reads it (deleting the one that ends a key tile fails 16 / 28: the head-dim 256
+bucket through the early refill by cp.async alone, other shapes also through the hidden-key
+words). Every other mutation tried (a lax wait_group, the wrong ldmatrix parity or swizzle, no quad
+reduction of l, causal off by one, no rescale of O, the wrong dropout lane, a skipped mask, the
+wrong hidden-key bit or mask offset) fails the tests under the forward schedule."""
 import math
 import os
 import subprocess
@@ -307,17 +312,35 @@ def test_the_attention_op_runs_16_bit_forwards_here(dtype):
     check("out", got, ref32, ref16, atol=1e-3)
 
 
-# ---------------------------------------------------------------- the other thread order
-@pytest.mark.skipif(os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
-                    reason="the reversed schedule, not from within itself")
-def test_reversed_thread_schedule():
-    """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
-    which shows the other half of a missing barrier, in a fresh process on the built harness."""
-    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+# ---------------------------------------------------------------- the other thread orders
+def _rerun_under(schedule, subset):
+    """This file's tests matching `subset` in a fresh process on the built harness, under
+    FF_SIMT_SCHEDULE=schedule."""
+    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__),
-           "-k", "(test_shapes and q130k113) or (test_head_dims and (d59 or d128 or d256)) or dropout or "
-                 "key_padding or strided"]
+           "-k", subset]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+_OTHER_SCHEDULE = os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward")
+
+
+@pytest.mark.skipif(_OTHER_SCHEDULE, reason="another schedule already, not from within it")
+def test_reversed_thread_schedule():
+    """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
+    which shows the other half of a missing barrier within a warp's reach of the forward order."""
+    _rerun_under("reverse", "(test_shapes and q130k113) or (test_head_dims and (d59 or d128 or d256)) or "
+                            "dropout or key_padding or strided")
+
+
+@pytest.mark.skipif(_OTHER_SCHEDULE, reason="another schedule already, not from within it")
+@pytest.mark.parametrize("schedule", ["warp_ahead", "warp_ahead_reverse"])
+def test_warp_ahead_schedules(schedule):
+    """The same kernels with each warp run alone to its next __syncthreads (first warp first, last
+    warp first): a missing barrier between warps (the Q tile's, the end of a key tile's) fails
+    this subset under either."""
+    _rerun_under(schedule, "(test_head_dims and (d59 or d128 or d256)) or (test_key_padding and full) or "
+                           "(test_strided and d40-offset)")

@@ -2,7 +2,12 @@
 csrc/cuda kernels are) against torch -- warp shuffles and ballots, a shared-memory transpose with
 barriers, dynamic shared memory and integer atomics, detection of barriers and warp intrinsics that
 only part of the threads reach, launch-configuration errors, fp16 / bf16 conversions bit for bit
-against torch's, the modelled device's SM count and free memory."""
+against torch's, the modelled device's SM count and free memory, and the thread schedules
+(FF_SIMT_SCHEDULE): races without a barrier, within a warp and across warps (which only the
+warp_ahead schedules show), each giving its fixed wrong answer under the schedule that exposes it."""
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -78,6 +83,88 @@ def test_reverse_schedule_shows_the_other_half_of_a_race():
     assert torch.isnan(forward[:-1]).all() and forward[-1] == want[-1]
     assert torch.equal(backward[:-1], want[:-1]) and torch.isnan(backward[-1])
     assert torch.equal(ops().racy(n, False).isnan(), forward.isnan())  # the default order is back
+
+
+FORWARD, REVERSE, WARP_AHEAD, WARP_AHEAD_REVERSE = range(4)  # ff_simt::Schedule
+SCHEDULES = [FORWARD, REVERSE, WARP_AHEAD, WARP_AHEAD_REVERSE]
+SCHEDULE_IDS = ["forward", "reverse", "warp_ahead", "warp_ahead_reverse"]
+
+
+def test_warp_ahead_schedules_show_a_cross_warp_race():
+    """Two warps store to shared memory, meet at __syncwarp (each its own), and read the other
+    warp's values without __syncthreads. forward / reverse keep the warps in lockstep at the
+    __syncwarp, so the race passes by luck there; warp_ahead runs warp 0 to its end before warp 1
+    starts (warp 0 reads 0xFF poison, NaN), warp_ahead_reverse warp 1 first (warp 1 reads NaN:
+    warp 0 writes, warp 1 reads, no barrier). With the barrier every schedule is right."""
+    want = (torch.arange(64) ^ 32).float() + 1
+    nan0 = torch.arange(64) < 32  # warp 0's lanes
+    for schedule in (FORWARD, REVERSE):
+        assert torch.equal(ops().cross_warp(schedule, False), want)  # the gap the warp_ahead ones close
+    ahead, ahead_rev = ops().cross_warp(WARP_AHEAD, False), ops().cross_warp(WARP_AHEAD_REVERSE, False)
+    assert torch.isnan(ahead[nan0]).all() and torch.equal(ahead[~nan0], want[~nan0])
+    assert torch.isnan(ahead_rev[~nan0]).all() and torch.equal(ahead_rev[nan0], want[nan0])
+    for schedule in SCHEDULES:
+        assert torch.equal(ops().cross_warp(schedule, True), want), SCHEDULE_IDS[schedule]
+
+
+def test_warp_ahead_schedules_land_cp_async_before_the_other_warps_run():
+    """A stage read across warps and refilled by cp.async without a barrier in between: forward /
+    reverse land the copies at their wait (after the other warp has read: right by luck); the
+    warp_ahead schedules land them when their thread reaches __syncthreads, before the other warp
+    runs, so the warp that runs second reads the refill (tile 1) instead of tile 0."""
+    src = torch.arange(512, dtype=torch.float32)
+    other = torch.arange(64) ^ 32
+    want = torch.cat([4.0 * other, 256.0 + 4.0 * other])
+    refilled = torch.cat([256.0 + 4.0 * other, 256.0 + 4.0 * other])
+    first = torch.cat([torch.arange(64) < 32, torch.zeros(64, dtype=torch.bool)])  # warp 0's reads
+    second = torch.cat([torch.arange(64) >= 32, torch.zeros(64, dtype=torch.bool)])
+    for schedule in (FORWARD, REVERSE):
+        assert torch.equal(ops().refill(src, schedule, False), want)
+    ahead = ops().refill(src, WARP_AHEAD, False)  # warp 0 refills before warp 1 reads
+    assert torch.equal(ahead, torch.where(second, refilled, want))
+    ahead_rev = ops().refill(src, WARP_AHEAD_REVERSE, False)
+    assert torch.equal(ahead_rev, torch.where(first, refilled, want))
+    for schedule in SCHEDULES:
+        assert torch.equal(ops().refill(src, schedule, True), want), SCHEDULE_IDS[schedule]
+
+
+def test_racy_kernel_under_every_schedule():
+    """The barrier-less neighbour read (no warp intrinsic in it) under each schedule: a warp's
+    lanes run in thread order between intrinsics, so warp_ahead reads as forward does (every
+    thread but the last before its neighbour writes) and warp_ahead_reverse as reverse does; the
+    schedule in force before the call is back after it."""
+    n = 64
+    want = (torch.arange(n, dtype=torch.float32) + 1) % n + 1
+    got = {s: ops().racy_under(n, s) for s in SCHEDULES}
+    for s in (FORWARD, WARP_AHEAD):
+        assert torch.isnan(got[s][:-1]).all() and got[s][-1] == want[-1], SCHEDULE_IDS[s]
+    for s in (REVERSE, WARP_AHEAD_REVERSE):
+        assert torch.equal(got[s][:-1], want[:-1]) and torch.isnan(got[s][-1]), SCHEDULE_IDS[s]
+    with pytest.raises(RuntimeError, match=r"schedule must be 0 \(forward\)"):
+        ops().racy_under(n, 4)
+
+
+def test_schedule_from_the_environment():
+    """FF_SIMT_SCHEDULE names the schedule of a fresh process's launches (schedule -1: the one in
+    force); a name that is no schedule fails every launch instead of running forward silently."""
+    code = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
+            "ops = torch.ops.fastformer_simt_selftest\n"
+            "try:\n    out = ops.cross_warp(-1, False)\nexcept RuntimeError as e:\n    print(e)\n"
+            "else:\n    print(''.join('n' if v != v else '.' for v in out.tolist()[::16]))")
+    procs = {name: subprocess.Popen([sys.executable, "-c", code, plugin._state["path"]],
+                                    env=dict(os.environ, FF_SIMT_SCHEDULE=name), text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name in ("forward", "warp_ahead", "warp_ahead_reverse", "warp-ahead")}
+    got = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        got[name] = out.strip()
+    # lanes 0, 16 of warp 0, then of warp 1: NaN where the warp ran before the other wrote
+    assert got["forward"] == "...."
+    assert got["warp_ahead"] == "nn.." and got["warp_ahead_reverse"] == "..nn"
+    assert "FF_SIMT_SCHEDULE=warp-ahead names no schedule (forward, reverse, warp_ahead, " \
+           "warp_ahead_reverse)" in got["warp-ahead"]
 
 
 def test_bad_launch_configuration_is_cudas_error():

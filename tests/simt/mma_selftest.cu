@@ -168,6 +168,28 @@ __global__ void cp_async_kernel(const uint8_t* __restrict__ src, const int32_t* 
   for (int i = 0; i < 32; ++i) out[first * 16 + i] = s[first * 16 + i];
 }
 
+// A stage read across warps and then refilled by cp.async (as a double-buffered pipeline does):
+// thread t copies 16-byte chunk t of tile 0 (src[0, 256)) into the stage, reads the first float
+// of the other warp's chunk t ^ 32 (out[t]), refills its own chunk with tile 1 (src[256, 512)),
+// and after the wait reads the other warp's chunk again (out[64 + t]). Without `barrier` between
+// the read and the refill, a race on a GPU: the copy may land before the other warp has read.
+__global__ void refill_kernel(const float* __restrict__ src, float* __restrict__ out, int barrier) {
+  FF_DYNAMIC_SMEM(float, stage);
+  const int t = threadIdx.x;
+  ff_cp_async_16(stage + 4 * t, src + 4 * t);
+  ff_cp_async_commit();
+  ff_cp_async_wait<0>();
+  __syncthreads();
+  out[t] = stage[4 * (t ^ 32)];
+  if (barrier) __syncthreads();  // every warp has read the stage before it is refilled
+  ff_cp_async_16(stage + 4 * t, src + 256 + 4 * t);
+  ff_cp_async_commit();
+  __syncthreads();
+  ff_cp_async_wait<0>();
+  __syncthreads();
+  out[64 + t] = stage[4 * (t ^ 32)];
+}
+
 template <int kWhich>
 __global__ void big_smem_kernel(float* __restrict__ out, int64_t n) {
   FF_DYNAMIC_SMEM(float, s);
@@ -290,5 +312,16 @@ const char* launch_selftest_big_smem(int which, int64_t bytes, int64_t opt_in, f
 
 const char* launch_selftest_mma_broken(int mode, const uint8_t* src, void* stream) {
   FF_LAUNCH(mma_broken_kernel, dim3(1), dim3(mode == 1 ? 16 : 32), 0, stream, mode, src);
+  return ff_last_error();
+}
+
+const char* launch_selftest_refill(const float* src, float* out, int schedule, bool barrier,
+                                   void* stream) {
+#ifdef FF_SIMT
+  const ff_simt::ScopedSchedule scope(schedule);
+#else
+  (void)schedule;
+#endif
+  FF_LAUNCH(refill_kernel, dim3(1), dim3(64), 64 * 16, stream, src, out, barrier ? 1 : 0);
   return ff_last_error();
 }

@@ -39,3 +39,11 @@ const char* launch_selftest_big_smem(int which, int64_t bytes, int64_t opt_in, f
 // A kernel misusing the wrappers as `mode` says (see mma_selftest.cu; src: 16 bytes of global
 // memory, 16-byte aligned); returns the error.
 const char* launch_selftest_mma_broken(int mode, const uint8_t* src, void* stream);
+// A stage refilled by cp.async while (without `barrier`) the other warp may still read it: one
+// block of two warps; src 512 floats (16-byte aligned); out (128): out[t] = the first float of
+// chunk t ^ 32 of the stage before the refill (src[4 (t ^ 32)] unless the refill landed first),
+// out[64 + t] the same after it (src[256 + 4 (t ^ 32)]), under ff_simt::Schedule `schedule`
+// (0 forward, 1 reverse, 2 warp_ahead, 3 warp_ahead_reverse, -1 the one in force; restored
+// after the launch).
+const char* launch_selftest_refill(const float* src, float* out, int schedule, bool barrier,
+                                   void* stream);

@@ -125,6 +125,18 @@ __global__ void racy_kernel(float* out) {
   out[threadIdx.x] = buf[(threadIdx.x + 1) % blockDim.x];
 }
 
+// Each warp stores its lanes' values, meets at __syncwarp (this warp only), then reads the other
+// warp's: out[t] = t ^ 32 + 1 once both warps have stored. Without `barrier` a cross-warp race on
+// a GPU; on the harness the __syncwarp keeps the two warps in lockstep under forward / reverse.
+__global__ void cross_warp_kernel(float* out, int barrier) {
+  FF_DYNAMIC_SMEM(float, buf);
+  const int t = threadIdx.x;
+  buf[t] = static_cast<float>(t + 1);
+  __syncwarp();
+  if (barrier) __syncthreads();
+  out[t] = buf[t ^ 32];
+}
+
 }  // namespace
 
 const char* launch_selftest_warp(const float* x, float* xor_sum, float* down_sum, float* scan,
@@ -180,14 +192,26 @@ const char* launch_selftest_many_blocks(int32_t* out, int64_t blocks, void* stre
 }
 
 const char* launch_selftest_racy(float* out, int n, bool reverse, void* stream) {
+  return launch_selftest_racy_under(out, n, reverse ? 1 : 0, stream);
+}
+
+const char* launch_selftest_racy_under(float* out, int n, int schedule, void* stream) {
 #ifdef FF_SIMT
-  ff_simt::set_reverse_schedule(reverse);
+  const ff_simt::ScopedSchedule scope(schedule);
 #else
-  (void)reverse;
+  (void)schedule;
 #endif
   FF_LAUNCH(racy_kernel, dim3(1), dim3(n), n * sizeof(float), stream, out);
+  return ff_last_error();
+}
+
+const char* launch_selftest_cross_warp(float* out, int schedule, bool barrier, void* stream) {
 #ifdef FF_SIMT
-  ff_simt::set_reverse_schedule(false);
+  const ff_simt::ScopedSchedule scope(schedule);
+#else
+  (void)schedule;
 #endif
+  FF_LAUNCH(cross_warp_kernel, dim3(1), dim3(64), 64 * sizeof(float), stream, out,
+            barrier ? 1 : 0);
   return ff_last_error();
 }

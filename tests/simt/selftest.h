@@ -27,3 +27,11 @@ const char* launch_selftest_many_blocks(int32_t* out, int64_t blocks, void* stre
 // A racy kernel (no barrier between a shared-memory write and another thread's read): out[t] =
 // what thread t read of thread (t + 1) % n's value t + 1, under the given schedule.
 const char* launch_selftest_racy(float* out, int n, bool reverse, void* stream);
+// The same under ff_simt::Schedule `schedule` (0 forward, 1 reverse, 2 warp_ahead,
+// 3 warp_ahead_reverse, -1 the one in force); the schedule before it is restored after the launch.
+const char* launch_selftest_racy_under(float* out, int n, int schedule, void* stream);
+// A cross-warp race (tests/test_simt.py): one block of two warps, each stores its lanes' values
+// to shared memory, meets at __syncwarp, then (with `barrier` after __syncthreads) reads the
+// other warp's: out[t] = what thread t read of thread t ^ 32's value t ^ 32 + 1, under schedule
+// `schedule` (as above; restored after the launch).
+const char* launch_selftest_cross_warp(float* out, int schedule, bool barrier, void* stream);

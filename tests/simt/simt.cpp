@@ -101,6 +101,7 @@ struct Launch {
 #else
   void* sched_sp = nullptr;
 #endif
+  int schedule = kForward;  // the launch's Schedule
   bool failed = false;
   std::string error;
   unsigned char* smem = nullptr;
@@ -114,16 +115,30 @@ Launch* g_launch = nullptr;
 // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel function (guarded by g_launch_mutex);
 // a kernel not in the map has the default limit.
 std::map<const void*, size_t> g_smem_limit;
-int g_reverse = -1;  // threads run last to first: -1 not decided yet (FF_SIMT_SCHEDULE), 0, 1
+int g_schedule = -1;  // the Schedule of the next launch: -1 not decided yet (FF_SIMT_SCHEDULE)
+std::string g_bad_schedule;  // an FF_SIMT_SCHEDULE value that names no schedule: launches fail
 int g_sm_count = 4;  // the modelled device's SM count (set_sm_count)
 
-bool reverse_order() {
-  if (g_reverse < 0) {
+constexpr const char* kScheduleNames[] = {"forward", "reverse", "warp_ahead", "warp_ahead_reverse"};
+
+// The schedule of the next launch (FF_SIMT_SCHEDULE unless set_schedule said otherwise); -1 for
+// an FF_SIMT_SCHEDULE that names none (g_bad_schedule holds it).
+int current_schedule() {
+  if (g_schedule < 0 && g_bad_schedule.empty()) {
     const char* env = std::getenv("FF_SIMT_SCHEDULE");
-    g_reverse = env != nullptr && std::strcmp(env, "reverse") == 0;
+    g_schedule = kForward;
+    if (env != nullptr && *env != '\0') {
+      g_schedule = -1;
+      for (int s = 0; s < 4; ++s) {
+        if (std::strcmp(env, kScheduleNames[s]) == 0) g_schedule = s;
+      }
+      if (g_schedule < 0) g_bad_schedule = env;
+    }
   }
-  return g_reverse == 1;
+  return g_schedule;
 }
+
+bool warp_ahead(int schedule) { return schedule == kWarpAhead || schedule == kWarpAheadReverse; }
 
 // The last error (cudaGetLastError resets it; the message stays valid until the next error).
 thread_local cudaError_t g_last_error = cudaSuccess;
@@ -288,107 +303,116 @@ std::string hex(unsigned v) {
   return buf;
 }
 
-// Releases every warp whose lanes named in the mask (those that exist) all wait at the same warp
-// intrinsic. Returns true if some warp was released or the launch failed.
+// Releases the warp whose lanes start at thread `base` if its lanes named in the mask (those that
+// exist) all wait at the same warp intrinsic. Returns true if it was released or the launch failed.
+bool release_warp(Launch* L, int base) {
+  const int lanes = L->nthreads - base < 32 ? L->nthreads - base : 32;
+  Fiber* f = L->fibers + base;
+  int first = -1;
+  for (int l = 0; l < lanes && first < 0; ++l) {
+    if (f[l].state == State::kWarp) first = l;
+  }
+  if (first < 0) return false;
+  const Fiber& ref = f[first];
+  // the messages' parts, built only for a message
+  const auto warp = [base] { return "warp " + std::to_string(base / 32) + ": "; };
+  const char* const op = op_name(ref);
+  bool all_arrived = true;
+  std::vector<int> exited;
+  unsigned part = 0;  // the lanes that take part: existing, named, waiting here
+  for (int l = 0; l < lanes; ++l) {
+    const bool named = (ref.mask >> l) & 1u;
+    if (f[l].state == State::kWarp) {
+      if (!same_warp_op(f[l], ref)) {
+        stop(L, warp() + "lane " + std::to_string(first) + " is at " + op + " (mask " +
+                    hex(ref.mask) + ", width " + std::to_string(ref.width) + ") but lane " +
+                    std::to_string(l) + " at " + op_name(f[l]) + " (mask " +
+                    hex(f[l].mask) + ", width " + std::to_string(f[l].width) +
+                    "): the lanes of a warp must meet at the same intrinsic with the same mask");
+        return true;
+      }
+      if (!named) {
+        stop(L, warp() + "lane " + std::to_string(l) + " calls " + op + " with mask " +
+                    hex(ref.mask) + ", which does not name it");
+        return true;
+      }
+      part |= 1u << l;
+    } else if (named && f[l].state == State::kDone) {
+      exited.push_back(base + l);
+    } else if (named) {
+      all_arrived = false;  // at __syncthreads: the deadlock report names it if nothing moves
+    }
+  }
+  if (!exited.empty()) {
+    stop(L, warp() + op + " (mask " + hex(ref.mask) + ") reached by only part of the warp: threads " +
+                thread_list(exited) + " named in its mask have exited");
+    return true;
+  }
+  if (ref.op == kCollective && lanes < 32) {
+    // a warp-collective instruction is .aligned: every lane of a full warp executes it
+    stop(L, warp() + op + " needs all 32 lanes of the warp, but the block has " +
+                std::to_string(L->nthreads) + " threads, so this warp has " +
+                std::to_string(lanes));
+    return true;
+  }
+  if (!all_arrived) return false;
+  const int width = ref.width;
+  if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
+    stop(L, warp() + op + ": width must be a power of two in [1, 32], got " + std::to_string(width));
+    return true;
+  }
+  if (ref.op == kSyncWarp || ref.op == kCollective || ref.op == kBallot || ref.op == kAny ||
+      ref.op == kAll) {
+    unsigned ballot = 0;
+    for (int l = 0; l < lanes; ++l) {
+      if (((part >> l) & 1u) && f[l].value != 0) ballot |= 1u << l;
+    }
+    for (int l = 0; l < lanes; ++l) {
+      if (!((part >> l) & 1u)) continue;
+      if (ref.op == kBallot) f[l].result = ballot;
+      if (ref.op == kAny) f[l].result = ballot != 0;
+      if (ref.op == kAll) f[l].result = ballot == part;
+      f[l].state = State::kReady;
+    }
+    return true;
+  }
+  // shuffles: every lane reads its source lane's value; all values were stored before any
+  // result is written (results go to a separate field)
+  for (int l = 0; l < lanes; ++l) {
+    if (!((part >> l) & 1u)) continue;
+    const int seg = l & ~(width - 1), pos = l & (width - 1), param = f[l].param;
+    int src = l;
+    switch (ref.op) {
+      case kShflIdx: src = seg + (param & (width - 1)); break;
+      case kShflXor: src = ((l ^ param) & ~(width - 1)) == seg ? (l ^ param) : l; break;
+      case kShflUp: src = pos >= param ? l - param : l; break;
+      default: src = pos + param < width ? l + param : l; break;
+    }
+    if (src < 0 || src >= 32 || !((part >> src) & 1u)) {
+      stop(L, warp() + op + " in thread " + std::to_string(base + l) + " reads lane " +
+                  std::to_string(src) +
+                  (src >= lanes ? ", which does not exist (the block has " +
+                                      std::to_string(L->nthreads) + " threads)"
+                                : ", which is not in the mask " + hex(ref.mask)));
+      return true;
+    }
+    f[l].result = f[src].value;
+  }
+  for (int l = 0; l < lanes; ++l) {
+    if ((part >> l) & 1u) f[l].state = State::kReady;
+  }
+  return true;
+}
+
+// Releases every warp that release_warp can. Returns true if some warp was released or the launch
+// failed.
 bool release_warps(Launch* L) {
   bool released = false;
   for (int base = 0; base < L->nthreads; base += 32) {
-    const int lanes = L->nthreads - base < 32 ? L->nthreads - base : 32;
-    Fiber* f = L->fibers + base;
-    int first = -1;
-    for (int l = 0; l < lanes && first < 0; ++l) {
-      if (f[l].state == State::kWarp) first = l;
-    }
-    if (first < 0) continue;
-    const Fiber& ref = f[first];
-    const std::string warp = "warp " + std::to_string(base / 32) + ": ";
-    const std::string op = op_name(ref);
-    bool all_arrived = true;
-    std::vector<int> exited;
-    unsigned part = 0;  // the lanes that take part: existing, named, waiting here
-    for (int l = 0; l < lanes; ++l) {
-      const bool named = (ref.mask >> l) & 1u;
-      if (f[l].state == State::kWarp) {
-        if (!same_warp_op(f[l], ref)) {
-          stop(L, warp + "lane " + std::to_string(first) + " is at " + op + " (mask " +
-                      hex(ref.mask) + ", width " + std::to_string(ref.width) + ") but lane " +
-                      std::to_string(l) + " at " + op_name(f[l]) + " (mask " +
-                      hex(f[l].mask) + ", width " + std::to_string(f[l].width) +
-                      "): the lanes of a warp must meet at the same intrinsic with the same mask");
-          return true;
-        }
-        if (!named) {
-          stop(L, warp + "lane " + std::to_string(l) + " calls " + op + " with mask " +
-                      hex(ref.mask) + ", which does not name it");
-          return true;
-        }
-        part |= 1u << l;
-      } else if (named && f[l].state == State::kDone) {
-        exited.push_back(base + l);
-      } else if (named) {
-        all_arrived = false;  // at __syncthreads: the deadlock report names it if nothing moves
-      }
-    }
-    if (!exited.empty()) {
-      stop(L, warp + op + " (mask " + hex(ref.mask) + ") reached by only part of the warp: threads " +
-                  thread_list(exited) + " named in its mask have exited");
-      return true;
-    }
-    if (ref.op == kCollective && lanes < 32) {
-      // a warp-collective instruction is .aligned: every lane of a full warp executes it
-      stop(L, warp + op + " needs all 32 lanes of the warp, but the block has " +
-                  std::to_string(L->nthreads) + " threads, so this warp has " +
-                  std::to_string(lanes));
-      return true;
-    }
-    if (!all_arrived) continue;
-    const int width = ref.width;
-    if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
-      stop(L, warp + op + ": width must be a power of two in [1, 32], got " + std::to_string(width));
-      return true;
-    }
-    if (ref.op == kSyncWarp || ref.op == kCollective || ref.op == kBallot || ref.op == kAny ||
-        ref.op == kAll) {
-      unsigned ballot = 0;
-      for (int l = 0; l < lanes; ++l) {
-        if (((part >> l) & 1u) && f[l].value != 0) ballot |= 1u << l;
-      }
-      for (int l = 0; l < lanes; ++l) {
-        if (!((part >> l) & 1u)) continue;
-        if (ref.op == kBallot) f[l].result = ballot;
-        if (ref.op == kAny) f[l].result = ballot != 0;
-        if (ref.op == kAll) f[l].result = ballot == part;
-        f[l].state = State::kReady;
-      }
+    if (release_warp(L, base)) {
+      if (L->failed) return true;
       released = true;
-      continue;
     }
-    // shuffles: every lane reads its source lane's value; all values were stored before any
-    // result is written (results go to a separate field)
-    for (int l = 0; l < lanes; ++l) {
-      if (!((part >> l) & 1u)) continue;
-      const int seg = l & ~(width - 1), pos = l & (width - 1), param = f[l].param;
-      int src = l;
-      switch (ref.op) {
-        case kShflIdx: src = seg + (param & (width - 1)); break;
-        case kShflXor: src = ((l ^ param) & ~(width - 1)) == seg ? (l ^ param) : l; break;
-        case kShflUp: src = pos >= param ? l - param : l; break;
-        default: src = pos + param < width ? l + param : l; break;
-      }
-      if (src < 0 || src >= 32 || !((part >> src) & 1u)) {
-        stop(L, warp + op + " in thread " + std::to_string(base + l) + " reads lane " +
-                    std::to_string(src) +
-                    (src >= lanes ? ", which does not exist (the block has " +
-                                        std::to_string(L->nthreads) + " threads)"
-                                  : ", which is not in the mask " + hex(ref.mask)));
-        return true;
-      }
-      f[l].result = f[src].value;
-    }
-    for (int l = 0; l < lanes; ++l) {
-      if ((part >> l) & 1u) f[l].state = State::kReady;
-    }
-    released = true;
   }
   return released;
 }
@@ -451,10 +475,47 @@ void report_deadlock(Launch* L) {
   stop(L, msg);
 }
 
+// The warp_ahead schedules: between two block barriers each warp runs alone until every lane has
+// reached the next __syncthreads (or exited), its warp intrinsics released as its own lanes
+// arrive; warp 0 first and lanes in order, or (reverse) the last warp first and lanes last to
+// first. Then the barrier completes and the next phase starts with the same warp.
+void run_block_warp_ahead(Launch* L, bool reverse) {
+  const int warps = (L->nthreads + 31) / 32;
+  for (;;) {
+    bool any_live = false;
+    for (int i = 0; i < warps; ++i) {
+      const int base = 32 * (reverse ? warps - 1 - i : i);
+      const int lanes = L->nthreads - base < 32 ? L->nthreads - base : 32;
+      do {
+        for (int j = 0; j < lanes; ++j) {
+          const int t = base + (reverse ? lanes - 1 - j : j);
+          if (L->fibers[t].state == State::kReady) {
+            run_fiber(L, t);
+            if (L->failed) return;
+          }
+        }
+      } while (release_warp(L, base) && !L->failed);
+      if (L->failed) return;
+      for (int l = 0; l < lanes; ++l) any_live |= L->fibers[base + l].state != State::kDone;
+    }
+    if (!any_live) return;
+    if (release_block(L)) {
+      if (L->failed) return;
+      continue;
+    }
+    report_deadlock(L);
+    return;
+  }
+}
+
 void run_block(Launch* L) {
   for (int t = 0; t < L->nthreads; ++t) prepare_fiber(L, t);
   if (L->smem_bytes) std::memset(L->smem, 0xFF, L->smem_bytes);
-  const bool reverse = reverse_order();
+  if (warp_ahead(L->schedule)) {
+    run_block_warp_ahead(L, L->schedule == kWarpAheadReverse);
+    return;
+  }
+  const bool reverse = L->schedule == kReverse;
   for (;;) {
     bool any_live = false;
     for (int i = 0; i < L->nthreads; ++i) {
@@ -516,12 +577,20 @@ void run_grid(const char* name, const void* kernel, dim3 grid, dim3 block, size_
     set_error(cudaErrorInvalidValue, why + cfg);
     return;
   }
+  const int schedule = current_schedule();
+  if (schedule < 0) {
+    set_error(cudaErrorInvalidValue, "invalid argument: FF_SIMT_SCHEDULE=" + g_bad_schedule +
+                                         " names no schedule (forward, reverse, warp_ahead, "
+                                         "warp_ahead_reverse)" + cfg);
+    return;
+  }
   static Launch launch_state;  // about 200 KiB of fiber records and warp scratch, reused
   Launch* L = &launch_state;
   L->name = name;
   L->body = body;
   L->ctx = ctx;
   L->nthreads = static_cast<int>(threads);
+  L->schedule = schedule;
   L->failed = false;
   L->error.clear();
   std::vector<unsigned char> smem_buf(smem_bytes + 16);
@@ -546,6 +615,12 @@ void run_grid(const char* name, const void* kernel, dim3 grid, dim3 block, size_
 int block_barrier(BlockOp op, int pred) {
   Launch* L = running("__syncthreads");
   Fiber& f = L->fibers[L->current];
+  if (warp_ahead(L->schedule)) {
+    // the latest moment before the other warps run: the thread's copies land now, the earliest
+    // the scheduler can show them to another warp (see simt.h)
+    for (const PendingCopy& c : f.pending) std::memcpy(c.dst, c.data, static_cast<size_t>(c.bytes));
+    f.pending.clear();
+  }
   f.state = State::kBlock;
   f.op = op;
   f.value = pred != 0;
@@ -654,9 +729,14 @@ cudaError_t set_func_attribute(const void* kernel, cudaFuncAttribute attr, int v
   return cudaErrorInvalidValue;
 }
 
-void set_reverse_schedule(bool reverse) {
+void set_reverse_schedule(bool reverse) { set_schedule(reverse ? kReverse : kForward); }
+
+Schedule set_schedule(Schedule schedule) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);
-  g_reverse = reverse ? 1 : 0;
+  const int previous = current_schedule();
+  g_schedule = schedule;
+  g_bad_schedule.clear();
+  return previous < 0 ? kForward : static_cast<Schedule>(previous);
 }
 
 void fail(const char* message) {

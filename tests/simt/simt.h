@@ -13,9 +13,10 @@
 //     time in blockIdx order (x fastest).
 //   * The threads of a block are cooperative fibers on the launching OS thread (a hand-written
 //     context switch on x86-64, ucontext elsewhere): thread 0 runs until it blocks at a barrier or a
-//     warp intrinsic, then thread 1, ... in linear thread order. Deterministic: the same launch
-//     always interleaves the same way. threadIdx / blockIdx / blockDim / gridDim are set for the
-//     running fiber; local variables live on its own stack (128 KiB, guard page below).
+//     warp intrinsic, then thread 1, ... in linear thread order (FF_SIMT_SCHEDULE and
+//     ff_simt::set_schedule choose other orders: see "Schedules" below). Deterministic: the same
+//     launch always interleaves the same way. threadIdx / blockIdx / blockDim / gridDim are set for
+//     the running fiber; local variables live on its own stack (128 KiB, guard page below).
 //   * __shared__ is `static` (blocks run one at a time, launches are serialised by a mutex), the
 //     dynamic shared memory (FF_DYNAMIC_SMEM) a 16-byte aligned buffer refilled with 0xFF bytes
 //     (NaN as float) before every block, so a read before any write shows.
@@ -37,8 +38,10 @@
 //   * cp.async (ff_simt::cp_async, through mma.cuh's ff_cp_async_*): the source is read when the copy
 //     is issued, the destination written only when cp.async.wait_group completes its group, so a
 //     read before the wait (a missing or too lax wait_group) sees the old bytes (0xFF in fresh
-//     dynamic shared memory) instead of passing by luck. Copies still pending when a thread exits
-//     are dropped.
+//     dynamic shared memory) instead of passing by luck. Under the warp_ahead schedules (below) a
+//     thread's copies still pending when it reaches __syncthreads land there, before the other
+//     warps run: a copy may land any time after it is issued, so a stage refilled while another
+//     warp may still read it shows. Copies still pending when a thread exits are dropped.
 //   * A stopped launch skips its remaining blocks; cudaGetLastError() then returns
 //     cudaErrorLaunchFailure and cudaGetErrorString() the harness's message (the launchers return
 //     it, FF_CHECK_LAUNCH raises it as a RuntimeError). Nothing hangs, nothing aborts the process.
@@ -58,13 +61,35 @@
 //     that size their grid from the SM count run their multi-block paths on small inputs. Any
 //     other attribute is cudaErrorInvalidValue: the harness has no other device properties.
 //
+// Schedules (FF_SIMT_SCHEDULE=forward|reverse|warp_ahead|warp_ahead_reverse, unset: forward, any
+// other value fails every launch; or ff_simt::set_schedule. One per launch, the same for every block)
+//   A race gives one fixed answer under each schedule, so a missing barrier shows only under one
+//   that runs the other side first: the read before the write it needs, or an overwrite before a
+//   read of the old value. Run a kernel's tests under all four.
+//   * forward (the default): thread 0 runs until it blocks at a barrier or warp intrinsic, then
+//     thread 1, ...; when every thread is blocked, the warps whose lanes have all arrived at an
+//     intrinsic are released, or else the block barrier. A missing __syncthreads shows when an
+//     earlier thread reads what a later one writes (or writes what a later one reads) with no
+//     warp intrinsic between the two accesses.
+//   * reverse: the same, the last thread first: the other half of those races.
+//   * warp_ahead: between two block barriers each warp runs ALONE until all its lanes have reached
+//     the next __syncthreads (or exited), warp 0 first, then warp 1, ...; warp intrinsics and
+//     warp-collectives (mma, ldmatrix) synchronise the lanes of that one warp, and cp.async copies
+//     land at the latest when their thread reaches __syncthreads (see cp.async above). Under
+//     forward and reverse every warp intrinsic is a point where all the block's threads catch up
+//     with each other, which keeps warps that execute the same intrinsics in lockstep, so a
+//     missing __syncthreads between one warp's shared-memory write (or cp.async) and another
+//     warp's read, with a shuffle / mma / ldmatrix in between, passes there by luck. Here, without
+//     the barrier, warp 0 reads what the later warps have not written yet, and overwrites (a
+//     store, a refill by cp.async) what they have not read yet: one half of the cross-warp races.
+//   * warp_ahead_reverse: the same, the last warp first (its lanes last to first): the other half.
+//
 // What it does NOT model (write kernels that never depend on any of it)
 //   * Memory ordering without a barrier: between barriers a thread runs to completion before the
-//     next one starts, so a race on shared or global memory gives one fixed answer here and
-//     another on a GPU. Thread order is fixed (0, 1, 2, ...): a missing __syncthreads shows only
-//     when an earlier thread reads what a later one writes. FF_SIMT_SCHEDULE=reverse (or
-//     ff_simt::set_reverse_schedule) runs the threads last to first, which shows the other half
-//     of such races: run a kernel's tests both ways.
+//     next one starts (forward, reverse) or a warp runs to its next barrier before the next warp
+//     starts (warp_ahead, warp_ahead_reverse), so a race on shared or global memory gives one fixed
+//     answer per schedule here and another on a GPU; no schedule interleaves two warps at finer
+//     grain than their intrinsics, nor reorders one thread's memory accesses.
 //   * Warp-synchronous code without *_sync: lanes are not in lockstep between intrinsics;
 //     implicit warp synchrony (volatile shared-memory reductions) gives wrong answers or passes by
 //     luck. __activemask, __match_*_sync, __reduce_*_sync and cooperative groups are absent.
@@ -210,9 +235,32 @@ void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();
 // cp.async.wait_group n: completes every committed group but the n most recent.
 void cp_async_wait(int n);
-// Threads run last to first (true) or first to last (false, the default unless the environment
-// variable FF_SIMT_SCHEDULE=reverse is set) in every following launch.
+// The order in which the threads of a block run (see the top of this file); the environment
+// variable FF_SIMT_SCHEDULE names the one launches start with (forward when unset or empty; a
+// value that names none makes every launch fail with cudaErrorInvalidValue).
+enum Schedule : int {
+  kForward,           // "forward": thread 0, 1, 2, ... to each barrier or warp intrinsic in turn
+  kReverse,           // "reverse": the same, last thread first
+  kWarpAhead,         // "warp_ahead": each warp alone to its next __syncthreads, warp 0 first
+  kWarpAheadReverse,  // "warp_ahead_reverse": the same, the last warp (and lane) first
+};
+// Every following launch runs under `schedule`; returns the schedule it replaces.
+Schedule set_schedule(Schedule schedule);
+// set_schedule(reverse ? kReverse : kForward).
 void set_reverse_schedule(bool reverse);
+// The launches of a scope under `schedule` (0 .. 3, a Schedule; < 0: the one in force), the one
+// before restored at its end.
+struct ScopedSchedule {
+  int previous = -1;
+  explicit ScopedSchedule(int schedule) {
+    if (schedule >= 0) previous = set_schedule(static_cast<Schedule>(schedule));
+  }
+  ~ScopedSchedule() {
+    if (previous >= 0) set_schedule(static_cast<Schedule>(previous));
+  }
+  ScopedSchedule(const ScopedSchedule&) = delete;
+  ScopedSchedule& operator=(const ScopedSchedule&) = delete;
+};
 // The SM count cudaDeviceGetAttribute reports from now on (n >= 1); returns the previous one.
 int set_sm_count(int n);
 // Stops the launch with message (called from kernel code: never returns).

@@ -96,6 +96,38 @@ at::Tensor racy(int64_t n, bool reverse) {
   return out;
 }
 
+void check_schedule(int64_t schedule, const char* op) {
+  TORCH_CHECK(schedule >= -1 && schedule <= 3, op,
+              ": schedule must be 0 (forward), 1 (reverse), 2 (warp_ahead), 3 "
+              "(warp_ahead_reverse) or -1 (the one in force), got ", schedule);
+}
+
+at::Tensor racy_under(int64_t n, int64_t schedule) {
+  check_schedule(schedule, "racy_under");
+  at::Tensor out = at::empty({n}, at::kFloat);
+  FF_CHECK_LAUNCH(launch_selftest_racy_under(out.data_ptr<float>(), static_cast<int>(n),
+                                             static_cast<int>(schedule), nullptr));
+  return out;
+}
+
+at::Tensor cross_warp(int64_t schedule, bool barrier) {
+  check_schedule(schedule, "cross_warp");
+  at::Tensor out = at::empty({64}, at::kFloat);
+  FF_CHECK_LAUNCH(launch_selftest_cross_warp(out.data_ptr<float>(), static_cast<int>(schedule),
+                                             barrier, nullptr));
+  return out;
+}
+
+at::Tensor refill(const at::Tensor& src_in, int64_t schedule, bool barrier) {
+  check_schedule(schedule, "refill");
+  const at::Tensor src = checked(src_in, "src", at::kFloat, "refill");
+  TORCH_CHECK(src.numel() == 512, "refill: src must have 512 elements");
+  at::Tensor out = at::empty({128}, src.options());
+  FF_CHECK_LAUNCH(launch_selftest_refill(src.data_ptr<float>(), out.data_ptr<float>(),
+                                         static_cast<int>(schedule), barrier, nullptr));
+  return out;
+}
+
 // ---- the tensor-core wrappers (mma_selftest.cu); 32-bit registers travel as int32 tensors
 template <typename T>
 T* ptr(const at::Tensor& t) {
@@ -263,6 +295,9 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("from_bits(Tensor bits, int kind) -> Tensor");
   m.def("many_blocks(int blocks) -> Tensor");
   m.def("racy(int n, bool reverse) -> Tensor");
+  m.def("racy_under(int n, int schedule) -> Tensor");
+  m.def("cross_warp(int schedule, bool barrier) -> Tensor");
+  m.def("refill(Tensor src, int schedule, bool barrier) -> Tensor");
   m.def("mma_fragments(Tensor a, Tensor b, Tensor c, int kind) -> Tensor");
   m.def("tf32(Tensor x) -> Tensor");
   m.def("ldmatrix(Tensor tile, Tensor offsets, int num, bool trans) -> Tensor");
@@ -288,6 +323,7 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
   m.impl("ldmatrix", &ldmatrix);
   m.impl("mma_gemm", &mma_gemm);
   m.impl("cp_async", &cp_async);
+  m.impl("refill", &refill);
   m.impl("flash_fwd_mma", &flash_fwd_mma);
 }
 
@@ -296,6 +332,8 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CompositeExplicitAutograd, m) {
   m.impl("broken", &broken);
   m.impl("many_blocks", &many_blocks);
   m.impl("racy", &racy);
+  m.impl("racy_under", &racy_under);
+  m.impl("cross_warp", &cross_warp);
   m.impl("big_smem", &big_smem);
   m.impl("mma_broken", &mma_broken);
   m.impl("set_sm_count", &set_sm_count);
