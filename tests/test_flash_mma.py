@@ -15,15 +15,18 @@ a small floor. Parts of the file run again under the harness's other thread sche
 of the four warps runs alone to its next __syncthreads (warp 0 first, or warp 3 first) and its
 cp.async copies land by then.
 
-The warp_ahead schedules catch what the forward and reverse ones cannot, since there the warps
-meet at every mma / ldmatrix and stay in lockstep: a missing __syncthreads between one warp's
-cp.async landing and another warp's ldmatrix (deleting the one after the Q tile's wait fails 61 /
-59 of the 80 tests above under warp_ahead / warp_ahead_reverse), or a K / V stage refilled while
-another warp still reads it (deleting the one that ends a key tile fails 16 / 28: the head-dim 256
-bucket through the early refill by cp.async alone, other shapes also through the hidden-key
-words). Every other mutation tried (a lax wait_group, the wrong ldmatrix parity or swizzle, no quad
-reduction of l, causal off by one, no rescale of O, the wrong dropout lane, a skipped mask, the
-wrong hidden-key bit or mask offset) fails the tests under the forward schedule."""
+The warp_ahead schedules catch missing barriers between warps, which forward and reverse, where
+the warps meet at every mma / ldmatrix / shuffle, see only by luck. Deleting the __syncthreads that
+ends a key tile (a K / V stage refilled while another warp still reads it) passes all 80 of the
+file's other tests under forward and reverse, and fails 16 / 28 under warp_ahead /
+warp_ahead_reverse (the head-dim 256 bucket through the early refill by cp.async alone, other
+shapes also through the hidden-key words). Deleting the one after the Q tile's wait (one warp's
+cp.async landing, another warp's ldmatrix) passes all 80 under forward, fails 53 under reverse
+(only because warps 0-1 stop at load_kv's __ballot_sync while warps 2-3 go on to their ldmatrix)
+and 61 / 59 under warp_ahead / warp_ahead_reverse. Every other mutation tried (a lax wait_group,
+the wrong ldmatrix parity or swizzle, no quad reduction of l, causal off by one, no rescale of O,
+the wrong dropout lane, a skipped mask, the wrong hidden-key bit or mask offset) fails the
+tests."""
 import math
 import os
 import subprocess
