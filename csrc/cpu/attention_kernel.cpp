@@ -69,6 +69,10 @@ constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
 
+// Softmax rows whose statistics are computed together: one vector of them.
+template <typename T>
+constexpr int64_t kRowGroup = Vec<T>::size();
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
@@ -313,6 +317,82 @@ void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, i
   for (int64_t c = n; c < n_pad; ++c) s[c] = neg_inf<T>();
 }
 
+// s[0, n_pad) = f(scale * s + masks) for query i against keys j0 .. j0 + n - 1, f(-inf) where a
+// mask hides the key and in the padding [n, n_pad): scale_mask_row and the next pass over the row
+// (forward: the row max, backward: exp(s - lse)) in one sweep, the causal mask and the padding
+// as whole vectors. Without an attn_mask (fp32: also with key padding) only; see fusable().
+template <typename T, typename F>
+void scale_mask_map_row(const Masks& mk, T scale, int64_t b, int64_t i, int64_t shift, int64_t j0,
+                        int64_t n, int64_t n_pad, T* s, const F& f) {
+  constexpr int64_t V = Vec<T>::size();
+  const Vec<T> vs(scale), hidden(neg_inf<T>());
+  // columns [visible, n_pad) are hidden: causal, then padding
+  const int64_t visible = mk.causal ? std::clamp<int64_t>(i + shift - j0 + 1, 0, n) : n;
+  const float* kb = mk.key_bias != nullptr ? mk.key_bias + b * mk.Sk + j0 : nullptr;
+  auto score = [&](int64_t c, int64_t count) {
+    Vec<T> x = Vec<T>::loadu(s + c) * vs;
+    if constexpr (std::is_same_v<T, float>) {
+      if (kb != nullptr) {  // as add_mask_row: -inf hides the key even where the score is NaN
+        const Vec<float> a = Vec<float>::loadu(kb + c, count);
+        x = Vec<float>::blendv(x + a, hidden, a == hidden);
+      }
+    }
+    return x;
+  };
+  int64_t c = 0;
+  for (; c + V <= visible; c += V) f(score(c, V)).store(s + c);
+  if (c < visible) {
+    f(Vec<T>::set(hidden, score(c, visible - c), visible - c)).store(s + c);
+    c += V;
+  }
+  if (c < n_pad) {
+    const Vec<T> tail = f(hidden);
+    for (; c < n_pad; c += V) tail.store(s + c);
+  }
+}
+
+// Whether scale_mask_map_row takes these masks.
+template <typename T>
+bool fusable(const Masks& mk) {
+  return mk.am == nullptr && (std::is_same_v<T, float> || mk.key_bias == nullptr);
+}
+
+// Lane r of the result = op over the lanes of v[r], r < Vec<T>::size(): the horizontal reductions
+// of a group of rows (row maxima, row sums) done together. fp32 / AVX-512: a 16 x 16
+// transpose-and-reduce, 15 ops on pairs of shuffles instead of 16 reductions of 4 dependent steps.
+template <typename T, typename Op>
+Vec<T> reduce_rows(const Vec<T>* v, const Op& op) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    __m512 a[8], b[4], c[2];
+    for (int k = 0; k < 8; ++k) {  // rows 2k, 2k + 1 interleaved, 8 partials each
+      a[k] = op(Vec<T>(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1])),
+                Vec<T>(_mm512_unpackhi_ps(v[2 * k], v[2 * k + 1])));
+    }
+    for (int k = 0; k < 4; ++k) {  // rows 4k .. 4k + 3 in order within each 128-bit lane
+      const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+      b[k] = op(Vec<T>(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y))),
+                Vec<T>(_mm512_castpd_ps(_mm512_unpackhi_pd(x, y))));
+    }
+    for (int k = 0; k < 2; ++k) {  // 128-bit lanes: rows 8k .. 8k + 7, 2 partials each
+      c[k] = op(Vec<T>(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88)),
+                Vec<T>(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xdd)));
+    }
+    return op(Vec<T>(_mm512_shuffle_f32x4(c[0], c[1], 0x88)), Vec<T>(_mm512_shuffle_f32x4(c[0], c[1], 0xdd)));
+  }
+#endif
+  constexpr int64_t n = Vec<T>::size();
+  alignas(64) T out[n];
+  for (int64_t r = 0; r < n; ++r) out[r] = at::vec::vec_reduce_all<T>(op, v[r]);
+  return Vec<T>::loadu(out);
+}
+
+template <typename T>
+Vec<T> max_op(const Vec<T>& x, const Vec<T>& y) { return at::vec::maximum(x, y); }  // NaN wins
+
+template <typename T>
+Vec<T> add_op(const Vec<T>& x, const Vec<T>& y) { return x + y; }
+
 template <typename T>
 constexpr T nan_of() { return std::numeric_limits<T>::quiet_NaN(); }
 
@@ -344,6 +424,20 @@ T exp_sub_sum(T* s, int64_t n, T m) {
   return at::vec::vec_reduce_all<T>([](Vec<T> x, Vec<T> y) { return x + y; }, sum);
 }
 
+// s = exp(s - m) (times keep, when given); returns the lane-wise partial sums of exp(s - m)
+// (before dropout), for reduce_rows.
+template <typename T>
+Vec<T> exp_sub_partial(T* s, int64_t n, T m, const T* keep) {
+  const Vec<T> vm(m);
+  Vec<T> sum(T(0));
+  for (int64_t c = 0; c < n; c += Vec<T>::size()) {
+    const Vec<T> e = vexp(Vec<T>::loadu(s + c) - vm);
+    sum = sum + e;
+    (keep != nullptr ? e * Vec<T>::loadu(keep + c) : e).store(s + c);
+  }
+  return sum;
+}
+
 // s = exp(s - m) without the sum (backward's P = exp(S - lse)).
 template <typename T>
 void exp_sub(T* s, int64_t n, T m) {
@@ -366,12 +460,15 @@ void mul_into(T* dst, const T* x, const T* y, int64_t n) {
   }
 }
 
-// dp = scale * p * (dp - delta): the softmax backward of one row, times the score scale.
+// dp = scale * p * (dp z - delta): the softmax backward of one row, times the score scale, with
+// the dropout multipliers z when given.
 template <typename T>
-void softmax_bwd_row(T* dp, const T* p, int64_t n, T delta, T scale) {
+void softmax_bwd_row(T* dp, const T* p, const T* z, int64_t n, T delta, T scale) {
   const Vec<T> vd(delta), vs(scale);
   for (int64_t c = 0; c < n; c += Vec<T>::size()) {
-    (Vec<T>::loadu(p + c) * vs * (Vec<T>::loadu(dp + c) - vd)).store(dp + c);
+    Vec<T> d = Vec<T>::loadu(dp + c);
+    if (z != nullptr) d = d * Vec<T>::loadu(z + c);
+    (Vec<T>::loadu(p + c) * vs * (d - vd)).store(dp + c);
   }
 }
 
@@ -455,6 +552,8 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
   const int64_t D = p.D;
   const bool dropout = p.dropout.drop;
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.scale);
+  const bool fused = fusable<acc_t>(p.mask);
+  constexpr int64_t kGroup = kRowGroup<acc_t>;
 
   TaskList list(p.H);  // (sequence, query block): only the blocks a sequence has
   for (int64_t b = 0; b < p.B; ++b) {
@@ -466,9 +565,40 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
   parallel_tasks(list.size(), list.work(), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
-        keep(kBlockK);
+        keep(kGroup * kBlockK);  // a row group's dropout multipliers
+    std::array<Vec<acc_t>, kGroup> part;  // a row group's lane-wise maxima, then sums
     const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
+    // online softmax: rescale what row r accumulated under its old max
+    auto rescale = [&](int64_t r, acc_t m_new) {
+      if (m[r] != m_new && m[r] != neg_inf<acc_t>()) {
+        const acc_t alpha = std::exp(m[r] - m_new);
+        l[r] *= alpha;
+        scale_row(acc.data() + r * D, D, alpha);
+      }
+    };
+    // Row r's step with every case checked (a group holding a NaN or +inf score), s scaled and
+    // masked, tile_max its maximum.
+    auto online_softmax_row = [&](int64_t r, acc_t* s, acc_t tile_max, int64_t npad, int64_t nk,
+                                  const acc_t* z) {
+      const acc_t m_new = std::isnan(m[r]) || std::isnan(tile_max) ? nan_of<acc_t>()
+                                                                   : std::max(m[r], tile_max);
+      if (m_new == neg_inf<acc_t>()) {
+        std::fill(s, s + npad, acc_t(0));  // nothing visible yet: P = 0
+        return;
+      }
+      if (std::isnan(m_new) || m_new == -neg_inf<acc_t>()) {
+        // a NaN or +inf score: the reference's softmax row is NaN, so P, the output and the
+        // lse are NaN too (vexp would clamp exp(NaN) to a finite number)
+        poison_row(s, nk, npad);
+        m[r] = l[r] = nan_of<acc_t>();
+        return;
+      }
+      rescale(r, m_new);
+      l[r] += exp_sub_sum(s, npad, m_new);
+      m[r] = m_new;
+      if (z != nullptr) mul_row(s, z, npad);
+    };
     for (int64_t task; tasks.pop(task);) {
       int64_t h;
       const TaskList::Item& it = list.item(task, h);
@@ -486,50 +616,83 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
         attn::transpose(Kj, ldk, nk, D, KT.data(), kBlockK);         // (D, nk)
         // S (mq, nk) = Q_i K_j^T
         attn::matmul(mq, nk, D, Qi, ldq, KT.data(), kBlockK, S.data(), kBlockK, false);
-        for (int64_t r = 0; r < mq; ++r) {
-          const int64_t i = i0 + r;
-          acc_t* s = S.data() + r * kBlockK;
-          scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
-          const acc_t tile_max = row_max(s, npad);  // NaN if a score is NaN
-          const acc_t m_new = std::isnan(m[r]) || std::isnan(tile_max) ? nan_of<acc_t>()
-                                                                       : std::max(m[r], tile_max);
-          if (m_new == neg_inf<acc_t>()) {
-            std::fill(s, s + npad, acc_t(0));  // nothing visible yet: P = 0
+        // the softmax rows in groups of kGroup, their maxima and sums reduced together
+        for (int64_t g0 = 0; g0 < mq; g0 += kGroup) {
+          const int64_t rows = std::min(kGroup, mq - g0);
+          acc_t* s0 = S.data() + g0 * kBlockK;
+          if (dropout) {  // first: the multipliers' stores are done when the rows read them
+            for (int64_t r = 0; r < rows; ++r) {
+              p.dropout_row(drop, b, h, i0 + g0 + r, j0, nk, npad, keep.data() + r * kBlockK);
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            acc_t* s = s0 + r * kBlockK;
+            if (fused) {
+              Vec<acc_t> mx(neg_inf<acc_t>());
+              scale_mask_map_row(p.mask, p.scale, b, i0 + g0 + r, shift, j0, nk, npad, s,
+                                 [&](const Vec<acc_t>& x) {
+                                   mx = at::vec::maximum(mx, x);
+                                   return x;
+                                 });
+              part[r] = mx;
+            } else {
+              scale_mask_row(p.mask, p.scale, b, h, i0 + g0 + r, shift, j0, nk, npad, s);
+              Vec<acc_t> mx(neg_inf<acc_t>());
+              for (int64_t c = 0; c < npad; c += Vec<acc_t>::size()) {
+                mx = at::vec::maximum(mx, Vec<acc_t>::loadu(s + c));
+              }
+              part[r] = mx;
+            }
+          }
+          for (int64_t r = rows; r < kGroup; ++r) part[r] = Vec<acc_t>(neg_inf<acc_t>());
+          alignas(64) acc_t tile_max[kGroup], m_new[kGroup];
+          const Vec<acc_t> group_max = reduce_rows(part.data(), max_op<acc_t>);  // NaN: a NaN score
+          group_max.store(tile_max);
+          at::vec::maximum(group_max, Vec<acc_t>::loadu(m.data() + g0)).store(m_new);
+          bool ordinary = true;  // no NaN or +inf score (now or in an earlier tile) in the group
+          for (int64_t r = 0; r < rows; ++r) {
+            ordinary &= !std::isnan(m_new[r]) && m_new[r] != -neg_inf<acc_t>();
+          }
+          if (!ordinary) {
+            for (int64_t r = 0; r < rows; ++r) {
+              online_softmax_row(g0 + r, s0 + r * kBlockK, tile_max[r], npad, nk,
+                                 dropout ? keep.data() + r * kBlockK : nullptr);
+            }
             continue;
           }
-          if (std::isnan(m_new) || m_new == -neg_inf<acc_t>()) {
-            // a NaN or +inf score: the reference's softmax row is NaN, so P, the output and the
-            // lse are NaN too (vexp would clamp exp(NaN) to a finite number)
-            poison_row(s, nk, npad);
-            m[r] = l[r] = nan_of<acc_t>();
-            continue;
+          for (int64_t r = 0; r < rows; ++r) {
+            acc_t* s = s0 + r * kBlockK;
+            const int64_t row = g0 + r;
+            if (m_new[r] == neg_inf<acc_t>()) {
+              std::fill(s, s + npad, acc_t(0));  // nothing visible yet: P = 0
+              part[r] = Vec<acc_t>(acc_t(0));
+              continue;
+            }
+            rescale(row, m_new[r]);
+            part[r] = exp_sub_partial(s, npad, m_new[r], dropout ? keep.data() + r * kBlockK : nullptr);
+            m[row] = m_new[r];
           }
-          // online softmax: rescale what was accumulated under the old max
-          if (m[r] != m_new && m[r] != neg_inf<acc_t>()) {
-            const acc_t alpha = std::exp(m[r] - m_new);
-            l[r] *= alpha;
-            scale_row(acc.data() + r * D, D, alpha);
-          }
-          l[r] += exp_sub_sum(s, npad, m_new);
-          m[r] = m_new;
-          if (dropout) {
-            p.dropout_row(drop, b, h, i, j0, nk, npad, keep.data());
-            mul_row(s, keep.data(), npad);
-          }
+          alignas(64) acc_t sum[kGroup];
+          reduce_rows(part.data(), add_op<acc_t>).store(sum);
+          for (int64_t r = 0; r < rows; ++r) l[g0 + r] += sum[r];
         }
         // acc (mq, D) += P (mq, nk) V_j (nk, D)
         const acc_t* Vj = v_tile.get(p.v, b, h, j0, nk, ldv);
         attn::matmul(mq, D, nk, S.data(), kBlockK, Vj, ldv, acc.data(), D, true);
       }
       float* lse_rows = lse.row(b, h, i0);
-      for (int64_t r = 0; r < mq; ++r) {
-        scalar_t* o = out.row(b, h, i0 + r);
-        if (l[r] == acc_t(0)) {  // no visible key: output 0, lse +inf
-          std::fill(o, o + D, scalar_t(0));
-          lse_rows[r] = std::numeric_limits<float>::infinity();
-        } else {
-          store_scaled_row(acc.data() + r * D, keep_scale / l[r], o, D);
-          lse_rows[r] = static_cast<float>(m[r] + std::log(l[r]));
+      for (int64_t g0 = 0; g0 < mq; g0 += kGroup) {
+        alignas(64) acc_t log_l[kGroup];  // a group's logs in one vector call
+        Vec<acc_t>::loadu(l.data() + g0).log().store(log_l);
+        for (int64_t r = g0; r < std::min(mq, g0 + kGroup); ++r) {
+          scalar_t* o = out.row(b, h, i0 + r);
+          if (l[r] == acc_t(0)) {  // no visible key: output 0, lse +inf
+            std::fill(o, o + D, scalar_t(0));
+            lse_rows[r] = std::numeric_limits<float>::infinity();
+          } else {
+            store_scaled_row(acc.data() + r * D, keep_scale / l[r], o, D);
+            lse_rows[r] = static_cast<float>(m[r] + log_l[r - g0]);
+          }
         }
       }
     }
@@ -604,25 +767,29 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
 
+  if (dropout) {  // before the product: the multipliers' stores are done when the rows read them
+    for (int64_t r = 0; r < mq; ++r) p.dropout_row(drop, b, h, i0 + r, j0, nk, npad, w.keep.data() + r * kBlockK);
+  }
   // P (mq, nk) = exp(scale * Q_i K_j^T + mask - lse)
   attn::matmul(mq, nk, D, Qi, ldq, w.KT.data(), kBlockK, w.S.data(), kBlockK, false);
+  const bool fused = fusable<acc_t>(p.mask);
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t i = i0 + r;
     acc_t* s = w.S.data() + r * kBlockK;
-    scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
     const float row_lse = lse[r];
     if (row_lse == std::numeric_limits<float>::infinity()) {
       std::fill(s, s + npad, acc_t(0));  // no visible key
     } else if (std::isnan(row_lse)) {
       poison_row(s, nk, npad);  // the forward's row was NaN: so are its gradients
+    } else if (fused) {
+      const Vec<acc_t> vlse(static_cast<acc_t>(row_lse));
+      scale_mask_map_row(p.mask, p.scale, b, i, shift, j0, nk, npad, s,
+                         [&](const Vec<acc_t>& x) { return vexp(x - vlse); });
     } else {
+      scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
       exp_sub(s, npad, static_cast<acc_t>(row_lse));
     }
-    if (dropout) {
-      acc_t* z = w.keep.data() + r * kBlockK;
-      p.dropout_row(drop, b, h, i, j0, nk, npad, z);
-      mul_into(w.PZ.data() + r * kBlockK, s, z, npad);
-    }
+    if (dropout) mul_into(w.PZ.data() + r * kBlockK, s, w.keep.data() + r * kBlockK, npad);
   }
 
   if (dv != nullptr) {
@@ -635,9 +802,9 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   attn::matmul(mq, nk, D, dOi, lddo, w.VT.data(), kBlockK, w.dP.data(), kBlockK, false);
   for (int64_t r = 0; r < mq; ++r) {
     acc_t* dp = w.dP.data() + r * kBlockK;
-    std::fill(dp + nk, dp + npad, acc_t(0));
-    if (dropout) mul_row(dp, w.keep.data() + r * kBlockK, npad);
-    softmax_bwd_row(dp, w.S.data() + r * kBlockK, npad, delta[r], p.scale);
+    if (npad > nk) std::fill(dp + nk, dp + npad, acc_t(0));
+    softmax_bwd_row(dp, w.S.data() + r * kBlockK, dropout ? w.keep.data() + r * kBlockK : nullptr,
+                    npad, delta[r], p.scale);
   }
 
   if (dq != nullptr) {
