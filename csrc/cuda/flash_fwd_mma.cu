@@ -64,6 +64,7 @@
 #include "mma.cuh"
 #include "philox.cuh"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -502,6 +503,8 @@ const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t bloc
 
 }  // namespace
 
+constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
+
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   if (a.dtype != 1 && a.dtype != 2) {
     return "flash_fwd_mma: dtype must be 1 (float16) or 2 (bfloat16): tensor cores take 16-bit inputs";
@@ -518,10 +521,16 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   }
 #ifndef FF_SIMT
   {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      return ff_last_error();
+    // asked on every forward (the glue, then the launcher): each device's major is read once
+    static std::atomic<int> majors[kMaxDevices];  // 0: not read yet
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return ff_last_error();
+    int major = dev < kMaxDevices ? majors[dev].load(std::memory_order_relaxed) : 0;
+    if (major == 0) {
+      if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        return ff_last_error();
+      }
+      if (dev < kMaxDevices) majors[dev].store(major, std::memory_order_relaxed);
     }
     if (major < 8) return "flash_fwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
   }
