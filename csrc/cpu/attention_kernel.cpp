@@ -404,13 +404,6 @@ void poison_row(T* s, int64_t n, int64_t npad) {
   std::fill(s + n, s + npad, T(0));
 }
 
-template <typename T>
-T row_max(const T* s, int64_t n) {
-  Vec<T> m(neg_inf<T>());
-  for (int64_t c = 0; c < n; c += Vec<T>::size()) m = at::vec::maximum(m, Vec<T>::loadu(s + c));
-  return at::vec::vec_reduce_all<T>([](Vec<T> x, Vec<T> y) { return at::vec::maximum(x, y); }, m);
-}
-
 // s = exp(s - m); returns the row sum.
 template <typename T>
 T exp_sub_sum(T* s, int64_t n, T m) {
