@@ -51,15 +51,21 @@ bool onednn_bf16_supported() {
 // AVX-512 path, AMD's, it is about twice as fast) and bf16 with a bias where oneDNN supports bf16
 // on this CPU (fused, where at::addmm adds it in a second pass); bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty
 // products and a torch without oneDNN go to at::addmm / at::mm.
-at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias) {
+// relu_out (when not nullptr): may oneDNN apply relu in its epilogue; *relu_out says whether it did.
+at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
+                     bool* relu_out = nullptr) {
   const bool has_bias = bias.has_value() && bias->defined();
   const c10::OperatorHandle* op = onednn_linear();
   const auto dt = a.scalar_type();
   const bool bf16_ok = dt == at::kBFloat16 && has_bias && onednn_bf16_supported();
+  if (relu_out) *relu_out = false;
   if (op && (dt == at::kFloat || bf16_ok) && a.numel() > 0 && b.numel() > 0) {
-    torch::jit::Stack stack{a, b, has_bias ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
+    const bool relu = relu_out != nullptr;
+    torch::jit::Stack stack{a, b, has_bias ? c10::IValue(*bias) : c10::IValue(),
+                            c10::IValue(relu ? "relu" : "none"),
                             c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
     op->callBoxed(stack);
+    if (relu_out) *relu_out = relu;
     return stack.at(0).toTensor();
   }
   return has_bias ? at::addmm(*bias, a, b.t()) : at::mm(a, b.t());
@@ -83,6 +89,17 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
 
+  if (act == Activation::kRelu) {
+    // a = dropout(relu(pre)) over pre in place, kept for backward (feed_forward_kernel.cpp);
+    // relu in oneDNN's epilogue where it runs the GEMM, then only dropout is left (if any)
+    bool relu_done = false;
+    at::Tensor a = matmul_nt(x, w1, b1, &relu_done).contiguous();  // (N, F)
+    if (!relu_done || dropout_p > 0.0) {
+      FF_ISA(act_dropout_fwd_kernel)(a, a, act, dropout_p, static_cast<uint64_t>(seed),
+                                     static_cast<uint64_t>(offset));
+    }
+    return {matmul_nt(a, w2, b2), a};  // (N, E), (N, F)
+  }
   at::Tensor pre = matmul_nt(x, w1, b1).contiguous();  // (N, F)
   at::Tensor a = empty_large_like(pre);  // (N, F); pooled when large (large_buffers.h)
   FF_ISA(act_dropout_fwd_kernel)(pre, a, act, dropout_p, static_cast<uint64_t>(seed),
@@ -103,12 +120,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   std::tie(seed, offset) = read_philox(op, philox);
 
   at::Tensor dpre = matmul_nt(dout, w2.t(), c10::nullopt).contiguous();  // (N, F): da, then dpre
-  at::Tensor a = empty_large_like(pre);  // (N, F), freed after dw2: its block is reused
+  // relu: pre holds what forward kept, a itself; else a is recomputed, freed after dw2
+  const bool relu = act == Activation::kRelu;
+  at::Tensor a = relu ? at::Tensor() : empty_large_like(pre);  // (N, F)
   at::Tensor db1 = has_b1 ? at::empty({F}, x.options()) : at::empty({0}, w1.options());
   at::Tensor db2 = has_b2 ? at::empty({E}, x.options()) : at::empty({0}, w2.options());
   FF_ISA(act_dropout_bwd_kernel)(pre, dpre, dout, a, db1, db2, act, dropout_p,
                                  static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
-  at::Tensor dw2 = weight_grad(dout, a);  // (E, F)
+  at::Tensor dw2 = weight_grad(dout, relu ? pre : a);  // (E, F)
   a.reset();
   at::Tensor dw1 = weight_grad(dpre, x);  // (F, E)
   at::Tensor dx = matmul_nt(dpre, w1.t(), c10::nullopt);      // (N, E)

@@ -12,13 +12,15 @@ namespace fastformer {
 
 // Activation (relu / gelu / silu) is declared with the op's argument checks.
 
-// a = dropout(act(pre)); pre, a (N, F) contiguous.
+// a = dropout(act(pre)); pre, a (N, F) contiguous (a may be pre: in place).
 FF_ISA_DECLARE(void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act,
                                            double dropout_p, uint64_t seed, uint64_t offset))
 
-// a = dropout(act(pre)) and dpre = da * keep * act'(pre) written over dpre (which holds da on
-// entry); db1 (F,) = column sums of dpre, db2 (E,) = column sums of dout, each only when not empty.
-FF_ISA_DECLARE(void act_dropout_bwd_kernel(const at::Tensor& pre, at::Tensor& dpre,
+// dpre = da * keep * act'(pre) written over dpre (which holds da on entry); db1 (F,) = column sums
+// of dpre, db2 (E,) = column sums of dout, each only when not empty. saved: what forward kept, a
+// for relu (then a is not written and may be undefined), pre otherwise (then a = dropout(act(pre))
+// is written for dw2).
+FF_ISA_DECLARE(void act_dropout_bwd_kernel(const at::Tensor& saved, at::Tensor& dpre,
                                            const at::Tensor& dout, at::Tensor& a, at::Tensor& db1,
                                            at::Tensor& db2, Activation act, double dropout_p,
                                            uint64_t seed, uint64_t offset))

@@ -4,11 +4,13 @@
 // between them is one vectorised parallel pass each way:
 //   forward:  pre = x w1^T + b1 (bias in the GEMM), then ONE pass a = dropout(act(pre)),
 //             then out = a w2^T + b2.
-//   backward: da = dout w2, then ONE pass over (pre, da) that regenerates the dropout mask and
-//             writes a = dropout(act(pre)) (dw2 needs it) and dpre = da * keep * scale * act'(pre)
-//             over da in place, summing db1 (columns of dpre) and db2 (columns of dout) per block
-//             of rows on the way; then dw2 = dout^T a, dw1 = dpre^T x, dx = dpre w1.
-// Only pre (N, F) is kept between forward and backward.
+//   backward: da = dout w2, then ONE pass over (saved, da) writing dpre = da * keep * scale *
+//             act'(pre) over da in place, summing db1 (columns of dpre) and db2 (columns of dout)
+//             per block of rows on the way; then dw2 = dout^T a, dw1 = dpre^T x, dx = dpre w1.
+// What forward keeps (N, F) depends on the activation:
+//   relu: a itself (written over pre). a > 0 exactly where the element was kept and pre > 0, so
+//         act'(pre) * keep = (a > 0) and the backward needs neither pre nor the dropout mask.
+//   gelu / silu: pre; the backward regenerates the mask and recomputes a for dw2.
 //
 // This file is the pass between the GEMMs, compiled once per ISA level into fastformer::<level>
 // (isa.h); feed_forward.cpp checks the arguments, runs the GEMMs and calls the chosen level.
@@ -117,10 +119,32 @@ inline void act_dropout_bwd_row(const T* pr, T* dr, T* ar, const acc_t<T>* keep,
   }
 }
 
-// The backward's one pass over rows (see act_dropout_bwd_row); db1 / db2 (nullptr: not wanted)
-// are summed per block of rows, then the blocks' sums added in block order.
+// One row of relu's backward pass from the kept a: dpre = da * scale where a > 0, else 0, written
+// over da; db1_sum / db2_sum as act_dropout_bwd_row. scale: 1 / (1 - p), 1 without dropout.
 template <typename T>
-void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* db2, int64_t N,
+inline void relu_dropout_bwd_row(const T* ar, T* dr, const T* gr, acc_t<T> scale, acc_t<T>* db1_sum,
+                                 acc_t<T>* db2_sum, int64_t F, int64_t E) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  constexpr int64_t W = V::size();
+  const V zero(A(0)), s(scale);
+  vec_loop<W>(F, [&](int64_t j, int64_t n) {
+    const V d = V::blendv(zero, load(dr + j, n) * s, load(ar + j, n) > zero);
+    store(dr + j, d, n);
+    if (db1_sum) (V::loadu(db1_sum + j, n) + d).store(db1_sum + j, n);
+  });
+  if (db2_sum) {
+    vec_loop<W>(E, [&](int64_t j, int64_t n) {
+      (V::loadu(db2_sum + j, n) + load(gr + j, n)).store(db2_sum + j, n);
+    });
+  }
+}
+
+// The backward's one pass over rows (see act_dropout_bwd_row, relu_dropout_bwd_row); saved: a for
+// relu (a is then not written), else pre; db1 / db2 (nullptr: not wanted) are summed per block of
+// rows, then the blocks' sums added in block order.
+template <typename T>
+void act_dropout_bwd(const T* saved, T* da_dpre, const T* dout, T* a, T* db1, T* db2, int64_t N,
                      int64_t F, int64_t E, Activation act, double dropout_p, uint64_t seed,
                      uint64_t offset) {
   using A = acc_t<T>;
@@ -134,17 +158,23 @@ void act_dropout_bwd(const T* pre, T* da_dpre, const T* dout, T* a, T* db1, T* d
   const int64_t F1 = db1 ? F : 0, E2 = db2 ? E : 0;
   std::unique_ptr<A[]> partial_buf(new A[nblocks * (F1 + E2)]());  // per block: db1 (F1), db2 (E2)
   A* const partial = partial_buf.get();
+  const bool relu = act == Activation::kRelu;  // saved holds a: no mask, no recomputation
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? F : 0]);
-    A* const keep = dp.drop ? keep_buf.get() : nullptr;
+    std::unique_ptr<A[]> keep_buf(new A[dp.drop && !relu ? F : 0]);
+    A* const keep = dp.drop && !relu ? keep_buf.get() : nullptr;
     const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t block = block_begin; block < block_end; ++block) {
       A* const db1_sum = F1 ? partial + block * (F1 + E2) : nullptr;
       A* const db2_sum = E2 ? partial + block * (F1 + E2) + F1 : nullptr;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
+        if (relu) {
+          relu_dropout_bwd_row<T>(saved + row * F, da_dpre + row * F, dout + row * E,
+                                  dp.drop ? static_cast<A>(dp.scale) : A(1), db1_sum, db2_sum, F, E);
+          continue;
+        }
         if (keep) dropout.fill(keep, 0, F, dropout_row_counter(offset, row, F));
-        act_dropout_bwd_row<T>(pre + row * F, da_dpre + row * F, a + row * F, keep, dout + row * E,
+        act_dropout_bwd_row<T>(saved + row * F, da_dpre + row * F, a + row * F, keep, dout + row * E,
                                db1_sum, db2_sum, F, E, act);
       }
     }
@@ -173,13 +203,13 @@ void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act
   });
 }
 
-void act_dropout_bwd_kernel(const at::Tensor& pre, at::Tensor& dpre, const at::Tensor& dout,
+void act_dropout_bwd_kernel(const at::Tensor& saved, at::Tensor& dpre, const at::Tensor& dout,
                             at::Tensor& a, at::Tensor& db1, at::Tensor& db2, Activation act,
                             double dropout_p, uint64_t seed, uint64_t offset) {
-  const int64_t N = pre.size(0), F = pre.size(1), E = dout.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, pre.scalar_type(), "feed_forward_bwd", [&] {
-    act_dropout_bwd<scalar_t>(pre.data_ptr<scalar_t>(), dpre.data_ptr<scalar_t>(),
-                              dout.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
+  const int64_t N = saved.size(0), F = saved.size(1), E = dout.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, saved.scalar_type(), "feed_forward_bwd", [&] {
+    act_dropout_bwd<scalar_t>(saved.data_ptr<scalar_t>(), dpre.data_ptr<scalar_t>(),
+                              dout.data_ptr<scalar_t>(), a.defined() ? a.data_ptr<scalar_t>() : nullptr,
                               db1.numel() > 0 ? db1.data_ptr<scalar_t>() : nullptr,
                               db2.numel() > 0 ? db2.data_ptr<scalar_t>() : nullptr, N, F, E, act,
                               dropout_p, seed, offset);
