@@ -40,7 +40,8 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
   at::Tensor dweight_acc, dbias_partial, dweight_part;
   if (compute_grad) {
     out.dhidden = at::empty({n, D}, hidden.options());
-    dweight_acc = empty_large({V, D}, acc_opts).zero_();  // pooled: no fresh pages a call
+    dweight_acc = empty_large({V, D}, acc_opts);  // pooled: no fresh pages a call
+    if (n == 0 || lowp) dweight_acc.zero_();       // else the first chunk's product overwrites it
     if (has_bias) dbias_partial = at::zeros({at::get_num_threads(), V}, acc_opts);  // per thread
     if (lowp) dweight_part = at::empty({V, D}, weight.options());
   }
@@ -65,8 +66,10 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
       at::mm_out(dweight_part, logits.t(), h);  // (V, rows) @ (rows, D) in bf16, then into fp32
       FF_ISA(accumulate_bf16)(dweight_part.const_data_ptr<at::BFloat16>(), V * D,
                                 dweight_acc.data_ptr<float>());
+    } else if (c0 == 0) {
+      at::mm_out(dweight_acc, logits.t(), h);  // (V, rows) @ (rows, D): no zero fill first
     } else {
-      dweight_acc.addmm_(logits.t(), h);  // (V, rows) @ (rows, D)
+      dweight_acc.addmm_(logits.t(), h);
     }
   }
 
