@@ -110,8 +110,9 @@ def dropout(x: torch.Tensor, p: float, seed, offset) -> torch.Tensor:
 
 def next_seed() -> Tuple[int, int]:
     """A fresh ``(seed, offset)`` pair drawn from torch's default CPU generator."""
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-    return seed, 0
+    # torch.randint(0, 2**62, ())'s draw (randint is random_ on an empty tensor), without its
+    # argument parsing: this runs once per dropout call
+    return int(torch.empty((), dtype=torch.int64).random_(0, 2**62)), 0
 
 
 # ------------------------------------------------------------------ the (2,) philox tensor
@@ -171,5 +172,9 @@ def draw(dropout_p: float) -> torch.Tensor:
     """The ``philox`` tensor for an op call with dropout probability ``dropout_p``: a fresh
     (seed, offset) from ``torch.ops.fastformer.next_seed()`` if ``dropout_p > 0``, else
     :func:`no_dropout` (the generator is not touched, as before)."""
-    return torch.ops.fastformer.next_seed() if dropout_p > 0.0 else no_dropout()
+    if dropout_p == 0.0:
+        return no_dropout()
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return torch.ops.fastformer.next_seed()  # traced (compile, make_fx, fake): the op, one draw per call
+    return _next_seed_impl()  # eager: the op's own implementation, without its dispatch (tens of us)
 
