@@ -408,6 +408,36 @@ def test_bad_input_raises_clear_errors(backend):
                 feed_forward(x, w1, b1, w2, b2, dropout_p=p)
 
 
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_fp32_products_go_to_mkl_on_intel_and_to_onednn_elsewhere(backend):
+    """The fp32 GEMMs of the CPU feed-forward: MKL's sgemm (aten::addmm / aten::mm) on an Intel CPU,
+    where it is the faster one, oneDNN's linear elsewhere (AMD: MKL's sgemm without its AVX-512 path)."""
+    vendor = _cpu_vendor()
+    if not vendor:
+        pytest.skip("no vendor_id in /proc/cpuinfo (not Linux on x86): the rule has nothing to read here")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: every product goes to ATen's BLAS")
+    inputs = _make_inputs((9, 40), 72, True, True, "cpu")
+    with torch.profiler.profile() as prof:
+        out, saved = backends.Kernels(backend).feed_forward_fwd(*inputs, "relu", 0.1, philox.pack(4, 0))
+        backends.Kernels(backend).feed_forward_bwd(torch.ones_like(out), inputs[0], inputs[1], inputs[3], saved,
+                                                   True, True, "relu", 0.1, philox.pack(4, 0))
+    names = [e.name for e in prof.events()]
+    onednn = names.count("mkldnn::_linear_pointwise")
+    if vendor == "GenuineIntel":
+        assert onednn == 0, f"{onednn} products went to oneDNN on an Intel CPU"
+    else:
+        assert onednn == 4, f"{onednn} of the 4 forward / input-gradient products went to oneDNN on {vendor}"
+
+
 @pytest.mark.parametrize("backend", CPU)
 def test_cpu_kernel_checks_name_the_argument(backend):
     kern = backends.Kernels(backend)
