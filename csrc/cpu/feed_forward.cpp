@@ -67,22 +67,35 @@ bool onednn_for_fp32() {
 // a bias where oneDNN supports bf16 on this CPU (fused, where at::addmm adds it in a second pass);
 // bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty products and a torch
 // without oneDNN go to at::addmm / at::mm.
-// relu_out (when not nullptr): may oneDNN apply relu in its epilogue; *relu_out says whether it did.
+// The first GEMM's epilogue: what the caller lets matmul_nt leave out of the product (relu, the
+// bias) and what it did leave out.
+struct Epilogue {
+  bool relu_allowed = false;  // oneDNN may apply relu
+  bool bias_allowed = false;  // ATen's fp32 / fp64 BLAS may leave the bias to the caller's pass
+  bool relu_done = false;
+  bool bias_left = false;
+};
+
+// epi (when not nullptr): see Epilogue. ATen's addmm would copy the bias into the (M, N) output
+// before the GEMM: a pass over it that the feed-forward's own pass after the GEMM does for free.
 at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias,
-                     bool* relu_out = nullptr) {
+                     Epilogue* epi = nullptr) {
   const bool has_bias = bias.has_value() && bias->defined();
   const c10::OperatorHandle* op = onednn_linear();
   const auto dt = a.scalar_type();
   const bool bf16_ok = dt == at::kBFloat16 && has_bias && onednn_bf16_supported();
-  if (relu_out) *relu_out = false;
   if (op && ((dt == at::kFloat && onednn_for_fp32()) || bf16_ok) && a.numel() > 0 && b.numel() > 0) {
-    const bool relu = relu_out != nullptr;
+    const bool relu = epi && epi->relu_allowed;
     torch::jit::Stack stack{a, b, has_bias ? c10::IValue(*bias) : c10::IValue(),
                             c10::IValue(relu ? "relu" : "none"),
                             c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
     op->callBoxed(stack);
-    if (relu_out) *relu_out = relu;
+    if (epi) epi->relu_done = relu;
     return stack.at(0).toTensor();
+  }
+  if (has_bias && epi && epi->bias_allowed && dt != at::kBFloat16) {
+    epi->bias_left = true;
+    return at::mm(a, b.t());
   }
   return has_bias ? at::addmm(*bias, a, b.t()) : at::mm(a, b.t());
 }
@@ -108,18 +121,19 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
   if (act == Activation::kRelu) {
     // a = dropout(relu(pre)) over pre in place, kept for backward (feed_forward_kernel.cpp);
     // relu in oneDNN's epilogue where it runs the GEMM, then only dropout is left (if any)
-    bool relu_done = false;
-    at::Tensor a = matmul_nt(x, w1, b1, &relu_done).contiguous();  // (N, F)
-    if (!relu_done || dropout_p > 0.0) {
-      FF_ISA(act_dropout_fwd_kernel)(a, a, act, dropout_p, static_cast<uint64_t>(seed),
-                                     static_cast<uint64_t>(offset));
+    Epilogue epi{/*relu_allowed=*/true, /*bias_allowed=*/true};
+    at::Tensor a = matmul_nt(x, w1, b1, &epi).contiguous();  // (N, F)
+    if (!epi.relu_done || dropout_p > 0.0) {
+      FF_ISA(act_dropout_fwd_kernel)(a, epi.bias_left ? *b1 : at::Tensor(), a, act, dropout_p,
+                                     static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
     }
     return {matmul_nt(a, w2, b2), a};  // (N, E), (N, F)
   }
-  at::Tensor pre = matmul_nt(x, w1, b1).contiguous();  // (N, F)
+  Epilogue epi{/*relu_allowed=*/false, /*bias_allowed=*/true};
+  at::Tensor pre = matmul_nt(x, w1, b1, &epi).contiguous();  // (N, F)
   at::Tensor a = empty_large_like(pre);  // (N, F); pooled when large (large_buffers.h)
-  FF_ISA(act_dropout_fwd_kernel)(pre, a, act, dropout_p, static_cast<uint64_t>(seed),
-                                 static_cast<uint64_t>(offset));
+  FF_ISA(act_dropout_fwd_kernel)(pre, epi.bias_left ? *b1 : at::Tensor(), a, act, dropout_p,
+                                 static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
   at::Tensor out = matmul_nt(a, w2, b2);  // (N, E)
   return {out, pre};
 }

@@ -12,9 +12,11 @@ namespace fastformer {
 
 // Activation (relu / gelu / silu) is declared with the op's argument checks.
 
-// a = dropout(act(pre)); pre, a (N, F) contiguous (a may be pre: in place).
-FF_ISA_DECLARE(void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act,
-                                           double dropout_p, uint64_t seed, uint64_t offset))
+// a = dropout(act(pre + bias)); pre, a (N, F) contiguous (a may be pre: in place); bias (F,) or
+// undefined (the GEMM added it); with a bias and a separate a, pre + bias is written back to pre.
+FF_ISA_DECLARE(void act_dropout_fwd_kernel(at::Tensor& pre, const at::Tensor& bias, at::Tensor& a,
+                                           Activation act, double dropout_p, uint64_t seed,
+                                           uint64_t offset))
 
 // dpre = da * keep * act'(pre) written over dpre (which holds da on entry); db1 (F,) = column sums
 // of dpre, db2 (E,) = column sums of dout, each only when not empty. saved: what forward kept, a

@@ -2,8 +2,8 @@
 //
 // The GEMMs of forward and backward go to ATen's BLAS (oneDNN / MKL, see matmul_nt); everything
 // between them is one vectorised parallel pass each way:
-//   forward:  pre = x w1^T + b1 (bias in the GEMM), then ONE pass a = dropout(act(pre)),
-//             then out = a w2^T + b2.
+//   forward:  pre = x w1^T (+ b1 where oneDNN runs the GEMM), then ONE pass a = dropout(act(pre
+//             + b1)) (adding b1 where the GEMM did not), then out = a w2^T + b2.
 //   backward: da = dout w2, then ONE pass over (saved, da) writing dpre = da * keep * scale *
 //             act'(pre) over da in place, summing db1 (columns of dpre) and db2 (columns of dout)
 //             per block of rows on the way; then dw2 = dout^T a, dw1 = dpre^T x, dx = dpre w1.
@@ -58,17 +58,20 @@ inline Vectorized<A> activate_grad(const Vectorized<A>& p, Activation act) {
   return at::vec::fmadd(p, pdf, cdf);
 }
 
-// a = dropout(act(pre)) over the flat (N * F) element range, in chunks that may span rows: the
-// dropout factors of element e are those of column e % F of row e / F.
+// a = dropout(act(pre + bias)) over the flat (N * F) element range, in chunks that may span rows:
+// the dropout factors of element e are those of column e % F of row e / F. bias (F,): nullptr when
+// the GEMM added it; else pre + bias is also written back into pre when a is another buffer (the
+// backward of gelu / silu reads it).
 template <typename T>
-void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, double dropout_p,
-                     uint64_t seed, uint64_t offset) {
+void act_dropout_fwd(T* pre, const T* bias, T* a, int64_t N, int64_t F, Activation act,
+                     double dropout_p, uint64_t seed, uint64_t offset) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
   constexpr int64_t kChunk = 2048;  // elements per dropout-factor buffer (8 KiB of fp32)
   const int64_t total = N * F;
   const DropoutParams dp = dropout_params(dropout_p);
+  const bool write_pre = bias != nullptr && a != pre;
   at::parallel_for(0, total, 8 * kChunk, [&](int64_t begin, int64_t end) {
     std::unique_ptr<A[]> keep_buf(new A[dp.drop ? kChunk : 0]);
     A* const keep = dp.drop ? keep_buf.get() : nullptr;
@@ -80,13 +83,23 @@ void act_dropout_fwd(const T* pre, T* a, int64_t N, int64_t F, Activation act, d
         dropout.fill(keep + (e - c0), col, n, dropout_row_counter(offset, row, F));
         e += n;
       }
-      const T* const p = pre + c0;
-      T* const out = a + c0;
-      vec_loop<W>(len, [&](int64_t j, int64_t n) {
-        V v = activate(load(p + j, n), act);
-        if (keep) v = v * V::loadu(keep + j, n);
-        store(out + j, v, n);
-      });
+      for (int64_t e = c0; e < c0 + len;) {  // the same pieces: the bias goes by column
+        const int64_t col = e % F, n = std::min(F - col, c0 + len - e);
+        T* const p = pre + e;
+        T* const out = a + e;
+        const A* const k = keep ? keep + (e - c0) : nullptr;
+        vec_loop<W>(n, [&](int64_t j, int64_t m) {
+          V v = load(p + j, m);
+          if (bias) {
+            v = v + load(bias + col + j, m);
+            if (write_pre) store(p + j, v, m);
+          }
+          v = activate(v, act);
+          if (k) v = v * V::loadu(k + j, m);
+          store(out + j, v, m);
+        });
+        e += n;
+      }
     }
   });
 }
@@ -194,12 +207,13 @@ void act_dropout_bwd(const T* saved, T* da_dpre, const T* dout, T* a, T* db1, T*
 
 }  // namespace
 
-void act_dropout_fwd_kernel(const at::Tensor& pre, at::Tensor& a, Activation act, double dropout_p,
-                            uint64_t seed, uint64_t offset) {
+void act_dropout_fwd_kernel(at::Tensor& pre, const at::Tensor& bias, at::Tensor& a, Activation act,
+                            double dropout_p, uint64_t seed, uint64_t offset) {
   const int64_t N = pre.size(0), F = pre.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, pre.scalar_type(), "feed_forward_fwd", [&] {
-    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), N, F, act,
-                              dropout_p, seed, offset);
+    act_dropout_fwd<scalar_t>(pre.data_ptr<scalar_t>(),
+                              bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
+                              a.data_ptr<scalar_t>(), N, F, act, dropout_p, seed, offset);
   });
 }
 
