@@ -11,7 +11,15 @@ with fully padded batches, additive / -inf masks with broadcasting, rows with no
 (zero gradients), NaN in q, dropout with the forward's Philox bits, strided views. Low precision
 by FlashAttention's rule (test_flash_mma.check): the error against the fp32 reference's gradient
 at most twice that of the reference computed in the 16-bit dtype, plus a small floor. Parts of
-the file run again under the harness's reverse and warp_ahead schedules (tests/simt/simt.h)."""
+the file run again under the harness's reverse and warp_ahead schedules (tests/simt/simt.h).
+
+Mutations tried by hand (each must fail the file; counts of its 60 tests under the default
+schedule, routing tests aside): P's A fragment with a[1] and a[2] swapped in dV fails 54; the
+causal test of the dK dV kernel off by one (j < i + Sk - Sq) 36; its dropout bytes of the two
+8-key halves swapped 6 (every dropout test); Dsum left out of dS 59; the .trans ldmatrix parity
+of K in the dQ kernel 59. Deleting the __syncthreads that ends a tile (a stage refilled while
+another warp reads it) in either kernel passes the default and reverse schedules and fails under
+warp_ahead and warp_ahead_reverse (test_other_thread_schedules)."""
 import math
 import os
 
@@ -179,6 +187,19 @@ def test_strided_views(dtype, D, aligned):
         assert torch.equal(g, gc)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_no_queries_or_no_keys(dtype):
+    """Sq = 0: dk and dv are written as zeros (nothing flows); Sk = 0: dq is zeros."""
+    kv = torch.randn(1, 2, 70, 64).to(dtype)
+    q = torch.randn(1, 2, 0, 64).to(dtype)
+    dq, dk, dv = flash_bwd(q, q, kv, kv, q, torch.zeros(1, 2, 0))
+    assert dq.shape == q.shape and (dk == 0).all() and (dv == 0).all()
+    q = torch.randn(1, 2, 70, 64).to(dtype)
+    kv = torch.randn(1, 2, 0, 64).to(dtype)
+    dq, dk, dv = flash_bwd(q, q, kv, kv, q, torch.full((1, 2, 70), float("inf")))
+    assert (dq == 0).all() and dk.shape == kv.shape
+
+
 def test_rejects_float32_and_head_dims_past_256():
     q = torch.randn(1, 1, 8, 64)
     lse = torch.zeros(1, 1, 8)
@@ -258,5 +279,5 @@ def test_other_thread_schedules(schedule):
     its next __syncthreads (first or last warp first): a missing barrier between warps (a stage
     refilled while another warp reads it, tile copies not yet visible) fails this subset."""
     plugin.rerun_under(os.path.abspath(__file__), schedule,
-                       "(test_head_dims and bf16 and (d59 or d111 or d256)) or (test_shapes and f16 and "
-                       "q130k113) or (test_dropout and bf16 and d64) or (test_key_padding and bf16 and full)")
+                       "(test_head_dims and bf16 and (d59 or d111 or d256)) or (test_dropout and bf16 and d64) "
+                       "or (test_key_padding and bf16 and full) or test_no_queries_or_no_keys")

@@ -618,7 +618,7 @@ template <typename T>
 const char* launch_dtype(const FfFlashBwdArgs& a, Params& p, bool aligned, void* stream) {
   // Dsum first: both kernels read it
   const int64_t rows = a.f.B * a.f.H * a.f.Sq;
-  {
+  if (rows > 0) {
     auto* kernel = &flash_bwd_delta_kernel<T>;
     FF_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + kWarps - 1) / kWarps)), dim3(kThreads), 0,
               stream, p, a.out, a.o_sb, a.o_sh, a.o_ss, rows);
@@ -672,7 +672,7 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
 const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   const FfFlashFwdArgs& f = a.f;
   if (const char* why = flash_bwd_mma_why_not(f)) return why;
-  if (f.B == 0 || f.H == 0 || f.Sq == 0) return nullptr;  // no query: no gradient element
+  if (f.B == 0 || f.H == 0) return nullptr;  // Sq = 0 still writes dK = dV = 0 (Sk = 0: dQ = 0)
   // blocks: ceil(S / 32) * B * H at most (a block owns 32 or 64 rows; Dsum's 4 rows a block)
   const int64_t limit = (int64_t{1} << 31) - 1;
   const int64_t tiles = ((f.Sq > f.Sk ? f.Sq : f.Sk) + 31) / 32;
