@@ -13,13 +13,15 @@ by FlashAttention's rule (test_flash_mma.check): the error against the fp32 refe
 at most twice that of the reference computed in the 16-bit dtype, plus a small floor. Parts of
 the file run again under the harness's reverse and warp_ahead schedules (tests/simt/simt.h).
 
-Mutations tried by hand (each must fail the file; counts of its 60 tests under the default
+Mutations tried by hand (each must fail the file; failing tests of its 60-62 under the default
 schedule, routing tests aside): P's A fragment with a[1] and a[2] swapped in dV fails 54; the
 causal test of the dK dV kernel off by one (j < i + Sk - Sq) 36; its dropout bytes of the two
 8-key halves swapped 6 (every dropout test); Dsum left out of dS 59; the .trans ldmatrix parity
-of K in the dQ kernel 59. Deleting the __syncthreads that ends a tile (a stage refilled while
-another warp reads it) in either kernel passes the default and reverse schedules and fails under
-warp_ahead and warp_ahead_reverse (test_other_thread_schedules)."""
+of K in the dQ kernel 59; the dQ kernel's dropout bit of the wrong key 6, its causal limit one
+key short 35, its lse left in the natural-log domain 59. Deleting the __syncthreads that ends a
+tile (a stage refilled while another warp reads it) in either kernel, or the dK dV kernel's one
+after its cp.async wait, passes the default and reverse schedules and fails under warp_ahead and
+warp_ahead_reverse (test_other_thread_schedules)."""
 import math
 import os
 
