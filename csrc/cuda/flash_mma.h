@@ -2,7 +2,8 @@
 // as csrc/cuda/launchers.h declares the others: no CUDA headers, nullptr on success, else the
 // error string. The attention op's glue (csrc/cuda/attention.cpp) runs its forward here whenever
 // flash_fwd_mma_why_not says it can; the SIMT harness's test op fastformer_simt_selftest::
-// flash_fwd_mma (tests/simt/simt_lib.cpp) calls the launcher directly.
+// flash_fwd_mma (tests/simt/simt_lib.cpp) calls the launcher directly; the backward launcher
+// below, likewise, by the glue and by fastformer_simt_selftest::flash_bwd_mma.
 #pragma once
 #include <cstdint>
 
@@ -43,3 +44,30 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a);
 // out (B, H, Sq, D) in dtype, contiguous; lse (B, H, Sq) fp32 contiguous: log-sum-exp of the
 // visible scaled scores (+inf for a row with no visible key, NaN for a NaN row).
 const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream);
+
+// The backward of the same call on tensor cores (csrc/cuda/flash_bwd_mma.cu): f is the forward's
+// description; dout and out (B, H, Sq, D) in its dtype through their strides (unit last stride);
+// lse (B, H, Sq) fp32 contiguous, the forward's; delta (B, H, Sq) fp32 contiguous, a workspace
+// (written: rowsum(dout * out)); dq (B, H, Sq, D), dk / dv (B, H, Sk, D) in the dtype, written
+// through their strides (unit last stride). Deterministic (no atomics).
+struct FfFlashBwdArgs {
+  FfFlashFwdArgs f;
+  const void* dout;
+  int64_t do_sb, do_sh, do_ss;
+  const void* out;
+  int64_t o_sb, o_sh, o_ss;
+  const float* lse;
+  float* delta;
+  void* dq;
+  int64_t dq_sb, dq_sh, dq_ss;
+  void* dk;
+  int64_t dk_sb, dk_sh, dk_ss;
+  void* dv;
+  int64_t dv_sb, dv_sh, dv_ss;
+};
+
+// nullptr when the backward kernels can take the call: the forward's rule (16-bit dtype, an
+// attn_mask with a unit key stride, sm_80+, sizes in range), checked on its own.
+const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a);
+
+const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream);

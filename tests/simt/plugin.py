@@ -65,3 +65,17 @@ def pytest_report_header(config):
         return f"fastformer SIMT harness: {_state['error']}"
     took = _state["took"]
     return f"fastformer SIMT harness: {_state['path']}" + (f" (built or checked in {took:.1f} s)" if took else "")
+
+
+def rerun_under(test_file: str, schedule: str, subset: str) -> None:
+    """The tests of test_file matching `subset` (pytest -k) in a fresh process on this build of the
+    harness, under FF_SIMT_SCHEDULE=schedule (tests/simt/simt.h); asserts they ran and passed."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=_state["path"])
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", test_file, "-k", subset]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(tests))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]

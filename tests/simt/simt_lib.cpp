@@ -284,6 +284,82 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_mma(const at::Tensor& q, const at::
   FF_CHECK_LAUNCH(launch_flash_fwd_mma(a, out.data_ptr(), lse.data_ptr<float>(), nullptr));
   return {out, lse};
 }
+
+// ---- the tensor-core flash attention backward (csrc/cuda/flash_bwd_mma.cu), called directly:
+// tests/test_flash_bwd_mma.py. out / lse are the forward's; the gradients come back contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse_in,
+    const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
+    bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
+  const char* op = "flash_bwd_mma";
+  const int dtype = ff_dtype_code(q, "q", op);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
+  for (const at::Tensor* t : {&k, &v, &dout, &out}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": q, k, v, dout, out must share a dtype");
+  }
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(), op,
+              ": want k and v (B, H, Sk, D) with q's B, H, D");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), op, ": dout and out must be q's shape");
+  for (const at::Tensor* t : {&q, &k, &v, &dout, &out}) {
+    TORCH_CHECK(t->stride(3) == 1, op, ": q, k, v, dout, out need a unit last stride");
+  }
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 3 && lse_in.size(0) == B &&
+                  lse_in.size(1) == H && lse_in.size(2) == Sq, op, ": lse must be (B, H, Sq) fp32");
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor kpm, am;
+  if (key_padding_mask.has_value()) {
+    kpm = key_padding_mask->contiguous();
+    TORCH_CHECK(kpm.scalar_type() == at::kBool && kpm.dim() == 2 && kpm.size(0) == B &&
+                    kpm.size(1) == Sk, op, ": key_padding_mask must be (B, Sk) bool");
+  }
+  if (attn_mask.has_value()) {
+    TORCH_CHECK(attn_mask->scalar_type() == at::kFloat && attn_mask->dim() == 4, op,
+                ": attn_mask must be 4-D fp32 additive (broadcast by 0 strides)");
+    am = attn_mask->expand({B, H, Sq, Sk});
+    if (am.stride(3) != 1) am = am.contiguous();  // the kernels want a unit key stride
+  }
+  at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
+  at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
+  FfFlashBwdArgs a{};
+  FfFlashFwdArgs& f = a.f;
+  f.q = q.data_ptr();
+  f.k = k.data_ptr();
+  f.v = v.data_ptr();
+  f.q_sb = q.stride(0), f.q_sh = q.stride(1), f.q_ss = q.stride(2);
+  f.k_sb = k.stride(0), f.k_sh = k.stride(1), f.k_ss = k.stride(2);
+  f.v_sb = v.stride(0), f.v_sh = v.stride(1), f.v_ss = v.stride(2);
+  f.B = B, f.H = H, f.Sq = Sq, f.Sk = Sk, f.D = D;
+  f.dtype = dtype;
+  f.causal = is_causal;
+  f.scale = scale;
+  f.kpm = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
+  f.kpm_sb = Sk;
+  if (am.defined()) {
+    f.am = am.const_data_ptr<float>();
+    f.am_sb = am.stride(0), f.am_sh = am.stride(1), f.am_sq = am.stride(2), f.am_sk = am.stride(3);
+  }
+  f.dropout_p = dropout_p;
+  f.seed = static_cast<uint64_t>(seed);
+  f.offset = static_cast<uint64_t>(offset);
+  a.dout = dout.data_ptr();
+  a.do_sb = dout.stride(0), a.do_sh = dout.stride(1), a.do_ss = dout.stride(2);
+  a.out = out.data_ptr();
+  a.o_sb = out.stride(0), a.o_sh = out.stride(1), a.o_ss = out.stride(2);
+  a.lse = lse.const_data_ptr<float>();
+  a.delta = delta.data_ptr<float>();
+  a.dq = dq.data_ptr();
+  a.dq_sb = dq.stride(0), a.dq_sh = dq.stride(1), a.dq_ss = dq.stride(2);
+  a.dk = dk.data_ptr();
+  a.dk_sb = dk.stride(0), a.dk_sh = dk.stride(1), a.dk_ss = dk.stride(2);
+  a.dv = dv.data_ptr();
+  a.dv_sb = dv.stride(0), a.dv_sh = dv.stride(1), a.dv_ss = dv.stride(2);
+  FF_CHECK_LAUNCH(launch_flash_bwd_mma(a, nullptr));
+  return {dq, dk, dv};
+}
 }  // namespace
 
 TORCH_LIBRARY(fastformer_simt_selftest, m) {
@@ -310,6 +386,9 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("lce_device_chunk_rows(int n, int V, int elem_size, int free_bytes) -> int");
   m.def("flash_fwd_mma(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_mask, "
         "bool is_causal, float scale, float dropout_p, int seed, int offset) -> (Tensor, Tensor)");
+  m.def("flash_bwd_mma(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, float scale, float dropout_p, "
+        "int seed, int offset) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
@@ -325,6 +404,7 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
   m.impl("cp_async", &cp_async);
   m.impl("refill", &refill);
   m.impl("flash_fwd_mma", &flash_fwd_mma);
+  m.impl("flash_bwd_mma", &flash_bwd_mma);
 }
 
 // Ops without a tensor argument dispatch through CompositeExplicitAutograd.

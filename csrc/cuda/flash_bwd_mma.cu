@@ -1,0 +1,726 @@
+// Attention backward on tensor cores: FlashAttention-2's backward with mma.sync m16n8k16 (bf16 /
+// fp16 inputs, fp32 accumulation), ldmatrix and cp.async (mma.cuh; fragment layouts in its
+// header). Launcher declared in flash_mma.h; the definition is the gradient of
+// fastformer/ops/reference.py::attention. The forward is flash_fwd_mma.cu, whose tile helpers
+// (swz, LdOffsets, load_tile, pack2) are repeated here unchanged (that file is not edited by this
+// one's change; a shared header is the obvious follow-up). Notes and compiler output:
+// flash_bwd_mma.md.
+//
+// Three launches, no atomics, every gradient element written by one lane: deterministic.
+//   delta   Dsum = rowsum(dO * O) in fp32 (B, H, Sq), a warp a row (the FMA backward computes the
+//           same inside its dQ kernel; here both kernels below read it).
+//   dK dV   a block owns kOwn keys of one (b, h) and streams the query tiles that can see them
+//           (kStream rows; Q, dO, lse, Dsum and the dropout bits double-buffered, cp.async). A
+//           warp computes, for its 16 keys, S^T = K Q^T and dP^T = V dO^T (keys are the mma's M
+//           rows, queries its N columns), P^T = exp2(S^T scale log2 e + mask log2 e - lse log2 e),
+//           dS^T = P^T (dP^T z - Dsum) (z: 1 / (1 - p) where kept, 0 where dropped), then
+//           dV += (P z)^T dO and dK += dS^T Q with P z and dS^T straight from the accumulators as
+//           A fragments (the C layout of two adjacent n8 tiles is one k16 A fragment, as the
+//           forward's P), dO and Q as k-major B through ldmatrix .trans.
+//   dQ      a block owns kOwn queries and streams the key tiles they can see (K, V and the
+//           hidden-key bits double-buffered): S = Q K^T, dP = dO V^T, dS as above, dQ += dS K.
+// dK and dQ are scaled by `scale` once at the end.
+//
+// Head dims: buckets kD = 64, 128, 256 (columns past D zero-filled, never stored). The dK / dV
+// accumulators of 16 rows take kD / 4 + kD / 4 floats a lane (dQ: kD / 4): at kD = 256 two warps
+// share 16 owned rows (kSplit = 2), each accumulating one half of the head dim and both computing
+// the full S and dP tiles (the mma work of those two products is then done twice; the price of
+// staying under 255 registers without staging P / dS through shared memory).
+//
+// Masks exactly as the forward: causal bottom-right, key tiles (dQ) / query tiles (dK dV) no pair
+// of which is visible are not visited, masks are evaluated per element only in tiles that need
+// them. A hidden key has x = -inf: P = exp2(-inf - lse) = 0 (NaN in a NaN row, lse NaN, as the
+// FMA kernel and the reference give for dV) and dS = 0 exactly. Rows with no visible key have
+// lse = +inf: P = 0, zero gradients. Query rows past Sq are hidden in the dK dV kernel (they
+// would add to dK / dV); in the dQ kernel they are never stored.
+//
+// Dropout: the forward's bits (Philox v2, philox.cuh, row r = (b H + h) Sq + i, group j / 8 of
+// G = ceil(Sk / 8)): each streamed tile's keep bytes (a byte per query and 8-key group) are
+// computed into shared memory with its copies, one Philox call per group spread over the block.
+#include "common.cuh"
+#include "flash_mma.h"
+#include "mma.cuh"
+#include "philox.cuh"
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kFfWarpSize;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int kD>
+struct Cfg {
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head-dim buckets are 64, 128, 256");
+  static constexpr int kSplit = kD == 256 ? 2 : 1;   // warps sharing 16 owned rows
+  static constexpr int kDW = kD / kSplit;            // head dims a warp accumulates
+  static constexpr int kOwn = 16 * kWarps / kSplit;  // rows a block owns: 64, 64, 32
+  static constexpr int kStream = kD == 64 ? 64 : 32; // rows a streamed tile
+  static constexpr int kOwnElems = kOwn * kD, kStreamElems = kStream * kD;
+  // dK dV: K, V; Q, dO (2 stages); lse, Dsum (2 x kStream fp32); keep (2 x kStream x kOwn / 8)
+  static constexpr size_t kDkdvSmem =
+      (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * 2 * kStream * 4 + 2 * kStream * (kOwn / 8);
+  // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32); keep (2 x kOwn x kStream / 8)
+  static constexpr size_t kDqSmem =
+      (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4 + 2 * kOwn * (kStream / 8);
+  static_assert(kDkdvSmem <= 166912 && kDqSmem <= 166912, "fits sm_80's opt-in maximum");
+  static_assert(kStream % 32 == 0 && kOwn % 16 == 0, "whole warps flag keys; 16-row mma tiles");
+};
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, do_sb, do_sh, do_ss;
+  int64_t H, Sq, Sk, D, tiles;  // tiles: blocks a (b, h)
+  int causal, dropout, pairs;   // pairs: gradients stored as 32-bit pairs (4-byte aligned rows)
+  float scale, scale_log2, keep_scale;
+  const bool* kpm;
+  int64_t kpm_sb;
+  const float* am;
+  int64_t am_sb, am_sh, am_sq;  // the key stride is 1
+  uint32_t threshold;
+  uint64_t seed, offset;
+  const float* lse;  // (B, H, Sq) contiguous
+  float* delta;      // (B, H, Sq) contiguous
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t dq_sb, dq_sh, dq_ss, dk_sb, dk_sh, dk_ss, dv_sb, dv_sh, dv_ss;
+};
+
+// ---- flash_fwd_mma.cu's tile helpers (see there for the why of each)
+template <int kD>
+FF_DEVICE int swz(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+template <int kD, int kRows, bool kAligned>
+FF_DEVICE void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int64_t valid64,
+                         int D) {
+  constexpr int kChunks = kD / 8, kStep = kThreads / kChunks, kPer = kRows / kStep;
+  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0, "chunks spread evenly");
+  const int valid = valid64 < kRows ? static_cast<int>(valid64) : kRows;
+  const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const int cols = D - 8 * ch;
+  const uint16_t* const s0 = src + r0 * stride + 8 * ch;
+  if constexpr (kAligned) {
+#pragma unroll
+    for (int it = 0; it < kPer; ++it) {
+      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
+      const int bytes = left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
+      ff_cp_async_16_zfill(dst + swz<kD>(r, ch), bytes ? s0 + it * kStep * stride : src, bytes);
+    }
+  } else {
+#pragma unroll 1
+    for (int it = 0; it < kPer; ++it) {
+      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
+      const uint16_t* const s = s0 + it * kStep * stride;
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t lo = 2 * e < left ? s[2 * e] : 0u;
+        const uint32_t hi = 2 * e + 1 < left ? s[2 * e + 1] : 0u;
+        w[e] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst + swz<kD>(r, ch)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+template <int kD>
+struct LdOffsets {
+  int at[4];
+  FF_DEVICE LdOffsets(int row, int h) {
+    const int r = row & 7, base = row * kD + 8 * ((h ^ r) & 1);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) at[c] = base + 16 * (c ^ (r >> 1));
+  }
+  FF_DEVICE int operator()(int c, int plus_rows) const { return at[c & 3] + 64 * (c >> 2) + plus_rows * kD; }
+};
+
+FF_DEVICE uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
+// ---- this file's helpers
+
+// keep[i (kCols / 8) + c], bit e: key k0 + 8 c + e kept for query q0 + i of (b, h) (0 past Sq or
+// Sk). k0 is a multiple of 8. Every thread calls it.
+template <int kRows, int kCols>
+FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0) {
+  constexpr int kG = kCols / kFfDropoutGroup;
+  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.Sk));
+  for (int e = threadIdx.x; e < kRows * kG; e += kThreads) {
+    const int i = e / kG, c = e % kG, qi = q0 + i, kj = k0 + kFfDropoutGroup * c;
+    uint32_t bits = 0u;
+    if (qi < p.Sq && kj < p.Sk) {
+      const uint64_t r = static_cast<uint64_t>((b * p.H + h) * p.Sq + qi);
+      bits = ff_dropout_keep8(p.seed, p.offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup),
+                              p.threshold);
+    }
+    keep[e] = static_cast<uint8_t>(bits);
+  }
+}
+
+// Rows [row0, row0 + 16) x head dims [col0, col0 + 8 kDT) of a gradient from C-layout
+// accumulators acc[d] (row g / g + 8, columns 8 d + 2 t, + 1) times mul; rows >= rows_valid and
+// columns >= D are not stored.
+template <typename T, int kDT>
+FF_DEVICE void store_rows(void* base, int64_t stride, int row0, int rows_valid, int col0,
+                          const float (&acc)[kDT][4], float mul, const Params& p) {
+  const int lane = threadIdx.x % kFfWarpSize, g = lane / 4, t = lane % 4;
+  uint16_t* const out = static_cast<uint16_t*>(base);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row >= rows_valid) continue;
+    uint16_t* const o = out + row * stride;
+#pragma unroll
+    for (int d = 0; d < kDT; ++d) {
+      const int col = col0 + 8 * d + 2 * t;
+      if (col >= p.D) continue;
+      const uint32_t w = pack2(acc[d][2 * r] * mul, acc[d][2 * r + 1] * mul, static_cast<T*>(nullptr));
+      if (p.pairs) {
+        *reinterpret_cast<uint32_t*>(o + col) = w;  // D even: col + 1 < D too
+      } else {
+        o[col] = static_cast<uint16_t>(w & 0xFFFFu);
+        if (col + 1 < p.D) o[col + 1] = static_cast<uint16_t>(w >> 16);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ Dsum = rowsum(dO * O)
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+flash_bwd_delta_kernel(Params p, const void* out, int64_t o_sb, int64_t o_sh, int64_t o_ss,
+                       int64_t rows) {
+  const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // (b H + h) Sq + i
+  if (row >= rows) return;  // whole warps, no barrier follows
+  const int64_t i = row % p.Sq, bh = row / p.Sq, h = bh % p.H, b = bh / p.H;
+  const T* const dor = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + i * p.do_ss;
+  const T* const orow = static_cast<const T*>(out) + b * o_sb + h * o_sh + i * o_ss;
+  float acc = 0.0f;
+  for (int d = lane; d < p.D; d += kFfWarpSize) acc = fmaf(ff_to_float(dor[d]), ff_to_float(orow[d]), acc);
+  acc = ff_warp_sum(acc);
+  if (lane == 0) p.delta[row] = acc;
+}
+
+// ------------------------------------------------------------------ dK, dV
+template <typename T, int kD, bool kAligned>
+__global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
+  using C = Cfg<kD>;
+  constexpr int BN = C::kOwn;     // keys a block
+  constexpr int BM = C::kStream;  // queries a tile
+  constexpr int kNT = BM / 8;     // n8 tiles of S^T (queries)
+  constexpr int kQK = kD / 16;    // k16 steps over the head dim
+  constexpr int kDT = C::kDW / 8; // n8 tiles of a warp's dK / dV
+  constexpr int kPV = BM / 16;    // k16 steps over the queries
+  constexpr int kKG = BN / 8;     // 8-key dropout groups a block
+  FF_DYNAMIC_SMEM(uint16_t, smem);
+  uint16_t* const ks = smem;
+  uint16_t* const vs = ks + C::kOwnElems;
+  uint16_t* const qs = vs + C::kOwnElems;            // 2 stages
+  uint16_t* const dos = qs + 2 * C::kStreamElems;    // 2 stages
+  float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, log2 domain
+  float* const dl_s = lse_s + 2 * BM;                                        // 2 x BM
+  uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
+
+  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
+  const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
+  const int n0 = static_cast<int>(blockIdx.x % p.tiles) * BN;
+  const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
+  const int g = lane / 4, t = lane % 4, i8 = lane / 8;
+  const int kg = warp / C::kSplit, dpart = warp % C::kSplit;  // 16-key group, head-dim part
+  const int shift = Sk - Sq;
+  // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the block's keys
+  int i_begin = p.causal ? n0 - shift : 0;
+  if (i_begin < 0) i_begin = 0;
+  const int m_tiles = i_begin < Sq ? (Sq - i_begin + BM - 1) / BM : 0;
+
+  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
+  const uint16_t* const kgl = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const uint16_t* const dog = static_cast<const uint16_t*>(p.dout) + b * p.do_sb + h * p.do_sh;
+  const float* const lse_g = p.lse + (b * p.H + h) * p.Sq;
+  const float* const dl_g = p.delta + (b * p.H + h) * p.Sq;
+
+  // the lane's keys (rows g, g + 8 of its warp's 16) and whether a mask other than causal / am
+  // leaves them visible
+  const int key_r[2] = {n0 + 16 * kg + g, n0 + 16 * kg + g + 8};
+  bool key_ok[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    key_ok[r] = key_r[r] < Sk && !(p.kpm != nullptr && p.kpm[b * p.kpm_sb + key_r[r]]);
+  }
+  const float* const am_bh = p.am != nullptr ? p.am + b * p.am_sb + h * p.am_sh : nullptr;
+
+  // ldmatrix offsets: A (K or V rows 16 kg + lane % 16, parity lane / 16), B^T (Q or dO rows
+  // 8 (i / 2) + lane % 8 of a 16-query pair of n8 tiles, parity i % 2), B k-major for .trans
+  // (Q or dO rows 8 (i % 2) + lane % 8 of a k16 step, parity i / 2)
+  const LdOffsets<kD> a_at(lane % 16, lane / 16);
+  const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
+  const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
+
+  float dk[kDT][4], dv[kDT][4];
+#pragma unroll
+  for (int d = 0; d < kDT; ++d) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.0f;
+  }
+
+  auto load_q = [&](int tile, int stage) {
+    const int i0 = i_begin + tile * BM;
+    load_tile<kD, BM, kAligned>(qs + stage * C::kStreamElems, qg + i0 * p.q_ss, p.q_ss, Sq - i0, D);
+    load_tile<kD, BM, kAligned>(dos + stage * C::kStreamElems, dog + i0 * p.do_ss, p.do_ss, Sq - i0, D);
+    for (int e = threadIdx.x; e < BM; e += kThreads) {
+      const bool in = i0 + e < Sq;
+      lse_s[stage * BM + e] = in ? lse_g[i0 + e] * kLog2e : INFINITY;
+      dl_s[stage * BM + e] = in ? dl_g[i0 + e] : 0.0f;
+    }
+    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, i0, n0);
+    ff_cp_async_commit();
+  };
+
+  if (m_tiles > 0) {
+    load_tile<kD, BN, kAligned>(ks, kgl + n0 * p.k_ss, p.k_ss, Sk - n0, D);
+    load_tile<kD, BN, kAligned>(vs, vg + n0 * p.v_ss, p.v_ss, Sk - n0, D);
+    load_q(0, 0);  // K, V and query tile 0: one group
+  }
+
+  for (int it = 0; it < m_tiles; ++it) {
+    const int stage = it & 1, i0 = i_begin + it * BM;
+    if (it + 1 < m_tiles) {
+      load_q(it + 1, stage ^ 1);  // its stage was released by the barrier ending tile it - 1
+    } else {
+      ff_cp_async_commit();  // empty: wait_group 1 still means "tile it"
+    }
+    ff_cp_async_wait<1>();
+    __syncthreads();  // every thread's copies, lse / Dsum and keep bytes of tile it are visible
+    const uint16_t* const qt = qs + stage * C::kStreamElems;
+    const uint16_t* const dot = dos + stage * C::kStreamElems;
+
+    // ---- S^T = K Q^T, dP^T = V dO^T (16 keys x BM queries a warp)
+    float s[kNT][4], dp[kNT][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kQK; ++kk) {
+      uint32_t ak[4], av[4];
+      ff_ldmatrix_x4(ak, ks + a_at(kk, 16 * kg));
+      ff_ldmatrix_x4(av, vs + a_at(kk, 16 * kg));
+#pragma unroll
+      for (int jp = 0; jp < kNT / 2; ++jp) {
+        uint32_t bf[4];
+        ff_ldmatrix_x4(bf, qt + b_at(kk, 16 * jp));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(s[2 * jp], ak, b0);
+        ff_mma_m16n8k16<T>(s[2 * jp + 1], ak, b1);
+        ff_ldmatrix_x4(bf, dot + b_at(kk, 16 * jp));
+        const uint32_t d0[2] = {bf[0], bf[1]}, d1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(dp[2 * jp], av, d0);
+        ff_mma_m16n8k16<T>(dp[2 * jp + 1], av, d1);
+      }
+    }
+
+    // ---- masks, P z (into s) and dS (into dp)
+    const bool need_mask = p.kpm != nullptr || p.am != nullptr || n0 + BN > Sk || i0 + BM > Sq ||
+                           (p.causal && n0 + BN - 1 > i0 + shift);  // block-uniform
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int il = 8 * j + 2 * t + e, i = i0 + il;
+        const float lse2 = lse_s[stage * BM + il], dl = dl_s[stage * BM + il];
+        uint32_t kb = 0u;
+        if (p.dropout) kb = keep_s[stage * BM * kKG + il * kKG + 2 * kg];  // keys 16 kg .. + 7
+        uint32_t kb8 = 0u;
+        if (p.dropout) kb8 = keep_s[stage * BM * kKG + il * kKG + 2 * kg + 1];  // + 8 .. + 15
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x = s[j][2 * r + e] * p.scale_log2;
+          if (need_mask) {
+            bool vis = key_ok[r] && i < Sq && (!p.causal || key_r[r] <= i + shift);
+            if (vis && am_bh != nullptr) {
+              const float add = am_bh[static_cast<int64_t>(i) * p.am_sq + key_r[r]];
+              vis = add != -INFINITY;
+              x = fmaf(add, kLog2e, x);
+            }
+            if (!vis) x = -INFINITY;
+          }
+          const float pr = exp2f(x - lse2);  // hidden: 0 (NaN in a NaN row); no visible key: 0
+          float z = 1.0f;
+          if (p.dropout) z = (((r ? kb8 : kb) >> g) & 1u) ? p.keep_scale : 0.0f;
+          s[j][2 * r + e] = pr * z;
+          dp[j][2 * r + e] = x == -INFINITY ? 0.0f : pr * (dp[j][2 * r + e] * z - dl);
+        }
+      }
+    }
+
+    // ---- dV += (P z)^T dO, dK += dS^T Q (A from the accumulators, B k-major via .trans)
+#pragma unroll
+    for (int kk = 0; kk < kPV; ++kk) {
+      const uint32_t pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1], static_cast<T*>(nullptr)),
+                              pack2(s[2 * kk][2], s[2 * kk][3], static_cast<T*>(nullptr)),
+                              pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], static_cast<T*>(nullptr)),
+                              pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], static_cast<T*>(nullptr))};
+      const uint32_t da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1], static_cast<T*>(nullptr)),
+                              pack2(dp[2 * kk][2], dp[2 * kk][3], static_cast<T*>(nullptr)),
+                              pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1], static_cast<T*>(nullptr)),
+                              pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3], static_cast<T*>(nullptr))};
+#pragma unroll
+      for (int dd = 0; dd < kDT / 2; ++dd) {
+        const int c = dpart * (kDT / 2) + dd;  // 16-column pair of the full head dim
+        uint32_t bf[4];
+        ff_ldmatrix_x4_trans(bf, dot + t_at(c, 16 * kk));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(dv[2 * dd], pa, b0);
+        ff_mma_m16n8k16<T>(dv[2 * dd + 1], pa, b1);
+        ff_ldmatrix_x4_trans(bf, qt + t_at(c, 16 * kk));
+        const uint32_t q0[2] = {bf[0], bf[1]}, q1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(dk[2 * dd], da, q0);
+        ff_mma_m16n8k16<T>(dk[2 * dd + 1], da, q1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before tile it + 2 refills it
+  }
+
+  const int row0 = n0 + 16 * kg, col0 = dpart * C::kDW;
+  store_rows<T, kDT>(static_cast<uint16_t*>(p.dk) + b * p.dk_sb + h * p.dk_sh, p.dk_ss, row0, Sk,
+                     col0, dk, p.scale, p);
+  store_rows<T, kDT>(static_cast<uint16_t*>(p.dv) + b * p.dv_sb + h * p.dv_sh, p.dv_ss, row0, Sk,
+                     col0, dv, 1.0f, p);
+}
+
+// ------------------------------------------------------------------ dQ
+// minBlocks 1: without it ptxas held the sm_90 build to 168 registers and spilled 8-16 bytes
+template <typename T, int kD, bool kAligned>
+__global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
+  using C = Cfg<kD>;
+  constexpr int BM = C::kOwn;     // queries a block
+  constexpr int BN = C::kStream;  // keys a tile
+  constexpr int kNT = BN / 8;
+  constexpr int kQK = kD / 16;
+  constexpr int kDT = C::kDW / 8;
+  constexpr int kPV = BN / 16;
+  constexpr int kKG = BN / 8;
+  FF_DYNAMIC_SMEM(uint16_t, smem);
+  uint16_t* const qs = smem;
+  uint16_t* const dos = qs + C::kOwnElems;
+  uint16_t* const ks = dos + C::kOwnElems;          // 2 stages
+  uint16_t* const vs = ks + 2 * C::kStreamElems;    // 2 stages
+  uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kStreamElems);  // 2 x BN / 32
+  uint8_t* const keep_s = reinterpret_cast<uint8_t*>(hid + 2 * (BN / 32));      // 2 x BM x kKG
+
+  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
+  const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
+  // the last query tiles first: under causal they see the most keys
+  const int m0 = static_cast<int>(p.tiles - 1 - blockIdx.x % p.tiles) * BM;
+  const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
+  const int g = lane / 4, t = lane % 4, i8 = lane / 8;
+  const int qg16 = warp / C::kSplit, dpart = warp % C::kSplit;
+  const int shift = Sk - Sq;
+  const int q_last = (m0 + BM < Sq ? m0 + BM : Sq) - 1;
+  int n_end = Sk;
+  if (p.causal && q_last + shift + 1 < n_end) n_end = q_last + shift + 1;
+  const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
+
+  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
+  const uint16_t* const kgl = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const uint16_t* const dog = static_cast<const uint16_t*>(p.dout) + b * p.do_sb + h * p.do_sh;
+
+  const int row_i[2] = {m0 + 16 * qg16 + g, m0 + 16 * qg16 + g + 8};
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool in = row_i[r] < Sq;
+    lse2[r] = in ? p.lse[(b * p.H + h) * p.Sq + row_i[r]] * kLog2e : INFINITY;
+    dl[r] = in ? p.delta[(b * p.H + h) * p.Sq + row_i[r]] : 0.0f;
+  }
+  // ldmatrix offsets: A (Q or dO rows 16 qg16 + lane % 16), B^T (K or V rows), B k-major (K, .trans)
+  const LdOffsets<kD> a_at(lane % 16, lane / 16);
+  const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
+  const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
+
+  float dq[kDT][4];
+#pragma unroll
+  for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.0f;
+
+  auto load_kv = [&](int tile, int stage) {
+    const int n0 = tile * BN;
+    load_tile<kD, BN, kAligned>(ks + stage * C::kStreamElems, kgl + n0 * p.k_ss, p.k_ss, Sk - n0, D);
+    load_tile<kD, BN, kAligned>(vs + stage * C::kStreamElems, vg + n0 * p.v_ss, p.v_ss, Sk - n0, D);
+    if (static_cast<int>(threadIdx.x) < BN) {  // warp-uniform
+      const int key = n0 + static_cast<int>(threadIdx.x);
+      const bool hidden = key >= Sk || (p.kpm != nullptr && p.kpm[b * p.kpm_sb + key]);
+      const unsigned bits = __ballot_sync(kFfFullMask, hidden);
+      if (lane == 0) hid[stage * (BN / 32) + warp] = bits;
+    }
+    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, m0, n0);
+    ff_cp_async_commit();
+  };
+
+  if (n_tiles > 0) {
+    load_tile<kD, BM, kAligned>(qs, qg + m0 * p.q_ss, p.q_ss, Sq - m0, D);
+    load_tile<kD, BM, kAligned>(dos, dog + m0 * p.do_ss, p.do_ss, Sq - m0, D);
+    load_kv(0, 0);  // Q, dO and key tile 0: one group
+  }
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1, n0 = it * BN;
+    if (it + 1 < n_tiles) {
+      load_kv(it + 1, stage ^ 1);
+    } else {
+      ff_cp_async_commit();
+    }
+    ff_cp_async_wait<1>();
+    __syncthreads();
+    const uint16_t* const kt = ks + stage * C::kStreamElems;
+    const uint16_t* const vt = vs + stage * C::kStreamElems;
+
+    // ---- S = Q K^T, dP = dO V^T (16 queries x BN keys a warp)
+    float s[kNT][4], dp[kNT][4];
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kQK; ++kk) {
+      uint32_t aq[4], ad[4];
+      ff_ldmatrix_x4(aq, qs + a_at(kk, 16 * qg16));
+      ff_ldmatrix_x4(ad, dos + a_at(kk, 16 * qg16));
+#pragma unroll
+      for (int jp = 0; jp < kNT / 2; ++jp) {
+        uint32_t bf[4];
+        ff_ldmatrix_x4(bf, kt + b_at(kk, 16 * jp));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(s[2 * jp], aq, b0);
+        ff_mma_m16n8k16<T>(s[2 * jp + 1], aq, b1);
+        ff_ldmatrix_x4(bf, vt + b_at(kk, 16 * jp));
+        const uint32_t d0[2] = {bf[0], bf[1]}, d1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(dp[2 * jp], ad, d0);
+        ff_mma_m16n8k16<T>(dp[2 * jp + 1], ad, d1);
+      }
+    }
+
+    // ---- masks (as the forward), dS into dp
+    const bool need_mask = p.kpm != nullptr || p.am != nullptr || n0 + BN > Sk ||
+                           (p.causal && n0 + BN - 1 > m0 + shift);  // block-uniform
+    uint32_t hw[BN / 32];
+#pragma unroll
+    for (int w = 0; w < BN / 32; ++w) hw[w] = hid[stage * (BN / 32) + w] >> (2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int lim = p.causal ? row_i[r] + shift - n0 : BN;
+      const float* am_row = nullptr;
+      if (p.am != nullptr && row_i[r] < Sq) {
+        am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + (n0 + 2 * t);
+      }
+      const int il = 16 * qg16 + g + 8 * r;  // the row in the block's keep bytes
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        uint32_t kb = 0u;
+        if (p.dropout) kb = keep_s[stage * BM * kKG + il * kKG + j] >> (2 * t);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = s[j][2 * r + e] * p.scale_log2;
+          if (need_mask) {
+            const int c = 8 * j + 2 * t + e;
+            bool vis = !((hw[j / 4] >> (8 * (j % 4) + e)) & 1u) && c <= lim;
+            if (vis && am_row != nullptr) {
+              const float add = am_row[8 * j + e];
+              vis = add != -INFINITY;
+              x = fmaf(add, kLog2e, x);
+            }
+            if (!vis) x = -INFINITY;
+          }
+          const float pr = exp2f(x - lse2[r]);
+          float z = 1.0f;
+          if (p.dropout) z = ((kb >> e) & 1u) ? p.keep_scale : 0.0f;
+          dp[j][2 * r + e] = x == -INFINITY ? 0.0f : pr * (dp[j][2 * r + e] * z - dl[r]);
+        }
+      }
+    }
+
+    // ---- dQ += dS K (A from the accumulators, K k-major via .trans)
+#pragma unroll
+    for (int kk = 0; kk < kPV; ++kk) {
+      const uint32_t da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1], static_cast<T*>(nullptr)),
+                              pack2(dp[2 * kk][2], dp[2 * kk][3], static_cast<T*>(nullptr)),
+                              pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1], static_cast<T*>(nullptr)),
+                              pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3], static_cast<T*>(nullptr))};
+#pragma unroll
+      for (int dd = 0; dd < kDT / 2; ++dd) {
+        const int c = dpart * (kDT / 2) + dd;
+        uint32_t bf[4];
+        ff_ldmatrix_x4_trans(bf, kt + t_at(c, 16 * kk));
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        ff_mma_m16n8k16<T>(dq[2 * dd], da, b0);
+        ff_mma_m16n8k16<T>(dq[2 * dd + 1], da, b1);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before tile it + 2 refills it
+  }
+
+  store_rows<T, kDT>(static_cast<uint16_t*>(p.dq) + b * p.dq_sb + h * p.dq_sh, p.dq_ss,
+                     m0 + 16 * qg16, Sq, dpart * C::kDW, dq, p.scale, p);
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool aligned4(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; }
+
+template <typename Kernel>
+const char* launch_one(Kernel* kernel, size_t smem, int64_t blocks, void* stream, const Params& p) {
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess) {
+    return ff_last_error();
+  }
+  if (blocks == 0) return nullptr;
+  FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, stream, p);
+  return ff_last_error();
+}
+
+template <typename T, int kD, bool kAligned>
+const char* launch_bucket(Params p, int64_t B, void* stream) {
+  using C = Cfg<kD>;
+  p.tiles = (p.Sk + C::kOwn - 1) / C::kOwn;
+  if (const char* err = launch_one(&flash_bwd_dkdv_kernel<T, kD, kAligned>, C::kDkdvSmem,
+                                   p.tiles * B * p.H, stream, p)) {
+    return err;
+  }
+  p.tiles = (p.Sq + C::kOwn - 1) / C::kOwn;
+  return launch_one(&flash_bwd_dq_kernel<T, kD, kAligned>, C::kDqSmem, p.tiles * B * p.H, stream, p);
+}
+
+template <typename T>
+const char* launch_dtype(const FfFlashBwdArgs& a, Params& p, bool aligned, void* stream) {
+  // Dsum first: both kernels read it
+  const int64_t rows = a.f.B * a.f.H * a.f.Sq;
+  if (rows > 0) {
+    auto* kernel = &flash_bwd_delta_kernel<T>;
+    FF_LAUNCH(kernel, dim3(static_cast<unsigned>((rows + kWarps - 1) / kWarps)), dim3(kThreads), 0,
+              stream, p, a.out, a.o_sb, a.o_sh, a.o_ss, rows);
+    if (const char* err = ff_last_error()) return err;
+  }
+  const int64_t B = a.f.B;
+  if (a.f.D <= 64) {
+    return aligned ? launch_bucket<T, 64, true>(p, B, stream) : launch_bucket<T, 64, false>(p, B, stream);
+  }
+  if (a.f.D <= 128) {
+    return aligned ? launch_bucket<T, 128, true>(p, B, stream) : launch_bucket<T, 128, false>(p, B, stream);
+  }
+  return aligned ? launch_bucket<T, 256, true>(p, B, stream) : launch_bucket<T, 256, false>(p, B, stream);
+}
+
+constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
+
+}  // namespace
+
+const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
+  if (a.dtype != 1 && a.dtype != 2) {
+    return "flash_bwd_mma: dtype must be 1 (float16) or 2 (bfloat16): tensor cores take 16-bit inputs";
+  }
+  if (a.D < 1 || a.D > 256) return "flash_bwd_mma: head dim must be in [1, 256]";
+  if (a.B < 0 || a.H < 0 || a.Sq < 0 || a.Sk < 0) return "flash_bwd_mma: negative size";
+  if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) return "flash_bwd_mma: dropout_p must be in [0, 1)";
+  if (a.am != nullptr && a.am_sk != 1) {
+    return "flash_bwd_mma: attn_mask needs a unit key stride (am_sk == 1): make its last dim contiguous";
+  }
+  if (a.Sq >= (int64_t{1} << 30) || a.Sk >= (int64_t{1} << 30)) {
+    return "flash_bwd_mma: Sq and Sk must be below 2^30";  // the kernels' 32-bit row arithmetic
+  }
+#ifndef FF_SIMT
+  {
+    static std::atomic<int> majors[kMaxDevices];  // 0: not read yet
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return ff_last_error();
+    int major = dev < kMaxDevices ? majors[dev].load(std::memory_order_relaxed) : 0;
+    if (major == 0) {
+      if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        return ff_last_error();
+      }
+      if (dev < kMaxDevices) majors[dev].store(major, std::memory_order_relaxed);
+    }
+    if (major < 8) return "flash_bwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
+  }
+#endif
+  return nullptr;
+}
+
+const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
+  const FfFlashFwdArgs& f = a.f;
+  if (const char* why = flash_bwd_mma_why_not(f)) return why;
+  if (f.B == 0 || f.H == 0) return nullptr;  // Sq = 0 still writes dK = dV = 0 (Sk = 0: dQ = 0)
+  // blocks: ceil(S / 32) * B * H at most (a block owns 32 or 64 rows; Dsum's 4 rows a block)
+  const int64_t limit = (int64_t{1} << 31) - 1;
+  const int64_t tiles = ((f.Sq > f.Sk ? f.Sq : f.Sk) + 31) / 32;
+  if (tiles > limit / f.B || tiles * f.B > limit / f.H || f.Sq > limit / f.B / f.H) {
+    return "flash_bwd_mma: ceil(max(Sq, Sk) / 32) * B * H blocks exceed the grid's 2^31 - 1";
+  }
+  // cp.async needs every row start 16-byte aligned (pointers, strides multiples of 8 elements)
+  const bool aligned = aligned16(f.q) && aligned16(f.k) && aligned16(f.v) && aligned16(a.dout) &&
+                       (f.q_sb | f.q_sh | f.q_ss | f.k_sb | f.k_sh | f.k_ss | f.v_sb | f.v_sh |
+                        f.v_ss | a.do_sb | a.do_sh | a.do_ss) % 8 == 0;
+  Params p{};
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.dout = a.dout;
+  p.q_sb = f.q_sb, p.q_sh = f.q_sh, p.q_ss = f.q_ss;
+  p.k_sb = f.k_sb, p.k_sh = f.k_sh, p.k_ss = f.k_ss;
+  p.v_sb = f.v_sb, p.v_sh = f.v_sh, p.v_ss = f.v_ss;
+  p.do_sb = a.do_sb, p.do_sh = a.do_sh, p.do_ss = a.do_ss;
+  p.H = f.H;
+  p.Sq = f.Sq;
+  p.Sk = f.Sk;
+  p.D = f.D;
+  p.causal = f.causal ? 1 : 0;
+  p.threshold = ff_dropout_threshold(f.dropout_p);
+  p.dropout = p.threshold != 0u ? 1 : 0;
+  p.pairs = f.D % 2 == 0 && aligned4(a.dq) && aligned4(a.dk) && aligned4(a.dv) &&
+                    (a.dq_sb | a.dq_sh | a.dq_ss | a.dk_sb | a.dk_sh | a.dk_ss | a.dv_sb | a.dv_sh |
+                     a.dv_ss) % 2 == 0
+                ? 1
+                : 0;
+  p.scale = static_cast<float>(f.scale);
+  p.scale_log2 = static_cast<float>(f.scale * 1.4426950408889634);
+  p.keep_scale = static_cast<float>(1.0 / (1.0 - f.dropout_p));
+  p.kpm = f.kpm;
+  p.kpm_sb = f.kpm_sb;
+  p.am = f.am;
+  p.am_sb = f.am_sb, p.am_sh = f.am_sh, p.am_sq = f.am_sq;
+  p.seed = f.seed;
+  p.offset = f.offset;
+  p.lse = a.lse;
+  p.delta = a.delta;
+  p.dq = a.dq;
+  p.dk = a.dk;
+  p.dv = a.dv;
+  p.dq_sb = a.dq_sb, p.dq_sh = a.dq_sh, p.dq_ss = a.dq_ss;
+  p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_ss = a.dk_ss;
+  p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_ss = a.dv_ss;
+  return f.dtype == 1 ? launch_dtype<__half>(a, p, aligned, stream)
+                      : launch_dtype<__nv_bfloat16>(a, p, aligned, stream);
+}
