@@ -50,7 +50,16 @@ def _feed_forward(device):
     return (x, w1, b1, w2, b2), lambda *a: ops.feed_forward(*a, activation="gelu", dropout_p=P)
 
 
-OPS = {"attention": _attention, "add_layer_norm": _add_layer_norm, "feed_forward": _feed_forward}
+def _embedding(device):
+    g = torch.Generator().manual_seed(4)
+    ids, positions = torch.randint(0, 10, (2, 7), generator=g).to(device), torch.randint(0, 9, (2, 7), generator=g).to(device)
+    weight, table = torch.randn(10, 12, generator=g).to(device), torch.randn(9, 12, generator=g).to(device)
+    return (weight, table), lambda w, t: ops.embedding(ids, w, scale=2.0, positional=t, positions=positions,
+                                                       dropout_p=P, padding_idx=3)
+
+
+OPS = {"attention": _attention, "add_layer_norm": _add_layer_norm, "feed_forward": _feed_forward,
+       "embedding": _embedding}
 
 
 def _loss_and_grads(fn, inputs, seed):
