@@ -113,6 +113,10 @@ def embedding_bwd(grad, input, positions, num_weights, num_positions, weight_gra
 
 
 def register(namespace: str) -> None:
-    """Attach every fake to the op of the same name in ``namespace`` (its library must be loaded)."""
+    """Attach every fake to the op of the same name in ``namespace`` (its library must be loaded).
+    An op the library does not define (a build older than this package) is left out: that op then
+    has no kernel there, and the backends say so, instead of the whole library failing to load."""
+    ops = getattr(torch.ops, namespace)
     for name, fn in FAKES.items():
-        torch.library.register_fake(f"{namespace}::{name}", fn)
+        if hasattr(ops, name):
+            torch.library.register_fake(f"{namespace}::{name}", fn)

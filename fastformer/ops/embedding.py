@@ -45,7 +45,8 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
         padding_idx: as ``F.embedding``'s: the row of ``weight`` that gets no gradient
             (negative counts from the end). The positional table's gradient is unaffected.
 
-    Returns ``input.shape + (D,)`` in the weight's dtype. One pass forward; backward regenerates
+    The ids' and positions' values are checked against the tables (on a GPU that reads them: one
+    sync; skipped while torch.compile traces). Returns ``input.shape + (D,)`` in the weight's dtype. One pass forward; backward regenerates
     the dropout mask and scatter-adds into ``weight``'s gradient (and ``positional``'s) without
     atomics, deterministically. Dropout views the output as rows of D columns, one per id.
     """
