@@ -1,6 +1,6 @@
 """The fused input embedding in Triton (the C++ schemas embedding_fwd / embedding_bwd, csrc/schemas.h).
 
-Forward: a program per ``BLOCK_R`` ids, the rows in ``BLOCK_D``-column steps:
+Forward: a program per ``BLOCK_R`` ids, the rows in steps of up to 256 columns:
 ``out = (weight[id] * scale + positional[pos]) * keep / (1 - p)`` in fp32, rounded once. Dropout is
 fastformer/philox.py's over the (N, D) output rows: element ``(i, col)`` takes its 16 bits from the
 Philox call on counter ``offset + i * ceil(D / 8) + col // 8``.
@@ -23,8 +23,9 @@ from .utils import check_tensor, dropout_keep_tile, dropout_threshold, next_powe
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_MAX_BLOCK_D = 1024  # columns a step
-_FWD_ROWS = 8  # ids a forward program
+_FWD_ROWS = 8  # ids a forward program ...
+_FWD_MAX_BLOCK_D = 256  # ... and its columns a step: 8 x 1024 fp32 spilled registers at 4 warps
+_BWD_MAX_BLOCK_D = 1024  # columns a backward program (one row of them)
 
 
 @triton.jit
@@ -127,8 +128,8 @@ def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
     return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
 
 
-def _block_d(D: int) -> int:
-    return min(next_power_of_2(max(D, 8)), _MAX_BLOCK_D)
+def _block_d(D: int, cap: int) -> int:
+    return min(next_power_of_2(max(D, 8)), cap)
 
 
 @on_device_of_first_tensor
@@ -151,7 +152,7 @@ def _embedding_fwd_impl(input: torch.Tensor, weight: torch.Tensor, positional: O
     torch.library.wrap_triton(_embedding_fwd)[(triton.cdiv(N, _FWD_ROWS),)](
         input, weight, positions if has_pos else input, positional if has_pos else weight, out, N, D, scale,
         seed, offset, threshold, drop_scale, HAS_POS=has_pos, HAS_DROPOUT=has_dropout, BLOCK_R=_FWD_ROWS,
-        BLOCK_D=_block_d(D), num_warps=4, num_stages=1)
+        BLOCK_D=_block_d(D, _FWD_MAX_BLOCK_D), num_warps=4, num_stages=1)
     return out
 
 
@@ -163,7 +164,7 @@ def _table_grad(grad, keys, K, skip_row, scale, seed, offset, dropout_p):
     sorted_keys, order = torch.sort(keys, stable=True)  # a segment's rows in increasing id position
     ends = torch.searchsorted(sorted_keys, sorted_keys, right=True)
     has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
-    block_d = _block_d(D)
+    block_d = _block_d(D, _BWD_MAX_BLOCK_D)
     torch.library.wrap_triton(_embedding_bwd)[(N, triton.cdiv(D, block_d))](
         grad, sorted_keys, order, ends, table, N, D, skip_row, scale, seed, offset, threshold, drop_scale,
         HAS_DROPOUT=has_dropout, BLOCK_D=block_d, num_warps=4, num_stages=1)
@@ -198,13 +199,14 @@ embedding_bwd = register_op("embedding_bwd", _embedding_bwd_impl)
 
 
 def aot_specs() -> List[dict]:
-    """Every kernel specialisation the host launches, for ahead-of-time compilation: each dtype,
-    BLOCK_D 256 and 1024 (the widest step), the flags with the most code (positional, dropout).
-    Pointers (fresh torch allocations) and D (a multiple of 16, as model widths are) carry Triton's
-    divisible-by-16 specialisation, as the launcher gives them."""
+    """Every kernel specialisation the host launches, for ahead-of-time compilation: each dtype, the
+    forward at BLOCK_D 64 and 256 (its widest step), the backward at 256 and 1024 (its widest), the
+    flags with the most code (positional, dropout). Pointers (fresh torch allocations) and D (a
+    multiple of 16, as model widths are) carry Triton's divisible-by-16 specialisation, as the
+    launcher gives them."""
     specs = []
     for dtype, t in _TL_DTYPE.items():
-        for block_d in (256, _MAX_BLOCK_D):
+        for block_d in (64, _FWD_MAX_BLOCK_D):
             specs.append(dict(
                 name=f"_embedding_fwd_{t}_D{block_d}", fn=_embedding_fwd,
                 signature={"Ids": "*i64", "W": f"*{t}", "Pos": "*i64", "PT": f"*{t}", "Out": f"*{t}", "N": "i32",
@@ -213,6 +215,7 @@ def aot_specs() -> List[dict]:
                            "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"},
                 constexprs={"HAS_POS": True, "HAS_DROPOUT": True, "BLOCK_R": _FWD_ROWS, "BLOCK_D": block_d},
                 divisible_by_16=("Ids", "W", "Pos", "PT", "Out", "D"), num_warps=4, num_stages=1))
+        for block_d in (256, _BWD_MAX_BLOCK_D):
             specs.append(dict(
                 name=f"_embedding_bwd_{t}_D{block_d}", fn=_embedding_bwd,
                 signature={"Grad": f"*{t}", "Keys": "*i64", "Order": "*i64", "Ends": "*i64", "Table": f"*{t}",
