@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the ops benchmarked after attention (each its own `fastformer bench` run, so a slow one costs
 # only its own records)
 BENCH_OPS = ["attention", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
-             "attention_varlen"]
+             "attention_varlen"]  # not embedding: one more step's limit would overrun a 15-minute GPU loan
 # named, so that the log says why one cannot run; torch.compile is left out (a compilation per
 # shape would take the whole budget)
 BENCH_PROVIDERS = ["torch-eager", "fastformer-cuda", "fastformer-triton", "sdpa-flash", "fastformer-padded",

@@ -96,4 +96,20 @@ inline void ff_define_schemas(torch::Library& m) {
   m.def(
       "linear_cross_entropy_bwd(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, "
       "Tensor target, float label_smoothing, int ignore_index) -> (Tensor, Tensor, Tensor)");
+
+  // The fused input embedding out = dropout(weight[input] * scale + positional[positions]).
+  // input (N,) int64 ids in [0, V); weight (V, D) contiguous; positional (P, D) of weight's dtype
+  // and positions (N,) int64 in [0, P), both given or both None. out (N, D) in weight's dtype,
+  // computed in fp32 (fp64 for fp64) and rounded once; dropout over the (N, D) rows.
+  m.def(
+      "embedding_fwd(Tensor input, Tensor weight, Tensor? positional, Tensor? positions, float scale, "
+      "float dropout_p, Tensor philox) -> Tensor");
+  // grad (N, D). Returns (dweight (num_weights, D), dpositional (num_positions, D)), each an empty
+  // tensor when not asked for (weight_grad / positional_grad false). dweight = scale * the
+  // scatter-add of grad * keep / (1 - p) by input, its padding_idx row 0 (-1: no padding_idx);
+  // dpositional the same scatter-add by positions. Deterministic: each row a fixed-order sum.
+  m.def(
+      "embedding_bwd(Tensor grad, Tensor input, Tensor? positions, int num_weights, int num_positions, "
+      "bool weight_grad, bool positional_grad, int padding_idx, float scale, float dropout_p, Tensor philox) "
+      "-> (Tensor, Tensor)");
 }

@@ -99,7 +99,24 @@ def linear_cross_entropy_bwd(grad_loss, hidden, weight, bias, target, label_smoo
     return torch.empty_like(hidden), torch.empty_like(weight), db
 
 
+@_fake
+def embedding_fwd(input, weight, positional, positions, scale, dropout_p, philox):
+    return _empty(weight, input.shape[0], weight.shape[1])
+
+
+@_fake
+def embedding_bwd(grad, input, positions, num_weights, num_positions, weight_grad, positional_grad, padding_idx,
+                  scale, dropout_p, philox):
+    D = grad.shape[1]
+    return (_empty(grad, num_weights, D) if weight_grad else _empty(grad, 0),
+            _empty(grad, num_positions, D) if positional_grad else _empty(grad, 0))
+
+
 def register(namespace: str) -> None:
-    """Attach every fake to the op of the same name in ``namespace`` (its library must be loaded)."""
+    """Attach every fake to the op of the same name in ``namespace`` (its library must be loaded).
+    An op the library does not define (a build older than this package) is left out: that op then
+    has no kernel there, and the backends say so, instead of the whole library failing to load."""
+    ops = getattr(torch.ops, namespace)
     for name, fn in FAKES.items():
-        torch.library.register_fake(f"{namespace}::{name}", fn)
+        if hasattr(ops, name):
+            torch.library.register_fake(f"{namespace}::{name}", fn)

@@ -17,7 +17,7 @@ from fastformer.jobs.bench.timing import measure, peak_memory_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_FILES = ["bench_attention.py", "bench_attention_varlen.py", "bench_add_layer_norm.py", "bench_feed_forward.py",
-               "bench_cross_entropy.py", "bench_train_step.py"]
+               "bench_cross_entropy.py", "bench_embedding.py", "bench_train_step.py"]
 
 
 def test_measure_reports_median_and_spread():

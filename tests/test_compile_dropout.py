@@ -50,7 +50,16 @@ def _feed_forward(device):
     return (x, w1, b1, w2, b2), lambda *a: ops.feed_forward(*a, activation="gelu", dropout_p=P)
 
 
-OPS = {"attention": _attention, "add_layer_norm": _add_layer_norm, "feed_forward": _feed_forward}
+def _embedding(device):
+    g = torch.Generator().manual_seed(4)
+    ids, positions = torch.randint(0, 10, (2, 7), generator=g).to(device), torch.randint(0, 9, (2, 7), generator=g).to(device)
+    weight, table = torch.randn(10, 12, generator=g).to(device), torch.randn(9, 12, generator=g).to(device)
+    return (weight, table), lambda w, t: ops.embedding(ids, w, scale=2.0, positional=t, positions=positions,
+                                                       dropout_p=P, padding_idx=3)
+
+
+OPS = {"attention": _attention, "add_layer_norm": _add_layer_norm, "feed_forward": _feed_forward,
+       "embedding": _embedding}
 
 
 def _loss_and_grads(fn, inputs, seed):
@@ -125,9 +134,10 @@ def _model_step(loss_fn, model, src, tgt, seed):
     return loss.detach(), grads, drawn
 
 
-# 1 + 1 layers: encoder self-attention, add_layer_norm, feed_forward, add_layer_norm; decoder
-# self-attention, add_layer_norm, cross-attention, add_layer_norm, feed_forward, add_layer_norm
-MODEL_DRAWS = 10
+# the source and target embeddings, then 1 + 1 layers: encoder self-attention, add_layer_norm,
+# feed_forward, add_layer_norm; decoder self-attention, add_layer_norm, cross-attention,
+# add_layer_norm, feed_forward, add_layer_norm
+MODEL_DRAWS = 12
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -135,7 +145,7 @@ def test_model_loss_and_backward_with_dropout_compile_to_one_graph_equal_to_eage
     """The whole loss (embedding dropout, every fused op with dropout 0.1, the fused output
     projection + loss) is one graph with no break; compiled forward and backward equal eager
     bitwise, each fused op drawing its own seed in eager order (AOTAutograd's CSE must not merge
-    the draws). The embedding dropout is torch's own, which aot_eager also runs as in eager.
+    the draws), the two embeddings' dropouts (ops.embedding) included.
     The model computes its padded positions (``skip_padding=False``) as a compiled loss does:
     skipping them in eager would draw the dropout masks over other rows.
     ``fullgraph=True`` raises at any graph break, and one graph is compiled; ``explain`` (a third

@@ -205,3 +205,32 @@ def test_linear_cross_entropy_matches_reference(backend):
         _check(backend, dtype, lambda h, w, b, t: ops.linear_cross_entropy(h, w, t, linear_bias=b, **kw),
                lambda h, w, b, t: reference.linear_cross_entropy(h, w, t, linear_bias=b, **kw), inputs)
     check()
+
+
+@st.composite
+def embedding_cases(draw):
+    shape = draw(st.sampled_from([(1,), (7,), (2, 5), (3, 1, 4)]))
+    V, D = draw(st.integers(1, 40)), draw(st.integers(1, 70))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    ids = torch.randint(0, V, shape, generator=g)
+    weight = torch.randn(V, D, generator=g)
+    positional = positions = None
+    if draw(st.booleans()):
+        P = shape[-1] + draw(st.integers(0, 3))
+        positional = torch.randn(P, D, generator=g)  # learned: it gets a gradient too
+        if draw(st.booleans()):
+            positions = torch.randint(0, P, shape, generator=g)
+    kw = dict(scale=draw(st.sampled_from([1.0, 16.0])), dropout_p=draw(dropout),
+              padding_idx=draw(st.sampled_from([None, 0])))
+    return [ids, weight, positional, positions], kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_matches_reference(backend):
+    @_settings(backend)
+    @given(case=embedding_cases(), dtype=dtypes)
+    def check(case, dtype):
+        inputs, kw = case
+        _check(backend, dtype, lambda i, w, t, p: ops.embedding(i, w, positional=t, positions=p, **kw),
+               lambda i, w, t, p: reference.embedding(i, w, positional=t, positions=p, **kw), inputs)
+    check()

@@ -71,6 +71,21 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
                                       void* stream);
 
+// ---- embedding (csrc/cuda/embedding.cu)
+// out (N, D) = (weight[ids] * scale + positional[positions]) * keep / (1 - p), Philox v2 over rows
+// of D columns; weight (V, D) and positional (P, D) of one dtype, positional / positions null for
+// none; ids and positions (N,) int64 in range (the glue's caller checks).
+const char* launch_embedding_fwd(const int64_t* ids, const void* weight, const int64_t* positions,
+                                 const void* positional, void* out, int64_t N, int64_t D, int dtype,
+                                 double scale, double dropout_p, uint64_t seed, uint64_t offset, void* stream);
+// table (K, D), zero on entry: row k = scale * the sum of the rows i of grad * keep / (1 - p) with
+// key k, in increasing i, except row skip_row (-1: none). sorted_keys (N,) the keys sorted stably,
+// order (N,) each sorted key's row i, ends (N,) the end of each sorted position's run of equal keys.
+const char* launch_embedding_bwd(const void* grad, const int64_t* sorted_keys, const int64_t* order,
+                                 const int64_t* ends, void* table, int64_t N, int64_t D, int64_t skip_row,
+                                 int dtype, double scale, double dropout_p, uint64_t seed, uint64_t offset,
+                                 void* stream);
+
 // ---- attention and attention_varlen (csrc/cuda/attention.cu)
 // Fused flash-style kernels (FlashAttention-2's algorithm, fp32 accumulation, no Sq x Sk buffer),
 // one source for both ops. Row i of sequence b, head h of an operand in dtype (unit stride along

@@ -5,7 +5,8 @@ from .add_layer_norm import AddLayerNormFunction
 from .attention import AttentionFunction
 from .attention_varlen import AttentionVarlenFunction
 from .cross_entropy import CrossEntropyFunction, LinearCrossEntropyFunction
+from .embedding import EmbeddingFunction
 from .feed_forward import FeedForwardFunction
 
 __all__ = ["AttentionFunction", "AttentionVarlenFunction", "AddLayerNormFunction", "FeedForwardFunction",
-           "CrossEntropyFunction", "LinearCrossEntropyFunction"]
+           "CrossEntropyFunction", "LinearCrossEntropyFunction", "EmbeddingFunction"]

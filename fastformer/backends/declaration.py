@@ -18,7 +18,8 @@ import torch
 from .. import _ext
 
 # The ops with kernels: each kernel backend provides ``<op>_fwd`` and, where the op has one, ``<op>_bwd``.
-OPS = ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy")
+OPS = ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
+       "embedding")
 
 # What a kernel source finds for one op: its functions by name, or why it has none.
 Found = Union[Dict[str, Callable], str]

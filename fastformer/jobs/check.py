@@ -106,6 +106,27 @@ def _bias_as_input(fn: Callable) -> Callable:
     return call
 
 
+def _emb_case(shape, V, D, packed, padding_idx):
+    def make(gen):
+        ids = torch.randint(0, V, shape, generator=gen)
+        ids.view(-1)[::3] = ids.view(-1)[0]  # a repeated id: its gradient row sums many rows
+        kw = {"input": ids, "scale": D ** 0.5, "padding_idx": padding_idx}
+        P = shape[-1] + 2
+        if packed:  # positions of packed rows, restarting within the row
+            kw["positions"] = torch.randint(0, P, shape, generator=gen)
+        return [_rand(gen, V, D), _rand(gen, P, D)], kw
+    return Case(f"{'x'.join(map(str, shape))} ids V{V} D{D}{' packed' if packed else ''}"
+                f"{f' padding_idx {padding_idx}' if padding_idx is not None else ''}", make)
+
+
+def _tables_as_inputs(fn: Callable) -> Callable:
+    """``fn(input, weight, *, positional, ...)`` called as ``(weight, positional, *, input, ...)``: the
+    checker passes every differentiable tensor positionally (a learned positional table's too)."""
+    def call(weight, positional, *, input, **kwargs):
+        return fn(input, weight, positional=positional, **kwargs)
+    return call
+
+
 # op name -> (fastformer op, reference op, cases). Odd sizes on purpose.
 OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
     "attention": (ops.attention, reference.attention, [
@@ -131,6 +152,9 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
     "linear_cross_entropy": (_bias_as_input(ops.linear_cross_entropy),
                              _bias_as_input(reference.linear_cross_entropy), [
         _lce_case(13, 40, 1001, 0.1), _lce_case(4, 64, 97, 0.0),
+    ]),
+    "embedding": (_tables_as_inputs(ops.embedding), _tables_as_inputs(reference.embedding), [
+        _emb_case((3, 37), 101, 40, False, None), _emb_case((5,), 7, 1023, True, 0), _emb_case((2, 9), 13, 7, True, None),
     ]),
 }
 

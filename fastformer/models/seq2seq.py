@@ -80,7 +80,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         self.src_embed = torch.nn.Embedding(src_vocab_size, d_model)
         self.tgt_embed = self.src_embed if share_embeddings else torch.nn.Embedding(tgt_vocab_size, d_model)
         self.positional = SinusoidalPositionalEncoding(d_model, max_len)
-        self.embed_dropout = torch.nn.Dropout(dropout)
+        self.embed_dropout = torch.nn.Dropout(dropout)  # holds p: the embedding op applies it (ops.embedding)
         enc_layer = fnn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, activation,
                                                 batch_first=True, norm_first=norm_first)
         dec_layer = fnn.TransformerDecoderLayer(d_model, nhead, dim_feedforward, dropout, activation,
@@ -136,17 +136,21 @@ class Seq2SeqTransformer(torch.nn.Module):
             raise ValueError(f"{name} token ids must be in [0, {vocab}) (the {name} vocabulary), got values "
                              f"in [{lo}, {hi}]")
 
+    def _embed_dropout_p(self) -> float:
+        return self.embed_dropout.p if self.training else 0.0
+
     def embed(self, embedding: torch.nn.Embedding, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """``dropout(embedding(tokens) * sqrt(d_model) + PE[offset : offset + S])`` -> (B, S, d_model)."""
-        x = embedding(tokens) * math.sqrt(self.d_model)  # (B, S, d)
-        x = x + self.positional(tokens.shape[1], offset).to(x.dtype)
-        return self.embed_dropout(x)
+        """``dropout(embedding(tokens) * sqrt(d_model) + PE[offset : offset + S])`` -> (B, S, d_model), one
+        fused op (:func:`fastformer.ops.embedding`; its dropout is the shared Philox one)."""
+        table = self.positional(tokens.shape[1], offset).to(embedding.weight.dtype)  # (S, d): row s is PE[offset + s]
+        return ops.embedding(tokens, embedding.weight, scale=math.sqrt(self.d_model), positional=table,
+                             dropout_p=self._embed_dropout_p())
 
     def embed_packed(self, embedding: torch.nn.Embedding, tokens: torch.Tensor, packing: Packing) -> torch.Tensor:
         """:meth:`embed` of the real tokens only -> (n, d_model) rows, in ``packing``'s order."""
-        x = embedding(packing.pack(tokens)) * math.sqrt(self.d_model)  # (n, d)
-        x = x + self.positional(tokens.shape[1])[packing.positions].to(x.dtype)
-        return self.embed_dropout(x)
+        table = self.positional(tokens.shape[1]).to(embedding.weight.dtype)  # (S, d)
+        return ops.embedding(packing.pack(tokens), embedding.weight, scale=math.sqrt(self.d_model),
+                             positional=table, positions=packing.positions, dropout_p=self._embed_dropout_p())
 
     def _runs_packed(self) -> bool:
         """Whether to run on the packed rows: asked for, and not traced (under torch.compile the

@@ -7,7 +7,8 @@ from .add_layer_norm import add_layer_norm
 from .attention import attention
 from .attention_varlen import attention_varlen
 from .cross_entropy import cross_entropy, linear_cross_entropy
+from .embedding import embedding
 from .feed_forward import feed_forward
 
 __all__ = ["attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
-           "reference"]
+           "embedding", "reference"]

@@ -235,3 +235,36 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, redu
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     rows, valid = _cross_entropy_rows(logits2d, target.reshape(-1), label_smoothing, ignore_index)
     return _reduce(rows, valid, reduction, target.shape, input.dtype)
+
+
+def embedding(input, weight, *, scale=1.0, positional=None, positions=None, dropout_p=0.0, padding_idx=None,
+              rng=None):
+    """``dropout(weight[input] * scale + positional[positions])`` -> ``input.shape + (D,)``.
+
+    ``input`` integer ids of any shape ``(..., S)`` into ``weight`` ``(V, D)``; ``positional`` an
+    optional ``(P, D)`` table and ``positions`` its integer rows, of ``input``'s shape (default
+    ``arange(S)`` along the last dimension). ``padding_idx`` as ``F.embedding``'s: that row of
+    ``weight`` gets no gradient (the positional table still does). Computed in fp32 (fp64 for fp64)
+    and rounded once to ``weight``'s dtype. Dropout views the output as rows of D columns, one row
+    per id in row-major order (:mod:`fastformer.philox`).
+    """
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    if padding_idx is not None:
+        if padding_idx < 0:
+            padding_idx += weight.shape[0]
+        # F.embedding's rule: the padding row's lookups carry no gradient into it
+        w = weight.to(acc)
+        not_pad = (torch.arange(weight.shape[0], device=weight.device) != padding_idx)[:, None]
+        w = torch.where(not_pad, w, w.detach())
+    else:
+        w = weight.to(acc)
+    x = w[input] * scale
+    if positional is not None:
+        if positions is None:  # arange(S) along the last dimension (a 0-d id is position 0)
+            positions = (torch.arange(input.shape[-1], device=input.device).expand(input.shape) if input.dim()
+                         else torch.zeros((), dtype=torch.int64, device=input.device))
+        x = x + positional.to(acc)[positions]
+    if dropout_p > 0.0:
+        seed, offset = _rng(dropout_p, rng)
+        x = philox.dropout(x, dropout_p, seed, offset)
+    return x.to(weight.dtype)

@@ -11,7 +11,9 @@ The eager compositions are what the ``torch.nn`` modules do in training:
 * add_layer_norm: ``F.dropout`` + add + ``F.layer_norm`` (post-LN residual block);
 * feed_forward: ``linear -> relu -> dropout -> linear``;
 * cross_entropy: ``F.cross_entropy`` with label smoothing;
-* linear_cross_entropy: ``F.linear`` then ``F.cross_entropy`` (the full logits materialised).
+* linear_cross_entropy: ``F.linear`` then ``F.cross_entropy`` (the full logits materialised);
+* embedding: ``F.dropout(F.embedding(ids, weight) * sqrt(D) + table[positions])`` (a Transformer's
+  input layer on packed rows: the sinusoidal table has no gradient, the weight has).
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import fastformer
+from fastformer.models.positional import sinusoidal_table
 
 DROPOUT = 0.1
 SMOOTHING = 0.1
@@ -362,5 +365,61 @@ LINEAR_CROSS_ENTROPY = OpSpec(
     label=lambda s: f"N{s['N']} D{s['D']} V{s['V']}")
 
 
+# -- embedding ----------------------------------------------------------------------------------
+def _emb_positions(N: int, S: int, g: torch.Generator) -> torch.Tensor:
+    """(N,) positions of packed sentences of lengths uniform in [S/2, S], each counted from 0."""
+    pieces, left = [], N
+    while left > 0:
+        length = min(left, int(torch.randint(S // 2, S + 1, (1,), generator=g)))
+        pieces.append(torch.arange(length))
+        left -= length
+    return torch.cat(pieces)
+
+
+def _emb_inputs(s: Dict, device, dtype) -> Inputs:
+    N, V, D, S = s["N"], s["V"], s["D"], s["S"]
+    leaf = _randn_leaves(device, dtype)
+    weight = leaf(V, D, scale=D ** -0.5)
+    g = leaf.generator
+    return {"weight": weight, "ids": torch.randint(3, V, (N,), generator=g).to(device),
+            "positions": _emb_positions(N, S, g).to(device),
+            "table": sinusoidal_table(S, D).to(device, dtype)}
+
+
+def _emb_eager(x: Inputs, s: Dict) -> torch.Tensor:
+    h = F.embedding(x["ids"], x["weight"]) * s["D"] ** 0.5 + x["table"][x["positions"]]
+    return F.dropout(h, DROPOUT, training=True)
+
+
+def _emb_fastformer(x: Inputs, s: Dict) -> torch.Tensor:
+    return fastformer.ops.embedding(x["ids"], x["weight"], scale=s["D"] ** 0.5, positional=x["table"],
+                                    positions=x["positions"], dropout_p=DROPOUT)
+
+
+def _emb_sweep(device: str, size: str) -> List[Dict]:
+    if size == "smoke":
+        return [dict(N=50, V=100, D=32, S=16)]
+    if device == "cuda":
+        return [dict(N=N, V=32000, D=1024, S=512) for N in ([16384, 65536] if size == "quick" else [4096, 16384, 65536])]
+    # the base training step's two inputs: 1558 source and 1507 target tokens of 32 x 64, V 8000
+    step = [dict(N=N, V=8000, D=256, S=64) for N in (1558, 1507)]
+    return step if size == "quick" else step + [dict(N=8192, V=32000, D=512, S=256)]
+
+
+def _emb_bytes(s: Dict, mode: str, elem: int) -> float:
+    # minimum traffic: fwd reads a weight row and a table row and writes a row per id; bwd reads
+    # the upstream rows and writes the (V, D) gradient once
+    N, V, D = s["N"], s["V"], s["D"]
+    fwd, bwd = 3 * N * D, N * D + V * D
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}[mode] * elem
+
+
+EMBEDDING = OpSpec(
+    name="embedding", make_inputs=_emb_inputs, eager=_emb_eager, fastformer=_emb_fastformer,
+    sweep=_gpu_check_as_quick(_emb_sweep), tokens=lambda s: s["N"], bytes=_emb_bytes, leaves=["weight"],
+    label=lambda s: f"N{s['N']} V{s['V']} D{s['D']}")
+
+
 OPS: Dict[str, OpSpec] = {spec.name: spec for spec in
-                          (ATTENTION, ATTENTION_VARLEN, ADD_LAYER_NORM, FEED_FORWARD, CROSS_ENTROPY, LINEAR_CROSS_ENTROPY)}
+                          (ATTENTION, ATTENTION_VARLEN, ADD_LAYER_NORM, FEED_FORWARD, CROSS_ENTROPY, LINEAR_CROSS_ENTROPY,
+                           EMBEDDING)}

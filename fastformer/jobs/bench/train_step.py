@@ -30,7 +30,7 @@ from .timing import synchronized
 PAD, BOS, EOS = 0, 1, 2
 DTYPES = ("fp32", "bf16")
 PROVIDERS = ["fastformer-" + name for name in backends.NAMES] + ["torch-eager", "torch-compile"]
-STEP_OPS = ("attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")  # what the model's step runs
+STEP_OPS = ("embedding", "attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")  # what the model's step runs
 
 
 def sweep(device: str, size: str) -> List[Dict]:
