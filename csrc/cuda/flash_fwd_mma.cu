@@ -1,7 +1,13 @@
 // Attention forward on tensor cores: FlashAttention-2's algorithm with mma.sync m16n8k16 (bf16 /
 // fp16 inputs, fp32 accumulation), ldmatrix and cp.async (the wrappers of mma.cuh, whose header
-// gives the PTX fragment layouts used below). Launcher declared in flash_mma.h; the definition is
-// fastformer/ops/reference.py::attention. Not yet called by the attention op's glue.
+// gives the PTX fragment layouts used below). Launcher declared in flash_mma.h; the definitions are
+// fastformer/ops/reference.py::attention and ::attention_varlen, whose glue (attention.cpp,
+// attention_varlen.cpp) runs their 16-bit forwards here where flash_fwd_mma_why_not allows.
+//
+// Varlen: a block's (b, h, query tile) addresses sequence b's rows from cu_seqlens (clamped as
+// attention.cu does); Sq / Sk in the kernel are that sequence's lengths (causal bottom-right per
+// sequence), p.Sq / p.Sk the maxima that size the grid and number the dropout counters as the
+// padded op's. A block whose query tile starts past its sequence exits before any barrier.
 //
 // Tiling. A block of kWarps = 4 warps owns kBlockM = 64 query rows of one (b, h), 16 per warp
 // (warp w: rows m0 + 16 w .. + 15). It streams the keys in tiles of kBlockN rows (64 for the
@@ -38,8 +44,8 @@
 // addresses of an ldmatrix matrix (consecutive rows, one chunk column) fall in eight different
 // bank groups (kD >= 64: at least 8 chunks a row); LdOffsets keeps those addresses in 4 registers
 // per operand. kD 64: 40 KiB, 128: 80 KiB, 256: 96 KiB (+ 16 / 16 / 8 bytes of key bits): under
-// sm_80's 163 KiB opt-in (static_assert). Registers (ptxas -v, CUDA 13): 64: 137-180, 128:
-// 192-209, 256: 224-249 a thread, no spill (tests/test_cuda_compile.py); 128 threads a block.
+// sm_80's 163 KiB opt-in (static_assert). Registers (ptxas -v, CUDA 13): 64: 139-209, 128:
+// 194-217, 256: 232-249 a thread, no spill (tests/test_cuda_compile.py); 128 threads a block.
 // Edges: rows past Sq / Sk and columns past D are zero-filled (cp.async src-size), never stored;
 // zero V rows keep P = 0 at hidden keys from meeting garbage. Rows that are not 16-byte aligned
 // (a D not a multiple of 8, an odd view) take plain loads into the same layout (kAligned false).
@@ -110,7 +116,26 @@ struct Params {
   uint64_t seed, offset;
   void* out;
   float* lse;
+  int64_t out_sb, out_sh, out_ss, lse_sb, lse_sh, lse_ss;
+  const int32_t* cu_q;  // varlen: sequence b's rows from cu_q[b]; null for the padded op
+  const int32_t* cu_k;
+  int64_t total_q, total_k;
 };
+
+// Sequence b of a varlen operand: its first row and length, clamped to the tensor's rows and to
+// max_len as attention.cu's seq_of does (any cu_seqlens values are memory-safe).
+struct SeqRows {
+  int64_t start;
+  int len;
+};
+FF_DEVICE SeqRows seq_rows(const int32_t* cu, int64_t b, int64_t total, int64_t max_len) {
+  if (cu == nullptr) return {0, static_cast<int>(max_len)};
+  int64_t s = cu[b], e = cu[b + 1];
+  s = s < 0 ? 0 : (s > total ? total : s);
+  e = e < s ? s : (e > total ? total : e);
+  const int64_t len = e - s;
+  return {s, static_cast<int>(len > max_len ? max_len : len)};
+}
 
 // Copies rows [0, kRows) of the matrix at src (row stride `stride`, unit column stride) into the
 // swizzled tile dst; rows >= valid (>= 1) and columns >= D are zeros. Every thread calls it; with
@@ -200,11 +225,15 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kKVElems);  // 2 x BN / 32 words
 
   // sizes fit 32 bits (the launcher checks Sq, Sk < 2^30); addresses are 64-bit
-  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
   const int64_t bh = blockIdx.x / p.m_tiles, h = bh % p.H, b = bh / p.H;
   // the last query tiles first: under causal they see the most keys, so the longest blocks start
   // early and the short ones fill in behind them
   const int m0 = static_cast<int>(p.m_tiles - 1 - blockIdx.x % p.m_tiles) * kBlockM;
+  // the sequence's rows (varlen) or the padded op's [0, Sq) and [0, Sk); Sq and Sk below are its
+  // lengths, p.Sq and p.Sk the maxima (the grid, the dropout counters)
+  const SeqRows sq = seq_rows(p.cu_q, b, p.total_q, p.Sq), sk = seq_rows(p.cu_k, b, p.total_k, p.Sk);
+  const int Sq = sq.len, Sk = sk.len, D = static_cast<int>(p.D);
+  if (m0 >= Sq) return;  // a varlen sequence shorter than the grid: the whole block, no barrier yet
   const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
   const int g = lane / 4, t = lane % 4;
   const int shift = Sk - Sq;
@@ -214,9 +243,12 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   if (p.causal && q_last + shift + 1 < n_end) n_end = q_last + shift + 1;
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
-  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const uint16_t* const kg = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
-  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const uint16_t* const qg =
+      static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh + sq.start * p.q_ss;
+  const uint16_t* const kg =
+      static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh + sk.start * p.k_ss;
+  const uint16_t* const vg =
+      static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh + sk.start * p.v_ss;
 
   // The lane's rows: row_i[r] = the query of accumulator half r (g, g + 8).
   const int row_i[2] = {m0 + 16 * warp + g, m0 + 16 * warp + g + 8};
@@ -344,7 +376,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     // ---- dropout keep bits: lane t computes the groups of the n8 tiles j = t mod 4, both rows
     uint32_t keep_own[(kNT + 3) / 4];
     if (p.dropout) {
-      const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(Sk));
+      const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.Sk));
 #pragma unroll
       for (int q = 0; q < (kNT + 3) / 4; ++q) {
         const int j = 4 * q + t, key = n0 + 8 * j;
@@ -352,7 +384,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (j < kNT && row_i[r] < Sq && key < Sk) {
-            const uint64_t row = static_cast<uint64_t>((b * p.H + h) * Sq + row_i[r]);
+            const uint64_t row = static_cast<uint64_t>((b * p.H + h) * p.Sq + row_i[r]);
             bits |= ff_dropout_keep8(p.seed, p.offset + row * G + static_cast<uint64_t>(key / 8),
                                      p.threshold) << (8 * r);
           }
@@ -443,11 +475,14 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
       row_lse[r] = m[r] * kLn2 + logf(lr);
     }
   }
-  float* const lse_row = p.lse + (b * p.H + h) * Sq;
+  // the sequence's first row read again rather than kept in registers through the key loop (the
+  // 64 bucket's plain-load variant spilled on sm_80)
+  const int64_t q_start = seq_rows(p.cu_q, b, p.total_q, p.Sq).start;
+  float* const lse_row = p.lse + b * p.lse_sb + h * p.lse_sh + q_start * p.lse_ss;
   if (t == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (row_i[r] < Sq) lse_row[row_i[r]] = row_lse[r];
+      if (row_i[r] < Sq) lse_row[row_i[r] * p.lse_ss] = row_lse[r];
     }
   }
   // The warp's own 16 rows of the Q tile hold its output rows: no other warp reads them, and its
@@ -463,14 +498,14 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     }
   }
   __syncwarp();
-  uint16_t* const og =
-      static_cast<uint16_t*>(p.out) + ((b * p.H + h) * Sq + m0 + 16 * warp) * p.D;
+  uint16_t* const og = static_cast<uint16_t*>(p.out) + b * p.out_sb + h * p.out_sh +
+                       (q_start + m0 + 16 * warp) * p.out_ss;
   constexpr int kChunks = C::kChunks;
   for (int c = lane; c < 16 * kChunks; c += kFfWarpSize) {
     const int row = c / kChunks, col = 8 * (c % kChunks);
     if (m0 + 16 * warp + row >= Sq || col >= D) continue;
     const uint16_t* src = os + swz<kD>(row, c % kChunks);
-    uint16_t* dst = og + static_cast<int64_t>(row) * D + col;
+    uint16_t* dst = og + row * p.out_ss + col;
     if (p.out_vec) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
@@ -519,6 +554,12 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   if (a.Sq >= (int64_t{1} << 30) || a.Sk >= (int64_t{1} << 30)) {
     return "flash_fwd_mma: Sq and Sk must be below 2^30";  // the kernel's 32-bit row arithmetic
   }
+  if ((a.cu_seqlens_q == nullptr) != (a.cu_seqlens_k == nullptr)) {
+    return "flash_fwd_mma: cu_seqlens_q and cu_seqlens_k come together (varlen) or not at all";
+  }
+  if (a.cu_seqlens_q != nullptr && (a.kpm != nullptr || a.am != nullptr)) {
+    return "flash_fwd_mma: varlen rows (cu_seqlens) take no key_padding_mask or attn_mask";
+  }
 #ifndef FF_SIMT
   {
     // asked on every forward (the glue, then the launcher): each device's major is read once
@@ -540,7 +581,7 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
 
 const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream) {
   if (const char* why = flash_fwd_mma_why_not(a)) return why;
-  const int64_t m_tiles = (a.Sq + kBlockM - 1) / kBlockM;
+  const int64_t m_tiles = (a.Sq + kBlockM - 1) / kBlockM;  // varlen: Sq = max_seqlen_q
   if (m_tiles == 0 || a.B == 0 || a.H == 0) return nullptr;
   const int64_t limit = (int64_t{1} << 31) - 1;
   if (m_tiles > limit / a.B || m_tiles * a.B > limit / a.H) {
@@ -572,7 +613,20 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.causal = a.causal ? 1 : 0;
   p.threshold = ff_dropout_threshold(a.dropout_p);
   p.dropout = p.threshold != 0u ? 1 : 0;
-  p.out_vec = a.D % 8 == 0 && aligned16(out) ? 1 : 0;
+  // out / lse strides: the given ones, or (all 0) the padded op's contiguous layout
+  const bool out_given = (a.out_sb | a.out_sh | a.out_ss) != 0;
+  p.out_sb = out_given ? a.out_sb : a.H * a.Sq * a.D;
+  p.out_sh = out_given ? a.out_sh : a.Sq * a.D;
+  p.out_ss = out_given ? a.out_ss : a.D;
+  const bool lse_given = (a.lse_sb | a.lse_sh | a.lse_ss) != 0;
+  p.lse_sb = lse_given ? a.lse_sb : a.H * a.Sq;
+  p.lse_sh = lse_given ? a.lse_sh : a.Sq;
+  p.lse_ss = lse_given ? a.lse_ss : 1;
+  p.cu_q = a.cu_seqlens_q;
+  p.cu_k = a.cu_seqlens_k;
+  p.total_q = a.total_q;
+  p.total_k = a.total_k;
+  p.out_vec = a.D % 8 == 0 && aligned16(out) && (p.out_sb | p.out_sh | p.out_ss) % 8 == 0 ? 1 : 0;
   p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
   p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
   p.kpm = a.kpm;
