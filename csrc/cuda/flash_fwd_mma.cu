@@ -51,11 +51,13 @@
 // (a D not a multiple of 8, an odd view) take plain loads into the same layout (kAligned false).
 //
 // Masks, as the reference: causal is bottom-right (key j visible to query i iff j <= i + Sk - Sq);
-// key tiles no row of the block sees are not visited at all; masks are evaluated per element only
-// in tiles that need them (past Sk, a padding or additive mask, crossing the causal diagonal). A
-// row with no visible key gives out 0 and lse +inf; a NaN score at a visible key makes its row NaN
-// (exp2 of NaN reaches l and O); a row whose visible scores are all -inf, or that has a +inf one,
-// is NaN. "Visible" comes from the masks alone: a per-row flag, OR-ed over the quad at the end.
+// key tiles no row of the block sees are not visited at all (so a NaN in V there reaches no row;
+// in a visited tile it meets P = 0 and makes its column NaN in the rows that do not see it: the
+// op's contract leaves that open); masks are evaluated per element only in tiles that need them
+// (past Sk, a padding or additive mask, crossing the causal diagonal). A row with no visible key
+// gives out 0 (a select, whatever V holds) and lse +inf; a NaN score at a visible key makes its
+// row NaN (exp2 of NaN reaches l and O); a row whose visible scores are all -inf, or that has a
+// +inf one, is NaN. "Visible" comes from the masks alone: a per-row flag, OR-ed over the quad at the end.
 // The additive mask is added to the scaled score (scale s + am); am = -inf hides the key. Its key
 // stride must be 1: a lane's 32 mask loads a tile then share one base address (immediate
 // offsets); with per-element addresses ptxas kept ~60 more registers live.
@@ -456,6 +458,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 
   // ---- epilogue: the quad's partial sums and flags, out = O / l, lse
   float inv[2], row_lse[2];
+  bool sees[2];  // a visible key (by the masks): else out is 0 by a select (P = 0 times a NaN in V is NaN)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float lr = l[r];
@@ -464,6 +467,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     int sr = seen[r] ? 1 : 0;
     sr |= __shfl_xor_sync(kFfFullMask, sr, 1);
     sr |= __shfl_xor_sync(kFfFullMask, sr, 2);
+    sees[r] = sr != 0;
     if (!sr) {
       inv[r] = 0.0f;
       row_lse[r] = INFINITY;
@@ -494,7 +498,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;  // (16 warp + row) % 8 == row % 8: the tile's swizzle
       *reinterpret_cast<uint32_t*>(os + swz<kD>(row, d) + 2 * t) =
-          pack2(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r], static_cast<T*>(nullptr));
+          pack2(sees[r] ? o[d][2 * r] * inv[r] : 0.0f, sees[r] ? o[d][2 * r + 1] * inv[r] : 0.0f,
+                static_cast<T*>(nullptr));
     }
   }
   __syncwarp();

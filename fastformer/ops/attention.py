@@ -43,6 +43,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         receives zero gradient. Kernels never store the ``Sq x Sk`` matrix for backward:
         they keep the per-row log-sum-exp and recompute. A float ``attn_mask`` that
         requires grad is differentiated by the reference implementation.
+
+    Non-finite values: a NaN or +inf score at a visible key makes its row NaN, and a NaN or inf
+    in ``v`` at a key that a row sees reaches that row (NaN or inf in that column), on every
+    backend. At a key hidden from a row (causal, ``key_padding_mask``, ``attn_mask``) ``v`` gets a
+    weight of exactly 0: whether a NaN or inf there turns that row's column NaN (``0 * NaN``) is
+    left open, as in FlashAttention: the kernels skip key tiles that no query of a tile sees and
+    multiply by 0 in the others, so it depends on the backend and the tiling. It never reaches
+    another head, batch entry or column, nor a row with no visible key (zeros, as above). Where
+    it is left open for the output, it is for the gradients too.
     """
     validation.tensor("q", q, ndim=4, floating=True)
     validation.tensor("k", k, ndim=4, floating=True)
