@@ -323,13 +323,15 @@ def cu_seqlens(lengths):
 
 
 def varlen_kernel(q, k, v, lq, lk, causal=False, p=0.0, seed=0, offset=0, max_q=None, max_k=None):
-    """The cuda backend's attention_varlen forward (its glue picks the kernel): (out, lse)."""
+    """The cuda backend's attention_varlen forward on the harness (its glue picks the kernel):
+    (out, lse)."""
     from fastformer import backends, philox
 
     max_q = max(lq) if max_q is None else max_q
     max_k = max(lk) if max_k is None else max_k
-    return backends.Kernels("cuda").attention_varlen_fwd(q, k, v, cu_seqlens(lq), cu_seqlens(lk), max_q, max_k,
-                                                         causal, q.shape[-1] ** -0.5, p, philox.pack(seed, offset))
+    kern = backends.Kernels("cuda", "cpu")
+    return kern.attention_varlen_fwd(q, k, v, cu_seqlens(lq), cu_seqlens(lk), max_q, max_k, causal,
+                                     q.shape[-1] ** -0.5, p, philox.pack(seed, offset))
 
 
 def packed(lengths, H, D, dtype, gen):
@@ -429,8 +431,8 @@ def test_varlen_equals_the_padded_op_with_its_dropout(dtype):
         for t, x, n in zip(pad, (q, k, v), (lq, lk, lk)):
             t[b, :, :n[b]] = heads(x, n, b)[0]
         kpm[b, :lk[b]] = False
-    pout, plse = backends.Kernels("cuda").attention_fwd(*pad, kpm, None, False, D ** -0.5, p,
-                                                          philox.pack(seed, offset))
+    pout, plse = backends.Kernels("cuda", "cpu").attention_fwd(*pad, kpm, None, False, D ** -0.5, p,
+                                                                 philox.pack(seed, offset))
     for b in range(B):
         start = sum(lq[:b])
         assert torch.equal(out[start:start + lq[b]], pout[b, :, :lq[b]].transpose(0, 1)), f"sequence {b}"
@@ -449,8 +451,8 @@ def test_varlen_cu_seqlens_out_of_range_are_clamped():
     q, k, v = (torch.randn(n, H, D, generator=gen).to(dtype) for n in (5, 6, 6))
     bad_q = torch.tensor([0, 3, 500], dtype=torch.int32)   # -> [0, 3), [3, 5)
     bad_k = torch.tensor([-7, 4, 1000], dtype=torch.int32)  # -> [0, 4), [4, 6)
-    out, lse = backends.Kernels("cuda").attention_varlen_fwd(q, k, v, bad_q, bad_k, 3, 4, True, D ** -0.5, 0.0,
-                                                              philox.pack(0, 0))
+    kern = backends.Kernels("cuda", "cpu")
+    out, lse = kern.attention_varlen_fwd(q, k, v, bad_q, bad_k, 3, 4, True, D ** -0.5, 0.0, philox.pack(0, 0))
     kw = dict(cu_seqlens_q=cu_seqlens([3, 2]), cu_seqlens_k=cu_seqlens([4, 2]), max_seqlen_q=3, max_seqlen_k=4,
               is_causal=True, scale=D ** -0.5)
     check("out", out, reference.attention_varlen(q.float(), k.float(), v.float(), **kw),
