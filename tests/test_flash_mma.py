@@ -441,6 +441,23 @@ def test_varlen_equals_the_padded_op_with_its_dropout(dtype):
     assert not torch.equal(out, out2)
 
 
+@pytest.mark.parametrize("D", [40, 59], ids=["d40-aligned", "d59-plain-loads"])
+def test_varlen_strided_views(D):
+    """q / k / v as views of one packed (total, 3, H, D) projection (row stride 3 H D; for D 59 the
+    rows are not 16-byte aligned: the plain-load variant): the bits of contiguous copies."""
+    dtype, H, gen = torch.bfloat16, 2, torch.Generator().manual_seed(D)
+    lq = lk = [1, 70, 0, 7]
+    q, k, v = torch.randn(sum(lq), 3, H, D, generator=gen).to(dtype).unbind(1)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out, lse = varlen_kernel(q, k, v, lq, lk, causal=True, p=0.2, seed=5)
+    out_c, lse_c = varlen_kernel(q.contiguous(), k.contiguous(), v.contiguous(), lq, lk, causal=True, p=0.2, seed=5)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    kw = dict(cu_seqlens_q=cu_seqlens(lq), cu_seqlens_k=cu_seqlens(lk), max_seqlen_q=max(lq), max_seqlen_k=max(lk),
+              is_causal=True, scale=D ** -0.5, dropout_p=0.2, rng=(5, 0))
+    check("out", out, reference.attention_varlen(q.float(), k.float(), v.float(), **kw),
+          reference.attention_varlen(q, k, v, **kw), atol=1e-3)
+
+
 def test_varlen_cu_seqlens_out_of_range_are_clamped():
     """As the FMA kernel: each sequence clamped to [0, total) and to max_seqlen; nothing outside the
     tensors is read (the harness fails on an out-of-bounds access only by luck, so the values are
