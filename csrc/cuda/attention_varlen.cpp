@@ -79,6 +79,7 @@ FfFlashFwdArgs flash_args(const FfAttentionArgs& a) {
   f.total_k = a.total_k;
   f.out_sb = 0, f.out_sh = a.D, f.out_ss = a.H * a.D;
   f.lse_sb = 0, f.lse_sh = a.total_q, f.lse_ss = 1;
+  f.allow_tf32 = at::globalContext().allowTF32CuBLAS();  // torch.backends.cuda.matmul.allow_tf32
   return f;
 }
 
@@ -102,8 +103,9 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   at::Tensor lse = at::empty({dims.H, dims.total_q}, f32);                  // (H, total_q)
   const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
                                         dropout_p, rng, dtype);
-  // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU); else, and
-  // for fp32, the FMA kernel. Both write the same out / lse, so the backward reads either.
+  // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU), fp32 too as
+  // tf32 where torch allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write
+  // the same out / lse, so the backward reads either.
   const FfFlashFwdArgs flash = flash_args(a);
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));

@@ -1,5 +1,6 @@
 // Attention forward on tensor cores: FlashAttention-2's algorithm with mma.sync m16n8k16 (bf16 /
-// fp16 inputs, fp32 accumulation), ldmatrix and cp.async (the wrappers of mma.cuh, whose header
+// fp16 inputs, fp32 accumulation), or m16n8k8 .tf32 for fp32 inputs when torch allows tf32 (see
+// ElemCfg below), ldmatrix and cp.async (the wrappers of mma.cuh, whose header
 // gives the PTX fragment layouts used below). Launcher declared in flash_mma.h; the definitions are
 // fastformer/ops/reference.py::attention and ::attention_varlen, whose glue (attention.cpp,
 // attention_varlen.cpp) runs their 16-bit forwards here where flash_fwd_mma_why_not allows.
@@ -198,6 +199,12 @@ struct LdOffsets {
   FF_DEVICE int operator()(int c, int plus_rows) const { return at[c & 3] + 64 * (c >> 2) + plus_rows * kD; }
 };
 
+FF_DEVICE float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 // Two floats as the 16-bit pair of one register (lo in the low half), round to nearest even.
 FF_DEVICE uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -212,14 +219,33 @@ FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
   return u;
 }
 
+// tf32 (T = float): fp32 rows are handled as rows of twice as many 16-bit halves (kD, D and every
+// stride in halves, the launcher doubles them), so the tiles, swizzle, cp.async and ldmatrix of Q
+// and K stay as they are: a 16-half k-step is an 8-float k-step of mma m16n8k8 .tf32, whose A and B
+// fragments (a[0] = A[g][t], a[1] = A[g + 8][t], a[2] = A[g][t + 4], a[3] = A[g + 8][t + 4];
+// b[0] = B[t][g], b[1] = B[t + 4][g]) are exactly what ldmatrix .x4 of the 8 x 4-float blocks
+// gives (lane (g, t): row g, halves 2t, 2t + 1 = float t). Operands are rounded to tf32 (cvt.rna)
+// as they enter the mma. P V runs its k8 steps over one n8 score tile each with the keys in the
+// order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t) already holds P[g][2t], P[g][2t + 1], which are then
+// A[g][t], A[g][t + 4] (no shuffle); V is read with the same order, by plain 32-bit loads (ldmatrix
+// .trans would transpose halves). Output floats are staged in the Q tile as the halves are.
+template <typename T>
+struct ElemCfg {
+  static constexpr bool kTf32 = std::is_same<T, float>::value;
+  static constexpr int kHalves = kTf32 ? 2 : 1;  // 16-bit halves an element
+};
+
 template <typename T, int kD, bool kAligned>
 __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   using C = Cfg<kD>;
+  constexpr bool kTf32 = ElemCfg<T>::kTf32;
   constexpr int BN = C::kBlockN;
   constexpr int kNT = BN / 8;    // n8 score tiles a key tile
-  constexpr int kDT = kD / 8;    // n8 output tiles
-  constexpr int kQK = kD / 16;   // k16 steps of Q K^T
-  constexpr int kPV = BN / 16;   // k16 steps of P V
+  constexpr int kDT = kD / 8 / ElemCfg<T>::kHalves;  // n8 output tiles (head-dim columns / 8)
+  constexpr int kQK = kD / 16;   // k16 steps of Q K^T (tf32: k8 steps)
+  constexpr int kPV = BN / 16;   // k16 steps of P V (16-bit)
+  // Q's fragments in registers (kD <= 128 halves); not for tf32, whose 128 bucket then spilled
+  constexpr bool kQInRegs = C::kQInRegs && !kTf32;
   FF_DYNAMIC_SMEM(uint16_t, smem);
   uint16_t* const qs = smem;
   uint16_t* const ks = qs + C::kQElems;       // 2 stages
@@ -267,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   for (int d = 0; d < kDT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   bool seen[2] = {false, false};
-  uint32_t qf[C::kQInRegs ? kQK : 1][4];
+  uint32_t qf[kQInRegs ? kQK : 1][4];
 
   auto load_kv = [&](int tile, int stage) {
     const int n0 = tile * BN;
@@ -287,11 +313,11 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     load_tile<kD, kBlockM, kAligned>(qs, qg + m0 * p.q_ss, p.q_ss, Sq - m0, D);
     ff_cp_async_commit();
     load_kv(0, 0);
-    if (C::kQInRegs) {
+    if (kQInRegs) {
       ff_cp_async_wait<1>();  // Q has landed (tile 0 may still be in flight)
       __syncthreads();        // every thread's chunks of it
 #pragma unroll
-      for (int kk = 0; kk < kQK; ++kk) ff_ldmatrix_x4(qf[C::kQInRegs ? kk : 0], qs + q_at(kk, 0));
+      for (int kk = 0; kk < kQK; ++kk) ff_ldmatrix_x4(qf[kQInRegs ? kk : 0], qs + q_at(kk, 0));
     }
   }
 
@@ -314,9 +340,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t a[4];
-      if (C::kQInRegs) {
+      if (kQInRegs) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = qf[C::kQInRegs ? kk : 0][r];
+        for (int r = 0; r < 4; ++r) a[r] = qf[kQInRegs ? kk : 0][r];
       } else {
         ff_ldmatrix_x4(a, qs + q_at(kk, 0));
       }
@@ -327,8 +353,20 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
         uint32_t bf[4];
         ff_ldmatrix_x4(bf, kt + k_at(kk, 16 * jp));
         const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-        ff_mma_m16n8k16<T>(s[2 * jp], a, b0);
-        ff_mma_m16n8k16<T>(s[2 * jp + 1], a, b1);
+        if constexpr (kTf32) {
+          uint32_t at[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) at[r] = ff_float_to_tf32(bits_float(a[r]));
+          const uint32_t t0[2] = {ff_float_to_tf32(bits_float(b0[0])),
+                                  ff_float_to_tf32(bits_float(b0[1]))};
+          const uint32_t t1[2] = {ff_float_to_tf32(bits_float(b1[0])),
+                                  ff_float_to_tf32(bits_float(b1[1]))};
+          ff_mma_m16n8k8_tf32(s[2 * jp], at, t0, s[2 * jp]);
+          ff_mma_m16n8k8_tf32(s[2 * jp + 1], at, t1, s[2 * jp + 1]);
+        } else {
+          ff_mma_m16n8k16<T>(s[2 * jp], a, b0);
+          ff_mma_m16n8k16<T>(s[2 * jp + 1], a, b1);
+        }
       }
     }
 
@@ -436,6 +474,25 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     }
 
     // ---- O += P V, P's A fragments straight from the score accumulators
+    if constexpr (kTf32) {
+      // k8 step j: score tile j, keys in the order 0, 2, 4, 6, 1, 3, 5, 7 (see above)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const uint32_t pa[4] = {ff_float_to_tf32(s[j][0]), ff_float_to_tf32(s[j][2]),
+                                ff_float_to_tf32(s[j][1]), ff_float_to_tf32(s[j][3])};
+        // V's keys 8 j + 2 t and + 1 (rows), head-dim float 8 d + g: halves 2 (8 d + g) of the row
+        const int k0 = 8 * j + 2 * t;
+#pragma unroll
+        for (int d = 0; d < kDT; ++d) {
+          const int c = 8 * d + g;  // the float column
+          const int off = ((c & 3) << 1);
+          const uint32_t bv[2] = {
+              ff_float_to_tf32(*reinterpret_cast<const float*>(vt + swz<kD>(k0, c >> 2) + off)),
+              ff_float_to_tf32(*reinterpret_cast<const float*>(vt + swz<kD>(k0 + 1, c >> 2) + off))};
+          ff_mma_m16n8k8_tf32(o[d], pa, bv, o[d]);
+        }
+      }
+    } else {
 #pragma unroll
     for (int kk = 0; kk < kPV; ++kk) {
       const uint32_t pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1], static_cast<T*>(nullptr)),
@@ -452,6 +509,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
         ff_mma_m16n8k16<T>(o[2 * dp], pa, b0);
         ff_mma_m16n8k16<T>(o[2 * dp + 1], pa, b1);
       }
+    }
     }
     __syncthreads();  // every warp is done with this stage before tile it + 2's copies refill it
   }
@@ -497,9 +555,15 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;  // (16 warp + row) % 8 == row % 8: the tile's swizzle
-      *reinterpret_cast<uint32_t*>(os + swz<kD>(row, d) + 2 * t) =
-          pack2(sees[r] ? o[d][2 * r] * inv[r] : 0.0f, sees[r] ? o[d][2 * r + 1] * inv[r] : 0.0f,
-                static_cast<T*>(nullptr));
+      const float lo = sees[r] ? o[d][2 * r] * inv[r] : 0.0f;
+      const float hi = sees[r] ? o[d][2 * r + 1] * inv[r] : 0.0f;
+      if constexpr (kTf32) {  // floats 8 d + 2 t, + 1: halves 16 d + 4 t .. + 3
+        *reinterpret_cast<float2*>(os + swz<kD>(row, 2 * d + (t >> 1)) + 4 * (t & 1)) =
+            make_float2(lo, hi);
+      } else {
+        *reinterpret_cast<uint32_t*>(os + swz<kD>(row, d) + 2 * t) =
+            pack2(lo, hi, static_cast<T*>(nullptr));
+      }
     }
   }
   __syncwarp();
@@ -524,8 +588,9 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 template <int kD, bool kAligned>
 const char* launch(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, void* stream) {
   const size_t smem = Cfg<kD>::kSmemBytes;
-  auto* flash_fwd_mma = a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned>
-                                     : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned>;
+  auto* flash_fwd_mma = a.dtype == 0   ? &flash_fwd_mma_kernel<float, kD, kAligned>
+                       : a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned>
+                                      : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(flash_fwd_mma, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)) != cudaSuccess) {
@@ -546,10 +611,16 @@ const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t bloc
 constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
 
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
-  if (a.dtype != 1 && a.dtype != 2) {
-    return "flash_fwd_mma: dtype must be 1 (float16) or 2 (bfloat16): tensor cores take 16-bit inputs";
+  if (a.dtype == 0 && !a.allow_tf32) {
+    return "flash_fwd_mma: float32 runs on tensor cores only as tf32, and allow_tf32 is false";
+  }
+  if (a.dtype != 0 && a.dtype != 1 && a.dtype != 2) {
+    return "flash_fwd_mma: dtype must be 1 (float16), 2 (bfloat16) or 0 (float32 as tf32)";
   }
   if (a.D < 1 || a.D > 256) return "flash_fwd_mma: head dim must be in [1, 256]";
+  if (a.dtype == 0 && a.D > 128) {
+    return "flash_fwd_mma: tf32 takes head dims up to 128 (a 256-wide fp32 tile exceeds shared memory)";
+  }
   if (a.B < 0 || a.H < 0 || a.Sq < 0 || a.Sk < 0) return "flash_fwd_mma: negative size";
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) return "flash_fwd_mma: dropout_p must be in [0, 1)";
   if (a.am != nullptr && a.am_sk != 1) {
@@ -592,37 +663,39 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   if (m_tiles > limit / a.B || m_tiles * a.B > limit / a.H) {
     return "flash_fwd_mma: ceil(Sq / 64) * B * H blocks exceed the grid's 2^31 - 1";
   }
+  // the kernel counts in 16-bit halves: an fp32 (tf32) element is two, its D and strides double
+  const int64_t w = a.dtype == 0 ? 2 : 1;
   // cp.async needs every row start 16-byte aligned: the pointers and all strides (in 2-byte
-  // elements) multiples of 8; otherwise the kernel's plain-load variant runs
+  // halves) multiples of 8; otherwise the kernel's plain-load variant runs
   const bool aligned = aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
-                       (a.q_sb | a.q_sh | a.q_ss | a.k_sb | a.k_sh | a.k_ss | a.v_sb | a.v_sh |
-                        a.v_ss) % 8 == 0;
+                       (w * (a.q_sb | a.q_sh | a.q_ss | a.k_sb | a.k_sh | a.k_ss | a.v_sb | a.v_sh |
+                             a.v_ss)) % 8 == 0;
   Params p{};
   p.q = a.q;
   p.k = a.k;
   p.v = a.v;
-  p.q_sb = a.q_sb;
-  p.q_sh = a.q_sh;
-  p.q_ss = a.q_ss;
-  p.k_sb = a.k_sb;
-  p.k_sh = a.k_sh;
-  p.k_ss = a.k_ss;
-  p.v_sb = a.v_sb;
-  p.v_sh = a.v_sh;
-  p.v_ss = a.v_ss;
+  p.q_sb = w * a.q_sb;
+  p.q_sh = w * a.q_sh;
+  p.q_ss = w * a.q_ss;
+  p.k_sb = w * a.k_sb;
+  p.k_sh = w * a.k_sh;
+  p.k_ss = w * a.k_ss;
+  p.v_sb = w * a.v_sb;
+  p.v_sh = w * a.v_sh;
+  p.v_ss = w * a.v_ss;
   p.H = a.H;
   p.Sq = a.Sq;
   p.Sk = a.Sk;
-  p.D = a.D;
+  p.D = w * a.D;
   p.m_tiles = m_tiles;
   p.causal = a.causal ? 1 : 0;
   p.threshold = ff_dropout_threshold(a.dropout_p);
   p.dropout = p.threshold != 0u ? 1 : 0;
   // out / lse strides: the given ones, or (all 0) the padded op's contiguous layout
   const bool out_given = (a.out_sb | a.out_sh | a.out_ss) != 0;
-  p.out_sb = out_given ? a.out_sb : a.H * a.Sq * a.D;
-  p.out_sh = out_given ? a.out_sh : a.Sq * a.D;
-  p.out_ss = out_given ? a.out_ss : a.D;
+  p.out_sb = w * (out_given ? a.out_sb : a.H * a.Sq * a.D);
+  p.out_sh = w * (out_given ? a.out_sh : a.Sq * a.D);
+  p.out_ss = w * (out_given ? a.out_ss : a.D);
   const bool lse_given = (a.lse_sb | a.lse_sh | a.lse_ss) != 0;
   p.lse_sb = lse_given ? a.lse_sb : a.H * a.Sq;
   p.lse_sh = lse_given ? a.lse_sh : a.Sq;
@@ -631,7 +704,7 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.cu_k = a.cu_seqlens_k;
   p.total_q = a.total_q;
   p.total_k = a.total_k;
-  p.out_vec = a.D % 8 == 0 && aligned16(out) && (p.out_sb | p.out_sh | p.out_ss) % 8 == 0 ? 1 : 0;
+  p.out_vec = p.D % 8 == 0 && aligned16(out) && (p.out_sb | p.out_sh | p.out_ss) % 8 == 0 ? 1 : 0;
   p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
   p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
   p.kpm = a.kpm;
@@ -645,7 +718,7 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.out = out;
   p.lse = lse;
   const int64_t blocks = m_tiles * a.B * a.H;
-  if (a.D <= 64) return launch_bucket<64>(a, p, blocks, aligned, stream);
-  if (a.D <= 128) return launch_bucket<128>(a, p, blocks, aligned, stream);
+  if (p.D <= 64) return launch_bucket<64>(a, p, blocks, aligned, stream);
+  if (p.D <= 128) return launch_bucket<128>(a, p, blocks, aligned, stream);
   return launch_bucket<256>(a, p, blocks, aligned, stream);
 }

@@ -7,8 +7,9 @@
 #pragma once
 #include <cstdint>
 
-// The forward of `attention` (fastformer/ops/reference.py) for 16-bit inputs on sm_80+:
-// q (B, H, Sq, D), k / v (B, H, Sk, D) in dtype (1 float16, 2 bfloat16), unit last stride, any
+// The forward of `attention` (fastformer/ops/reference.py) for 16-bit inputs on sm_80+, and fp32
+// ones as tf32 when allowed: q (B, H, Sq, D), k / v (B, H, Sk, D) in dtype (1 float16, 2 bfloat16,
+// 0 float32 with allow_tf32), unit last stride, any
 // (batch, head, row) element strides. D in [1, 256]. Rows whose starts are all 16-byte aligned
 // (pointers 16-byte aligned, strides multiples of 8 elements) go through cp.async; any others
 // through plain loads (slower, same result).
@@ -46,6 +47,9 @@ struct FfFlashFwdArgs {
   // out's and lse's element strides (batch, head, row); all 0: the padded op's contiguous
   // (B, H, Sq, D) and (B, H, Sq). Rows of a varlen q that no sequence owns are not written.
   int64_t out_sb, out_sh, out_ss, lse_sb, lse_sh, lse_ss;
+  // dtype 0 (float32) runs here only with allow_tf32 (torch.backends.cuda.matmul.allow_tf32, read
+  // by the glue), as mma.sync m16n8k8 .tf32 (operands rounded to 10 mantissa bits), D <= 128
+  bool allow_tf32;
 };
 
 // nullptr when the kernel can take the call, else why not (a 32-bit dtype, an attn_mask without a

@@ -42,7 +42,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ``(B, H, Sq, D)`` in q's dtype. A query row with no visible key outputs zeros and
         receives zero gradient. Kernels never store the ``Sq x Sk`` matrix for backward:
         they keep the per-row log-sum-exp and recompute. A float ``attn_mask`` that
-        requires grad is differentiated by the reference implementation.
+        requires grad is differentiated by the reference implementation. fp32 on a GPU follows
+        ``torch.backends.cuda.matmul.allow_tf32``: with it, the products run as tf32 (10-bit
+        mantissa operands, fp32 sums), as torch's own matmuls do; without it, in full fp32.
 
     Non-finite values: a NaN or +inf score at a visible key makes its row NaN, and a NaN or inf
     in ``v`` at a key that a row sees reaches that row (NaN or inf in that column), on every
