@@ -367,17 +367,19 @@ def test_cuda_backward_columns_past_the_register_sums(backend, C, sm_count):
         assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
-                    reason="the SIMT harness's schedule (a GPU runs its own), not from within itself")
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
+                    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
+@pytest.mark.parametrize("schedule", ["reverse", "warp_ahead"])
 @pytest.mark.parametrize("backend", CUDA)
-def test_cuda_reversed_thread_schedule(backend):
+def test_cuda_other_thread_schedule(backend, schedule):
     """The backward's block sums (warps added in shared memory) and the partial-sum kernel's tree
     with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse), which shows the other
-    half of a missing barrier: the grid, register-overflow, fp32 dropout and 128-bit / scalar tests
-    of this file in a fresh process on the already built harness."""
+    half of a missing barrier within a warp's reach, or warp by warp to each __syncthreads
+    (warp_ahead), which shows one between warps: the grid, register-overflow, fp32 dropout and
+    128-bit / scalar tests of this file in a fresh process on the already built harness."""
     from simt import plugin
 
-    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__), "-k",
            "cuda and (sm_count or register_sums or (fp32 and (post_dropout or prenorm_grad_both)) or vector_and_scalar)"]

@@ -1,7 +1,8 @@
 """attention on the cuda backend, beyond the shared matrix of tests/test_attention.py: rows of
 2100 keys (many key tiles) with head dim 256, fp16, dropout equal to the cpu backend's for the same
 seed and offset, NaN in a later key tile, empty sizes, the glue's checks, the memory claim (nothing
-of size Sq x Sk is allocated), and the same under the SIMT harness's reversed thread schedule.
+of size Sq x Sk is allocated), and the same under the SIMT harness's reversed and warp_ahead
+thread schedules.
 Without a GPU these run on the SIMT harness (tests/simt)."""
 import math
 import os
@@ -245,21 +246,32 @@ def test_no_sq_by_sk_buffer(backend):
     assert all(torch.isfinite(g).all() and g.abs().amax() > 0 for g in grads)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
-                    reason="the SIMT harness's schedule (a GPU runs its own), not from within itself")
+# The subsets re-run per schedule: reverse the tests of this file and part of the shared matrix;
+# warp_ahead (each of the kernels' 8 warps alone to its next __syncthreads) a smaller part, the
+# many-tile, head-dim 256 and dropout tests, to keep its time in check.
+SCHEDULE_SUBSETS = {
+    "reverse": "cuda and not thread_schedule and not glue_checks and not bf16 and not statistics"
+               " and (not fp32 or d111 or 203x203)",
+    "warp_ahead": "cuda and not thread_schedule and not glue_checks and not bf16 and not statistics"
+                  " and not fp32 and not (no_visible_key and 0.2)",
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
+                    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULE_SUBSETS))
 @pytest.mark.parametrize("backend", CUDA)
-def test_reversed_thread_schedule(backend):
+def test_other_thread_schedule(backend, schedule):
     """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
-    which shows the other half of a missing barrier: the tests of this file and part of the
-    shared matrix, in a fresh process on the already built harness."""
+    which shows the other half of a missing barrier within a warp's reach, or warp by warp
+    (warp_ahead), which shows one between warps: in a fresh process on the already built harness."""
     from simt import plugin
 
-    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
            os.path.join(here, "test_attention_cuda.py"), os.path.join(here, "test_attention.py"),
-           "-k", "cuda and not reversed and not glue_checks and not bf16 and not statistics"
-                 " and (not fp32 or d111 or 203x203)"]
+           "-k", SCHEDULE_SUBSETS[schedule]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]

@@ -3,8 +3,8 @@ sequences spanning many query and key tiles in every head-dim bucket (D = 1, 40,
 128, 129, 256; tiles of 64 / 32 / 16 rows), causal with Lq != Lk both ways, dropout, fp16 and bf16,
 strided q / k / v views and gradients laid out like them, cu_seqlens out of range (the kernels
 clamp them), determinism, the memory claim (nothing of size Lq x Lk is allocated), hypothesis over
-lengths, and the same under the SIMT harness's reversed thread schedule. Without a GPU these run
-on the SIMT harness (tests/simt)."""
+lengths, and the same under the SIMT harness's reversed and warp_ahead thread schedules. Without a
+GPU these run on the SIMT harness (tests/simt)."""
 import os
 import subprocess
 import sys
@@ -226,20 +226,32 @@ def test_hypothesis_lengths(backend, data):
     _check(_kernel(qkv, dout, lengths, causal, p), _reference(qkv, dout, lengths, causal, p))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE") == "reverse",
-                    reason="the SIMT harness's schedule (a GPU runs its own), not from within itself")
+# The subsets re-run per schedule: reverse the tile tests of this file and the shared varlen tests;
+# warp_ahead (each of the kernels' warps alone to its next __syncthreads) fewer tile tests, fp16 /
+# bf16 (the tensor-core forward, FMA backward) and the dropout, lse and NaN tests, to keep its time
+# in check.
+SCHEDULE_SUBSETS = {
+    "reverse": "(many_tiles and causal and (d40 or d111 or d256)) or (cuda and (fp32 or dropout or lse or nan))",
+    "warp_ahead": "(many_tiles and causal and 0.3 and (d40 or d256)) or (low_precision and d40) or "
+                  "(cuda and (dropout or lse or nan))",
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
+                    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULE_SUBSETS))
 @pytest.mark.parametrize("backend", CUDA)
-def test_reversed_thread_schedule(backend):
+def test_other_thread_schedule(backend, schedule):
     """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
-    which shows the other half of a missing barrier: the tile tests of this file and the shared
-    varlen tests, in a fresh process on the already built harness."""
+    which shows the other half of a missing barrier within a warp's reach, or warp by warp
+    (warp_ahead), which shows one between warps: in a fresh process on the already built harness."""
     from simt import plugin
 
-    env = dict(os.environ, FF_SIMT_SCHEDULE="reverse", FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
            os.path.join(here, "test_attention_varlen_cuda.py"), os.path.join(here, "test_attention_varlen.py"),
-           "-k", "(many_tiles and causal and (d40 or d111 or d256)) or (cuda and (fp32 or dropout or lse or nan))"]
+           "-k", SCHEDULE_SUBSETS[schedule]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]

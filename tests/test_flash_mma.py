@@ -1,7 +1,12 @@
 """The tensor-core flash attention forward (csrc/cuda/flash_fwd_mma.cu: mma.sync m16n8k16, ldmatrix,
 cp.async) against fastformer/ops/reference.py::attention, on the SIMT harness through its test op
 fastformer_simt_selftest::flash_fwd_mma, and the attention op's `cuda` backend, whose 16-bit
-forward runs on it wherever it takes the call.
+forward runs on it wherever it takes the call; so does attention_varlen's (packed rows through
+cu_seqlens: odd and empty sequences, Lq != Lk causal per sequence, dropout, clamped cu_seqlens,
+against the reference, the padded op and this kernel run per sequence); and fp32 inputs as tf32
+(mma m16n8k8) when torch.backends.cuda.matmul.allow_tf32 is set, judged by the same rule with
+attention computed through tf32 matmuls (operands rounded to 10 mantissa bits) as the low-precision
+reference, else the exact FMA kernel.
 
 bf16 and fp16; Sq, Sk in {1, 7, 64, 113, 130} (one to three 64-row query tiles and key tiles,
 Sq != Sk both ways), head dims 16, 40, 59, 64, 80, 128, 200, 256 (the buckets 64 / 128 / 256,
@@ -265,7 +270,7 @@ def test_strided_views(dtype, D, aligned):
 
 def test_rejects_float32_and_head_dims_past_256():
     q = torch.randn(1, 1, 8, 64)
-    with pytest.raises(RuntimeError, match=r"dtype must be 1 \(float16\) or 2 \(bfloat16\)"):
+    with pytest.raises(RuntimeError, match=r"float32 runs on tensor cores only as tf32, and allow_tf32 is false"):
         flash(q, q, q)
     q = torch.randn(1, 1, 8, 264).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"head dim must be in \[1, 256\]"):
@@ -315,6 +320,275 @@ def test_the_attention_op_runs_16_bit_forwards_here(dtype):
     check("out", got, ref32, ref16, atol=1e-3)
 
 
+# ---------------------------------------------------------------- varlen: attention_varlen's rows
+def cu_seqlens(lengths):
+    return torch.tensor([0] + torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def varlen_kernel(q, k, v, lq, lk, causal=False, p=0.0, seed=0, offset=0, max_q=None, max_k=None):
+    """The cuda backend's attention_varlen forward on the harness (its glue picks the kernel):
+    (out, lse)."""
+    from fastformer import backends, philox
+
+    max_q = max(lq) if max_q is None else max_q
+    max_k = max(lk) if max_k is None else max_k
+    kern = backends.Kernels("cuda", "cpu")
+    return kern.attention_varlen_fwd(q, k, v, cu_seqlens(lq), cu_seqlens(lk), max_q, max_k, causal,
+                                     q.shape[-1] ** -0.5, p, philox.pack(seed, offset))
+
+
+def packed(lengths, H, D, dtype, gen):
+    return torch.randn(sum(lengths), H, D, generator=gen).to(dtype)
+
+
+def heads(x, lengths, b):
+    """Sequence b of packed rows (total, H, D) as a (1, H, L, D) view."""
+    start = sum(lengths[:b])
+    return x[start:start + lengths[b]].transpose(0, 1).unsqueeze(0)
+
+
+# Odd lengths (1, 7, 113), Lq != Lk both ways (causal rows that see nothing), empty query and key
+# sequences, a sequence of two full query tiles and one crossing three key tiles.
+VARLEN_LQ = [1, 7, 113, 0, 70, 128, 5]
+VARLEN_LK = [7, 113, 1, 9, 0, 130, 5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("D", [40, 128], ids=["d40", "d128"])
+def test_varlen_against_the_reference(dtype, causal, D):
+    H, gen = 2, torch.Generator().manual_seed(D + causal)
+    q, k, v = (packed(n, H, D, dtype, gen) for n in (VARLEN_LQ, VARLEN_LK, VARLEN_LK))
+    out, lse = varlen_kernel(q, k, v, VARLEN_LQ, VARLEN_LK, causal)
+    kw = dict(cu_seqlens_q=cu_seqlens(VARLEN_LQ), cu_seqlens_k=cu_seqlens(VARLEN_LK), max_seqlen_q=max(VARLEN_LQ),
+              max_seqlen_k=max(VARLEN_LK), is_causal=causal, scale=D ** -0.5)
+    check("out", out, reference.attention_varlen(q.float(), k.float(), v.float(), **kw),
+          reference.attention_varlen(q, k, v, **kw), atol=1e-3)
+    assert out.dtype == dtype and lse.shape == (H, sum(VARLEN_LQ))
+    for b, (Lq, Lk) in enumerate(zip(VARLEN_LQ, VARLEN_LK)):  # lse per sequence, as the padded rule
+        if Lq == 0:
+            continue
+        qb, kb = heads(q, VARLEN_LQ, b), heads(k, VARLEN_LK, b)
+        start = sum(VARLEN_LQ[:b])
+        got = lse[:, start:start + Lq].unsqueeze(0)
+        check(f"lse of sequence {b}", got, ref_lse(qb.float(), kb.float(), None, None, causal, D ** -0.5),
+              ref_lse(qb, kb, None, None, causal, D ** -0.5), atol=1e-4)
+        if Lk == 0 or (causal and Lq > Lk):  # rows that see no key: 0 and +inf
+            hidden = Lq if Lk == 0 else Lq - Lk
+            assert (got[..., :hidden] == float("inf")).all()
+            assert (out[start:start + hidden] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_runs_on_tensor_cores(dtype, causal):
+    """The routing: every sequence of the varlen op's 16-bit forward has exactly the bits (out and
+    lse) of this kernel called on that sequence alone as a padded (1, H, Lq, D) problem; the FMA
+    kernel's bits differ (so the check fails if the glue stops routing here)."""
+    import fastformer
+    from fastformer.ops import attention
+
+    H, D, gen = 2, 64, torch.Generator().manual_seed(7)
+    q, k, v = (packed(n, H, D, dtype, gen) for n in (VARLEN_LQ, VARLEN_LK, VARLEN_LK))
+    out, lse = varlen_kernel(q, k, v, VARLEN_LQ, VARLEN_LK, causal)
+    differs = False
+    for b, Lq in enumerate(VARLEN_LQ):
+        if Lq == 0:
+            continue
+        qb, kb, vb = heads(q, VARLEN_LQ, b), heads(k, VARLEN_LK, b), heads(v, VARLEN_LK, b)
+        want, want_lse = flash(qb, kb, vb, causal=causal)
+        start = sum(VARLEN_LQ[:b])
+        assert torch.equal(out[start:start + Lq], want[0].transpose(0, 1)), f"sequence {b}: out"
+        assert torch.equal(lse[:, start:start + Lq], want_lse[0]), f"sequence {b}: lse"
+        if VARLEN_LK[b] > 8:
+            # the FMA kernel (the padded op's fallback for an attn_mask of key stride 0; + 0 is exact)
+            zero = torch.zeros(1, 1, Lq, 1)
+            with fastformer.use_backend("cuda"):
+                fma = attention(qb, kb, vb, attn_mask=zero, is_causal=causal)
+            differs = differs or not torch.equal(fma, want)
+    assert differs, "the FMA kernel gave the tensor-core kernel's bits: this test would not see the routing"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_varlen_equals_the_padded_op_with_its_dropout(dtype):
+    """Right-padded to (B, H, max_q, max_k) with the padding as key_padding_mask, the padded op (on
+    this kernel too) gives the varlen rows' bits, dropout included: the same Philox counters; and
+    both are the reference's dropout (the bits every backend shares). max_seqlen above the longest
+    sequence moves the counters of both alike."""
+    from fastformer import backends, philox
+
+    H, D, gen = 2, 59, torch.Generator().manual_seed(11)
+    lq, lk = [1, 7, 113, 0, 30], [113, 7, 1, 9, 0]
+    max_q, max_k = max(lq) + 3, max(lk) + 5
+    q, k, v = (packed(n, H, D, dtype, gen) for n in (lq, lk, lk))
+    seed, offset, p = 987654321, 64, 0.3
+    out, lse = varlen_kernel(q, k, v, lq, lk, p=p, seed=seed, offset=offset, max_q=max_q, max_k=max_k)
+    kw = dict(cu_seqlens_q=cu_seqlens(lq), cu_seqlens_k=cu_seqlens(lk), max_seqlen_q=max_q, max_seqlen_k=max_k,
+              scale=D ** -0.5, dropout_p=p, rng=(seed, offset))
+    check("out", out, reference.attention_varlen(q.float(), k.float(), v.float(), **kw),
+          reference.attention_varlen(q, k, v, **kw), atol=1e-3)
+    B = len(lq)
+    pad = [torch.zeros(B, H, S, D, dtype=dtype) for S in (max_q, max_k, max_k)]
+    kpm = torch.ones(B, max_k, dtype=torch.bool)
+    for b in range(B):
+        for t, x, n in zip(pad, (q, k, v), (lq, lk, lk)):
+            t[b, :, :n[b]] = heads(x, n, b)[0]
+        kpm[b, :lk[b]] = False
+    pout, plse = backends.Kernels("cuda", "cpu").attention_fwd(*pad, kpm, None, False, D ** -0.5, p,
+                                                                 philox.pack(seed, offset))
+    for b in range(B):
+        start = sum(lq[:b])
+        assert torch.equal(out[start:start + lq[b]], pout[b, :, :lq[b]].transpose(0, 1)), f"sequence {b}"
+        assert torch.equal(lse[:, start:start + lq[b]], plse[b, :, :lq[b]]), f"sequence {b}: lse"
+    out2, _ = varlen_kernel(q, k, v, lq, lk, p=p, seed=seed + 1, offset=offset, max_q=max_q, max_k=max_k)
+    assert not torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("D", [40, 59], ids=["d40-aligned", "d59-plain-loads"])
+def test_varlen_strided_views(D):
+    """q / k / v as views of one packed (total, 3, H, D) projection (row stride 3 H D; for D 59 the
+    rows are not 16-byte aligned: the plain-load variant): the bits of contiguous copies."""
+    dtype, H, gen = torch.bfloat16, 2, torch.Generator().manual_seed(D)
+    lq = lk = [1, 70, 0, 7]
+    q, k, v = torch.randn(sum(lq), 3, H, D, generator=gen).to(dtype).unbind(1)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out, lse = varlen_kernel(q, k, v, lq, lk, causal=True, p=0.2, seed=5)
+    out_c, lse_c = varlen_kernel(q.contiguous(), k.contiguous(), v.contiguous(), lq, lk, causal=True, p=0.2, seed=5)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    kw = dict(cu_seqlens_q=cu_seqlens(lq), cu_seqlens_k=cu_seqlens(lk), max_seqlen_q=max(lq), max_seqlen_k=max(lk),
+              is_causal=True, scale=D ** -0.5, dropout_p=0.2, rng=(5, 0))
+    check("out", out, reference.attention_varlen(q.float(), k.float(), v.float(), **kw),
+          reference.attention_varlen(q, k, v, **kw), atol=1e-3)
+
+
+def test_varlen_cu_seqlens_out_of_range_are_clamped():
+    """As the FMA kernel: each sequence clamped to [0, total) and to max_seqlen; nothing outside the
+    tensors is read (the harness fails on an out-of-bounds access only by luck, so the values are
+    checked against the clamped sequences)."""
+    from fastformer import backends, philox
+
+    dtype, H, D, gen = torch.bfloat16, 2, 24, torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(n, H, D, generator=gen).to(dtype) for n in (5, 6, 6))
+    bad_q = torch.tensor([0, 3, 500], dtype=torch.int32)   # -> [0, 3), [3, 5)
+    bad_k = torch.tensor([-7, 4, 1000], dtype=torch.int32)  # -> [0, 4), [4, 6)
+    kern = backends.Kernels("cuda", "cpu")
+    out, lse = kern.attention_varlen_fwd(q, k, v, bad_q, bad_k, 3, 4, True, D ** -0.5, 0.0, philox.pack(0, 0))
+    kw = dict(cu_seqlens_q=cu_seqlens([3, 2]), cu_seqlens_k=cu_seqlens([4, 2]), max_seqlen_q=3, max_seqlen_k=4,
+              is_causal=True, scale=D ** -0.5)
+    check("out", out, reference.attention_varlen(q.float(), k.float(), v.float(), **kw),
+          reference.attention_varlen(q, k, v, **kw), atol=1e-3)
+
+
+# ---------------------------------------------------------------- fp32 as tf32 (allow_tf32)
+@pytest.fixture
+def allow_tf32():
+    """torch.backends.cuda.matmul.allow_tf32 on for the test (the glue reads it), then as before."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def tf32(x):
+    """x rounded to tf32 (10 mantissa bits, nearest, ties away: cvt.rna), as fp32."""
+    bits = x.float().contiguous().view(torch.int32)
+    finite = torch.isfinite(x.float())
+    rounded = ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    return torch.where(finite, rounded, x.float())
+
+
+def tf32_reference(q, k, v, scale, causal, p=0.0, rng=None):
+    """What attention with torch's tf32 matmuls computes (operands of q k^T and of P v rounded to
+    tf32, the rest exact, in fp64): the low-precision reference of FlashAttention's rule."""
+    q, k, v = (tf32(t).double() for t in (q, k, v))
+    Sq, Sk = q.shape[-2], k.shape[-2]
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(torch.arange(Sk)[None, :] > torch.arange(Sq)[:, None] + (Sk - Sq), float("-inf"))
+    prob = torch.softmax(s, -1).nan_to_num(0.0)
+    if p > 0:
+        from fastformer import philox
+        prob = prob * philox.keep_mask(prob.shape, p, *rng).double() / (1 - p)
+    return tf32(prob.float()).double() @ v
+
+
+def padded_kernel(q, k, v, causal=False, p=0.0, seed=0, offset=0):
+    from fastformer import backends, philox
+
+    return backends.Kernels("cuda", "cpu").attention_fwd(q, k, v, None, None, causal, q.shape[-1] ** -0.5, p,
+                                                         philox.pack(seed, offset))
+
+
+# (B, H, Sq, Sk, D, causal): the three buckets (D 32, 64, 128 in halves 64, 128, 256), D 59's
+# plain-load rows
+TF32_CASES = [(1, 2, 70, 113, 64, True), (2, 1, 130, 64, 32, False), (1, 2, 7, 130, 128, True),
+              (1, 1, 64, 70, 59, True)]
+
+
+@pytest.mark.parametrize("B,H,Sq,Sk,D,causal", TF32_CASES, ids=[f"q{c[2]}k{c[3]}d{c[4]}" for c in TF32_CASES])
+def test_fp32_runs_as_tf32_when_allowed(allow_tf32, B, H, Sq, Sk, D, causal):
+    """With allow_tf32 the fp32 forward runs on tensor cores (mma m16n8k8 .tf32): its error against
+    the exact (fp64) reference is at most twice that of attention computed with tf32 matmuls, and
+    far above the exact FMA kernel's (so the routing shows); without it, the FMA kernel's bits."""
+    gen = torch.Generator().manual_seed(D)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (Sq, Sk, Sk))
+    scale = D ** -0.5
+    out, lse = padded_kernel(q, k, v, causal)
+    exact = reference.attention(q.double(), k.double(), v.double(), is_causal=causal, scale=scale)
+    check("out", out, exact, tf32_reference(q, k, v, scale, causal), atol=1e-5)
+    check("lse", lse, ref_lse(q.double(), k.double(), None, None, causal, scale),
+          ref_lse(tf32(q).double(), tf32(k).double(), None, None, causal, scale), atol=1e-5)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fma, fma_lse = padded_kernel(q, k, v, causal)
+    fma_err, tc_err = (fma.double() - exact).abs().max().item(), (out.double() - exact).abs().max().item()
+    assert fma_err < 1e-5 and tc_err > 8 * fma_err, f"tf32 error {tc_err:.2e}, exact FMA {fma_err:.2e}"
+
+
+def test_tf32_dropout_varlen_and_the_autograd_op(allow_tf32):
+    """tf32 with dropout (the shared Philox bits), on varlen rows, and under the attention op with
+    its backward (FMA, fp32, reading the tf32 forward's out and lse): gradients within tf32 error."""
+    import fastformer
+    from fastformer.ops import attention
+
+    gen = torch.Generator().manual_seed(1)
+    B, H, Sq, Sk, D, p = 2, 2, 70, 113, 40, 0.3
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (Sq, Sk, Sk))
+    out, _ = padded_kernel(q, k, v, True, p, 77, 5)
+    exact = reference.attention(q.double(), k.double(), v.double(), is_causal=True, dropout_p=p, rng=(77, 5))
+    check("out", out, exact, tf32_reference(q, k, v, D ** -0.5, True, p, (77, 5)), atol=1e-5)
+    # varlen: every sequence as the padded kernel on it alone (same tiles), no dropout
+    lq, lk = [1, 70, 0, 7], [113, 7, 5, 0]
+    qv, kv, vv = (torch.randn(sum(n), H, D, generator=gen) for n in (lq, lk, lk))
+    vout, _ = varlen_kernel(qv, kv, vv, lq, lk, causal=True)
+    for b, Lq in enumerate(lq):
+        if Lq == 0:
+            continue
+        want, _ = padded_kernel(heads(qv, lq, b), heads(kv, lk, b), heads(vv, lk, b), True)
+        start = sum(lq[:b])
+        assert torch.equal(vout[start:start + Lq], want[0].transpose(0, 1)), f"sequence {b}"
+    # the op, forward and backward
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with fastformer.use_backend("cuda"):
+        got = attention(*leaves, is_causal=True)
+    dout = torch.randn(got.shape, generator=gen)
+    grads = torch.autograd.grad(got, leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = reference.attention(*ref_leaves, is_causal=True)
+    want_grads = torch.autograd.grad(want, ref_leaves, dout.double())
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        err, size = (g.double() - w).abs().max().item(), w.abs().max().item()
+        assert err < 4e-3 * size, f"{name}: error {err:.2e} against a largest value of {size:.2e}"
+
+
+def test_tf32_falls_back_past_head_dim_128(allow_tf32):
+    """D > 128 in fp32 runs the exact FMA kernel even with allow_tf32 (its fp32 tile would not fit)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, S, 160, generator=gen) for S in (20, 33, 33))
+    out, _ = padded_kernel(q, k, v, True)
+    exact = reference.attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert (out.double() - exact).abs().max().item() < 1e-5
+
+
 # ---------------------------------------------------------------- the other thread orders
 def _rerun_under(schedule, subset):
     """This file's tests matching `subset` in a fresh process on the built harness, under
@@ -336,7 +610,7 @@ def test_reversed_thread_schedule():
     """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
     which shows the other half of a missing barrier within a warp's reach of the forward order."""
     _rerun_under("reverse", "(test_shapes and q130k113) or (test_head_dims and (d59 or d128 or d256)) or "
-                            "dropout or key_padding or strided")
+                            "dropout or key_padding or strided or (test_varlen_against and causal) or tf32")
 
 
 @pytest.mark.skipif(_OTHER_SCHEDULE, reason="another schedule already, not from within it")
@@ -346,4 +620,5 @@ def test_warp_ahead_schedules(schedule):
     warp first): a missing barrier between warps (the Q tile's, the end of a key tile's) fails
     this subset under either."""
     _rerun_under(schedule, "(test_head_dims and (d59 or d128 or d256)) or (test_key_padding and full) or "
-                           "(test_strided and d40-offset)")
+                           "(test_strided and d40-offset) or (test_varlen_against and causal and d40) or "
+                           "(tf32 and (q70k113d64 or q64k70d59))")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastformer
-from fastformer.ops import attention, reference
+from fastformer.ops import attention, attention_varlen, reference
 from utils import device_for, kernel_backends
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
@@ -60,3 +60,78 @@ def test_attention_non_finite_like_the_reference(backend, case):
             f"d{grad_name}: NaN at {got.isnan().sum().item()} places, the reference at {ref.isnan().sum().item()}")
         torch.testing.assert_close(got, ref, equal_nan=True, atol=1e-4, rtol=1e-4,
                                    msg=lambda m: f"d{grad_name}: {m}")
+
+
+# Non-finite values of v at keys hidden from some rows (the contract of fastformer.ops.attention's
+# docstring): the reference multiplies them by a weight of 0 (NaN), the kernels skip the key tiles
+# that no query of a tile sees (cpu, triton, and both CUDA kernels alike), so only this much holds
+# on every backend.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
+def test_non_finite_v_at_hidden_keys(backend, dtype):
+    """Sq 150 > Sk 130, causal (rows 0-19 see no key; later query tiles skip the key tiles past
+    their diagonal, whatever the tile size), a padded key. A NaN / inf in v reaches every row
+    that sees its key; it may reach the rows that do not, in its own column only, never a row with
+    no visible key; every other element is exactly what v with those values zeroed gives."""
+    device = device_for(backend)
+    B, H, Sq, Sk, D = 2, 2, 150, 130, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (Sq, Sk, Sk))
+    v[0, 0, Sk - 1, 3] = float("nan")  # seen by the last row only
+    v[0, 1, 60, 5] = float("nan")      # seen by rows >= 80 = 60 + Sq - Sk
+    v[0, 1, 10, 9] = float("inf")      # seen by rows >= 30
+    v[1, 0, 3, 2] = float("nan")       # padded away: seen by no row
+    kpm = torch.zeros(B, Sk, dtype=torch.bool)
+    kpm[1, 3] = True
+
+    def run(v):
+        t = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+        with fastformer.use_backend(backend):
+            return attention(*t, key_padding_mask=kpm.to(device), is_causal=True).cpu()
+
+    out, clean = run(v), run(v.nan_to_num(0.0, 0.0, 0.0))
+    visible = (torch.arange(Sk)[None, :] <= torch.arange(Sq)[:, None] + (Sk - Sq)) & ~kpm[:, None, None, :]
+    bad = ~torch.isfinite(v)  # (B, H, Sk, D)
+    sees_bad = (visible.float() @ bad.float()) > 0  # (B, H, Sq, D): the row sees a bad key in that column
+    may_be_bad = bad.any(2, keepdim=True) & visible.any(-1, keepdim=True)
+    got_bad = ~torch.isfinite(out)
+    assert sees_bad.sum() > 100 and (may_be_bad & ~sees_bad).sum() > 100, "the probe must have both kinds"
+    assert got_bad[sees_bad].all(), f"{(~got_bad[sees_bad]).sum().item()} elements that see a NaN / inf are finite"
+    assert not (got_bad & ~may_be_bad).any(), f"non-finite at {(got_bad & ~may_be_bad).nonzero()[:5].tolist()}"
+    assert (out[:, :, :Sq - Sk] == 0).all(), "rows with no visible key must be 0"
+    assert torch.equal(out[~got_bad], clean[~got_bad])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
+def test_non_finite_v_at_hidden_keys_varlen(backend):
+    """The same for attention_varlen, bf16 (on cuda the tensor-core forward): packed sequences of
+    150 queries / 130 keys and 5 / 9, causal; a NaN never crosses into another sequence."""
+    device = device_for(backend)
+    lq, lk, H, D = [150, 5], [130, 9], 2, 16
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(n), H, D, generator=gen) for n in (lq, lk, lk))
+    v[129, 0, 3] = float("nan")  # sequence 0's last key: its last row only
+    v[60, 1, 5] = float("nan")   # sequence 0: rows >= 80
+    v[130 + 8, 0, 2] = float("nan")  # sequence 1's last key: its last row only
+    cu = [torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32) for n in (lq, lk)]
+
+    def run(v):
+        t = [x.to(device=device, dtype=torch.bfloat16) for x in (q, k, v)]
+        with fastformer.use_backend(backend):
+            return attention_varlen(*t, cu[0].to(device), cu[1].to(device), max(lq), max(lk), is_causal=True).cpu()
+
+    out, clean = run(v), run(v.nan_to_num(0.0, 0.0, 0.0))
+    got_bad = ~torch.isfinite(out)
+    for b in range(2):
+        Lq, Lk = lq[b], lk[b]
+        rows, keys = slice(sum(lq[:b]), sum(lq[:b + 1])), slice(sum(lk[:b]), sum(lk[:b + 1]))
+        visible = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)  # (Lq, Lk)
+        bad = ~torch.isfinite(v[keys]).transpose(0, 1)  # (H, Lk, D)
+        sees_bad = ((visible.float() @ bad.float()) > 0).transpose(0, 1)  # (Lq, H, D)
+        may_be_bad = (bad.any(1, keepdim=True) & visible.any(-1)[None, :, None]).transpose(0, 1)
+        assert got_bad[rows][sees_bad].all(), f"sequence {b}: elements that see a NaN are finite"
+        assert not (got_bad[rows] & ~may_be_bad).any(), f"sequence {b}: NaN where it may not be"
+        if Lq > Lk:
+            assert (out[rows][:Lq - Lk] == 0).all(), f"sequence {b}: rows with no visible key must be 0"
+    assert got_bad.any()
+    assert torch.equal(out[~got_bad], clean[~got_bad])

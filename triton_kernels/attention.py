@@ -157,7 +157,7 @@ def _attention_fwd(
 
     empty = l_i == 0.0  # no visible key: output 0, lse +inf
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])  # 0 even if v held NaN (0 * NaN)
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
     store_rows(head_base(Out, b64, h64, stride_ob, stride_oh, q0, stride_om), cast(out, Out.dtype.element_ty),
                offs_m, stride_om, offs_d, Lq, D, EVEN_D, LARGE_OFFSETS)

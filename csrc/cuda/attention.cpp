@@ -91,6 +91,7 @@ struct Call {
     f.dropout_p = a.dropout_p;
     f.seed = a.seed;
     f.offset = a.offset;
+    f.allow_tf32 = at::globalContext().allowTF32CuBLAS();  // torch.backends.cuda.matmul.allow_tf32
     return f;
   }
 };
@@ -122,8 +123,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());  // (B, H, Sq, D)
   at::Tensor lse = at::empty({B, H, Sq}, f32);              // (B, H, Sq)
   // 16-bit inputs on tensor cores wherever that kernel takes the call (flash_fwd_mma_why_not: an
-  // sm_80+ GPU, an attn_mask with a unit key stride); else, and for fp32, the FMA kernel. Both
-  // write the same out / lse contract, so the backward (FMA) reads either.
+  // sm_80+ GPU, an attn_mask with a unit key stride), fp32 too as tf32 where torch allows tf32
+  // matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write the same out / lse
+  // contract, so the backward (FMA) reads either.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));

@@ -1,5 +1,6 @@
 // attention_varlen on CUDA: the glue of the fused kernels of attention.cu, which the padded op
-// shares (schema in csrc/schemas.h, checks in csrc/checks/attention_varlen.h). The host never
+// shares (schema in csrc/schemas.h, checks in csrc/checks/attention_varlen.h), and, for the
+// forward of 16-bit inputs, of the tensor-core kernel flash_fwd_mma.cu. The host never
 // reads cu_seqlens (that would synchronise with the device): the kernels read them and clamp every
 // sequence to the tensors' rows. Only out and lse are made by the forward; the backward adds the
 // fp32 delta (H, total_q) and the three gradients: nothing of size Lq x Lk exists.
@@ -10,6 +11,7 @@
 #include <limits>
 #include <tuple>
 
+#include "flash_mma.h"
 #include "glue.h"
 #include "launchers.h"
 #include "../checks/attention_varlen.h"
@@ -54,6 +56,33 @@ FfAttentionArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::
   return a;
 }
 
+// The same call for the tensor-core forward (flash_fwd_mma.cu): out (total_q, H, D) and lse
+// (H, total_q) contiguous, as made below.
+FfFlashFwdArgs flash_args(const FfAttentionArgs& a) {
+  FfFlashFwdArgs f{};
+  f.q = a.q;
+  f.k = a.k;
+  f.v = a.v;
+  f.q_sb = a.q_s.batch, f.q_sh = a.q_s.head, f.q_ss = a.q_s.row;
+  f.k_sb = a.k_s.batch, f.k_sh = a.k_s.head, f.k_ss = a.k_s.row;
+  f.v_sb = a.v_s.batch, f.v_sh = a.v_s.head, f.v_ss = a.v_s.row;
+  f.B = a.B, f.H = a.H, f.Sq = a.max_seqlen_q, f.Sk = a.max_seqlen_k, f.D = a.D;
+  f.dtype = a.dtype;
+  f.causal = a.causal;
+  f.scale = a.scale;
+  f.dropout_p = a.dropout_p;
+  f.seed = a.seed;
+  f.offset = a.offset;
+  f.cu_seqlens_q = a.cu_seqlens_q;
+  f.cu_seqlens_k = a.cu_seqlens_k;
+  f.total_q = a.total_q;
+  f.total_k = a.total_k;
+  f.out_sb = 0, f.out_sh = a.D, f.out_ss = a.H * a.D;
+  f.lse_sb = 0, f.lse_sh = a.total_q, f.lse_ss = 1;
+  f.allow_tf32 = at::globalContext().allowTF32CuBLAS();  // torch.backends.cuda.matmul.allow_tf32
+  return f;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
@@ -74,8 +103,16 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   at::Tensor lse = at::empty({dims.H, dims.total_q}, f32);                  // (H, total_q)
   const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
                                         dropout_p, rng, dtype);
-  FF_CHECK_LAUNCH(launch_attention_fwd(a, out.data_ptr(), packed_rows(out), lse.data_ptr<float>(),
-                                       stat_rows(dims.total_q), ff_stream(q)));
+  // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU), fp32 too as
+  // tf32 where torch allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write
+  // the same out / lse, so the backward reads either.
+  const FfFlashFwdArgs flash = flash_args(a);
+  if (flash_fwd_mma_why_not(flash) == nullptr) {
+    FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
+  } else {
+    FF_CHECK_LAUNCH(launch_attention_fwd(a, out.data_ptr(), packed_rows(out), lse.data_ptr<float>(),
+                                         stat_rows(dims.total_q), ff_stream(q)));
+  }
   return {out, lse};
 }
 

@@ -1,7 +1,14 @@
 // Attention forward on tensor cores: FlashAttention-2's algorithm with mma.sync m16n8k16 (bf16 /
-// fp16 inputs, fp32 accumulation), ldmatrix and cp.async (the wrappers of mma.cuh, whose header
-// gives the PTX fragment layouts used below). Launcher declared in flash_mma.h; the definition is
-// fastformer/ops/reference.py::attention. Not yet called by the attention op's glue.
+// fp16 inputs, fp32 accumulation), or m16n8k8 .tf32 for fp32 inputs when torch allows tf32 (see
+// ElemCfg below), ldmatrix and cp.async (the wrappers of mma.cuh, whose header
+// gives the PTX fragment layouts used below). Launcher declared in flash_mma.h; the definitions are
+// fastformer/ops/reference.py::attention and ::attention_varlen, whose glue (attention.cpp,
+// attention_varlen.cpp) runs their 16-bit forwards here where flash_fwd_mma_why_not allows.
+//
+// Varlen: a block's (b, h, query tile) addresses sequence b's rows from cu_seqlens (clamped as
+// attention.cu does); Sq / Sk in the kernel are that sequence's lengths (causal bottom-right per
+// sequence), p.Sq / p.Sk the maxima that size the grid and number the dropout counters as the
+// padded op's. A block whose query tile starts past its sequence exits before any barrier.
 //
 // Tiling. A block of kWarps = 4 warps owns kBlockM = 64 query rows of one (b, h), 16 per warp
 // (warp w: rows m0 + 16 w .. + 15). It streams the keys in tiles of kBlockN rows (64 for the
@@ -38,18 +45,20 @@
 // addresses of an ldmatrix matrix (consecutive rows, one chunk column) fall in eight different
 // bank groups (kD >= 64: at least 8 chunks a row); LdOffsets keeps those addresses in 4 registers
 // per operand. kD 64: 40 KiB, 128: 80 KiB, 256: 96 KiB (+ 16 / 16 / 8 bytes of key bits): under
-// sm_80's 163 KiB opt-in (static_assert). Registers (ptxas -v, CUDA 13): 64: 137-180, 128:
-// 192-209, 256: 224-249 a thread, no spill (tests/test_cuda_compile.py); 128 threads a block.
+// sm_80's 163 KiB opt-in (static_assert). Registers (ptxas -v, CUDA 13): 64: 139-209, 128:
+// 194-217, 256: 232-249 a thread, no spill (tests/test_cuda_compile.py); 128 threads a block.
 // Edges: rows past Sq / Sk and columns past D are zero-filled (cp.async src-size), never stored;
 // zero V rows keep P = 0 at hidden keys from meeting garbage. Rows that are not 16-byte aligned
 // (a D not a multiple of 8, an odd view) take plain loads into the same layout (kAligned false).
 //
 // Masks, as the reference: causal is bottom-right (key j visible to query i iff j <= i + Sk - Sq);
-// key tiles no row of the block sees are not visited at all; masks are evaluated per element only
-// in tiles that need them (past Sk, a padding or additive mask, crossing the causal diagonal). A
-// row with no visible key gives out 0 and lse +inf; a NaN score at a visible key makes its row NaN
-// (exp2 of NaN reaches l and O); a row whose visible scores are all -inf, or that has a +inf one,
-// is NaN. "Visible" comes from the masks alone: a per-row flag, OR-ed over the quad at the end.
+// key tiles no row of the block sees are not visited at all (so a NaN in V there reaches no row;
+// in a visited tile it meets P = 0 and makes its column NaN in the rows that do not see it: the
+// op's contract leaves that open); masks are evaluated per element only in tiles that need them
+// (past Sk, a padding or additive mask, crossing the causal diagonal). A row with no visible key
+// gives out 0 (a select, whatever V holds) and lse +inf; a NaN score at a visible key makes its
+// row NaN (exp2 of NaN reaches l and O); a row whose visible scores are all -inf, or that has a
+// +inf one, is NaN. "Visible" comes from the masks alone: a per-row flag, OR-ed over the quad at the end.
 // The additive mask is added to the scaled score (scale s + am); am = -inf hides the key. Its key
 // stride must be 1: a lane's 32 mask loads a tile then share one base address (immediate
 // offsets); with per-element addresses ptxas kept ~60 more registers live.
@@ -110,7 +119,26 @@ struct Params {
   uint64_t seed, offset;
   void* out;
   float* lse;
+  int64_t out_sb, out_sh, out_ss, lse_sb, lse_sh, lse_ss;
+  const int32_t* cu_q;  // varlen: sequence b's rows from cu_q[b]; null for the padded op
+  const int32_t* cu_k;
+  int64_t total_q, total_k;
 };
+
+// Sequence b of a varlen operand: its first row and length, clamped to the tensor's rows and to
+// max_len as attention.cu's seq_of does (any cu_seqlens values are memory-safe).
+struct SeqRows {
+  int64_t start;
+  int len;
+};
+FF_DEVICE SeqRows seq_rows(const int32_t* cu, int64_t b, int64_t total, int64_t max_len) {
+  if (cu == nullptr) return {0, static_cast<int>(max_len)};
+  int64_t s = cu[b], e = cu[b + 1];
+  s = s < 0 ? 0 : (s > total ? total : s);
+  e = e < s ? s : (e > total ? total : e);
+  const int64_t len = e - s;
+  return {s, static_cast<int>(len > max_len ? max_len : len)};
+}
 
 // Copies rows [0, kRows) of the matrix at src (row stride `stride`, unit column stride) into the
 // swizzled tile dst; rows >= valid (>= 1) and columns >= D are zeros. Every thread calls it; with
@@ -171,6 +199,12 @@ struct LdOffsets {
   FF_DEVICE int operator()(int c, int plus_rows) const { return at[c & 3] + 64 * (c >> 2) + plus_rows * kD; }
 };
 
+FF_DEVICE float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 // Two floats as the 16-bit pair of one register (lo in the low half), round to nearest even.
 FF_DEVICE uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -185,14 +219,33 @@ FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
   return u;
 }
 
+// tf32 (T = float): fp32 rows are handled as rows of twice as many 16-bit halves (kD, D and every
+// stride in halves, the launcher doubles them), so the tiles, swizzle, cp.async and ldmatrix of Q
+// and K stay as they are: a 16-half k-step is an 8-float k-step of mma m16n8k8 .tf32, whose A and B
+// fragments (a[0] = A[g][t], a[1] = A[g + 8][t], a[2] = A[g][t + 4], a[3] = A[g + 8][t + 4];
+// b[0] = B[t][g], b[1] = B[t + 4][g]) are exactly what ldmatrix .x4 of the 8 x 4-float blocks
+// gives (lane (g, t): row g, halves 2t, 2t + 1 = float t). Operands are rounded to tf32 (cvt.rna)
+// as they enter the mma. P V runs its k8 steps over one n8 score tile each with the keys in the
+// order 0, 2, 4, 6, 1, 3, 5, 7: lane (g, t) already holds P[g][2t], P[g][2t + 1], which are then
+// A[g][t], A[g][t + 4] (no shuffle); V is read with the same order, by plain 32-bit loads (ldmatrix
+// .trans would transpose halves). Output floats are staged in the Q tile as the halves are.
+template <typename T>
+struct ElemCfg {
+  static constexpr bool kTf32 = std::is_same<T, float>::value;
+  static constexpr int kHalves = kTf32 ? 2 : 1;  // 16-bit halves an element
+};
+
 template <typename T, int kD, bool kAligned>
 __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   using C = Cfg<kD>;
+  constexpr bool kTf32 = ElemCfg<T>::kTf32;
   constexpr int BN = C::kBlockN;
   constexpr int kNT = BN / 8;    // n8 score tiles a key tile
-  constexpr int kDT = kD / 8;    // n8 output tiles
-  constexpr int kQK = kD / 16;   // k16 steps of Q K^T
-  constexpr int kPV = BN / 16;   // k16 steps of P V
+  constexpr int kDT = kD / 8 / ElemCfg<T>::kHalves;  // n8 output tiles (head-dim columns / 8)
+  constexpr int kQK = kD / 16;   // k16 steps of Q K^T (tf32: k8 steps)
+  constexpr int kPV = BN / 16;   // k16 steps of P V (16-bit)
+  // Q's fragments in registers (kD <= 128 halves); not for tf32, whose 128 bucket then spilled
+  constexpr bool kQInRegs = C::kQInRegs && !kTf32;
   FF_DYNAMIC_SMEM(uint16_t, smem);
   uint16_t* const qs = smem;
   uint16_t* const ks = qs + C::kQElems;       // 2 stages
@@ -200,11 +253,15 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kKVElems);  // 2 x BN / 32 words
 
   // sizes fit 32 bits (the launcher checks Sq, Sk < 2^30); addresses are 64-bit
-  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
   const int64_t bh = blockIdx.x / p.m_tiles, h = bh % p.H, b = bh / p.H;
   // the last query tiles first: under causal they see the most keys, so the longest blocks start
   // early and the short ones fill in behind them
   const int m0 = static_cast<int>(p.m_tiles - 1 - blockIdx.x % p.m_tiles) * kBlockM;
+  // the sequence's rows (varlen) or the padded op's [0, Sq) and [0, Sk); Sq and Sk below are its
+  // lengths, p.Sq and p.Sk the maxima (the grid, the dropout counters)
+  const SeqRows sq = seq_rows(p.cu_q, b, p.total_q, p.Sq), sk = seq_rows(p.cu_k, b, p.total_k, p.Sk);
+  const int Sq = sq.len, Sk = sk.len, D = static_cast<int>(p.D);
+  if (m0 >= Sq) return;  // a varlen sequence shorter than the grid: the whole block, no barrier yet
   const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
   const int g = lane / 4, t = lane % 4;
   const int shift = Sk - Sq;
@@ -214,9 +271,12 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   if (p.causal && q_last + shift + 1 < n_end) n_end = q_last + shift + 1;
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
-  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const uint16_t* const kg = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
-  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const uint16_t* const qg =
+      static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh + sq.start * p.q_ss;
+  const uint16_t* const kg =
+      static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh + sk.start * p.k_ss;
+  const uint16_t* const vg =
+      static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh + sk.start * p.v_ss;
 
   // The lane's rows: row_i[r] = the query of accumulator half r (g, g + 8).
   const int row_i[2] = {m0 + 16 * warp + g, m0 + 16 * warp + g + 8};
@@ -233,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   for (int d = 0; d < kDT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   bool seen[2] = {false, false};
-  uint32_t qf[C::kQInRegs ? kQK : 1][4];
+  uint32_t qf[kQInRegs ? kQK : 1][4];
 
   auto load_kv = [&](int tile, int stage) {
     const int n0 = tile * BN;
@@ -253,11 +313,11 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     load_tile<kD, kBlockM, kAligned>(qs, qg + m0 * p.q_ss, p.q_ss, Sq - m0, D);
     ff_cp_async_commit();
     load_kv(0, 0);
-    if (C::kQInRegs) {
+    if (kQInRegs) {
       ff_cp_async_wait<1>();  // Q has landed (tile 0 may still be in flight)
       __syncthreads();        // every thread's chunks of it
 #pragma unroll
-      for (int kk = 0; kk < kQK; ++kk) ff_ldmatrix_x4(qf[C::kQInRegs ? kk : 0], qs + q_at(kk, 0));
+      for (int kk = 0; kk < kQK; ++kk) ff_ldmatrix_x4(qf[kQInRegs ? kk : 0], qs + q_at(kk, 0));
     }
   }
 
@@ -280,9 +340,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t a[4];
-      if (C::kQInRegs) {
+      if (kQInRegs) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = qf[C::kQInRegs ? kk : 0][r];
+        for (int r = 0; r < 4; ++r) a[r] = qf[kQInRegs ? kk : 0][r];
       } else {
         ff_ldmatrix_x4(a, qs + q_at(kk, 0));
       }
@@ -293,8 +353,20 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
         uint32_t bf[4];
         ff_ldmatrix_x4(bf, kt + k_at(kk, 16 * jp));
         const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-        ff_mma_m16n8k16<T>(s[2 * jp], a, b0);
-        ff_mma_m16n8k16<T>(s[2 * jp + 1], a, b1);
+        if constexpr (kTf32) {
+          uint32_t at[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) at[r] = ff_float_to_tf32(bits_float(a[r]));
+          const uint32_t t0[2] = {ff_float_to_tf32(bits_float(b0[0])),
+                                  ff_float_to_tf32(bits_float(b0[1]))};
+          const uint32_t t1[2] = {ff_float_to_tf32(bits_float(b1[0])),
+                                  ff_float_to_tf32(bits_float(b1[1]))};
+          ff_mma_m16n8k8_tf32(s[2 * jp], at, t0, s[2 * jp]);
+          ff_mma_m16n8k8_tf32(s[2 * jp + 1], at, t1, s[2 * jp + 1]);
+        } else {
+          ff_mma_m16n8k16<T>(s[2 * jp], a, b0);
+          ff_mma_m16n8k16<T>(s[2 * jp + 1], a, b1);
+        }
       }
     }
 
@@ -344,7 +416,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     // ---- dropout keep bits: lane t computes the groups of the n8 tiles j = t mod 4, both rows
     uint32_t keep_own[(kNT + 3) / 4];
     if (p.dropout) {
-      const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(Sk));
+      const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.Sk));
 #pragma unroll
       for (int q = 0; q < (kNT + 3) / 4; ++q) {
         const int j = 4 * q + t, key = n0 + 8 * j;
@@ -352,7 +424,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (j < kNT && row_i[r] < Sq && key < Sk) {
-            const uint64_t row = static_cast<uint64_t>((b * p.H + h) * Sq + row_i[r]);
+            const uint64_t row = static_cast<uint64_t>((b * p.H + h) * p.Sq + row_i[r]);
             bits |= ff_dropout_keep8(p.seed, p.offset + row * G + static_cast<uint64_t>(key / 8),
                                      p.threshold) << (8 * r);
           }
@@ -402,6 +474,25 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     }
 
     // ---- O += P V, P's A fragments straight from the score accumulators
+    if constexpr (kTf32) {
+      // k8 step j: score tile j, keys in the order 0, 2, 4, 6, 1, 3, 5, 7 (see above)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const uint32_t pa[4] = {ff_float_to_tf32(s[j][0]), ff_float_to_tf32(s[j][2]),
+                                ff_float_to_tf32(s[j][1]), ff_float_to_tf32(s[j][3])};
+        // V's keys 8 j + 2 t and + 1 (rows), head-dim float 8 d + g: halves 2 (8 d + g) of the row
+        const int k0 = 8 * j + 2 * t;
+#pragma unroll
+        for (int d = 0; d < kDT; ++d) {
+          const int c = 8 * d + g;  // the float column
+          const int off = ((c & 3) << 1);
+          const uint32_t bv[2] = {
+              ff_float_to_tf32(*reinterpret_cast<const float*>(vt + swz<kD>(k0, c >> 2) + off)),
+              ff_float_to_tf32(*reinterpret_cast<const float*>(vt + swz<kD>(k0 + 1, c >> 2) + off))};
+          ff_mma_m16n8k8_tf32(o[d], pa, bv, o[d]);
+        }
+      }
+    } else {
 #pragma unroll
     for (int kk = 0; kk < kPV; ++kk) {
       const uint32_t pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1], static_cast<T*>(nullptr)),
@@ -419,11 +510,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
         ff_mma_m16n8k16<T>(o[2 * dp + 1], pa, b1);
       }
     }
+    }
     __syncthreads();  // every warp is done with this stage before tile it + 2's copies refill it
   }
 
   // ---- epilogue: the quad's partial sums and flags, out = O / l, lse
   float inv[2], row_lse[2];
+  bool sees[2];  // a visible key (by the masks): else out is 0 by a select (P = 0 times a NaN in V is NaN)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float lr = l[r];
@@ -432,6 +525,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     int sr = seen[r] ? 1 : 0;
     sr |= __shfl_xor_sync(kFfFullMask, sr, 1);
     sr |= __shfl_xor_sync(kFfFullMask, sr, 2);
+    sees[r] = sr != 0;
     if (!sr) {
       inv[r] = 0.0f;
       row_lse[r] = INFINITY;
@@ -443,11 +537,14 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
       row_lse[r] = m[r] * kLn2 + logf(lr);
     }
   }
-  float* const lse_row = p.lse + (b * p.H + h) * Sq;
+  // the sequence's first row read again rather than kept in registers through the key loop (the
+  // 64 bucket's plain-load variant spilled on sm_80)
+  const int64_t q_start = seq_rows(p.cu_q, b, p.total_q, p.Sq).start;
+  float* const lse_row = p.lse + b * p.lse_sb + h * p.lse_sh + q_start * p.lse_ss;
   if (t == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (row_i[r] < Sq) lse_row[row_i[r]] = row_lse[r];
+      if (row_i[r] < Sq) lse_row[row_i[r] * p.lse_ss] = row_lse[r];
     }
   }
   // The warp's own 16 rows of the Q tile hold its output rows: no other warp reads them, and its
@@ -458,19 +555,26 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;  // (16 warp + row) % 8 == row % 8: the tile's swizzle
-      *reinterpret_cast<uint32_t*>(os + swz<kD>(row, d) + 2 * t) =
-          pack2(o[d][2 * r] * inv[r], o[d][2 * r + 1] * inv[r], static_cast<T*>(nullptr));
+      const float lo = sees[r] ? o[d][2 * r] * inv[r] : 0.0f;
+      const float hi = sees[r] ? o[d][2 * r + 1] * inv[r] : 0.0f;
+      if constexpr (kTf32) {  // floats 8 d + 2 t, + 1: halves 16 d + 4 t .. + 3
+        *reinterpret_cast<float2*>(os + swz<kD>(row, 2 * d + (t >> 1)) + 4 * (t & 1)) =
+            make_float2(lo, hi);
+      } else {
+        *reinterpret_cast<uint32_t*>(os + swz<kD>(row, d) + 2 * t) =
+            pack2(lo, hi, static_cast<T*>(nullptr));
+      }
     }
   }
   __syncwarp();
-  uint16_t* const og =
-      static_cast<uint16_t*>(p.out) + ((b * p.H + h) * Sq + m0 + 16 * warp) * p.D;
+  uint16_t* const og = static_cast<uint16_t*>(p.out) + b * p.out_sb + h * p.out_sh +
+                       (q_start + m0 + 16 * warp) * p.out_ss;
   constexpr int kChunks = C::kChunks;
   for (int c = lane; c < 16 * kChunks; c += kFfWarpSize) {
     const int row = c / kChunks, col = 8 * (c % kChunks);
     if (m0 + 16 * warp + row >= Sq || col >= D) continue;
     const uint16_t* src = os + swz<kD>(row, c % kChunks);
-    uint16_t* dst = og + static_cast<int64_t>(row) * D + col;
+    uint16_t* dst = og + row * p.out_ss + col;
     if (p.out_vec) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
@@ -484,8 +588,9 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 template <int kD, bool kAligned>
 const char* launch(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, void* stream) {
   const size_t smem = Cfg<kD>::kSmemBytes;
-  auto* flash_fwd_mma = a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned>
-                                     : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned>;
+  auto* flash_fwd_mma = a.dtype == 0   ? &flash_fwd_mma_kernel<float, kD, kAligned>
+                       : a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned>
+                                      : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(flash_fwd_mma, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)) != cudaSuccess) {
@@ -506,10 +611,16 @@ const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t bloc
 constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
 
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
-  if (a.dtype != 1 && a.dtype != 2) {
-    return "flash_fwd_mma: dtype must be 1 (float16) or 2 (bfloat16): tensor cores take 16-bit inputs";
+  if (a.dtype == 0 && !a.allow_tf32) {
+    return "flash_fwd_mma: float32 runs on tensor cores only as tf32, and allow_tf32 is false";
+  }
+  if (a.dtype != 0 && a.dtype != 1 && a.dtype != 2) {
+    return "flash_fwd_mma: dtype must be 1 (float16), 2 (bfloat16) or 0 (float32 as tf32)";
   }
   if (a.D < 1 || a.D > 256) return "flash_fwd_mma: head dim must be in [1, 256]";
+  if (a.dtype == 0 && a.D > 128) {
+    return "flash_fwd_mma: tf32 takes head dims up to 128 (a 256-wide fp32 tile exceeds shared memory)";
+  }
   if (a.B < 0 || a.H < 0 || a.Sq < 0 || a.Sk < 0) return "flash_fwd_mma: negative size";
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) return "flash_fwd_mma: dropout_p must be in [0, 1)";
   if (a.am != nullptr && a.am_sk != 1) {
@@ -518,6 +629,12 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   }
   if (a.Sq >= (int64_t{1} << 30) || a.Sk >= (int64_t{1} << 30)) {
     return "flash_fwd_mma: Sq and Sk must be below 2^30";  // the kernel's 32-bit row arithmetic
+  }
+  if ((a.cu_seqlens_q == nullptr) != (a.cu_seqlens_k == nullptr)) {
+    return "flash_fwd_mma: cu_seqlens_q and cu_seqlens_k come together (varlen) or not at all";
+  }
+  if (a.cu_seqlens_q != nullptr && (a.kpm != nullptr || a.am != nullptr)) {
+    return "flash_fwd_mma: varlen rows (cu_seqlens) take no key_padding_mask or attn_mask";
   }
 #ifndef FF_SIMT
   {
@@ -540,39 +657,54 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
 
 const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream) {
   if (const char* why = flash_fwd_mma_why_not(a)) return why;
-  const int64_t m_tiles = (a.Sq + kBlockM - 1) / kBlockM;
+  const int64_t m_tiles = (a.Sq + kBlockM - 1) / kBlockM;  // varlen: Sq = max_seqlen_q
   if (m_tiles == 0 || a.B == 0 || a.H == 0) return nullptr;
   const int64_t limit = (int64_t{1} << 31) - 1;
   if (m_tiles > limit / a.B || m_tiles * a.B > limit / a.H) {
     return "flash_fwd_mma: ceil(Sq / 64) * B * H blocks exceed the grid's 2^31 - 1";
   }
+  // the kernel counts in 16-bit halves: an fp32 (tf32) element is two, its D and strides double
+  const int64_t w = a.dtype == 0 ? 2 : 1;
   // cp.async needs every row start 16-byte aligned: the pointers and all strides (in 2-byte
-  // elements) multiples of 8; otherwise the kernel's plain-load variant runs
+  // halves) multiples of 8; otherwise the kernel's plain-load variant runs
   const bool aligned = aligned16(a.q) && aligned16(a.k) && aligned16(a.v) &&
-                       (a.q_sb | a.q_sh | a.q_ss | a.k_sb | a.k_sh | a.k_ss | a.v_sb | a.v_sh |
-                        a.v_ss) % 8 == 0;
+                       (w * (a.q_sb | a.q_sh | a.q_ss | a.k_sb | a.k_sh | a.k_ss | a.v_sb | a.v_sh |
+                             a.v_ss)) % 8 == 0;
   Params p{};
   p.q = a.q;
   p.k = a.k;
   p.v = a.v;
-  p.q_sb = a.q_sb;
-  p.q_sh = a.q_sh;
-  p.q_ss = a.q_ss;
-  p.k_sb = a.k_sb;
-  p.k_sh = a.k_sh;
-  p.k_ss = a.k_ss;
-  p.v_sb = a.v_sb;
-  p.v_sh = a.v_sh;
-  p.v_ss = a.v_ss;
+  p.q_sb = w * a.q_sb;
+  p.q_sh = w * a.q_sh;
+  p.q_ss = w * a.q_ss;
+  p.k_sb = w * a.k_sb;
+  p.k_sh = w * a.k_sh;
+  p.k_ss = w * a.k_ss;
+  p.v_sb = w * a.v_sb;
+  p.v_sh = w * a.v_sh;
+  p.v_ss = w * a.v_ss;
   p.H = a.H;
   p.Sq = a.Sq;
   p.Sk = a.Sk;
-  p.D = a.D;
+  p.D = w * a.D;
   p.m_tiles = m_tiles;
   p.causal = a.causal ? 1 : 0;
   p.threshold = ff_dropout_threshold(a.dropout_p);
   p.dropout = p.threshold != 0u ? 1 : 0;
-  p.out_vec = a.D % 8 == 0 && aligned16(out) ? 1 : 0;
+  // out / lse strides: the given ones, or (all 0) the padded op's contiguous layout
+  const bool out_given = (a.out_sb | a.out_sh | a.out_ss) != 0;
+  p.out_sb = w * (out_given ? a.out_sb : a.H * a.Sq * a.D);
+  p.out_sh = w * (out_given ? a.out_sh : a.Sq * a.D);
+  p.out_ss = w * (out_given ? a.out_ss : a.D);
+  const bool lse_given = (a.lse_sb | a.lse_sh | a.lse_ss) != 0;
+  p.lse_sb = lse_given ? a.lse_sb : a.H * a.Sq;
+  p.lse_sh = lse_given ? a.lse_sh : a.Sq;
+  p.lse_ss = lse_given ? a.lse_ss : 1;
+  p.cu_q = a.cu_seqlens_q;
+  p.cu_k = a.cu_seqlens_k;
+  p.total_q = a.total_q;
+  p.total_k = a.total_k;
+  p.out_vec = p.D % 8 == 0 && aligned16(out) && (p.out_sb | p.out_sh | p.out_ss) % 8 == 0 ? 1 : 0;
   p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
   p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
   p.kpm = a.kpm;
@@ -586,7 +718,7 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.out = out;
   p.lse = lse;
   const int64_t blocks = m_tiles * a.B * a.H;
-  if (a.D <= 64) return launch_bucket<64>(a, p, blocks, aligned, stream);
-  if (a.D <= 128) return launch_bucket<128>(a, p, blocks, aligned, stream);
+  if (p.D <= 64) return launch_bucket<64>(a, p, blocks, aligned, stream);
+  if (p.D <= 128) return launch_bucket<128>(a, p, blocks, aligned, stream);
   return launch_bucket<256>(a, p, blocks, aligned, stream);
 }

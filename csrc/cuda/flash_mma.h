@@ -1,14 +1,16 @@
 // Plain C++ declaration of the tensor-core flash attention launcher (csrc/cuda/flash_fwd_mma.cu),
 // as csrc/cuda/launchers.h declares the others: no CUDA headers, nullptr on success, else the
-// error string. The attention op's glue (csrc/cuda/attention.cpp) runs its forward here whenever
-// flash_fwd_mma_why_not says it can; the SIMT harness's test op fastformer_simt_selftest::
-// flash_fwd_mma (tests/simt/simt_lib.cpp) calls the launcher directly; the backward launcher
-// below, likewise, by the glue and by fastformer_simt_selftest::flash_bwd_mma.
+// error string. The glue of attention and attention_varlen (csrc/cuda/attention.cpp,
+// attention_varlen.cpp) runs their forwards here whenever flash_fwd_mma_why_not says it can; the
+// SIMT harness's test op fastformer_simt_selftest::flash_fwd_mma (tests/simt/simt_lib.cpp) calls
+// the launcher directly; the backward launcher below, likewise, by attention's glue and by
+// fastformer_simt_selftest::flash_bwd_mma.
 #pragma once
 #include <cstdint>
 
-// The forward of `attention` (fastformer/ops/reference.py) for 16-bit inputs on sm_80+:
-// q (B, H, Sq, D), k / v (B, H, Sk, D) in dtype (1 float16, 2 bfloat16), unit last stride, any
+// The forward of `attention` (fastformer/ops/reference.py) for 16-bit inputs on sm_80+, and fp32
+// ones as tf32 when allowed: q (B, H, Sq, D), k / v (B, H, Sk, D) in dtype (1 float16, 2 bfloat16,
+// 0 float32 with allow_tf32), unit last stride, any
 // (batch, head, row) element strides. D in [1, 256]. Rows whose starts are all 16-byte aligned
 // (pointers 16-byte aligned, strides multiples of 8 elements) go through cp.async; any others
 // through plain loads (slower, same result).
@@ -18,6 +20,11 @@
 // query i iff j <= i + Sk - Sq. A key is hidden where a mask says so (am -inf included); a row
 // with no visible key gives out 0, lse +inf.
 // Dropout: Philox v2 with rows of C = Sk columns, row r = (b H + h) Sq + i (philox.cuh).
+// Varlen (attention_varlen's packed rows, as FfAttentionArgs in launchers.h): cu_seqlens_q / _k
+// int32 (B + 1,) on the device, read there only, each sequence clamped to [0, total) and to
+// Sq / Sk, which are then max_seqlen_q / _k (the grid, and the padded op's dropout counters);
+// sequence b's row i is element b q_sb + (cu_seqlens_q[b] + i) q_ss + h q_sh (q_sb = 0 for packed
+// rows), causal per sequence; no kpm or am. Both null: the padded op.
 struct FfFlashFwdArgs {
   const void* q;
   const void* k;
@@ -35,14 +42,24 @@ struct FfFlashFwdArgs {
   int64_t am_sb, am_sh, am_sq, am_sk;
   double dropout_p;
   uint64_t seed, offset;
+  const int32_t* cu_seqlens_q;  // varlen, or null
+  const int32_t* cu_seqlens_k;
+  int64_t total_q, total_k;  // varlen: the rows of q and of k / v
+  // out's and lse's element strides (batch, head, row); all 0: the padded op's contiguous
+  // (B, H, Sq, D) and (B, H, Sq). Rows of a varlen q that no sequence owns are not written.
+  int64_t out_sb, out_sh, out_ss, lse_sb, lse_sh, lse_ss;
+  // dtype 0 (float32) runs here only with allow_tf32 (torch.backends.cuda.matmul.allow_tf32, read
+  // by the glue), as mma.sync m16n8k8 .tf32 (operands rounded to 10 mantissa bits), D <= 128
+  bool allow_tf32;
 };
 
 // nullptr when the kernel can take the call, else why not (a 32-bit dtype, an attn_mask without a
-// unit key stride, a GPU older than sm_80, sizes out of range).
+// unit key stride, masks with cu_seqlens, a GPU older than sm_80, sizes out of range).
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a);
 
-// out (B, H, Sq, D) in dtype, contiguous; lse (B, H, Sq) fp32 contiguous: log-sum-exp of the
-// visible scaled scores (+inf for a row with no visible key, NaN for a NaN row).
+// out (B, H, Sq, D) in dtype and lse (B, H, Sq) fp32, contiguous unless out_s* / lse_s* say; lse
+// the log-sum-exp of the visible scaled scores (+inf for a row with no visible key, NaN for a NaN
+// row).
 const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse, void* stream);
 
 // The backward of the same call on tensor cores (csrc/cuda/flash_bwd_mma.cu): f is the forward's

@@ -42,7 +42,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ``(B, H, Sq, D)`` in q's dtype. A query row with no visible key outputs zeros and
         receives zero gradient. Kernels never store the ``Sq x Sk`` matrix for backward:
         they keep the per-row log-sum-exp and recompute. A float ``attn_mask`` that
-        requires grad is differentiated by the reference implementation.
+        requires grad is differentiated by the reference implementation. fp32 on a GPU follows
+        ``torch.backends.cuda.matmul.allow_tf32``: with it, the products run as tf32 (10-bit
+        mantissa operands, fp32 sums), as torch's own matmuls do; without it, in full fp32.
+
+    Non-finite values: a NaN or +inf score at a visible key makes its row NaN, and a NaN or inf
+    in ``v`` at a key that a row sees reaches that row (NaN or inf in that column), on every
+    backend. At a key hidden from a row (causal, ``key_padding_mask``, ``attn_mask``) ``v`` gets a
+    weight of exactly 0: whether a NaN or inf there turns that row's column NaN (``0 * NaN``) is
+    left open, as in FlashAttention: the kernels skip key tiles that no query of a tile sees and
+    multiply by 0 in the others, so it depends on the backend and the tiling. It never reaches
+    another head, batch entry or column, nor a row with no visible key (zeros, as above). Where
+    it is left open for the output, it is for the gradients too.
     """
     validation.tensor("q", q, ndim=4, floating=True)
     validation.tensor("k", k, ndim=4, floating=True)

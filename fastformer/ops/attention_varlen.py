@@ -52,7 +52,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Returns:
         ``(total_q, H, D)`` in q's dtype: each row equals :func:`attention` of its own sequence; a
         query with no key outputs zeros. As :func:`attention`, the ``Lq x Lk`` matrices are never
-        stored for backward.
+        stored for backward, and a NaN or inf in ``v`` at a key hidden from a row (causal) may or
+        may not make that row NaN (see :func:`attention`); at a key it sees, it does.
     """
     validation.tensor("q", q, ndim=3, floating=True)
     validation.tensor("k", k, ndim=3, floating=True)

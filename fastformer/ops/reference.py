@@ -41,7 +41,10 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     masked out) or float (added; -inf hides the key exactly as True does), broadcastable to
     ``(B, H, Sq, Sk)``. ``is_causal``: query i sees key j iff ``j <= i + Sk - Sq``
     (bottom-right aligned). Dropout acts on the probabilities. A query row with no visible key
-    (by the masks) outputs 0 and gets zero gradient; a NaN or +inf score makes its row NaN.
+    (by the masks) outputs 0 (whatever v holds) and gets zero gradient; a NaN or +inf score makes
+    its row NaN. A non-finite value of v reaches every row that sees its key; at a key hidden from
+    a row it meets a weight of exactly 0, and this definition then gives NaN (0 * NaN), which the
+    kernels need not: see :func:`fastformer.ops.attention` for the contract.
     """
     B, H, Sq, D = q.shape
     Sk = k.shape[-2]
@@ -85,7 +88,8 @@ def _masked_softmax_v(s, hidden, v, dropout_p, keep):
     p = e / e.sum(dim=-1, keepdim=True) * row_visible
     if keep is not None:
         p = p * keep.to(p.dtype) * (1.0 / (1.0 - dropout_p))
-    return torch.matmul(p.to(v.dtype), v)
+    # a row with no visible key is 0 even where v holds NaN or inf (its weights are all 0)
+    return torch.where(row_visible, torch.matmul(p.to(v.dtype), v), 0.0)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
