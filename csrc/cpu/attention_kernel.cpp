@@ -17,7 +17,9 @@
 //   dV += (P Z)^T dO,  dP = (dO V^T) Z,  dS = scale P (dP - delta),  dQ += dS K,  dK += dS^T Q.
 // Two race-free schedules, chosen per sequence:
 //   * one task per (sequence, head) computing dQ, dK and dV together (five products per tile),
-//     when the head is a small share of the whole call's work;
+//     when the head is a small share of the whole call's work; a head of one tile (fp32 / fp64)
+//     has each product write its gradient rows in place (backward_single_tile), and the task
+//     computes its rows' delta itself unless some head is split (then row_dots runs first);
 //   * otherwise two passes: dK and dV per (sequence, head, key block), then dQ per
 //     (sequence, head, query block), recomputing S and dP in each (seven products per tile).
 // Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
@@ -26,8 +28,8 @@
 // for another.
 //
 // The tile products are plain row-major C (+)= A B (attention_gemm.h: oneDNN's brgemm ukernel
-// through at::native::cpublas for fp32, MKL for fp64); the transposed operands (K^T, V^T,
-// (P Z)^T, dS^T) are built explicitly (attention_transpose.h).
+// through at::native::cpublas for fp32, MKL for fp64; neither takes a transposed operand); the
+// transposed operands (K^T, V^T, (P Z)^T, dS^T) are built explicitly (attention_transpose.h).
 //
 // Dtypes: fp32, fp64 and bf16. bf16 operands are converted to fp32 tiles, so the products,
 // softmax statistics and gradient accumulation are fp32.

@@ -28,8 +28,8 @@ namespace attn {
 // columns past the block are neither read nor written (masked loads and stores), so a ragged
 // edge runs the same shuffles as a full block (at::vec::transpose_mxn, which the edges of
 // attention's tiles of 32..64 rows used to take, was as slow as all the full blocks together).
-inline void transpose16x16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int nr = 16,
-                           int nc = 16) {
+__attribute__((always_inline)) inline void transpose16x16(const float* src, int64_t ld_src, float* dst,
+                                                          int64_t ld_dst, int nr = 16, int nc = 16) {
   __m512 a[16], b[16];
   const __mmask16 col_mask = static_cast<__mmask16>((1u << nc) - 1);
   const __mmask16 row_mask = static_cast<__mmask16>((1u << nr) - 1);
@@ -75,8 +75,12 @@ void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst,
       const int64_t nc = std::min<int64_t>(16, cols - c);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {
-        transpose16x16(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, static_cast<int>(nr),
-                       static_cast<int>(nc));
+        if (nr == 16 && nc == 16) {  // inlined with constant bounds: no masks, no row tests
+          transpose16x16(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst);
+        } else {
+          transpose16x16(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, static_cast<int>(nr),
+                         static_cast<int>(nc));
+        }
         continue;
       }
 #endif
