@@ -96,6 +96,43 @@ def test_many_equal_heads_and_two_long_cross_sequences(backend, causal):
     check_against_reference(backend, qkv, dout, lengths, causal, p=0.1)
 
 
+# heads of one tile (Lq <= 64, Lk <= 128) run the single-tile backward (gradients written in place,
+# delta computed in the task): odd and empty lengths, Lq != Lk both ways (causal: leading queries
+# that see no key), a sequence with no keys, and one of several tiles (113) beside them
+SINGLE_TILE = ([1, 7, 0, 64, 33, 5, 113, 40, 9], [1, 5, 3, 128, 20, 0, 113, 64, 9])
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("causal,p", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
+def test_single_tile_heads(backend, threads, nthreads, causal, p):
+    skip_without_kernels(backend, "attention_varlen")
+    torch.set_num_threads(nthreads)
+    qkv, dout, lengths = make(*SINGLE_TILE, H=3, D=40)
+    got = check_against_reference(backend, qkv, dout, lengths, causal, p)
+    cq, ck = lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]
+    keys = slice(int(ck[2]), int(ck[3]))  # sequence 2 has keys but no queries: dk and dv are 0
+    for name, g in zip(("dk", "dv"), got[2:]):
+        assert torch.equal(g[keys], torch.zeros_like(g[keys])), f"{name}: keys of a sequence with Lq = 0"
+    rows = slice(int(cq[5]), int(cq[6]))  # sequence 5 has queries but no keys: out and dq are 0
+    assert torch.equal(got[0][rows], torch.zeros_like(got[0][rows]))
+    assert torch.equal(got[1][rows], torch.zeros_like(got[1][rows]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_tile_heads_non_finite(backend, causal):
+    """A NaN key poisons its own sequence's gradients (as the reference's) and no other head's."""
+    skip_without_kernels(backend, "attention_varlen")
+    qkv, dout, lengths = make(*SINGLE_TILE, H=2, D=16)
+    ck = lengths["cu_seqlens_k"]
+    qkv[1][int(ck[4]) + 2, 1, 3] = float("nan")  # sequence 4, head 1, key 2
+    got = grads(backend, qkv, dout, lengths, causal)
+    want = grads("reference", [t.double() for t in qkv], dout.double(), lengths, causal)
+    assert want[1].isnan().any(), "the probe must produce NaN"
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(g.isnan(), w.isnan()), f"{name}: NaN at {g.isnan().sum()} places, want {w.isnan().sum()}"
+        torch.testing.assert_close(g.double(), w, equal_nan=True, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_bf16_long_sequences(backend):
     skip_without_kernels(backend, "attention_varlen")
     qkv, dout, lengths = make(*LONG_AMONG_SHORT, H=2, D=64, dtype=torch.bfloat16)

@@ -17,7 +17,9 @@
 //   dV += (P Z)^T dO,  dP = (dO V^T) Z,  dS = scale P (dP - delta),  dQ += dS K,  dK += dS^T Q.
 // Two race-free schedules, chosen per sequence:
 //   * one task per (sequence, head) computing dQ, dK and dV together (five products per tile),
-//     when the head is a small share of the whole call's work;
+//     when the head is a small share of the whole call's work; a head of one tile (fp32 / fp64)
+//     has each product write its gradient rows in place (backward_single_tile), and the task
+//     computes its rows' delta itself unless some head is split (then row_dots runs first);
 //   * otherwise two passes: dK and dV per (sequence, head, key block), then dQ per
 //     (sequence, head, query block), recomputing S and dP in each (seven products per tile).
 // Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
@@ -26,8 +28,8 @@
 // for another.
 //
 // The tile products are plain row-major C (+)= A B (attention_gemm.h: oneDNN's brgemm ukernel
-// through at::native::cpublas for fp32, MKL for fp64); the transposed operands (K^T, V^T,
-// (P Z)^T, dS^T) are built explicitly (attention_transpose.h).
+// through at::native::cpublas for fp32, MKL for fp64; neither takes a transposed operand); the
+// transposed operands (K^T, V^T, (P Z)^T, dS^T) are built explicitly (attention_transpose.h).
 //
 // Dtypes: fp32, fp64 and bf16. bf16 operands are converted to fp32 tiles, so the products,
 // softmax statistics and gradient accumulation are fp32.
@@ -239,13 +241,17 @@ struct Problem {
     const auto [kbegin, kend] = key_span(b, i0 + mq);
     return mq * (kend - kbegin) * D;
   }
-  // out[0, npad) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
-  // (b, h, i), then zeros: the probabilities (B, H, Sq, Sk) are rows of Sk, one per query, row-major.
+  // out[0, nk) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
+  // (b, h, i), then up to npad multipliers of the next columns or zeros: out holds kBlockK, and
+  // a whole last block of Philox columns is written there instead of through a copy (padding
+  // columns only ever multiply P = 0). The probabilities (B, H, Sq, Sk) are rows of Sk, one per
+  // query, row-major.
   template <typename A>
   void dropout_row(const DropoutScales<A>& drop, int64_t b, int64_t h, int64_t i, int64_t j0,
                    int64_t nk, int64_t npad, A* out) const {
-    drop.fill(out, j0, nk, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
-    std::fill(out + nk, out + npad, A(0));
+    const int64_t n = std::min(round_up(nk, dropout_detail::kBlock), kBlockK);
+    drop.fill(out, j0, n, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
+    if (n < npad) std::fill(out + n, out + npad, A(0));
   }
 };
 
@@ -703,6 +709,15 @@ struct BwdData {
   Rows<float> lse;      // Problem::stat_rows
   Rows<acc_t> delta;    // Problem::stat_rows: rowsum(dout * out)
   Rows<scalar_t> dq, dk, dv;  // the gradients, each row written once
+  Rows<scalar_t> out;         // the forward's output (for delta)
+};
+
+// Where a tile's gradient rows go: ld apart; accumulate adds to them, else the tile's product is
+// the first and only one and overwrites them.
+template <typename acc_t>
+struct GradRows {
+  acc_t* data;
+  int64_t ld;
 };
 
 // Per-thread scratch of the backward pass.
@@ -713,6 +728,7 @@ struct BwdScratch {
   std::vector<acc_t> KT, VT;           // (D, kBlockK): K_j^T, V_j^T
   std::vector<acc_t> T;                // (kBlockK, kBlockQ): (P Z)^T, then dS^T
   std::vector<acc_t> dq, dk, dv;       // accumulators of the rows a task owns (leading dim D)
+  std::vector<acc_t> x, y;             // bf16: a dout and an out row converted (head_deltas)
   OperandTile<scalar_t> q, k, v, dout;
   BwdScratch(bool dropout, int64_t D, int64_t dq_rows, int64_t dkv_rows)
       : S(kBlockQ * kBlockK),
@@ -725,6 +741,8 @@ struct BwdScratch {
         dq(dq_rows * D),
         dk(dkv_rows * D),
         dv(dkv_rows * D),
+        x(std::is_same_v<scalar_t, acc_t> ? 0 : D),
+        y(std::is_same_v<scalar_t, acc_t> ? 0 : D),
         q(kBlockQ, D),
         k(kBlockK, D),
         v(kBlockK, D),
@@ -742,14 +760,14 @@ struct BwdScratch {
 };
 
 // One (query block, key block) tile of the backward pass: queries i0 .. i0 + mq - 1 against keys
-// j0 .. j0 + nk - 1 of head (b, h), with w.KT / w.VT holding K_j^T / V_j^T. Adds dS K_j to
-// dq (mq, D) when given, and (P Z)^T dO_i, dS^T Q_i to dv, dk (nk, D) when given (all with
-// leading dimension D).
+// j0 .. j0 + nk - 1 of head (b, h), with w.KT / w.VT holding K_j^T / V_j^T. Adds (accumulate) or
+// writes dS K_j to dq (mq, D) when given, and (P Z)^T dO_i, dS^T Q_i to dv, dk (nk, D) when given.
 template <typename scalar_t>
 void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
                    int64_t b, int64_t h, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
-                   const at::opmath_type<scalar_t>* Kj, int64_t ldk, at::opmath_type<scalar_t>* dq,
-                   at::opmath_type<scalar_t>* dk, at::opmath_type<scalar_t>* dv) {
+                   const at::opmath_type<scalar_t>* Kj, int64_t ldk, GradRows<at::opmath_type<scalar_t>> dq,
+                   GradRows<at::opmath_type<scalar_t>> dk, GradRows<at::opmath_type<scalar_t>> dv,
+                   bool accumulate = true) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), shift = p.shift(b);
   const float* lse = g.lse.row(b, h, i0);
@@ -785,10 +803,10 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     if (dropout) mul_into(w.PZ.data() + r * kBlockK, s, w.keep.data() + r * kBlockK, npad);
   }
 
-  if (dv != nullptr) {
+  if (dv.data != nullptr) {
     // dV_j (nk, D) += (P Z)^T (nk, mq) dO_i (mq, D)
     attn::transpose(dropout ? w.PZ.data() : w.S.data(), kBlockK, mq, nk, w.T.data(), kBlockQ);
-    attn::matmul(nk, D, mq, w.T.data(), kBlockQ, dOi, lddo, dv, D, true);
+    attn::matmul(nk, D, mq, w.T.data(), kBlockQ, dOi, lddo, dv.data, dv.ld, accumulate);
   }
 
   // dP (mq, nk) = dO_i V_j^T, then dS = scale * P (dP Z - delta) in place
@@ -800,14 +818,14 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
                     npad, delta[r], p.scale);
   }
 
-  if (dq != nullptr) {
+  if (dq.data != nullptr) {
     // dQ_i (mq, D) += dS (mq, nk) K_j (nk, D)
-    attn::matmul(mq, D, nk, w.dP.data(), kBlockK, Kj, ldk, dq, D, true);
+    attn::matmul(mq, D, nk, w.dP.data(), kBlockK, Kj, ldk, dq.data, dq.ld, accumulate);
   }
-  if (dk != nullptr) {
+  if (dk.data != nullptr) {
     // dK_j (nk, D) += dS^T (nk, mq) Q_i (mq, D)
     attn::transpose(w.dP.data(), kBlockK, mq, nk, w.T.data(), kBlockQ);
-    attn::matmul(nk, D, mq, w.T.data(), kBlockQ, Qi, ldq, dk, D, true);
+    attn::matmul(nk, D, mq, w.T.data(), kBlockQ, Qi, ldq, dk.data, dk.ld, accumulate);
   }
 }
 
@@ -841,6 +859,63 @@ void row_dots(const Problem<scalar_t>& p, const Rows<scalar_t>& dout, const Rows
   });
 }
 
+// delta of head (b, h)'s query rows [0, lq): row_dots for one head, run by the task that reads
+// them next, while its dout rows are in cache (x, y: D scratch each, for bf16).
+template <typename scalar_t>
+void head_deltas(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, int64_t b, int64_t h, int64_t lq,
+                 at::opmath_type<scalar_t>* x, at::opmath_type<scalar_t>* y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t D = p.D;
+  acc_t* delta = g.delta.row(b, h, 0);
+  for (int64_t i = 0; i < lq; ++i) {
+    const acc_t* a;
+    const acc_t* c;
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      convert_row(g.dout.row(b, h, i), x, D);
+      convert_row(g.out.row(b, h, i), y, D);
+      a = x;
+      c = y;
+    } else {
+      a = g.dout.row(b, h, i);
+      c = g.out.row(b, h, i);
+    }
+    delta[i] = at::vec::map2_reduce_all<acc_t>([](Vec<acc_t> u, Vec<acc_t> t) { return u * t; },
+                                               [](Vec<acc_t> u, Vec<acc_t> t) { return u + t; }, a, c, D);
+  }
+}
+
+// Rows [s0, s1) of head (b, h) of a gradient set to 0 (rows no tile writes: keys nobody sees).
+template <typename scalar_t>
+void zero_rows(const Rows<scalar_t>& dst, int64_t b, int64_t h, int64_t s0, int64_t s1, int64_t D) {
+  for (int64_t s = s0; s < s1; ++s) std::fill(dst.row(b, h, s), dst.row(b, h, s) + D, scalar_t(0));
+}
+
+// A whole head of one tile (Lq <= kBlockQ, Lk <= kBlockK; fp32 / fp64): each product of the tile
+// is the only one into its gradient rows, so it writes them in place, without an accumulator to
+// zero first and copy out after.
+template <typename scalar_t>
+void backward_single_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
+                          int64_t b, int64_t h) {
+  static_assert(std::is_same_v<scalar_t, at::opmath_type<scalar_t>>);
+  const int64_t D = p.D, lq = p.Lq(b), lk = p.Lk(b);
+  const auto [kbegin, kend] = p.key_span(b, lq);
+  if (lq == 0 || kbegin >= kend) {  // no key visible to any query: every gradient is 0
+    zero_rows(g.dq, b, h, 0, lq, D);
+    zero_rows(g.dk, b, h, 0, lk, D);
+    zero_rows(g.dv, b, h, 0, lk, D);
+    return;
+  }
+  zero_rows(g.dk, b, h, 0, kbegin, D);
+  zero_rows(g.dk, b, h, kend, lk, D);
+  zero_rows(g.dv, b, h, 0, kbegin, D);
+  zero_rows(g.dv, b, h, kend, lk, D);
+  const scalar_t* Kj;
+  int64_t ldk;
+  w.load_keys(p, b, h, kbegin, kend - kbegin, Kj, ldk);
+  backward_tile(p, g, w, b, h, 0, lq, kbegin, kend - kbegin, Kj, ldk, {g.dq.row(b, h, 0), g.dq.ld},
+                {g.dk.row(b, h, kbegin), g.dk.ld}, {g.dv.row(b, h, kbegin), g.dv.ld}, /*accumulate=*/false);
+}
+
 // dK, dV rows [jb, jb + nb) of head (b, h): accumulated over every query block that sees them
 // (into w.dk / w.dv) and stored; dq, when given, collects dS K for the whole head.
 template <typename scalar_t>
@@ -859,8 +934,8 @@ void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, 
     w.load_keys(p, b, h, j0, j1 - j0, Kj, ldk);
     for (int64_t i0 = p.query_begin(b, j0) / kBlockQ * kBlockQ; i0 < lq; i0 += kBlockQ) {
       const int64_t mq = std::min(kBlockQ, lq - i0);
-      backward_tile(p, g, w, b, h, i0, mq, j0, j1 - j0, Kj, ldk, dq != nullptr ? dq + i0 * D : nullptr,
-                    w.dk.data() + (j0 - jb) * D, w.dv.data() + (j0 - jb) * D);
+      backward_tile(p, g, w, b, h, i0, mq, j0, j1 - j0, Kj, ldk, {dq != nullptr ? dq + i0 * D : nullptr, D},
+                    {w.dk.data() + (j0 - jb) * D, D}, {w.dv.data() + (j0 - jb) * D, D});
     }
   }
   store_rows(w.dk.data(), g.dk, b, h, jb, nb, D);
@@ -909,6 +984,10 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
   }
   pass1.sort();
   pass2.sort();
+  // delta: up front when split heads need it (their key-block tasks read every query row's),
+  // else by each whole-head task for its own rows
+  const bool head_delta = pass2.size() == 0;
+  if (!head_delta) row_dots(p, g.dout, g.out, g.delta);
 
   // Pass 1: each whole-head task owns its dQ, dK, dV rows, each key-block task its dK, dV rows.
   parallel_tasks(pass1.size(), pass1.work(), [&](TaskQueue& tasks) {
@@ -922,6 +1001,13 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
         const int64_t jb = it.block * kBlockK;
         backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr);
         continue;
+      }
+      if (head_delta) head_deltas(p, g, b, h, lq, w.x.data(), w.y.data());
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        if (lq <= kBlockQ && lk <= kBlockK) {
+          backward_single_tile(p, g, w, b, h);
+          continue;
+        }
       }
       // key blocks in turn, dQ accumulated over the whole head
       int64_t ld;
@@ -949,7 +1035,7 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
         const acc_t* Kj;
         int64_t ldk;
         w.load_keys(p, b, h, j0, nk, Kj, ldk);
-        backward_tile(p, g, w, b, h, i0, mq, j0, nk, Kj, ldk, w.dq.data(), nullptr, nullptr);
+        backward_tile(p, g, w, b, h, i0, mq, j0, nk, Kj, ldk, {w.dq.data(), D}, {nullptr, D}, {nullptr, D});
       }
       store_rows(w.dq.data(), g.dq, b, h, i0, mq, D);
     }
@@ -1024,8 +1110,7 @@ void attention_bwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& do
     const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
     BwdData<scalar_t> g{rows_of<scalar_t>(dout), p.stat_rows(lse.data_ptr<float>()),
                         p.stat_rows(delta.data_ptr<acc_t>()), rows_of<scalar_t>(dq),
-                        rows_of<scalar_t>(dk), rows_of<scalar_t>(dv)};
-    row_dots(p, g.dout, rows_of<scalar_t>(out), g.delta);
+                        rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), rows_of<scalar_t>(out)};
     attention_bwd_kernel<scalar_t>(p, g);
   });
 }
@@ -1050,8 +1135,8 @@ void attention_varlen_bwd_impl(const Varlen& lens, const at::Tensor& dout, const
     const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
     BwdData<scalar_t> g{packed_rows_of<scalar_t>(dout, lens.cu_q), p.stat_rows(lse.data_ptr<float>()),
                         p.stat_rows(delta.data_ptr<acc_t>()), packed_rows_of<scalar_t>(dq, lens.cu_q),
-                        packed_rows_of<scalar_t>(dk, lens.cu_k), packed_rows_of<scalar_t>(dv, lens.cu_k)};
-    row_dots(p, g.dout, packed_rows_of<scalar_t>(out, lens.cu_q), g.delta);
+                        packed_rows_of<scalar_t>(dk, lens.cu_k), packed_rows_of<scalar_t>(dv, lens.cu_k),
+                        packed_rows_of<scalar_t>(out, lens.cu_q)};
     attention_bwd_kernel<scalar_t>(p, g);
   });
 }

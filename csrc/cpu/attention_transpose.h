@@ -2,9 +2,9 @@
 // row-major with their own leading dimensions. The tile products take plain row-major operands,
 // so K^T, V^T, (P Z)^T and dS^T are built with these.
 //
-// fp32 with AVX-512: whole 16 x 16 blocks go through registers (16 loads, four rounds of 16
-// shuffles, 16 stores); at::vec::transpose_mxn, which round-trips its block through memory, was
-// measured 3-4x slower and does the ragged edges here. Other types / ISAs use at::vec throughout.
+// fp32 with AVX-512: every 16 x 16 block, ragged edges included (masked), goes through registers
+// (16 loads, four rounds of 16 shuffles, 16 stores); at::vec::transpose_mxn, which round-trips its
+// block through memory, was measured 3-4x slower. Other types / ISAs use at::vec throughout.
 #pragma once
 #ifndef CPU_CAPABILITY
 #error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
@@ -24,10 +24,18 @@ namespace CPU_CAPABILITY {
 namespace attn {
 
 #if defined(__AVX512F__)
-// One full 16 x 16 fp32 block.
-inline void transpose16x16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+// One fp32 block of nr <= 16 rows and nc <= 16 columns (16 x 16 by default): the rows and
+// columns past the block are neither read nor written (masked loads and stores), so a ragged
+// edge runs the same shuffles as a full block (at::vec::transpose_mxn, which the edges of
+// attention's tiles of 32..64 rows used to take, was as slow as all the full blocks together).
+__attribute__((always_inline)) inline void transpose16x16(const float* src, int64_t ld_src, float* dst,
+                                                          int64_t ld_dst, int nr = 16, int nc = 16) {
   __m512 a[16], b[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(src + i * ld_src);
+  const __mmask16 col_mask = static_cast<__mmask16>((1u << nc) - 1);
+  const __mmask16 row_mask = static_cast<__mmask16>((1u << nr) - 1);
+  for (int i = 0; i < 16; ++i) {
+    a[i] = i < nr ? _mm512_maskz_loadu_ps(col_mask, src + i * ld_src) : _mm512_setzero_ps();
+  }
   // 32-bit interleave of row pairs
   for (int i = 0; i < 16; i += 2) {
     b[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
@@ -51,8 +59,10 @@ inline void transpose16x16(const float* src, int64_t ld_src, float* dst, int64_t
   }
   // 128-bit lanes across the halves
   for (int j = 0; j < 8; ++j) {
-    _mm512_storeu_ps(dst + j * ld_dst, _mm512_shuffle_f32x4(b[j], b[j + 8], 0x88));
-    _mm512_storeu_ps(dst + (j + 8) * ld_dst, _mm512_shuffle_f32x4(b[j], b[j + 8], 0xdd));
+    if (j < nc) _mm512_mask_storeu_ps(dst + j * ld_dst, row_mask, _mm512_shuffle_f32x4(b[j], b[j + 8], 0x88));
+    if (j + 8 < nc) {
+      _mm512_mask_storeu_ps(dst + (j + 8) * ld_dst, row_mask, _mm512_shuffle_f32x4(b[j], b[j + 8], 0xdd));
+    }
   }
 }
 #endif
@@ -65,10 +75,13 @@ void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst,
       const int64_t nc = std::min<int64_t>(16, cols - c);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {
-        if (nr == 16 && nc == 16) {
+        if (nr == 16 && nc == 16) {  // inlined with constant bounds: no masks, no row tests
           transpose16x16(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst);
-          continue;
+        } else {
+          transpose16x16(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, static_cast<int>(nr),
+                         static_cast<int>(nc));
         }
+        continue;
       }
 #endif
       at::vec::transpose_mxn<T>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst,
