@@ -39,6 +39,7 @@
 // computed into shared memory with its copies, one Philox call per group spread over the block.
 #include "common.cuh"
 #include "flash_mma.h"
+#include "flash_tiles.cuh"
 #include "mma.cuh"
 #include "philox.cuh"
 
@@ -51,6 +52,11 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kFfWarpSize;
+static_assert(kThreads == ff_flash::kThreads, "the shared tile helpers copy with 4 warps");
+using ff_flash::LdOffsets;
+using ff_flash::load_tile;
+using ff_flash::pack2;
+using ff_flash::swz;
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kD>
@@ -93,69 +99,6 @@ struct Params {
   void* dv;
   int64_t dq_sb, dq_sh, dq_ss, dk_sb, dk_sh, dk_ss, dv_sb, dv_sh, dv_ss;
 };
-
-// ---- flash_fwd_mma.cu's tile helpers (see there for the why of each)
-template <int kD>
-FF_DEVICE int swz(int row, int chunk) {
-  return row * kD + ((chunk ^ (row & 7)) << 3);
-}
-
-template <int kD, int kRows, bool kAligned>
-FF_DEVICE void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int64_t valid64,
-                         int D) {
-  constexpr int kChunks = kD / 8, kStep = kThreads / kChunks, kPer = kRows / kStep;
-  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0, "chunks spread evenly");
-  const int valid = valid64 < kRows ? static_cast<int>(valid64) : kRows;
-  const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
-  const int cols = D - 8 * ch;
-  const uint16_t* const s0 = src + r0 * stride + 8 * ch;
-  if constexpr (kAligned) {
-#pragma unroll
-    for (int it = 0; it < kPer; ++it) {
-      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
-      const int bytes = left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
-      ff_cp_async_16_zfill(dst + swz<kD>(r, ch), bytes ? s0 + it * kStep * stride : src, bytes);
-    }
-  } else {
-#pragma unroll 1
-    for (int it = 0; it < kPer; ++it) {
-      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
-      const uint16_t* const s = s0 + it * kStep * stride;
-      uint32_t w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t lo = 2 * e < left ? s[2 * e] : 0u;
-        const uint32_t hi = 2 * e + 1 < left ? s[2 * e + 1] : 0u;
-        w[e] = lo | (hi << 16);
-      }
-      *reinterpret_cast<uint4*>(dst + swz<kD>(r, ch)) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
-}
-
-template <int kD>
-struct LdOffsets {
-  int at[4];
-  FF_DEVICE LdOffsets(int row, int h) {
-    const int r = row & 7, base = row * kD + 8 * ((h ^ r) & 1);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) at[c] = base + 16 * (c ^ (r >> 1));
-  }
-  FF_DEVICE int operator()(int c, int plus_rows) const { return at[c & 3] + 64 * (c >> 2) + plus_rows * kD; }
-};
-
-FF_DEVICE uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
 
 // ---- this file's helpers
 

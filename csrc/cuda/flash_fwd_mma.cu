@@ -70,6 +70,7 @@
 // and dropped probabilities alike; kept ones enter O unscaled and O is scaled by 1 / (1 - p) once.
 #include "common.cuh"
 #include "flash_mma.h"
+#include "flash_tiles.cuh"
 #include "mma.cuh"
 #include "philox.cuh"
 
@@ -82,6 +83,11 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kFfWarpSize;
+static_assert(kThreads == ff_flash::kThreads, "the shared tile helpers copy with 4 warps");
+using ff_flash::LdOffsets;
+using ff_flash::load_tile;
+using ff_flash::pack2;
+using ff_flash::swz;
 constexpr int kBlockM = 16 * kWarps;  // query rows a block
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -97,11 +103,6 @@ struct Cfg {
   static_assert(kSmemBytes <= 166912, "a block's shared memory fits sm_80's opt-in maximum");
 };
 
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of kD columns.
-template <int kD>
-FF_DEVICE int swz(int row, int chunk) {
-  return row * kD + ((chunk ^ (row & 7)) << 3);
-}
 
 struct Params {
   const void* q;
@@ -140,84 +141,12 @@ FF_DEVICE SeqRows seq_rows(const int32_t* cu, int64_t b, int64_t total, int64_t 
   return {s, static_cast<int>(len > max_len ? max_len : len)};
 }
 
-// Copies rows [0, kRows) of the matrix at src (row stride `stride`, unit column stride) into the
-// swizzled tile dst; rows >= valid (>= 1) and columns >= D are zeros. Every thread calls it; with
-// kAligned the copies are cp.async (not committed here), else plain loads and stores. A thread
-// copies the same chunk column of rows r0, r0 + kStep, ...: one source pointer and one step.
-template <int kD, int kRows, bool kAligned>
-FF_DEVICE void load_tile(uint16_t* dst, const uint16_t* src, int64_t stride, int64_t valid64,
-                         int D) {
-  constexpr int kChunks = kD / 8, kStep = kThreads / kChunks, kPer = kRows / kStep;
-  static_assert(kThreads % kChunks == 0 && kRows % kStep == 0, "chunks spread evenly");
-  const int valid = valid64 < kRows ? static_cast<int>(valid64) : kRows;
-  const int r0 = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
-  const int cols = D - 8 * ch;  // this thread's columns of a row that exist (<= 0: none)
-  const uint16_t* const s0 = src + r0 * stride + 8 * ch;
-  if constexpr (kAligned) {
-#pragma unroll
-    for (int it = 0; it < kPer; ++it) {
-      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
-      const int bytes = left <= 0 ? 0 : (left >= 8 ? 16 : left * 2);
-      // src-size 0 reads nothing: name the tile's first row, which exists
-      ff_cp_async_16_zfill(dst + swz<kD>(r, ch), bytes ? s0 + it * kStep * stride : src, bytes);
-    }
-  } else {
-    // not unrolled: the loads of every chunk in flight at once would need registers that the
-    // 256 bucket's accumulators hold (ptxas spilled)
-#pragma unroll 1
-    for (int it = 0; it < kPer; ++it) {
-      const int r = r0 + it * kStep, left = r < valid ? cols : 0;
-      const uint16_t* const s = s0 + it * kStep * stride;
-      uint32_t w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t lo = 2 * e < left ? s[2 * e] : 0u;
-        const uint32_t hi = 2 * e + 1 < left ? s[2 * e + 1] : 0u;
-        w[e] = lo | (hi << 16);
-      }
-      *reinterpret_cast<uint4*>(dst + swz<kD>(r, ch)) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
-}
-
-// ldmatrix row addresses without a register per (tile, k-step): for a matrix whose 8 rows are
-// rows 8 q + (lane % 8) of a swizzled tile and whose chunk column is 2 c + h (h = 0, 1),
-//   swz(row, 2 c + h) = row kD + 8 ((h ^ row) & 1) + 16 ((c % 4) ^ (row % 8 / 2)) + 64 (c / 4),
-// since row % 8 = lane % 8 flips only the low three bits of the chunk. So a lane keeps
-// base + 16 ((c % 4) ^ (lane % 8 / 2)) for c % 4 = 0 .. 3 and adds constants for the rest.
-template <int kD>
-struct LdOffsets {
-  int at[4];
-  // row: the lane's row (any multiple of 8 added later is a constant), h: its chunk parity
-  FF_DEVICE LdOffsets(int row, int h) {
-    const int r = row & 7, base = row * kD + 8 * ((h ^ r) & 1);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) at[c] = base + 16 * (c ^ (r >> 1));
-  }
-  // the element offset of chunk column pair c (chunks 2 c + h), rows `plus_rows` further on
-  // (a multiple of 8)
-  FF_DEVICE int operator()(int c, int plus_rows) const { return at[c & 3] + 64 * (c >> 2) + plus_rows * kD; }
-};
-
 FF_DEVICE float bits_float(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);
   return f;
 }
 
-// Two floats as the 16-bit pair of one register (lo in the low half), round to nearest even.
-FF_DEVICE uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
-FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  return u;
-}
 
 // tf32 (T = float): fp32 rows are handled as rows of twice as many 16-bit halves (kD, D and every
 // stride in halves, the launcher doubles them), so the tiles, swizzle, cp.async and ldmatrix of Q
