@@ -577,7 +577,6 @@ const char* launch_dtype(const FfFlashBwdArgs& a, Params& p, bool aligned, void*
   return aligned ? launch_bucket<T, 256, true>(p, B, stream) : launch_bucket<T, 256, false>(p, B, stream);
 }
 
-constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
 
 }  // namespace
 
@@ -595,19 +594,9 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
     return "flash_bwd_mma: Sq and Sk must be below 2^30";  // the kernels' 32-bit row arithmetic
   }
 #ifndef FF_SIMT
-  {
-    static std::atomic<int> majors[kMaxDevices];  // 0: not read yet
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return ff_last_error();
-    int major = dev < kMaxDevices ? majors[dev].load(std::memory_order_relaxed) : 0;
-    if (major == 0) {
-      if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-        return ff_last_error();
-      }
-      if (dev < kMaxDevices) majors[dev].store(major, std::memory_order_relaxed);
-    }
-    if (major < 8) return "flash_bwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
-  }
+  int major = 0;
+  if (const char* err = ff_flash::current_device_major(&major)) return err;
+  if (major < 8) return "flash_bwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
 #endif
   return nullptr;
 }

@@ -537,7 +537,6 @@ const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t bloc
 
 }  // namespace
 
-constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
 
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   if (a.dtype == 0 && !a.allow_tf32) {
@@ -566,20 +565,9 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
     return "flash_fwd_mma: varlen rows (cu_seqlens) take no key_padding_mask or attn_mask";
   }
 #ifndef FF_SIMT
-  {
-    // asked on every forward (the glue, then the launcher): each device's major is read once
-    static std::atomic<int> majors[kMaxDevices];  // 0: not read yet
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return ff_last_error();
-    int major = dev < kMaxDevices ? majors[dev].load(std::memory_order_relaxed) : 0;
-    if (major == 0) {
-      if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-        return ff_last_error();
-      }
-      if (dev < kMaxDevices) majors[dev].store(major, std::memory_order_relaxed);
-    }
-    if (major < 8) return "flash_fwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
-  }
+  int major = 0;
+  if (const char* err = ff_flash::current_device_major(&major)) return err;
+  if (major < 8) return "flash_fwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
 #endif
   return nullptr;
 }

@@ -1,8 +1,9 @@
 // The tile helpers both tensor-core attention kernels share (flash_fwd_mma.cu, flash_bwd_mma.cu):
 // the swizzled shared-memory tile layout, the row copies into it (cp.async or plain loads),
-// ldmatrix row addresses and the 16-bit packing of two floats. Device code only; kThreads is the
-// block size both kernels launch (4 warps).
+// ldmatrix row addresses and the 16-bit packing of two floats; on the host, the device's compute
+// capability both why_not checks ask for. kThreads is the block size both kernels launch (4 warps).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -91,5 +92,24 @@ FF_DEVICE uint32_t pack2(float lo, float hi, __half*) {
   memcpy(&u, &v, 4);
   return u;
 }
+
+#ifndef FF_SIMT
+// The current device's compute-capability major, read once per device (the glue and the launcher
+// ask on every call); nullptr on success, else the CUDA error string.
+inline const char* current_device_major(int* major) {
+  constexpr int kMaxDevices = 64;  // devices whose compute capability is cached
+  static std::atomic<int> majors[kMaxDevices];  // 0: not read yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return ff_last_error();
+  *major = dev < kMaxDevices ? majors[dev].load(std::memory_order_relaxed) : 0;
+  if (*major == 0) {
+    if (cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      return ff_last_error();
+    }
+    if (dev < kMaxDevices) majors[dev].store(*major, std::memory_order_relaxed);
+  }
+  return nullptr;
+}
+#endif
 
 }  // namespace ff_flash
