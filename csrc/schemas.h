@@ -52,6 +52,13 @@ inline void ff_define_schemas(torch::Library& m) {
       "attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
       "float scale, float dropout_p, Tensor philox) -> (Tensor, Tensor, Tensor)");
+  // The same backward writing into given gradients (FlashAttention's dq_ / dk_ / dv_): slices of
+  // one packed (total, 3, H, D) qkv or (total, 2, H, D) kv gradient, so a caller holding packed
+  // inputs gets one gradient without stacking three. Every element of dq, dk and dv is written.
+  m.def(
+      "attention_varlen_bwd.into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
+      "float scale, float dropout_p, Tensor philox, *, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
 
   // x, residual (N, C) contiguous; weight, bias (C,). Returns y = LN(h), h = residual + dropout(x)
   // (h = dropout(x) without a residual), mean (N,) and rstd (N,) fp32.

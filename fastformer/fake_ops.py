@@ -51,6 +51,14 @@ def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def attention_varlen_bwd_into(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             is_causal, scale, dropout_p, philox, *, dq, dk, dv):
+    return None
+
+
+FAKES["attention_varlen_bwd.into"] = attention_varlen_bwd_into  # an overload: "<op>.<overload>"
+
+
 @_fake
 def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox):
     N = x.shape[0]
@@ -112,11 +120,18 @@ def embedding_bwd(grad, input, positions, num_weights, num_positions, weight_gra
             _empty(grad, num_positions, D) if positional_grad else _empty(grad, 0))
 
 
+def defined(namespace: str, name: str) -> bool:
+    """Whether ``namespace`` (loaded) defines the op ``name`` (``"<op>"`` or ``"<op>.<overload>"``)."""
+    op, _, overload = name.partition(".")
+    ops = getattr(torch.ops, namespace)
+    return hasattr(ops, op) and (not overload or overload in getattr(ops, op).overloads())
+
+
 def register(namespace: str) -> None:
     """Attach every fake to the op of the same name in ``namespace`` (its library must be loaded).
     An op the library does not define (a build older than this package) is left out: that op then
-    has no kernel there, and the backends say so, instead of the whole library failing to load."""
-    ops = getattr(torch.ops, namespace)
+    has no kernel there, and the backends say so, instead of the whole library failing to load
+    (tests/test_fake_ops.py checks that a fresh build defines every name here)."""
     for name, fn in FAKES.items():
-        if hasattr(ops, name):
+        if defined(namespace, name):
             torch.library.register_fake(f"{namespace}::{name}", fn)

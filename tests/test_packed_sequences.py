@@ -132,9 +132,10 @@ def test_packed_pairs_are_checked():
 
 def _record_attention(monkeypatch):
     calls = []
-    varlen, padded = ops.attention_varlen, ops.attention
-    monkeypatch.setattr(ops, "attention_varlen", lambda q, *a, **k: calls.append(("varlen", q.shape[0]))
-                        or varlen(q, *a, **k))
+    for name in ("attention_varlen", "attention_varlen_qkvpacked", "attention_varlen_kvpacked"):  # packed rows
+        monkeypatch.setattr(ops, name, lambda q, *a, _op=getattr(ops, name), **k: calls.append(("varlen", q.shape[0]))
+                            or _op(q, *a, **k))
+    padded = ops.attention
     monkeypatch.setattr(ops, "attention", lambda q, *a, **k: calls.append(("padded", q.shape)) or padded(q, *a, **k))
     return calls
 

@@ -1,6 +1,8 @@
 // The argument checks of attention_varlen_fwd / attention_varlen_bwd (csrc/schemas.h), shared by
 // csrc/cpu/attention_varlen.cpp and csrc/cuda/attention_varlen.cpp (see common.h).
 #pragma once
+#include <array>
+#include <climits>
 #include <cstdint>
 
 #include "attention.h"
@@ -91,6 +93,56 @@ inline void check_varlen_bwd_tensors(const Backend& be, const char* op, const at
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == dims.H && lse.size(1) == dims.total_q, op,
               ": lse must have shape (H, total_q) = (", dims.H, ", ", dims.total_q, "), got ",
               lse.sizes());
+}
+
+// A gradient attention_varlen_bwd.into writes: `like`'s shape, dtype and device, laid out as
+// (total, H, D) rows (last dim contiguous, heads D or more apart, rows past the row's last head):
+// the layout of a slice of a packed (total, 3, H, D) qkv or (total, 2, H, D) kv buffer, which is
+// what the .into overload is for.
+inline void check_varlen_grad_out(const Backend& be, const char* op, const char* name,
+                                  const at::Tensor& g, const at::Tensor& like, const char* like_name) {
+  check_device(be, op, name, g, &like, like_name);
+  check_dtype_of(op, name, g, like, like_name);
+  TORCH_CHECK(g.sizes() == like.sizes(), op, ": ", name, " must have ", like_name, "'s shape ",
+              like.sizes(), ", got ", g.sizes());
+  const int64_t H = g.size(1), D = g.size(2);
+  TORCH_CHECK(g.numel() == 0 ||
+                  (g.stride(2) == 1 && (H == 1 || g.stride(1) >= D) &&
+                   (g.size(0) == 1 || (g.stride(0) >= (H - 1) * g.stride(1) + D && g.stride(0) <= INT_MAX))),
+              op, ": ", name, " must be (total, H, D) rows: last dim contiguous, heads at least D = ", D,
+              " apart and rows past their last head, got strides ", g.strides());
+}
+
+// The three gradients of the .into overload write disjoint elements: any two sharing memory must be
+// packed side by side, i.e. have equal strides (s0, D, 1) and rows of H * D elements that do not
+// meet modulo the row stride s0 (a qkv / kv buffer's slices). None may share memory with an input.
+inline void check_varlen_grads_disjoint(const char* op, const std::array<const at::Tensor*, 3>& grads,
+                                        const std::array<const at::Tensor*, 5>& inputs) {
+  static const char* names[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor& a = *grads[i];
+    if (a.numel() == 0) continue;
+    for (const at::Tensor* in : inputs) {
+      TORCH_CHECK(!in->defined() || in->numel() == 0 || !a.is_alias_of(*in), op, ": ", names[i],
+                  " must not share memory with the op's inputs");
+    }
+    for (int j = i + 1; j < 3; ++j) {
+      const at::Tensor& b = *grads[j];
+      if (b.numel() == 0 || !a.is_alias_of(b)) continue;
+      const int64_t H = a.size(1), D = a.size(2), s0 = a.stride(0), width = H * D;
+      const int64_t delta = b.storage_offset() - a.storage_offset();
+      const bool dense_rows = (H == 1 || (a.stride(1) == D && b.stride(1) == D));
+      bool side_by_side;
+      if (a.size(0) == 1) {  // one row each: two spans of H * D elements
+        side_by_side = dense_rows && (delta >= width || -delta >= width);
+      } else {
+        const int64_t gap = ((delta % s0) + s0) % s0;  // b's rows start gap elements into a's row period
+        side_by_side = dense_rows && a.strides() == b.strides() && gap >= width && s0 - gap >= width;
+      }
+      TORCH_CHECK(side_by_side, op, ": ", names[i], " and ", names[j],
+                  " share memory; they must be slices of one packed buffer whose elements do not overlap");
+    }
+  }
 }
 
 }  // namespace checks

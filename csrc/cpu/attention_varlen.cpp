@@ -49,20 +49,19 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
-    double dropout_p, const at::Tensor& philox) {
-  const char* op = "attention_varlen_bwd";
+// The backward into dq, dk, dv (checked by the caller); every element of them is written.
+void attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, const at::Tensor& q_in,
+                               const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
+                               const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+                               const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                               bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+                               at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const auto [seed, offset] = read_philox(op, philox);
   checks::VarlenDims dims;
   const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, dropout_p, dims);
   checks::check_varlen_bwd_tensors(checks::kCpu, op, dout_in, out_in, lse_in, q_in, dims);
-
-  at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
-  if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv};  // (a sequence without queries: dk = 0)
+  if (dq.numel() == 0 && dk.numel() == 0) return;  // (a sequence without queries: dk = 0)
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
   const at::Tensor dout = as_blas_rows(dout_in, 0), lse = lse_in.contiguous();
   const at::ScalarType acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -70,7 +69,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
   FF_ISA(attention_varlen_bwd_impl)(lens, dout, q, k, v, out_in, lse, is_causal, scale, dropout_p,
                                     static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), delta, dq,
                                     dk, dv);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    double dropout_p, const at::Tensor& philox) {
+  const char* op = "attention_varlen_bwd";
+  checks::check_varlen_qkv(checks::kCpu, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, scale, dropout_p);  // before grad_like reads q, k, v
+  at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
+  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
   return {dq, dk, dv};
+}
+
+void attention_varlen_bwd_into_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    double dropout_p, const at::Tensor& philox, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const char* op = "attention_varlen_bwd.into";
+  checks::check_varlen_qkv(checks::kCpu, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, scale, dropout_p);
+  checks::check_varlen_grad_out(checks::kCpu, op, "dq", dq, q, "q");
+  checks::check_varlen_grad_out(checks::kCpu, op, "dk", dk, k, "k");
+  checks::check_varlen_grad_out(checks::kCpu, op, "dv", dv, v, "v");
+  checks::check_varlen_grads_disjoint(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out});
+  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
 }
 
 }  // namespace
@@ -79,4 +107,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
 TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
   m.impl("attention_varlen_fwd", &fastformer::attention_varlen_fwd_cpu);
   m.impl("attention_varlen_bwd", &fastformer::attention_varlen_bwd_cpu);
+  m.impl("attention_varlen_bwd.into", &fastformer::attention_varlen_bwd_into_cpu);
 }

@@ -116,26 +116,26 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-    double scale, double dropout_p, const at::Tensor& philox) {
-  const char* op = "attention_varlen_bwd";
+// The backward into dq, dk, dv (checked by the caller), written through their strides; every
+// element of them is written.
+void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at::Tensor& q,
+                               const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+                               const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                               bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+                               at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
   checks::check_varlen_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const FfPhiloxArgs rng = ff_philox_args(philox, op);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
-  // laid out like empty_like (the fake implementation's promise), written through their strides
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (dims.total_q * dims.H == 0 || dims.total_k == 0 || dims.max_seqlen_k == 0 ||
       dims.max_seqlen_q == 0) {  // nothing flows: every gradient is 0
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return;
   }
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
@@ -146,7 +146,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
                            dq.data_ptr(), packed_rows(dq), dk.data_ptr(), packed_rows(dk),
                            dv.data_ptr(), packed_rows(dv)};
   FF_CHECK_LAUNCH(launch_attention_bwd(a, g, ff_stream(q)));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    double scale, double dropout_p, const at::Tensor& philox) {
+  const char* op = "attention_varlen_bwd";
+  checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, scale, dropout_p);  // before empty_like reads q, k, v
+  // laid out like empty_like (the fake implementation's promise)
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
   return {dq, dk, dv};
+}
+
+void attention_varlen_bwd_into_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+    double scale, double dropout_p, const at::Tensor& philox, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const char* op = "attention_varlen_bwd.into";
+  checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, scale, dropout_p);
+  checks::check_varlen_grad_out(kFfBackend, op, "dq", dq, q, "q");
+  checks::check_varlen_grad_out(kFfBackend, op, "dk", dk, k, "k");
+  checks::check_varlen_grad_out(kFfBackend, op, "dv", dv, v, "v");
+  checks::check_varlen_grads_disjoint(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out});
+  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
 }
 
 }  // namespace
@@ -155,4 +185,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
 FF_CUDA_IMPL(m) {
   m.impl("attention_varlen_fwd", &fastformer::attention_varlen_fwd_cuda);
   m.impl("attention_varlen_bwd", &fastformer::attention_varlen_bwd_cuda);
+  m.impl("attention_varlen_bwd.into", &fastformer::attention_varlen_bwd_into_cuda);
 }

@@ -17,7 +17,8 @@ import torch
 
 from .. import _ext
 
-# The ops with kernels: each kernel backend provides ``<op>_fwd`` and, where the op has one, ``<op>_bwd``.
+# The ops with kernels: each kernel backend provides ``<op>_fwd`` and, where the op has one, ``<op>_bwd``;
+# a backend may add ``<op>_bwd_into``, the backward writing into given gradients (C++: ``<op>_bwd.into``).
 OPS = ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
        "embedding")
 
@@ -68,7 +69,10 @@ class OpLibrary:
         if not _ext.has_kernel(f"{op}_fwd", self.dispatch_key, self.namespace):
             return f"{self.what} has no {self.dispatch_key} kernel for {op}"
         ns = getattr(torch.ops, self.namespace)
-        return {fn: getattr(ns, fn) for fn in (f"{op}_fwd", f"{op}_bwd") if hasattr(ns, fn)}
+        found = {fn: getattr(ns, fn) for fn in (f"{op}_fwd", f"{op}_bwd") if hasattr(ns, fn)}
+        if _ext.has_kernel(f"{op}_bwd.into", self.dispatch_key, self.namespace):  # writes given gradients
+            found[f"{op}_bwd_into"] = getattr(ns, f"{op}_bwd").into
+        return found
 
 
 class PythonModules:

@@ -271,16 +271,22 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             raise ValueError(f"query and key packings must hold the same number of sequences, got "
                              f"{q_packing.num_sequences} and {kv_packing.num_sequences}")
         w, b = self.in_proj_weight, self.in_proj_bias  # (3E, E), (3E,)
+        options = dict(is_causal=is_causal, scale=1.0 / math.sqrt(D), dropout_p=self.dropout if self.training else 0.0)
+        # the packed ops take the projections' outputs as they are: one gradient each, no stack of q/k/v's
         if query is key and key is value:  # self-attention: one GEMM
-            q, k, v = F.linear(query, w, b).view(-1, 3, H, D).unbind(1)  # (n, H, D) views each
+            qkv = F.linear(query, w, b).view(-1, 3, H, D)  # (n, 3, H, D)
+            if q_packing is kv_packing:
+                out = ops.attention_varlen_qkvpacked(qkv, q_packing.cu_seqlens, q_packing.max_seqlen, **options)
+            else:
+                out = ops.attention_varlen_kvpacked(qkv[:, 0], qkv[:, 1:], q_packing.cu_seqlens, kv_packing.cu_seqlens,
+                                                    q_packing.max_seqlen, kv_packing.max_seqlen, **options)
         else:
             if key is not value:
                 raise ValueError("packed cross-attention needs key is value (the memory)")
             q = F.linear(query, w[:E], b[:E] if b is not None else None).view(-1, H, D)  # (n_q, H, D)
-            k, v = F.linear(key, w[E:], b[E:] if b is not None else None).view(-1, 2, H, D).unbind(1)  # (n_k, H, D)
-        out = ops.attention_varlen(q, k, v, q_packing.cu_seqlens, kv_packing.cu_seqlens, q_packing.max_seqlen,
-                                   kv_packing.max_seqlen, is_causal=is_causal, scale=1.0 / math.sqrt(D),
-                                   dropout_p=self.dropout if self.training else 0.0)  # (n_q, H, D)
+            kv = F.linear(key, w[E:], b[E:] if b is not None else None).view(-1, 2, H, D)  # (n_k, 2, H, D)
+            out = ops.attention_varlen_kvpacked(q, kv, q_packing.cu_seqlens, kv_packing.cu_seqlens,
+                                                q_packing.max_seqlen, kv_packing.max_seqlen, **options)  # (n_q, H, D)
         return F.linear(out.reshape(q_packing.num_tokens, E), self.out_proj.weight, self.out_proj.bias)
 
     # -------------------------------------------------------------- incremental decoding

@@ -5,10 +5,10 @@
 from . import reference
 from .add_layer_norm import add_layer_norm
 from .attention import attention
-from .attention_varlen import attention_varlen
+from .attention_varlen import attention_varlen, attention_varlen_kvpacked, attention_varlen_qkvpacked
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .embedding import embedding
 from .feed_forward import feed_forward
 
-__all__ = ["attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
-           "embedding", "reference"]
+__all__ = ["attention", "attention_varlen", "attention_varlen_qkvpacked", "attention_varlen_kvpacked",
+           "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy", "embedding", "reference"]

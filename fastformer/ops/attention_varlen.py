@@ -1,10 +1,11 @@
 import math
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from .. import backends
 from ..autograd import AttentionVarlenFunction
+from ..autograd.attention_varlen import split
 from ..internal import validation
 from . import reference
 
@@ -58,10 +59,50 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     validation.tensor("q", q, ndim=3, floating=True)
     validation.tensor("k", k, ndim=3, floating=True)
     validation.tensor("v", v, ndim=3, floating=True)
-    total_q, H, D = q.shape
-    total_k = k.shape[0]
+    total_k, H, D = k.shape[0], q.shape[1], q.shape[2]
     validation.shape("k", k, (total_k, H, D), "(total_k, H, D) with q's H and D")
     validation.shape("v", v, (total_k, H, D), "(total_k, H, D) matching k")
+    return _attention_varlen("q,k,v", {"q": q, "k": k, "v": v}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, is_causal, scale, dropout_p)
+
+
+def attention_varlen_qkvpacked(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                               is_causal: bool = False, scale: Optional[float] = None,
+                               dropout_p: float = 0.0) -> torch.Tensor:
+    """:func:`attention_varlen` of self-attention's packed projection (FlashAttention's
+    ``flash_attn_varlen_qkvpacked_func``): ``qkv`` ``(total, 3, H, D)`` holds q, k, v of the same
+    sequences (``cu_seqlens``, ``max_seqlen``). Same result as ``attention_varlen(*qkv.unbind(1), ...)``;
+    its gradient is written as one ``(total, 3, H, D)`` tensor instead of three stacked after.
+    """
+    validation.tensor("qkv", qkv, ndim=4, floating=True)
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, H, D), got {tuple(qkv.shape)}")
+    return _attention_varlen("qkv", {"qkv": qkv}, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, is_causal,
+                             scale, dropout_p)
+
+
+def attention_varlen_kvpacked(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                              is_causal: bool = False, scale: Optional[float] = None,
+                              dropout_p: float = 0.0) -> torch.Tensor:
+    """:func:`attention_varlen` with keys and values packed as ``kv`` ``(total_k, 2, H, D)``
+    (cross-attention's projection of the memory; FlashAttention's ``flash_attn_varlen_kvpacked_func``).
+    Same result as ``attention_varlen(q, *kv.unbind(1), ...)``; kv's gradient is one tensor.
+    """
+    validation.tensor("q", q, ndim=3, floating=True)
+    validation.tensor("kv", kv, ndim=4, floating=True)
+    validation.shape("kv", kv, (kv.shape[0], 2, q.shape[1], q.shape[2]), "(total_k, 2, H, D) with q's H and D")
+    return _attention_varlen("q,kv", {"q": q, "kv": kv}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             is_causal, scale, dropout_p)
+
+
+def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                      scale: Optional[float], dropout_p: float) -> torch.Tensor:
+    """The checks and the call every layout shares; ``inputs`` by argument name, shapes checked."""
+    q, k, v = split(layout, tuple(inputs.values()))
+    total_q, H, D = q.shape
+    total_k = k.shape[0]
     validation.nonempty_dim("q", q, -1, "the head dim D")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         validation.tensor(name, cu, ndim=1)
@@ -72,26 +113,29 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k must have cu_seqlens_q's shape (B + 1,) = {tuple(cu_seqlens_q.shape)}, "
                          f"got {tuple(cu_seqlens_k.shape)}")
-    validation.same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    validation.same_device(**inputs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     max_seqlen_q = validation.positive_int("max_seqlen_q", max_seqlen_q, minimum=0)
     max_seqlen_k = validation.positive_int("max_seqlen_k", max_seqlen_k, minimum=0)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q", "total_q = q.shape[0]")
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k", "total_k = k.shape[0]")
+    if cu_seqlens_k is not cu_seqlens_q or total_k != total_q or max_seqlen_k != max_seqlen_q:
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k", "total_k = k.shape[0]")
     is_causal = validation.flag("is_causal", is_causal)
     dropout_p = validation.probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else validation.positive("scale", scale)
 
     lowp = validation.autocast_dtype(q.device)
-    q, k, v = (validation.cast(t, lowp) for t in (q, k, v))
-    validation.same_dtype(q=q, k=k, v=v)
+    inputs = {name: validation.cast(t, lowp) for name, t in inputs.items()}
+    validation.same_dtype(**inputs)
+    tensors = tuple(inputs.values())
 
-    kernels = backends.select("attention_varlen", q.device, q.dtype, head_dim=D)
+    kernels = backends.select("attention_varlen", q.device, tensors[0].dtype, head_dim=D)
     if kernels is None:
-        return reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          is_causal=is_causal, scale=scale, dropout_p=dropout_p)
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return reference.attention_varlen(*split(layout, tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+    tensors = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    same_lengths = cu_seqlens_k is cu_seqlens_q  # passed once: torch.compile traces no duplicate input
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    cu_seqlens_k = None if same_lengths else cu_seqlens_k.contiguous()
     with torch.autocast(q.device.type, enabled=False):
-        return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                                             max_seqlen_q, max_seqlen_k, is_causal, float(scale), dropout_p,
-                                             kernels)
+        return AttentionVarlenFunction.apply(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             is_causal, float(scale), dropout_p, kernels, *tensors)
