@@ -1,0 +1,28 @@
+"""fake_ops against the C++ library's schemas: register() skips a fake whose op a loaded library lacks
+(a stale build keeps loading), so a misspelt name there would be skipped silently; this build must
+define every faked op, and every traced op of the library must have its fake."""
+import torch
+
+from fastformer import _ext, fake_ops
+
+NOT_TRACED = {"cpu_capability"}  # a host query, never called inside a compiled graph
+PYTHON_FAKED = {"next_seed"}  # defined with its fake in fastformer/philox.py
+
+
+def _library_ops():
+    assert _ext.load_error() is None
+    return {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fastformer::")}
+
+
+def test_every_fake_names_an_op_of_the_library():
+    assert set(fake_ops.FAKES) - _library_ops() == set()
+
+
+def test_every_traced_op_of_the_library_has_a_fake():
+    assert _library_ops() - NOT_TRACED - PYTHON_FAKED - set(fake_ops.FAKES) == set()
+
+
+def test_defined_reads_overload_names():
+    assert fake_ops.defined("fastformer", "attention_varlen_bwd.into")
+    assert not fake_ops.defined("fastformer", "attention_varlen_bwd.nope")
+    assert not fake_ops.defined("fastformer", "attention_varlen_bwdd")
