@@ -5,6 +5,7 @@ import torch
 from .. import backends
 from ..autograd import AddLayerNormFunction
 from ..internal import validation
+from ..internal.rows import as_rows, as_shape
 from . import reference
 
 
@@ -50,13 +51,13 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     if kernels is None:
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm)
     shape = x.shape
-    x2 = x.reshape(-1, C).contiguous()  # (N, C)
-    r2 = residual.reshape(-1, C).contiguous() if residual is not None else None
+    x2 = as_rows(x, C)  # (N, C)
+    r2 = as_rows(residual, C) if residual is not None else None
     w = weight if weight is not None else torch.ones(C, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(C, dtype=x.dtype, device=x.device)
     w, b = w.to(x.dtype), b.to(x.dtype)
     with torch.autocast(x.device.type, enabled=False):
         y, h = AddLayerNormFunction.apply(x2, r2, w, b, eps, dropout_p, bool(prenorm), kernels)
     if prenorm:
-        return y.reshape(shape), h.reshape(shape)
-    return y.reshape(shape)
+        return as_shape(y, shape), as_shape(h, shape)
+    return as_shape(y, shape)

@@ -5,6 +5,7 @@ import torch
 from .. import backends
 from ..autograd import CrossEntropyFunction, LinearCrossEntropyFunction
 from ..internal import validation
+from ..internal.rows import as_rows
 from . import reference
 
 # The reductions, and the codes the kernels take for them (csrc/schemas.h: 0 none, 1 mean, 2 sum).
@@ -125,7 +126,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if kernels is None:
         return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, label_smoothing=label_smoothing,
                                               ignore_index=ignore_index, reduction=reduction)
-    hidden2d, target1d = hidden.reshape(-1, D).contiguous(), target.reshape(-1).contiguous()  # (N, D), (N,)
+    hidden2d, target1d = as_rows(hidden, D), target.reshape(-1).contiguous()  # (N, D), (N,)
     w = w.contiguous()
     code = REDUCTION_CODE[reduction]
     with torch.autocast(hidden.device.type, enabled=False):

@@ -6,6 +6,7 @@ import torch
 from .. import backends
 from ..autograd import EmbeddingFunction
 from ..internal import validation
+from ..internal.rows import as_shape
 from . import reference
 
 ID_DTYPES = (torch.int64, torch.int32)
@@ -100,4 +101,4 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
     with torch.autocast(weight.device.type, enabled=False):
         out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p,
                                       -1 if padding_idx is None else padding_idx, kernels)
-    return out.reshape(*input.shape, D)
+    return as_shape(out, (*input.shape, D))

@@ -5,6 +5,7 @@ import torch
 from .. import backends
 from ..autograd import FeedForwardFunction
 from ..internal import validation
+from ..internal.rows import as_rows, as_shape
 from . import reference
 
 ACTIVATIONS = ("relu", "gelu", "silu")
@@ -54,8 +55,8 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     if kernels is None:
         return reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
     shape = x.shape
-    x2 = x.reshape(-1, E).contiguous()  # (N, E)
+    x2 = as_rows(x, E)  # (N, E)
     with torch.autocast(x.device.type, enabled=False):
         out = FeedForwardFunction.apply(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation,
                                         dropout_p, kernels)
-    return out.reshape(shape)
+    return as_shape(out, shape)
