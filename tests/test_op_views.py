@@ -10,7 +10,7 @@ from utils import device_for, kernel_backends, skip_without_kernels
 
 # The reference is composed (its backward formulas add on their own); the triton kernels under the
 # interpreter still accumulate out of place (their gradients are not the last reference: not
-# investigated, see the closing note of this change).
+# investigated yet).
 BACKENDS = kernel_backends("cpu", "cuda")
 
 
