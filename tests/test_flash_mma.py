@@ -34,8 +34,6 @@ the wrong dropout lane, a skipped mask, the wrong hidden-key bit or mask offset)
 tests."""
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -591,15 +589,7 @@ def test_tf32_falls_back_past_head_dim_128(allow_tf32):
 
 # ---------------------------------------------------------------- the other thread orders
 def _rerun_under(schedule, subset):
-    """This file's tests matching `subset` in a fresh process on the built harness, under
-    FF_SIMT_SCHEDULE=schedule."""
-    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__),
-           "-k", subset]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    plugin.rerun_under(os.path.abspath(__file__), schedule, subset)
 
 
 _OTHER_SCHEDULE = os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward")
