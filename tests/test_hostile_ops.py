@@ -116,6 +116,27 @@ ATTENTION_VARLEN = {
 }
 
 
+ATTENTION_VARLEN_QKVPACKED = {
+    "qkv_3d": (lambda: ops.attention_varlen_qkvpacked(_t(5, 3, 8), _cu(2, 3), 3), ValueError, "qkv must have 4 dimensions"),
+    "qkv_two": (lambda: ops.attention_varlen_qkvpacked(_t(5, 2, 2, 8), _cu(2, 3), 3), ValueError,
+                r"qkv must have shape \(total, 3, H, D\)"),
+    "qkv_int": (lambda: ops.attention_varlen_qkvpacked(_t(5, 3, 2, 8, dtype=torch.int64), _cu(2, 3), 3), TypeError,
+                "qkv must be a floating"),
+    "cu_total": (lambda: ops.attention_varlen_qkvpacked(_t(6, 3, 2, 8), _cu(2, 3), 3), ValueError, "must equal total_q"),
+}
+
+ATTENTION_VARLEN_KVPACKED = {
+    "kv_3d": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 8), _cu(2, 3), _cu(4, 3), 3, 4), ValueError,
+              "kv must have 4 dimensions"),
+    "kv_heads": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 3, 8), _cu(2, 3), _cu(4, 3), 3, 4),
+                 ValueError, "kv must have shape"),
+    "kv_dtype": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 2, 8).double(), _cu(2, 3), _cu(4, 3), 3, 4),
+                 TypeError, "kv has dtype"),
+    "max_too_small": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 2, 8), _cu(2, 3), _cu(4, 3), 3, 3),
+                      ValueError, "max_seqlen_k is 3"),
+}
+
+
 # ------------------------------------------------------------------------- add_layer_norm
 def _aln(x=None, residual="same", weight="ok", bias="ok", **kw):
     x = _t(4, 6) if x is None else x
@@ -282,7 +303,9 @@ EMBEDDING = {
     "scale_nan": (_emb(scale=math.nan), ValueError, "scale must be a finite number"),
 }
 
-ALL = {"attention": ATTENTION, "attention_varlen": ATTENTION_VARLEN, "add_layer_norm": ADD_LAYER_NORM, "feed_forward": FEED_FORWARD,
+ALL = {"attention": ATTENTION, "attention_varlen": ATTENTION_VARLEN,
+       "attention_varlen_qkvpacked": ATTENTION_VARLEN_QKVPACKED, "attention_varlen_kvpacked": ATTENTION_VARLEN_KVPACKED,
+       "add_layer_norm": ADD_LAYER_NORM, "feed_forward": FEED_FORWARD,
        "cross_entropy": CROSS_ENTROPY, "linear_cross_entropy": LINEAR_CROSS_ENTROPY, "embedding": EMBEDDING}
 
 
