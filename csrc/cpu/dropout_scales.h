@@ -8,12 +8,13 @@
 // r, C)). The kernels fill one row (or part of one) into a small buffer that stays in L1 and
 // multiply by it.
 //
-// With AVX2 one vector Philox call runs 8 counters (8 groups = 64 columns) side by side. The four
-// words of a group, stored little-endian, are its 8 uint16 values in column order, so a 4 x 8 word
-// transpose gives the 64 columns' 16-bit values in order, and one unsigned 16-bit compare against
-// T the keep masks. Without AVX2 (the DEFAULT level of isa.h) the scalar definition of philox.h
-// runs per group. Both give exactly the bits of fastformer/philox.py (the AVX512 level runs the
-// AVX2 path; there is no separate AVX-512 code to keep in step). This is the only vector Philox.
+// One vector Philox call runs several counters (groups of 8 columns) side by side, per ISA level
+// (isa.h): AVX512 16 counters (128 columns), AVX2 8 (64 columns), DEFAULT the scalar definition
+// of philox.h, one group a call. The four words of a group, stored little-endian, are its 8
+// uint16 values in column order, so a 4 x 32-bit word transpose gives the columns' 16-bit values
+// in order, and one unsigned 16-bit compare against T the keep masks. Every level gives exactly
+// the bits of fastformer/philox.py (tests/test_dropout_fill.py checks each against it); these are
+// the only vector Philox copies.
 #pragma once
 #ifndef CPU_CAPABILITY
 #error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
@@ -23,7 +24,7 @@
 
 #include "philox.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__)  // the AVX512 level defines it too
 #include <immintrin.h>
 #endif
 
@@ -31,7 +32,120 @@ namespace fastformer {
 namespace CPU_CAPABILITY {
 namespace dropout_detail {
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+constexpr int64_t kBlock = 128;  // columns per 16-lane Philox call
+
+// The per-round keys, broadcast once per DropoutScales (the seed is the same for every group).
+struct RoundKeys {
+  __m512i k0[10], k1[10];
+  explicit RoundKeys(uint64_t seed) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r, a += kPhiloxKeyA, b += kPhiloxKeyB) {
+      k0[r] = _mm512_set1_epi32(static_cast<int>(a));
+      k1[r] = _mm512_set1_epi32(static_cast<int>(b));
+    }
+  }
+};
+
+// The keep bits (1: kept) of the 128 columns of groups n0 .. n0 + 15: bit j of keep[h] is column
+// 64 h + j.
+//
+// The AVX2 path's scheme (below) at twice the width: the state in 64-bit lanes, each word in the
+// low half, register h running groups 8 h .. 8 h + 7; each three-way XOR is one vpternlog. The
+// lanes hold groups 0, 4, 1, 5, 2, 6, 3, 7 (+ 8 h) because a 64-bit unpack takes lanes 2 j and
+// 2 j + 1 into 128-bit chunk j: the unpacks then give whole groups already in column order, and
+// no shuffle crosses chunks.
+inline void keep_bits(const RoundKeys& key, uint64_t n0, uint32_t threshold, uint64_t (&keep)[2]) {
+  const __m512i ma = _mm512_set1_epi64(kPhiloxRoundA);
+  const __m512i mb = _mm512_set1_epi64(kPhiloxRoundB);
+  const __m512i base = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(n0)),
+                                        _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7));
+  // counters as 64-bit integers: the low word is lo32(n), the high word hi32(n), carry included
+  const __m512i n[2] = {base, _mm512_add_epi64(base, _mm512_set1_epi64(8))};
+  __m512i c0[2], c1[2], c2[2], c3[2];
+  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
+    const __m512i pa = _mm512_mul_epu32(n[h], ma);
+    c0[h] = _mm512_xor_si512(_mm512_srli_epi64(n[h], 32), key.k0[0]);
+    c1[h] = _mm512_setzero_si512();
+    c2[h] = _mm512_xor_si512(_mm512_srli_epi64(pa, 32), key.k1[0]);
+    c3[h] = pa;
+  }
+  for (int round = 1; round < 10; ++round) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i pb = _mm512_mul_epu32(c2[h], mb);
+      const __m512i pa = _mm512_mul_epu32(c0[h], ma);
+      // 0x96: a ^ b ^ c
+      c0[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pb, 32), c1[h], key.k0[round], 0x96);
+      c2[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pa, 32), c3[h], key.k1[round], 0x96);
+      c1[h] = pb;
+      c3[h] = pa;
+    }
+  }
+  // kept iff u >= T (unsigned 16-bit); DropoutScales::fill handles T = 0, 65536
+  const __m512i t16 = _mm512_set1_epi16(static_cast<short>(threshold));
+  for (int h = 0; h < 2; ++h) {
+    // each lane's (w0, w1) and (w2, w3): the low words of c1 / c3 moved into the odd dwords
+    const __m512i w01 = _mm512_mask_shuffle_epi32(c0[h], 0xAAAA, c1[h], _MM_PERM_CDAB);
+    const __m512i w23 = _mm512_mask_shuffle_epi32(c2[h], 0xAAAA, c3[h], _MM_PERM_CDAB);
+    // groups 8 h .. 8 h + 3, then 8 h + 4 .. 8 h + 7
+    const uint64_t first = _mm512_cmpge_epu16_mask(_mm512_unpacklo_epi64(w01, w23), t16);
+    const uint64_t second = _mm512_cmpge_epu16_mask(_mm512_unpackhi_epi64(w01, w23), t16);
+    keep[h] = first | second << 32;
+  }
+}
+
+// out[0, len) = scale where the column's keep bit is set, else 0 (len <= 128): the bits select
+// the lanes directly; the last vector's store is masked, so nothing past out[len) is touched.
+inline void store(float* out, const uint64_t (&keep)[2], float scale, int64_t len) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; 16 * i < len; ++i) {
+    const __m512 v = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[i / 4] >> (16 * (i % 4))), s);
+    if (16 * i + 16 <= len) {
+      _mm512_storeu_ps(out + 16 * i, v);
+    } else {
+      _mm512_mask_storeu_ps(out + 16 * i, static_cast<__mmask16>((1u << (len - 16 * i)) - 1), v);
+    }
+  }
+}
+
+inline void store(double* out, const uint64_t (&keep)[2], double scale, int64_t len) {
+  const __m512d s = _mm512_set1_pd(scale);
+  for (int64_t i = 0; 8 * i < len; ++i) {
+    const __m512d v = _mm512_maskz_mov_pd(static_cast<__mmask8>(keep[i / 8] >> (8 * (i % 8))), s);
+    if (8 * i + 8 <= len) {
+      _mm512_storeu_pd(out + 8 * i, v);
+    } else {
+      _mm512_mask_storeu_pd(out + 8 * i, static_cast<__mmask8>((1u << (len - 8 * i)) - 1), v);
+    }
+  }
+}
+
+using Keys = RoundKeys;
+
+// out[0, 128) = the multipliers of the 128 columns of groups n0 .. n0 + 15.
+template <typename A>
+inline void write_block(A* out, const Keys& key, uint64_t n0, uint32_t threshold, A scale) {
+  uint64_t keep[2];
+  keep_bits(key, n0, threshold, keep);
+  store(out, keep, scale, kBlock);
+}
+
+// out[0, hi - lo) = the multipliers of columns [lo, hi) of that block (lo < 64): its bits shifted
+// down by lo, then a shorter store; no buffer.
+template <typename A>
+inline void write_part(A* out, const Keys& key, uint64_t n0, uint32_t threshold, A scale, int64_t lo,
+                       int64_t hi) {
+  uint64_t keep[2];
+  keep_bits(key, n0, threshold, keep);
+  if (lo > 0) {
+    keep[0] = keep[0] >> lo | keep[1] << (64 - lo);
+    keep[1] >>= lo;
+  }
+  store(out, keep, scale, hi - lo);
+}
+
+#elif defined(__AVX2__)
 
 constexpr int64_t kBlock = 64;  // columns per 8-lane Philox call
 
@@ -146,10 +260,22 @@ inline void write_block(A* out, Keys seed, uint64_t n0, uint32_t threshold, A sc
 
 #endif
 
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+// out[0, hi - lo) = the multipliers of columns [lo, hi) of the block of groups n0 ...: the whole
+// block into a buffer, then the copy.
+template <typename A>
+inline void write_part(A* out, const Keys& key, uint64_t n0, uint32_t threshold, A scale, int64_t lo,
+                       int64_t hi) {
+  alignas(32) A tmp[kBlock];
+  write_block(tmp, key, n0, threshold, scale);
+  std::copy(tmp + lo, tmp + hi, out);
+}
+#endif
+
 }  // namespace dropout_detail
 
 // The dropout of one op call: seed, threshold T and the kept value (1 / (1 - p), or 1 where the
-// kernel scales later). Built once per thread (the AVX2 path broadcasts the ten round keys then),
+// kernel scales later). Built once per thread (the vector paths broadcast the ten round keys then),
 // then fill() once per row or piece of a row.
 template <typename A>
 class DropoutScales {
@@ -161,32 +287,24 @@ class DropoutScales {
   // for k in [0, n). Any c0 >= 0 and n; only out[0, n) is written.
   void fill(A* out, int64_t c0, int64_t n, uint64_t row_counter) const {
     using dropout_detail::kBlock;
-    using dropout_detail::write_block;
     if (n <= 0) return;
     if (threshold_ == 0 || threshold_ > 0xFFFFu) {  // every u >= 0; no u >= 65536
       std::fill(out, out + n, threshold_ == 0 ? scale_ : A(0));
       return;
     }
     constexpr uint64_t kGroups = kBlock / kDropoutGroup;  // counters per block
-    const int64_t skip = c0 % kDropoutGroup;  // columns of the first group before c0
-    const int64_t total = skip + n;           // columns from the first group's start
     uint64_t counter = row_counter + static_cast<uint64_t>(c0 / kDropoutGroup);
-    int64_t k = 0;  // block start, in columns from the first group's start (out[k - skip])
-    alignas(32) A tmp[kBlock];
-    // a block only partly in [skip, total): through tmp, copying its columns [lo, hi)
-    auto partial = [&](int64_t lo, int64_t hi) {
-      write_block(tmp, key_, counter, threshold_, scale_);
-      std::copy(tmp + lo, tmp + hi, out + k + lo - skip);
-    };
-    if (skip != 0) {
-      partial(skip, std::min(kBlock, total));
-      k += kBlock;
-      counter += kGroups;
+    int64_t lo = c0 % kDropoutGroup;  // columns of the first block before c0
+    // out[k, k + m) = columns [lo, lo + m) of the block at counter: whole blocks but for the
+    // first (lo > 0) and the last
+    for (int64_t k = 0, m; k < n; k += m, counter += kGroups, lo = 0) {
+      m = std::min(kBlock - lo, n - k);
+      if (m == kBlock) {
+        dropout_detail::write_block(out + k, key_, counter, threshold_, scale_);
+      } else {
+        dropout_detail::write_part(out + k, key_, counter, threshold_, scale_, lo, lo + m);
+      }
     }
-    for (; k + kBlock <= total; k += kBlock, counter += kGroups) {
-      write_block(out + k - skip, key_, counter, threshold_, scale_);
-    }
-    if (k < total) partial(0, total - k);
   }
 
  private:
