@@ -49,9 +49,10 @@ def cpu_flags():
 def cpu_sources(ops=None):
     """(baseline sources, per-ISA kernel sources) of the CPU extension, paths relative to ROOT:
     csrc/ops.cpp, csrc/cpu/isa.cpp, large_buffers.cpp, philox.cpp and each op's <op>.cpp are compiled once,
-    csrc/cpu/<op>_kernel.cpp once per ISA level. ops: op file names to take (None: all)."""
+    csrc/cpu/<op>_kernel.cpp once per ISA level. ops: op file names to take (None: all); the RNG's
+    test ops (philox_bits, dropout_fill) come with every selection."""
     cpu = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    always = {"isa.cpp", "large_buffers.cpp", "philox.cpp"}
+    always = {"isa.cpp", "large_buffers.cpp", "philox.cpp", "dropout_fill.cpp", "dropout_fill_kernel.cpp"}
     # linear_cross_entropy runs the cross_entropy row kernel
     wanted = None if ops is None else set(ops) | ({"cross_entropy"} if "linear_cross_entropy" in ops else set())
 
