@@ -55,8 +55,8 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     r2 = as_rows(residual, C) if residual is not None else None
     w = weight if weight is not None else torch.ones(C, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(C, dtype=x.dtype, device=x.device)
-    w, b = w.to(x.dtype), b.to(x.dtype)
-    with torch.autocast(x.device.type, enabled=False):
+    w, b = validation.cast(w, x.dtype), validation.cast(b, x.dtype)
+    with validation.autocast_off(x.device):
         y, h = AddLayerNormFunction.apply(x2, r2, w, b, eps, dropout_p, bool(prenorm), kernels)
     if prenorm:
         return as_shape(y, shape), as_shape(h, shape)

@@ -99,5 +99,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     am = _attn_mask_as_additive(attn_mask, B, H, Sq, Sk) if attn_mask is not None else None
-    with torch.autocast(q.device.type, enabled=False):
+    with validation.autocast_off(q.device):
         return AttentionFunction.apply(q, k, v, kpm, am, bool(is_causal), float(scale), dropout_p, kernels)

@@ -136,6 +136,6 @@ def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q
     same_lengths = cu_seqlens_k is cu_seqlens_q  # passed once: torch.compile traces no duplicate input
     cu_seqlens_q = cu_seqlens_q.contiguous()
     cu_seqlens_k = None if same_lengths else cu_seqlens_k.contiguous()
-    with torch.autocast(q.device.type, enabled=False):
+    with validation.autocast_off(q.device):
         return AttentionVarlenFunction.apply(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              is_causal, float(scale), dropout_p, kernels, *tensors)

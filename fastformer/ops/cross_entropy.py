@@ -68,7 +68,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
                                        ignore_index=ignore_index, reduction=reduction)
     logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
     logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
-    with torch.autocast(logits.device.type, enabled=False):
+    with validation.autocast_off(logits.device):
         if torch.is_grad_enabled() and logits.requires_grad:
             loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
                                               REDUCTION_CODE[reduction], kernels)
@@ -129,7 +129,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     hidden2d, target1d = as_rows(hidden, D), target.reshape(-1).contiguous()  # (N, D), (N,)
     w = w.contiguous()
     code = REDUCTION_CODE[reduction]
-    with torch.autocast(hidden.device.type, enabled=False):
+    with validation.autocast_off(hidden.device):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, w, b)):
             loss = LinearCrossEntropyFunction.apply(hidden2d, w, b, target1d, float(label_smoothing),
                                                     ignore_index, code, kernels)

@@ -98,7 +98,7 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
                          else torch.zeros((), dtype=torch.int64, device=input.device))
         pos = positions.reshape(-1).long().contiguous()  # (N,)
         positional = positional.contiguous()
-    with torch.autocast(weight.device.type, enabled=False):
+    with validation.autocast_off(weight.device):
         out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p,
                                       -1 if padding_idx is None else padding_idx, kernels)
     return as_shape(out, (*input.shape, D))

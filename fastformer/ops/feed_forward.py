@@ -56,7 +56,7 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
         return reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
     shape = x.shape
     x2 = as_rows(x, E)  # (N, E)
-    with torch.autocast(x.device.type, enabled=False):
+    with validation.autocast_off(x.device):
         out = FeedForwardFunction.apply(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation,
                                         dropout_p, kernels)
     return as_shape(out, shape)
