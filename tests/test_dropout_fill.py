@@ -118,3 +118,11 @@ def test_the_reference_masks_keep_and_drop():
 def test_fill_rejects_bad_arguments(args, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.fastformer.dropout_fill(*args)
+
+
+def test_opcheck_dropout_fill():
+    """The schema (out mutated in place, nothing returned) matches what the kernel does; the op is a
+    test hook that torch.compile never traces, so the fake-tensor checks do not apply."""
+    for out, c0 in ((torch.empty(200), 7), (torch.empty(65, dtype=torch.float64), 128)):
+        torch.library.opcheck(torch.ops.fastformer.dropout_fill.default, (out, SEED, 6554, SCALE, c0, 3),
+                              test_utils=("test_schema", "test_autograd_registration"))
