@@ -71,6 +71,17 @@ inline void ff_define_schemas(torch::Library& m) {
   m.def(
       "add_layer_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor weight, Tensor mean, Tensor rstd, "
       "float dropout_p, Tensor philox, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The same with x_bias (C,), the bias of the linear layer that produced x, added to x before
+  // the dropout: h = residual + dropout(x + x_bias). It spares the layer its own bias pass (a copy
+  // of (N, C) in addmm, a column sum in its backward). The backward also returns dx_bias, the
+  // column sum of dx. Backends without these overloads add the bias on the host.
+  m.def(
+      "add_layer_norm_fwd.x_bias(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps, "
+      "float dropout_p, Tensor philox, Tensor x_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "add_layer_norm_bwd.x_bias(Tensor dy, Tensor? dh, Tensor h, Tensor weight, Tensor mean, "
+      "Tensor rstd, float dropout_p, Tensor philox, bool has_residual) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // x (N, E); w1 (F, E), b1 (F,), w2 (E, F), b2 (E,), nn.Linear layout. activation
   // "relu"|"gelu"|"silu" (exact erf gelu; silu x sigmoid(x)). Returns out (N, E) and

@@ -72,6 +72,19 @@ def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_res
     return torch.empty_like(h), dres, torch.empty_like(weight), torch.empty_like(weight)
 
 
+def add_layer_norm_fwd_x_bias(x, residual, weight, bias, eps, dropout_p, philox, x_bias):
+    return add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox)
+
+
+def add_layer_norm_bwd_x_bias(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual):
+    return (*add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual),
+            torch.empty_like(weight))
+
+
+FAKES["add_layer_norm_fwd.x_bias"] = add_layer_norm_fwd_x_bias
+FAKES["add_layer_norm_bwd.x_bias"] = add_layer_norm_bwd_x_bias
+
+
 @_fake
 def feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, philox):
     return _empty(x, x.shape[0], w2.shape[0]), _empty(x, x.shape[0], w1.shape[0])

@@ -55,13 +55,14 @@ inline void check_stat(const Backend& be, const char* op, const char* name, cons
 inline bool check_add_layer_norm_fwd(const Backend& be, const char* op, const at::Tensor& x,
                                      const std::optional<at::Tensor>& residual,
                                      const at::Tensor& weight, const at::Tensor& bias, double eps,
-                                     double dropout_p) {
+                                     double dropout_p, const at::Tensor* x_bias = nullptr) {
   using namespace add_layer_norm_detail;
   check_rows(be, op, "x", x);
   const bool has_residual = residual.has_value() && residual->defined();
   if (has_residual) check_like(be, op, "residual", *residual, x, "x");
   check_param(be, op, "weight", weight, x, "x");
   check_param(be, op, "bias", bias, x, "x");
+  if (x_bias) check_param(be, op, "x_bias", *x_bias, x, "x");
   TORCH_CHECK(eps > 0.0 && std::isfinite(eps), op, ": eps must be > 0 and finite, got ", eps);
   check_dropout_p(op, dropout_p);
   return has_residual;

@@ -1,5 +1,5 @@
-// add_layer_norm_fwd / add_layer_norm_bwd on CPU: the argument checks and the op registration,
-// compiled once; the math is add_layer_norm_kernel.cpp, run at the ISA level isa.h chose.
+// add_layer_norm_fwd / add_layer_norm_bwd (and their .x_bias overloads) on CPU: the argument
+// checks and the op registration, compiled once; the math is add_layer_norm_kernel.cpp, run at the ISA level isa.h chose.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -11,13 +11,15 @@
 #include "../philox_arg.h"
 
 namespace fastformer {
+namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cpu(
-    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-    const at::Tensor& bias, double eps, double dropout_p, const at::Tensor& philox) {
-  constexpr const char* op = "add_layer_norm_fwd";
-  const bool has_res =
-      checks::check_add_layer_norm_fwd(checks::kCpu, op, x, residual, weight, bias, eps, dropout_p);
+using Fwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+        const at::Tensor& weight, const at::Tensor& bias, double eps, double dropout_p,
+        const at::Tensor& philox, const at::Tensor* x_bias) {
+  const bool has_res = checks::check_add_layer_norm_fwd(checks::kCpu, op, x, residual, weight,
+                                                        bias, eps, dropout_p, x_bias);
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = x.size(0), C = x.size(1);
@@ -25,17 +27,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cp
   at::Tensor mean = at::empty({N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
   if (N == 0 || C == 0) return {y, h, mean, rstd};
-  FF_ISA(add_layer_norm_fwd_kernel)(x, has_res ? *residual : at::Tensor(), weight, bias, y, h,
-                                    mean, rstd, eps, dropout_p, static_cast<uint64_t>(seed),
+  FF_ISA(add_layer_norm_fwd_kernel)(x, has_res ? *residual : at::Tensor(), weight, bias,
+                                    x_bias ? *x_bias : at::Tensor(), y, h, mean, rstd, eps,
+                                    dropout_p, static_cast<uint64_t>(seed),
                                     static_cast<uint64_t>(offset));
   return {y, h, mean, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cpu(
-    const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
+// (dx, dresidual, dweight, dbias, dx_bias); dx_bias is undefined unless want_dx_bias.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd(
+    const char* op, const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
-    const at::Tensor& philox, bool has_residual) {
-  constexpr const char* op = "add_layer_norm_bwd";
+    const at::Tensor& philox, bool has_residual, bool want_dx_bias) {
   const bool has_dh =
       checks::check_add_layer_norm_bwd(checks::kCpu, op, dy, dh, h, weight, mean, rstd, dropout_p);
   int64_t seed, offset;
@@ -46,15 +49,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cp
   at::Tensor dx = empty_large_like(h);
   at::Tensor dres = separate_dres ? empty_large_like(h) : at::empty({0}, h.options());
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
+  at::Tensor dx_bias = want_dx_bias ? at::empty_like(weight) : at::Tensor();
   if (N == 0 || C == 0) {
     dweight.zero_();
     dbias.zero_();
-    return {dx, dres, dweight, dbias};
+    if (want_dx_bias) dx_bias.zero_();
+    return {dx, dres, dweight, dbias, dx_bias};
   }
   FF_ISA(add_layer_norm_bwd_kernel)(dy, has_dh ? *dh : at::Tensor(), h, weight, mean, rstd, dx,
-                                    dres, dweight, dbias, dropout_p, static_cast<uint64_t>(seed),
-                                    static_cast<uint64_t>(offset));
+                                    dres, dweight, dbias, dx_bias, dropout_p,
+                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+  return {dx, dres, dweight, dbias, dx_bias};
+}
+
+}  // namespace
+
+Fwd add_layer_norm_fwd_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                           const at::Tensor& weight, const at::Tensor& bias, double eps,
+                           double dropout_p, const at::Tensor& philox) {
+  return fwd("add_layer_norm_fwd", x, residual, weight, bias, eps, dropout_p, philox, nullptr);
+}
+
+Fwd add_layer_norm_fwd_x_bias_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                  const at::Tensor& weight, const at::Tensor& bias, double eps,
+                                  double dropout_p, const at::Tensor& philox,
+                                  const at::Tensor& x_bias) {
+  return fwd("add_layer_norm_fwd.x_bias", x, residual, weight, bias, eps, dropout_p, philox,
+             &x_bias);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cpu(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
+    const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
+    const at::Tensor& philox, bool has_residual) {
+  auto [dx, dres, dweight, dbias, unused] = bwd("add_layer_norm_bwd", dy, dh, h, weight, mean,
+                                                rstd, dropout_p, philox, has_residual, false);
   return {dx, dres, dweight, dbias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_x_bias_cpu(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
+    const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
+    const at::Tensor& philox, bool has_residual) {
+  return bwd("add_layer_norm_bwd.x_bias", dy, dh, h, weight, mean, rstd, dropout_p, philox,
+             has_residual, true);
 }
 
 }  // namespace fastformer
@@ -62,4 +100,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cp
 TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
   m.impl("add_layer_norm_fwd", &fastformer::add_layer_norm_fwd_cpu);
   m.impl("add_layer_norm_bwd", &fastformer::add_layer_norm_bwd_cpu);
+  m.impl("add_layer_norm_fwd.x_bias", &fastformer::add_layer_norm_fwd_x_bias_cpu);
+  m.impl("add_layer_norm_bwd.x_bias", &fastformer::add_layer_norm_bwd_x_bias_cpu);
 }

@@ -1,12 +1,12 @@
 // Fused dropout + residual add + LayerNorm on (N, C) rows, forward and backward, for CPU.
 //
-// Forward, one row at a time (rows in parallel): h = residual + dropout(x) is formed in fp32 (fp64
+// Forward, one row at a time (rows in parallel): h = residual + dropout(x [+ x_bias]) is formed in fp32 (fp64
 // for fp64) and stored, its mean and variance come from the stored row (still in L1), and
 // y = (h - mean) * rstd * weight + bias is written: x and residual are read once, y and h written
 // once. Backward regenerates the dropout mask from (seed, offset) and makes two sweeps of
 // each row, the first for the two row sums LayerNorm's gradient needs, the second writing dx (and
-// dresidual); dweight / dbias are summed per block of rows and the blocks' sums added at the end,
-// so no two threads ever write one location.
+// dresidual); dweight / dbias (and dx_bias, the column sums of dx) are summed per block of rows and
+// the blocks' sums added at the end, so no two threads ever write one location.
 //
 // Compiled once per ISA level into fastformer::<level> (isa.h); add_layer_norm.cpp checks the
 // arguments and calls the chosen level.
@@ -41,20 +41,22 @@ const acc_t<T>* widen_param(const T* p, int64_t C, std::unique_ptr<acc_t<T>[]>& 
   }
 }
 
-// One row of the forward. keep: the row's dropout factors or nullptr; res: nullptr without a
-// residual. Every pointer and flag is a by-value argument, so the compiler keeps them in registers
+// One row of the forward. keep: the row's dropout factors or nullptr; res, xb: nullptr without a
+// residual, an x_bias. Every pointer and flag is a by-value argument, so the compiler keeps them in registers
 // across the vector stores.
 template <typename T>
-inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* keep,
-                                   const acc_t<T>* w, const acc_t<T>* b, T* hr, T* yr, int64_t C,
-                                   acc_t<T> eps, float* mean, float* rstd) {
+inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
+                                   const acc_t<T>* keep, const acc_t<T>* w, const acc_t<T>* b,
+                                   T* hr, T* yr, int64_t C, acc_t<T> eps, float* mean,
+                                   float* rstd) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
-  // h = residual + dropout(x), rounded to T as stored; the statistics and y see the stored h
+  // h = residual + dropout(x + xb), rounded to T as stored; the statistics and y see the stored h
   V sum(A(0));
   vec_loop<W>(C, [&](int64_t j, int64_t n) {
     V v = load(xr + j, n);
+    if (xb) v = v + V::loadu(xb + j, n);  // 0 past n
     if (keep) v = v * V::loadu(keep + j, n);
     if (rr) v = v + load(rr + j, n);
     v = store_rounded(hr + j, v, n);
@@ -79,32 +81,37 @@ inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* kee
 }
 
 template <typename T>
-void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T* bias, T* y, T* h,
-                             float* mean, float* rstd, int64_t N, int64_t C, double eps,
-                             double dropout_p, uint64_t seed, uint64_t offset) {
+void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T* bias,
+                             const T* x_bias, T* y, T* h, float* mean, float* rstd, int64_t N,
+                             int64_t C, double eps, double dropout_p, uint64_t seed,
+                             uint64_t offset) {
   using A = acc_t<T>;
   const DropoutParams dp = dropout_params(dropout_p);
-  std::unique_ptr<A[]> wbuf, bbuf;
+  std::unique_ptr<A[]> wbuf, bbuf, xbbuf;
   const A* w = widen_param(weight, C, wbuf);
   const A* b = widen_param(bias, C, bbuf);
+  const A* xb = x_bias ? widen_param(x_bias, C, xbbuf) : nullptr;
   at::parallel_for(0, N, row_grain(C), [&](int64_t begin, int64_t end) {
     std::unique_ptr<A[]> keep_buf(new A[dp.drop ? C : 0]);  // dropout factors of one row
     A* const keep = dp.drop ? keep_buf.get() : nullptr;
     const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t row = begin; row < end; ++row) {
       if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
-      add_layer_norm_fwd_row<T>(x + row * C, res ? res + row * C : nullptr, keep, w, b, h + row * C,
-                                y + row * C, C, static_cast<A>(eps), mean + row, rstd + row);
+      add_layer_norm_fwd_row<T>(x + row * C, res ? res + row * C : nullptr, xb, keep, w, b,
+                                h + row * C, y + row * C, C, static_cast<A>(eps), mean + row,
+                                rstd + row);
     }
   });
 }
 
 // One row of the backward: dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh] with
-// g = dy * weight; dx = dh_total * keep, dresidual = dh_total; dw_sum += dy * xhat, db_sum += dy.
+// g = dy * weight; dx = dh_total * keep, dresidual = dh_total; dw_sum += dy * xhat, db_sum += dy,
+// dxb_sum (when not nullptr) += dx.
 template <typename T>
 inline void add_layer_norm_bwd_row(const T* hr, const T* dyr, const T* dhr, const acc_t<T>* keep,
                                    const acc_t<T>* w, acc_t<T> mu, acc_t<T> rs, T* dxr, T* drr,
-                                   acc_t<T>* dw_sum, acc_t<T>* db_sum, int64_t C) {
+                                   acc_t<T>* dw_sum, acc_t<T>* db_sum, acc_t<T>* dxb_sum,
+                                   int64_t C) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
@@ -129,15 +136,17 @@ inline void add_layer_norm_bwd_row(const T* hr, const T* dyr, const T* dhr, cons
     V dht = (g - c1 - xhat * c2) * vrs;
     if (dhr) dht = dht + load(dhr + j, n);
     if (drr) store(drr + j, dht, n);
-    store(dxr + j, keep ? dht * V::loadu(keep + j, n) : dht, n);
+    const V dxv = keep ? dht * V::loadu(keep + j, n) : dht;
+    store(dxr + j, dxv, n);
+    if (dxb_sum) (V::loadu(dxb_sum + j, n) + dxv).store(dxb_sum + j, n);
   });
 }
 
 template <typename T>
 void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weight,
                              const float* mean, const float* rstd, T* dx, T* dres, T* dweight,
-                             T* dbias, int64_t N, int64_t C, double dropout_p, uint64_t seed,
-                             uint64_t offset) {
+                             T* dbias, T* dx_bias, int64_t N, int64_t C, double dropout_p,
+                             uint64_t seed, uint64_t offset) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
@@ -148,47 +157,51 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
   const int64_t nblocks = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), (N + row_grain(C) - 1) / row_grain(C)));
   const int64_t rows_per_block = (N + nblocks - 1) / nblocks;
-  std::unique_ptr<A[]> partial_buf(new A[nblocks * 2 * C]());  // (nblocks, 2, C): dweight, dbias
+  const int64_t sums = dx_bias ? 3 : 2;  // dweight, dbias [, dx_bias]
+  std::unique_ptr<A[]> partial_buf(new A[nblocks * sums * C]());  // (nblocks, sums, C)
   A* const partial = partial_buf.get();
   at::parallel_for(0, nblocks, 1, [&](int64_t block_begin, int64_t block_end) {
     std::unique_ptr<A[]> keep_buf(new A[dp.drop ? C : 0]);  // dropout factors of one row
     A* const keep = dp.drop ? keep_buf.get() : nullptr;
     const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
     for (int64_t block = block_begin; block < block_end; ++block) {
-      A* const dw_sum = partial + block * 2 * C;
+      A* const dw_sum = partial + block * sums * C;
       const int64_t row_end = std::min(N, (block + 1) * rows_per_block);
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
         if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
         add_layer_norm_bwd_row<T>(h + row * C, dy + row * C, dh ? dh + row * C : nullptr, keep, w,
                                   static_cast<A>(mean[row]), static_cast<A>(rstd[row]),
                                   dx + row * C, dres ? dres + row * C : nullptr, dw_sum,
-                                  dw_sum + C, C);
+                                  dw_sum + C, dx_bias ? dw_sum + 2 * C : nullptr, C);
       }
     }
   });
-  // dweight / dbias: add the blocks' sums, in block order (deterministic for a thread count)
-  vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    V sw(A(0)), sb(A(0));
-    for (int64_t block = 0; block < nblocks; ++block) {
-      sw = sw + V::loadu(partial + block * 2 * C + j, n);
-      sb = sb + V::loadu(partial + block * 2 * C + C + j, n);
-    }
-    store(dweight + j, sw, n);
-    store(dbias + j, sb, n);
-  });
+  // dweight / dbias [/ dx_bias]: add the blocks' sums, in block order (deterministic for a thread
+  // count)
+  T* const outs[3] = {dweight, dbias, dx_bias};
+  for (int64_t s = 0; s < sums; ++s) {
+    vec_loop<W>(C, [&](int64_t j, int64_t n) {
+      V total(A(0));
+      for (int64_t block = 0; block < nblocks; ++block)
+        total = total + V::loadu(partial + (block * sums + s) * C + j, n);
+      store(outs[s] + j, total, n);
+    });
+  }
 }
 
 }  // namespace
 
 void add_layer_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual,
-                               const at::Tensor& weight, const at::Tensor& bias, at::Tensor& y,
-                               at::Tensor& h, at::Tensor& mean, at::Tensor& rstd, double eps,
-                               double dropout_p, uint64_t seed, uint64_t offset) {
+                               const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& x_bias, at::Tensor& y, at::Tensor& h,
+                               at::Tensor& mean, at::Tensor& rstd, double eps, double dropout_p,
+                               uint64_t seed, uint64_t offset) {
   const int64_t N = x.size(0), C = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_layer_norm_fwd", [&] {
     add_layer_norm_fwd_rows<scalar_t>(
         x.data_ptr<scalar_t>(), residual.defined() ? residual.data_ptr<scalar_t>() : nullptr,
-        weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+        weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+        x_bias.defined() ? x_bias.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
         h.data_ptr<scalar_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), N, C, eps,
         dropout_p, seed, offset);
   });
@@ -197,8 +210,8 @@ void add_layer_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual,
 void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h,
                                const at::Tensor& weight, const at::Tensor& mean,
                                const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dres,
-                               at::Tensor& dweight, at::Tensor& dbias, double dropout_p,
-                               uint64_t seed, uint64_t offset) {
+                               at::Tensor& dweight, at::Tensor& dbias, at::Tensor& dx_bias,
+                               double dropout_p, uint64_t seed, uint64_t offset) {
   const int64_t N = h.size(0), C = h.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_layer_norm_bwd", [&] {
     add_layer_norm_bwd_rows<scalar_t>(
@@ -206,7 +219,8 @@ void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const
         h.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), mean.data_ptr<float>(),
         rstd.data_ptr<float>(), dx.data_ptr<scalar_t>(),
         dres.numel() > 0 ? dres.data_ptr<scalar_t>() : nullptr, dweight.data_ptr<scalar_t>(),
-        dbias.data_ptr<scalar_t>(), N, C, dropout_p, seed, offset);
+        dbias.data_ptr<scalar_t>(), dx_bias.defined() ? dx_bias.data_ptr<scalar_t>() : nullptr, N,
+        C, dropout_p, seed, offset);
   });
 }
 

@@ -17,10 +17,13 @@ import torch
 
 from .. import _ext
 
-# The ops with kernels: each kernel backend provides ``<op>_fwd`` and, where the op has one, ``<op>_bwd``;
-# a backend may add ``<op>_bwd_into``, the backward writing into given gradients (C++: ``<op>_bwd.into``).
+# The ops with kernels: each kernel backend provides ``<op>_fwd`` and, where the op has one, ``<op>_bwd``.
 OPS = ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
        "embedding")
+# Optional variants a C++ backend may add as overloads ``<op>_<fn>.<overload>``, found as ``<op>_<fn>_<overload>``:
+# attention_varlen's backward writing into given gradients (``attention_varlen_bwd_into``) and add_layer_norm
+# with the producing linear layer's bias fused in (``add_layer_norm_fwd_x_bias`` / ``add_layer_norm_bwd_x_bias``).
+OVERLOADS = {"attention_varlen": ("bwd.into",), "add_layer_norm": ("fwd.x_bias", "bwd.x_bias")}
 
 # What a kernel source finds for one op: its functions by name, or why it has none.
 Found = Union[Dict[str, Callable], str]
@@ -70,8 +73,10 @@ class OpLibrary:
             return f"{self.what} has no {self.dispatch_key} kernel for {op}"
         ns = getattr(torch.ops, self.namespace)
         found = {fn: getattr(ns, fn) for fn in (f"{op}_fwd", f"{op}_bwd") if hasattr(ns, fn)}
-        if _ext.has_kernel(f"{op}_bwd.into", self.dispatch_key, self.namespace):  # writes given gradients
-            found[f"{op}_bwd_into"] = getattr(ns, f"{op}_bwd").into
+        for overload in OVERLOADS.get(op, ()):
+            if _ext.has_kernel(f"{op}_{overload}", self.dispatch_key, self.namespace):
+                fn, name = overload.split(".")
+                found[f"{op}_{fn}_{name}"] = getattr(getattr(ns, f"{op}_{fn}"), name)
         return found
 
 

@@ -118,14 +118,14 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         S, B, _ = x.shape
         return x.view(S, B, H, D).permute(1, 2, 0, 3)
 
-    def _merge_heads(self, x: torch.Tensor, batch_first: bool = True) -> torch.Tensor:
+    def _merge_heads(self, x: torch.Tensor, batch_first: bool = True, add_out_bias: bool = True) -> torch.Tensor:
         """(B, H, L, D) -> (B, L, E) or (L, B, E), then the output projection."""
         B, H, L, D = x.shape
         if batch_first:
             x = x.transpose(1, 2).reshape(B, L, H * D)
         else:
             x = x.permute(2, 0, 1, 3).reshape(L, B, H * D)
-        return F.linear(x, self.out_proj.weight, self.out_proj.bias)
+        return F.linear(x, self.out_proj.weight, self.out_proj.bias if add_out_bias else None)
 
     def _canonical_masks(self, key_padding_mask, attn_mask, B, L, S, device):
         """Checked masks: key_padding_mask (B, S) bool or None, attn_mask broadcastable to (B, H, L, S).
@@ -175,19 +175,21 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *,
-                packing: Optional[Tuple[Packing, Packing]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                is_causal: bool = False, *, packing: Optional[Tuple[Packing, Packing]] = None,
+                add_out_bias: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """torch's contract; with ``packing`` (see :mod:`fastformer.nn.packing`), attention
         between packed tokens: ``packing = (query_packing, key_packing)``, ``query`` the
         ``(n_q, E)`` real rows of the query batch, ``key`` / ``value`` the ``(n_k, E)`` real
         rows of the key batch; each query attends to the keys of its own sequence (the i-th
         sequence of ``query_packing`` to the i-th of ``key_packing``), ``is_causal`` aligned
-        bottom-right per sequence. Returns the ``(n_q, E)`` output and None (no weights)."""
+        bottom-right per sequence. Returns the ``(n_q, E)`` output and None (no weights).
+        ``add_out_bias=False`` returns the output without ``out_proj.bias``: the layer twins add
+        it in the ``add_layer_norm`` that follows (its ``x_bias``), which saves a pass."""
         if packing is not None:
             if need_weights or attn_mask is not None or key_padding_mask is not None:
                 raise ValueError("with packing, the padding masks come from the packings: attn_mask and "
                                  "key_padding_mask must be None and need_weights False")
-            return self._packed_forward(query, key, value, *packing, is_causal), None
+            return self._packed_forward(query, key, value, *packing, is_causal, add_out_bias), None
         like = self.out_proj.weight
         for name, t in (("query", query), ("key", key), ("value", value)):
             validation.hidden(name, t, t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 0, like,
@@ -245,7 +247,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if weights is None or dropout_p == 0.0:
             out = ops.attention(q, k, v, key_padding_mask=kpm, attn_mask=mask, is_causal=causal,
                                 scale=scale, dropout_p=dropout_p)  # (B, H, L, D)
-        out = self._merge_heads(out, batch_first)
+        out = self._merge_heads(out, batch_first, add_out_bias)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         if not batched:
@@ -255,7 +257,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     # ------------------------------------------------------------------- packed tokens
     def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        q_packing: Packing, kv_packing: Packing, is_causal: bool) -> torch.Tensor:
+                        q_packing: Packing, kv_packing: Packing, is_causal: bool,
+                        add_out_bias: bool = True) -> torch.Tensor:
         """Projections, attention (within each sequence, :func:`fastformer.ops.attention_varlen`) and
         the output projection, all on the packed rows: no padded position is computed."""
         if not self._qkv_same_embed_dim or self.bias_k is not None or self.add_zero_attn:
@@ -287,7 +290,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             kv = F.linear(key, w[E:], b[E:] if b is not None else None).view(-1, 2, H, D)  # (n_k, 2, H, D)
             out = ops.attention_varlen_kvpacked(q, kv, q_packing.cu_seqlens, kv_packing.cu_seqlens,
                                                 q_packing.max_seqlen, kv_packing.max_seqlen, **options)  # (n_q, H, D)
-        return F.linear(out.reshape(q_packing.num_tokens, E), self.out_proj.weight, self.out_proj.bias)
+        return F.linear(out.reshape(q_packing.num_tokens, E), self.out_proj.weight,
+                        self.out_proj.bias if add_out_bias else None)
 
     # -------------------------------------------------------------- incremental decoding
     def memory_key_value(self, memory: torch.Tensor) -> KV:

@@ -13,7 +13,11 @@ Each twin subclasses the torch class and is constructed by torch's own ``__init_
   carried to the next layer's first norm (or the stack's final norm) and fused there;
   a layer called on its own finishes it with a plain add;
 * the feed-forward block ``linear2(dropout(act(linear1(x))))`` is one
-  :func:`fastformer.ops.feed_forward` call.
+  :func:`fastformer.ops.feed_forward` call;
+* the bias of the linear layer that ends a sub-layer (attention's ``out_proj``, the
+  feed-forward's ``linear2``) is added by the ``add_layer_norm`` that follows it
+  (its ``x_bias``), not by the layer: that spares a pass over the output and one over
+  its gradient.
 
 Dropout probabilities are passed to the ops only in training mode. The activation must
 be ``"relu"`` or ``"gelu"`` (or ``F.relu``, ``F.gelu``, ``nn.ReLU()``, exact
@@ -51,11 +55,18 @@ def activation_name(activation) -> str:
                      f"nn.SiLU()): those are what fastformer's fused feed-forward implements; got {activation!r}")
 
 
+class Biased(NamedTuple):
+    """A linear layer's output ``value`` whose ``bias`` (or None) is not added yet."""
+    value: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+
 class Pending(NamedTuple):
-    """A residual add not done yet: the value ``h + dropout(f, p)``."""
+    """A residual add not done yet: the value ``h + dropout(f + b, p)``."""
     f: torch.Tensor
     h: torch.Tensor
     p: float
+    b: Optional[torch.Tensor] = None
 
 
 Hidden = Union[torch.Tensor, Pending]
@@ -65,13 +76,14 @@ def resolve(x: Hidden) -> torch.Tensor:
     """Finish a :class:`Pending` residual add (no norm follows it)."""
     if not isinstance(x, Pending):
         return x
-    return x.h + (F.dropout(x.f, x.p) if x.p > 0.0 else x.f)
+    f = x.f if x.b is None else x.f + x.b
+    return x.h + (F.dropout(f, x.p) if x.p > 0.0 else f)
 
 
 def _norm_input(x: Hidden, norm) -> Tuple[torch.Tensor, torch.Tensor]:
     """(norm(x), x) with a pending residual add fused into the norm (pre-LN)."""
     if isinstance(x, Pending):
-        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p, prenorm=True)
+        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p, prenorm=True, x_bias=x.b)
     return ops.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps), x
 
 
@@ -82,19 +94,25 @@ def _fusable_norm(norm) -> bool:
 def _final_norm(x: Hidden, norm) -> torch.Tensor:
     """A stack's optional final norm, fused with a pending residual add when possible."""
     if isinstance(x, Pending) and _fusable_norm(norm):
-        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p)
+        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p, x_bias=x.b)
     x = resolve(x)
     return norm(x) if norm is not None else x
 
 
-def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm, p: float) -> torch.Tensor:
+def _add_norm(x: Biased, residual: torch.Tensor, norm, p: float) -> torch.Tensor:
     """Post-LN ``norm(residual + dropout(x))`` in one op."""
-    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, p)
+    return ops.add_layer_norm(x.value, residual, norm.weight, norm.bias, norm.eps, p, x_bias=x.bias)
 
 
-def _add_prenorm(x: torch.Tensor, residual: torch.Tensor, norm, p: float):
+def _add_prenorm(x: Biased, residual: torch.Tensor, norm, p: float):
     """Pre-LN ``(norm(h), h)`` with ``h = residual + dropout(x)`` in one op."""
-    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, p, prenorm=True)
+    return ops.add_layer_norm(x.value, residual, norm.weight, norm.bias, norm.eps, p, prenorm=True,
+                              x_bias=x.bias)
+
+
+def _attend(attn, *args, **kwargs) -> Biased:
+    """A twin attention's output, its out_proj bias left to the add_layer_norm that follows."""
+    return Biased(attn(*args, need_weights=False, add_out_bias=False, **kwargs)[0], attn.out_proj.bias)
 
 
 def detect_is_causal_mask(mask: Optional[torch.Tensor], is_causal: Optional[bool], size: int) -> bool:
@@ -172,10 +190,11 @@ class _LayerTwin:
     def _dropout_p(self, dropout: torch.nn.Dropout) -> float:
         return dropout.p if self.training else 0.0
 
-    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.feed_forward(x, self.linear1.weight, self.linear1.bias, self.linear2.weight,
-                                self.linear2.bias, activation=activation_name(self.activation),
-                                dropout_p=self._dropout_p(self.dropout))
+    def _feed_forward(self, x: torch.Tensor) -> Biased:
+        """The feed-forward block, linear2's bias left to the add_layer_norm that follows."""
+        return Biased(ops.feed_forward(x, self.linear1.weight, self.linear1.bias, self.linear2.weight, None,
+                                       activation=activation_name(self.activation),
+                                       dropout_p=self._dropout_p(self.dropout)), self.linear2.bias)
 
     def _check_twin(self) -> None:
         activation_name(self.activation)
@@ -203,14 +222,14 @@ class TransformerEncoderLayer(_LayerTwin, torch.nn.TransformerEncoderLayer):
                                 src_key_padding_mask=src_key_padding_mask)
 
             def self_attend(y):
-                return self.self_attn(y, y, y, need_weights=False, is_causal=is_causal, packing=(packing, packing))[0]
+                return _attend(self.self_attn, y, y, y, is_causal=is_causal, packing=(packing, packing))
         else:
             if not pending_output:
                 _check_encoder_input(self, src, src_mask, src_key_padding_mask)
 
             def self_attend(y):
-                return self.self_attn(y, y, y, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
-                                      need_weights=False, is_causal=is_causal)[0]
+                return _attend(self.self_attn, y, y, y, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
+                               is_causal=is_causal)
         out = self._forward(src, self_attend)
         return out if pending_output else resolve(out)
 
@@ -219,7 +238,8 @@ class TransformerEncoderLayer(_LayerTwin, torch.nn.TransformerEncoderLayer):
         if self.norm_first:
             y, x = _norm_input(x, self.norm1)
             y, h = _add_prenorm(self_attend(y), x, self.norm2, p1)
-            return Pending(self._feed_forward(y), h, p2)
+            f = self._feed_forward(y)
+            return Pending(f.value, h, p2, f.bias)
         x = resolve(x)
         x = _add_norm(self_attend(x), x, self.norm1, p1)
         return _add_norm(self._feed_forward(x), x, self.norm2, p2)
@@ -265,24 +285,21 @@ class TransformerDecoderLayer(_LayerTwin, torch.nn.TransformerDecoderLayer):
 
     def _packed_attenders(self, memory, tgt_packing: Packing, memory_packing: Packing, tgt_is_causal):
         def self_attend(y):
-            return self.self_attn(y, y, y, need_weights=False, is_causal=tgt_is_causal,
-                                  packing=(tgt_packing, tgt_packing))[0]
+            return _attend(self.self_attn, y, y, y, is_causal=tgt_is_causal, packing=(tgt_packing, tgt_packing))
 
         def cross_attend(y):
-            return self.multihead_attn(y, memory, memory, need_weights=False,
-                                       packing=(tgt_packing, memory_packing))[0]
+            return _attend(self.multihead_attn, y, memory, memory, packing=(tgt_packing, memory_packing))
         return self_attend, cross_attend
 
     def _attenders(self, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                    tgt_is_causal, memory_is_causal):
         def self_attend(y):
-            return self.self_attn(y, y, y, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask,
-                                  need_weights=False, is_causal=tgt_is_causal)[0]
+            return _attend(self.self_attn, y, y, y, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask,
+                           is_causal=tgt_is_causal)
 
         def cross_attend(y):
-            return self.multihead_attn(y, memory, memory, attn_mask=memory_mask,
-                                       key_padding_mask=memory_key_padding_mask, need_weights=False,
-                                       is_causal=memory_is_causal)[0]
+            return _attend(self.multihead_attn, y, memory, memory, attn_mask=memory_mask,
+                           key_padding_mask=memory_key_padding_mask, is_causal=memory_is_causal)
         return self_attend, cross_attend
 
     def _forward(self, x: Hidden, self_attend, cross_attend) -> Hidden:
@@ -291,7 +308,8 @@ class TransformerDecoderLayer(_LayerTwin, torch.nn.TransformerDecoderLayer):
             y, x = _norm_input(x, self.norm1)
             y, h = _add_prenorm(self_attend(y), x, self.norm2, p1)
             y, h = _add_prenorm(cross_attend(y), h, self.norm3, p2)
-            return Pending(self._feed_forward(y), h, p3)
+            f = self._feed_forward(y)
+            return Pending(f.value, h, p3, f.bias)
         x = resolve(x)
         x = _add_norm(self_attend(x), x, self.norm1, p1)
         x = _add_norm(cross_attend(x), x, self.norm2, p2)
@@ -304,10 +322,10 @@ class TransformerDecoderLayer(_LayerTwin, torch.nn.TransformerDecoderLayer):
         def self_attend(y):
             out, kv = self.self_attn.self_attention_step(y, past_kv)
             new_kv.append(kv)
-            return out
+            return Biased(out, None)
 
         def cross_attend(y):
-            return self.multihead_attn.cross_attention_step(y, memory_kv, memory_key_padding_mask)
+            return Biased(self.multihead_attn.cross_attention_step(y, memory_kv, memory_key_padding_mask), None)
         out = self._forward(x, self_attend, cross_attend)
         return out, new_kv[0]
 

@@ -131,14 +131,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return torch.cat(pieces)
 
 
-def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenorm=False, rng=None):
-    """Post-LN ``LayerNorm(residual + dropout(x))`` over the last dimension.
+def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenorm=False, rng=None,
+                   x_bias=None):
+    """Post-LN ``LayerNorm(residual + dropout(x + x_bias))`` over the last dimension.
 
     ``residual`` may be None (then ``h = dropout(x)``); ``weight``/``bias`` may be None
-    (no affine). With ``prenorm=True`` returns ``(LayerNorm(h), h)`` with
-    ``h = residual + dropout(x)``, so a pre-LN block can reuse ``h`` as its next residual.
+    (no affine); ``x_bias`` (the bias of the linear layer that produced x) may be None.
+    With ``prenorm=True`` returns ``(LayerNorm(h), h)`` with ``h = residual + dropout(x)``,
+    so a pre-LN block can reuse ``h`` as its next residual.
     """
-    h = x
+    h = x if x_bias is None else x + x_bias
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng)
         h = philox.dropout(h, dropout_p, seed, offset)
