@@ -34,11 +34,12 @@ def plain(module, cls) -> bool:
     return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks)
 
 
-def _aln(layer, x, residual, ln, prenorm=False):
-    """``LayerNorm(residual + dropout(x))``, or with ``prenorm`` ``(LayerNorm(h), h)`` for that sum ``h``."""
+def _aln(layer, x, residual, ln, prenorm=False, x_bias=None):
+    """``LayerNorm(residual + dropout(x + x_bias))``, or with ``prenorm`` ``(LayerNorm(h), h)`` for that sum ``h``."""
     p = _p(layer, layer.dropout)
     if plain(ln, nn.LayerNorm):
-        return ops.add_layer_norm(x, residual, ln.weight, ln.bias, ln.eps, p, prenorm=prenorm)
+        return ops.add_layer_norm(x, residual, ln.weight, ln.bias, ln.eps, p, prenorm=prenorm, x_bias=x_bias)
+    x = x if x_bias is None else x + x_bias
     h = residual + nn.functional.dropout(x, p=p, training=layer.training)
     return (ln(h), h) if prenorm else ln(h)
 
@@ -49,14 +50,25 @@ def _ln(x, ln):
     return ln(x)
 
 
-def _ffn(layer, x):
-    """``fc2(dropout(act(fc1(x))))`` as one ``feed_forward``."""
+def _ffn(layer, x, defer_bias=False):
+    """``fc2(dropout(act(fc1(x))))`` as one ``feed_forward``. With ``defer_bias``: ``(output, fc2's bias
+    or None)``, the bias left to the add_layer_norm that follows (``x_bias``) when the block is fused."""
     p = _p(layer, layer.activation_dropout)
     if plain(layer.fc1, nn.Linear) and plain(layer.fc2, nn.Linear):
-        return ops.feed_forward(x, layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias,
-                                activation=layer._fastformer_activation, dropout_p=p)
-    h = nn.functional.dropout(layer.activation_fn(layer.fc1(x)), p=p, training=layer.training)
-    return layer.fc2(h)
+        bias = layer.fc2.bias if defer_bias else None
+        out = ops.feed_forward(x, layer.fc1.weight, layer.fc1.bias, layer.fc2.weight,
+                               None if defer_bias else layer.fc2.bias, activation=layer._fastformer_activation,
+                               dropout_p=p)
+    else:
+        h = nn.functional.dropout(layer.activation_fn(layer.fc1(x)), p=p, training=layer.training)
+        out, bias = layer.fc2(h), None
+    return (out, bias) if defer_bias else out
+
+
+def _ffn_aln(layer, x, ln):
+    """``LayerNorm(x + dropout(ffn(x)))`` (post-LN), fc2's bias added by the add_layer_norm."""
+    out, bias = _ffn(layer, x, defer_bias=True)
+    return _aln(layer, out, x, ln, x_bias=bias)
 
 
 def _cache_kwarg(cache, kwargs):
@@ -109,7 +121,7 @@ def post_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
     packing = _encoder_packing(attention_mask, h)
     h, residual = _packed(packing, h, residual)  # (n, E) each with padding skipped
     h = _aln(self, h, residual, self.self_attn_layer_norm)
-    h = _aln(self, _ffn(self, h), h, self.final_layer_norm)
+    h = _ffn_aln(self, h, self.final_layer_norm)
     return _clamp_fp16(_unpacked(packing, h), only_if_not_finite=True)
 
 
@@ -124,7 +136,7 @@ def post_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hi
         h, _ = self.encoder_attn(h, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
                                  cache=cache, **kwargs)
         h = _aln(self, h, residual, self.encoder_attn_layer_norm)
-    return _aln(self, _ffn(self, h), h, self.final_layer_norm)
+    return _ffn_aln(self, h, self.final_layer_norm)
 
 
 # ---- pre-LN: mBART, M2M100, Whisper --------------------------------------------------------------
