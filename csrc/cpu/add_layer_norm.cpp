@@ -1,5 +1,6 @@
 // add_layer_norm_fwd / add_layer_norm_bwd (and their .x_bias overloads) on CPU: the argument
-// checks and the op registration, compiled once; the math is add_layer_norm_kernel.cpp, run at the ISA level isa.h chose.
+// checks and the op registration, compiled once; the math is add_layer_norm_kernel.cpp, run at the
+// ISA level isa.h chose.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -14,6 +15,7 @@ namespace fastformer {
 namespace {
 
 using Fwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Bwd5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
         const at::Tensor& weight, const at::Tensor& bias, double eps, double dropout_p,
@@ -23,7 +25,7 @@ Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& re
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = x.size(0), C = x.size(1);
-  at::Tensor y = empty_large_like(x), h = empty_large_like(x);  // pooled when large (large_buffers.h)
+  at::Tensor y = empty_large_like(x), h = empty_large_like(x);  // pooled when large
   at::Tensor mean = at::empty({N}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
   if (N == 0 || C == 0) return {y, h, mean, rstd};
@@ -35,7 +37,7 @@ Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& re
 }
 
 // (dx, dresidual, dweight, dbias, dx_bias); dx_bias is undefined unless want_dx_bias.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd(
+Bwd5 bwd(
     const char* op, const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
     const at::Tensor& philox, bool has_residual, bool want_dx_bias) {
@@ -87,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cp
   return {dx, dres, dweight, dbias};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_x_bias_cpu(
+Bwd5 add_layer_norm_bwd_x_bias_cpu(
     const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
     const at::Tensor& philox, bool has_residual) {

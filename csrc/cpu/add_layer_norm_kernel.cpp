@@ -1,9 +1,9 @@
 // Fused dropout + residual add + LayerNorm on (N, C) rows, forward and backward, for CPU.
 //
-// Forward, one row at a time (rows in parallel): h = residual + dropout(x [+ x_bias]) is formed in fp32 (fp64
-// for fp64) and stored, its mean and variance come from the stored row (still in L1), and
-// y = (h - mean) * rstd * weight + bias is written: x and residual are read once, y and h written
-// once. Backward regenerates the dropout mask from (seed, offset) and makes two sweeps of
+// Forward, one row at a time (rows in parallel): h = residual + dropout(x [+ x_bias]) is formed
+// in fp32 (fp64 for fp64) and stored, its mean and variance come from the stored row (still in
+// L1), and y = (h - mean) * rstd * weight + bias is written: x and residual are read once, y and h
+// written once. Backward regenerates the dropout mask from (seed, offset) and makes two sweeps of
 // each row, the first for the two row sums LayerNorm's gradient needs, the second writing dx (and
 // dresidual); dweight / dbias (and dx_bias, the column sums of dx) are summed per block of rows and
 // the blocks' sums added at the end, so no two threads ever write one location.
@@ -42,8 +42,8 @@ const acc_t<T>* widen_param(const T* p, int64_t C, std::unique_ptr<acc_t<T>[]>& 
 }
 
 // One row of the forward. keep: the row's dropout factors or nullptr; res, xb: nullptr without a
-// residual, an x_bias. Every pointer and flag is a by-value argument, so the compiler keeps them in registers
-// across the vector stores.
+// residual, an x_bias. Every pointer and flag is a by-value argument, so the compiler keeps them in
+// registers across the vector stores.
 template <typename T>
 inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
                                    const acc_t<T>* keep, const acc_t<T>* w, const acc_t<T>* b,
