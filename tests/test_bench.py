@@ -157,11 +157,31 @@ def test_bench_quick_writes_json_table_and_plots(tmp_path, capsys, one_thread):
         for name in ("torch-eager", "fastformer-cpu"):
             assert steps[name]["gemm_share"] == pytest.approx(padded["min_ms"] / steps[name]["min_ms"])
             assert steps[name]["gemm_share_real_tokens"] == pytest.approx(real["min_ms"] / steps[name]["min_ms"])
+            assert len(steps[name]["samples_ms"]) == steps[name]["reps"] == len(real["samples_ms"])
+            ratios = sorted(a / b for a, b in zip(real["samples_ms"], steps[name]["samples_ms"]))
+            assert steps[name]["gemm_share_real_tokens_paired"] == pytest.approx(ratios[len(ratios) // 2])
         assert padded["gemm_share"] is None and padded["speedup_vs_eager"] is None
-    assert "| GEMM share | GEMM share, real tokens |" in table
+    assert "| GEMM share | GEMM share, real tokens | real tokens, paired median |" in table
     for op in ("add_layer_norm", "train_step"):
         with open(out / f"{op}.png", "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_relate_pairs_the_repetitions_of_an_interleaved_run():
+    """best over best can pair a fast moment of one with a slow one of the other; the paired
+    share is the median of each repetition's own ratio."""
+    from fastformer.jobs.bench.records import relate
+
+    def rec(samples):
+        return {"status": "ok", "min_ms": min(samples), "samples_ms": samples}
+    recs = {"yard": rec([80.0, 100.0, 60.0]), "step": rec([100.0, 100.0, 100.0]),
+            "short": rec([100.0, 100.0]), "failed": {"status": "error: boom", "min_ms": None}}
+    relate(recs, "yard", "share")
+    assert recs["step"]["share"] == pytest.approx(0.6)  # 60 / 100
+    assert recs["step"]["share_paired"] == pytest.approx(0.8)  # median of 0.8, 1.0, 0.6
+    assert recs["short"]["share_paired"] is None  # not one sample per repetition: no pairs
+    assert recs["failed"]["share"] is None and recs["failed"]["share_paired"] is None
+    assert recs["yard"]["share"] is None and recs["yard"]["share_paired"] is None
 
 
 def test_measure_interleaved_calls_each_once_per_repetition_in_rotated_order():

@@ -1,5 +1,6 @@
 """The records every benchmark writes (one per op, provider, shape, mode and dtype), and the
 interleaved timing that fills them in; shared by the op, training-step and Hugging Face benchmarks."""
+import statistics
 from typing import Callable, Collection, Dict, List, Tuple, Union
 
 import torch
@@ -43,16 +44,23 @@ def time_all(calls: Dict[str, Callable[[], object]], recs: Dict[str, Dict],
 
 def set_timed(rec: Dict, t: Timing, **more) -> None:
     rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
-               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, **more)
+               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, samples_ms=list(t.samples_ms), **more)
 
 
 def relate(recs: Dict[str, Dict], yardstick: str, key: str, skip=()) -> None:
     """``rec[key]``: the yardstick's best time over each record's (the share of the machine's
-    limit it reaches), None for a record that failed, the yardstick itself and ``skip``."""
+    limit it reaches), None for a record that failed, the yardstick itself and ``skip``.
+    ``rec[key + "_paired"]``: the median over the repetitions of the yardstick's time over the
+    record's in that repetition (timed interleaved, so next to each other: a machine whose speed
+    drifts moves both), None unless both have the same number of samples."""
     base = recs.get(yardstick)
     for name, rec in recs.items():
         ok = rec["status"] == "ok" and base is not None and base["status"] == "ok"
-        rec[key] = base["min_ms"] / rec["min_ms"] if ok and name != yardstick and name not in skip else None
+        ok = ok and name != yardstick and name not in skip
+        rec[key] = base["min_ms"] / rec["min_ms"] if ok else None
+        pairs = list(zip(base.get("samples_ms") or [], rec.get("samples_ms") or [])) if ok else []
+        same = ok and len(pairs) == len(base["samples_ms"]) == len(rec["samples_ms"]) > 0
+        rec[key + "_paired"] = statistics.median(b / r for b, r in pairs) if same else None
 
 
 def emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int) -> None:

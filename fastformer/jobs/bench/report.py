@@ -122,7 +122,8 @@ def markdown(records: List[Dict]) -> str:
     """One Markdown table per op: a row per (shape, dtype, mode, provider). Speed-ups are ratios of
     the best (minimum) times, measured in the same run; the training step also shows the share
     of its time its matrix products alone take (torch's GEMMs, same shapes, same run; and over the
-    real tokens only, the products left when padding is skipped), and a
+    real tokens only, the products left when padding is skipped: best over best, and the median of
+    the repetitions' own ratios), and a
     memory-bound op the fraction of the machine's copy bandwidth it reaches (``torch-copy-alone``:
     a copy of the same bytes, same run)."""
     lines: List[str] = []
@@ -131,12 +132,14 @@ def markdown(records: List[Dict]) -> str:
         unit = next((r["unit"] for r in rows if r.get("unit")), "")
         share = any(r.get("gemm_share") is not None for r in rows)
         share_real = any(r.get("gemm_share_real_tokens") is not None for r in rows)
+        paired = any(r.get("gemm_share_real_tokens_paired") is not None for r in rows)
         of_copy = any(r.get("copy_fraction") is not None for r in rows)
         lines.append(f"\n### {op}\n")
         head = ["shape", "dtype", "mode", "provider", "median ms", "min ms", "IQR ms"]
         head += [unit] if unit else []
         head += ["tokens/s", "peak MB", "vs eager", "vs compile"] + (["GEMM share"] if share else []) \
             + (["GEMM share, real tokens"] if share_real else []) \
+            + (["real tokens, paired median"] if paired else []) \
             + (["of copy GB/s"] if of_copy else []) + ["1st call ms"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
@@ -155,6 +158,9 @@ def markdown(records: List[Dict]) -> str:
                 if share_real:
                     cells.append(f"{r['gemm_share_real_tokens']:.2f}" if r.get("gemm_share_real_tokens") is not None
                                  else "-")
+                if paired:
+                    value = r.get("gemm_share_real_tokens_paired")
+                    cells.append(f"{value:.3f}" if value is not None else "-")
                 if of_copy:
                     cells.append(f"{r['copy_fraction']:.0%}" if r.get("copy_fraction") is not None else "-")
                 cells.append(_fmt(r["first_call_ms"]))

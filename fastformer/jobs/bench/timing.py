@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ class Timing:
     reps: int
     first_call_ms: float
     min_ms: float = float("nan")
+    samples_ms: Tuple[float, ...] = ()  # every timed call, in call order (rep i of interleaved callables: i-th)
 
     @property
     def iqr_ms(self) -> float:
@@ -97,7 +98,7 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 5, max
 def _timing(samples: List[float], first: float) -> Timing:
     ms = sorted(s * 1e3 for s in samples)
     return Timing(median_ms=statistics.median(ms), q25_ms=_quantile(ms, 0.25), q75_ms=_quantile(ms, 0.75),
-                  reps=len(ms), first_call_ms=first * 1e3, min_ms=ms[0])
+                  reps=len(ms), first_call_ms=first * 1e3, min_ms=ms[0], samples_ms=tuple(s * 1e3 for s in samples))
 
 
 def measure_interleaved(fns: Dict[str, Callable[[], object]], *, warmup: int = 2, min_reps: int = 5,
