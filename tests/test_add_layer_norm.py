@@ -445,16 +445,19 @@ def test_gradcheck_float64(backend, p, has_residual, prenorm):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", CPU)
 def test_opcheck(backend, dtype):
+    """Both overloads of each op: the plain one and .x_bias (the producing linear layer's bias)."""
     assert _ext.load_error() is None
     ops = torch.ops.fastformer
     x, r = torch.randn(5, 37, dtype=dtype), torch.randn(5, 37, dtype=dtype)
-    w, b = torch.randn(37, dtype=dtype), torch.randn(37, dtype=dtype)
-    for residual, p in ((r, 0.2), (None, 0.0), (r, 0.0)):
-        torch.library.opcheck(ops.add_layer_norm_fwd.default, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
-        _, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
-        for dh in (None, torch.randn_like(x)):
-            args = (torch.randn_like(x), dh, h, w, mean, rstd, p, philox.pack(7, 3), residual is not None)
-            torch.library.opcheck(ops.add_layer_norm_bwd.default, args)
+    w, b, xb = (torch.randn(37, dtype=dtype) for _ in range(3))
+    for overload, extra in (("default", ()), ("x_bias", (xb,))):
+        fwd, bwd = getattr(ops.add_layer_norm_fwd, overload), getattr(ops.add_layer_norm_bwd, overload)
+        for residual, p in ((r, 0.2), (None, 0.0), (r, 0.0)):
+            torch.library.opcheck(fwd, (x, residual, w, b, 1e-5, p, philox.pack(7, 3), *extra))
+            _, h, mean, rstd = fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3), *extra)
+            for dh in (None, torch.randn_like(x)):
+                args = (torch.randn_like(x), dh, h, w, mean, rstd, p, philox.pack(7, 3), residual is not None)
+                torch.library.opcheck(bwd, args)
 
 
 @pytest.mark.parametrize("backend", CPU_CUDA)
