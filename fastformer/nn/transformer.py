@@ -17,7 +17,8 @@ Each twin subclasses the torch class and is constructed by torch's own ``__init_
 * the bias of the linear layer that ends a sub-layer (attention's ``out_proj``, the
   feed-forward's ``linear2``) is added by the ``add_layer_norm`` that follows it
   (its ``x_bias``), not by the layer: that spares a pass over the output and one over
-  its gradient.
+  its gradient. Only within a layer: pre-LN's feed-forward, whose add is carried to the
+  next layer, keeps its bias.
 
 Dropout probabilities are passed to the ops only in training mode. The activation must
 be ``"relu"`` or ``"gelu"`` (or ``F.relu``, ``F.gelu``, ``nn.ReLU()``, exact
@@ -62,11 +63,10 @@ class Biased(NamedTuple):
 
 
 class Pending(NamedTuple):
-    """A residual add not done yet: the value ``h + dropout(f + b, p)``."""
+    """A residual add not done yet: the value ``h + dropout(f, p)``."""
     f: torch.Tensor
     h: torch.Tensor
     p: float
-    b: Optional[torch.Tensor] = None
 
 
 Hidden = Union[torch.Tensor, Pending]
@@ -76,14 +76,13 @@ def resolve(x: Hidden) -> torch.Tensor:
     """Finish a :class:`Pending` residual add (no norm follows it)."""
     if not isinstance(x, Pending):
         return x
-    f = x.f if x.b is None else x.f + x.b
-    return x.h + (F.dropout(f, x.p) if x.p > 0.0 else f)
+    return x.h + (F.dropout(x.f, x.p) if x.p > 0.0 else x.f)
 
 
 def _norm_input(x: Hidden, norm) -> Tuple[torch.Tensor, torch.Tensor]:
     """(norm(x), x) with a pending residual add fused into the norm (pre-LN)."""
     if isinstance(x, Pending):
-        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p, prenorm=True, x_bias=x.b)
+        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p, prenorm=True)
     return ops.add_layer_norm(x, None, norm.weight, norm.bias, norm.eps), x
 
 
@@ -94,7 +93,7 @@ def _fusable_norm(norm) -> bool:
 def _final_norm(x: Hidden, norm) -> torch.Tensor:
     """A stack's optional final norm, fused with a pending residual add when possible."""
     if isinstance(x, Pending) and _fusable_norm(norm):
-        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p, x_bias=x.b)
+        return ops.add_layer_norm(x.f, x.h, norm.weight, norm.bias, norm.eps, x.p)
     x = resolve(x)
     return norm(x) if norm is not None else x
 
@@ -190,11 +189,15 @@ class _LayerTwin:
     def _dropout_p(self, dropout: torch.nn.Dropout) -> float:
         return dropout.p if self.training else 0.0
 
-    def _feed_forward(self, x: torch.Tensor) -> Biased:
-        """The feed-forward block, linear2's bias left to the add_layer_norm that follows."""
-        return Biased(ops.feed_forward(x, self.linear1.weight, self.linear1.bias, self.linear2.weight, None,
-                                       activation=activation_name(self.activation),
-                                       dropout_p=self._dropout_p(self.dropout)), self.linear2.bias)
+    def _feed_forward(self, x: torch.Tensor, defer_bias: bool = True) -> Biased:
+        """The feed-forward block, linear2's bias left to the add_layer_norm that follows (``defer_bias``).
+        Pre-LN adds it here: its residual add is done by the next layer, outside this layer's forward,
+        where a sharded model (FSDP) no longer holds this layer's parameters."""
+        b2 = self.linear2.bias
+        out = ops.feed_forward(x, self.linear1.weight, self.linear1.bias, self.linear2.weight,
+                               None if defer_bias else b2, activation=activation_name(self.activation),
+                               dropout_p=self._dropout_p(self.dropout))
+        return Biased(out, b2 if defer_bias else None)
 
     def _check_twin(self) -> None:
         activation_name(self.activation)
@@ -238,8 +241,7 @@ class TransformerEncoderLayer(_LayerTwin, torch.nn.TransformerEncoderLayer):
         if self.norm_first:
             y, x = _norm_input(x, self.norm1)
             y, h = _add_prenorm(self_attend(y), x, self.norm2, p1)
-            f = self._feed_forward(y)
-            return Pending(f.value, h, p2, f.bias)
+            return Pending(self._feed_forward(y, defer_bias=False).value, h, p2)
         x = resolve(x)
         x = _add_norm(self_attend(x), x, self.norm1, p1)
         return _add_norm(self._feed_forward(x), x, self.norm2, p2)
@@ -308,8 +310,7 @@ class TransformerDecoderLayer(_LayerTwin, torch.nn.TransformerDecoderLayer):
             y, x = _norm_input(x, self.norm1)
             y, h = _add_prenorm(self_attend(y), x, self.norm2, p1)
             y, h = _add_prenorm(cross_attend(y), h, self.norm3, p2)
-            f = self._feed_forward(y)
-            return Pending(f.value, h, p3, f.bias)
+            return Pending(self._feed_forward(y, defer_bias=False).value, h, p3)
         x = resolve(x)
         x = _add_norm(self_attend(x), x, self.norm1, p1)
         x = _add_norm(cross_attend(x), x, self.norm2, p2)
