@@ -209,3 +209,25 @@ def test_layers_hand_their_output_biases_to_add_layer_norm(norm_first):
     for a, b in zip(ours, theirs):
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_attention_with_forward_hooks_keeps_its_bias():
+    """A self_attn with a forward hook (a user's, or FSDP's when sharded on its own) returns torch's
+    output, bias included, and the layer stays equal to torch's."""
+    torch.manual_seed(0)
+    kw = dict(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    ours, theirs = fastformer.nn.TransformerEncoderLayer(**kw), torch.nn.TransformerEncoderLayer(**kw)
+    theirs.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        ours.self_attn.out_proj.bias.normal_()
+        theirs.self_attn.out_proj.bias.copy_(ours.self_attn.out_proj.bias)
+    seen = []
+    ours.self_attn.register_forward_hook(lambda module, args, out: seen.append(out[0]))
+    src = torch.randn(2, 5, 32)
+    with _Calls() as mode:
+        out = ours(src)
+    want = theirs.self_attn(src, src, src, need_weights=False)[0]
+    torch.testing.assert_close(seen[0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, theirs(src), atol=1e-5, rtol=1e-5)
+    fused = [args[7] for name, args in mode.calls if name == "fastformer.add_layer_norm_fwd.x_bias"]
+    assert len(fused) == 1 and fused[0] is ours.linear2.bias  # the feed-forward's only

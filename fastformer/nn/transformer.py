@@ -110,8 +110,12 @@ def _add_prenorm(x: Biased, residual: torch.Tensor, norm, p: float):
 
 
 def _attend(attn, *args, **kwargs) -> Biased:
-    """A twin attention's output, its out_proj bias left to the add_layer_norm that follows."""
-    return Biased(attn(*args, need_weights=False, add_out_bias=False, **kwargs)[0], attn.out_proj.bias)
+    """A twin attention's output, its out_proj bias left to the add_layer_norm that follows. Not for
+    a module with forward hooks (FSDP's fully_shard among them): its hooks see the output torch's
+    would, and its parameters are read only within its own forward."""
+    defer = not (attn._forward_hooks or attn._forward_pre_hooks)
+    out = attn(*args, need_weights=False, add_out_bias=not defer, **kwargs)[0]
+    return Biased(out, attn.out_proj.bias if defer else None)
 
 
 def detect_is_causal_mask(mask: Optional[torch.Tensor], is_causal: Optional[bool], size: int) -> bool:
