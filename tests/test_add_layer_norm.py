@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import _ext, backends, philox
 from fastformer.ops import add_layer_norm, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -74,19 +74,6 @@ def _make_inputs(shape, config, device):
     return x, residual, weight, bias
 
 
-def _forward_backward(fn, inputs, upstream):
-    """fn's outputs and the gradient of every given input, for upstream gradients (None = unused)."""
-    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
-    outs = fn(*leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    used = [(o, g) for o, g in zip(outs, upstream) if g is not None]
-    present = [leaf for leaf in leaves if leaf is not None]
-    grads = iter(torch.autograd.grad([o for o, _ in used], present, [g for _, g in used],
-                                     allow_unused=True, materialize_grads=True))
-    named = {n: next(grads) for n, leaf in zip(INPUT_NAMES, leaves) if leaf is not None}
-    return [o.detach() for o in outs], named
-
-
 def _run_case(backend, shape, config, dtype, inputs):
     """(kernel, reference in dtype, reference in fp32) outputs and gradients, same dropout mask."""
     _, _, _, prenorm, grad_of, p = CONFIGS[config]
@@ -107,10 +94,10 @@ def _run_case(backend, shape, config, dtype, inputs):
 
     cast = [None if t is None else t.to(dtype) for t in inputs]
     up_cast = [None if g is None else g.to(dtype) for g in upstream]
-    out = _forward_backward(kernel, cast, up_cast)
-    ref_lowp = _forward_backward(ref, cast, up_cast)
-    ref_fp32 = _forward_backward(ref, [None if t is None else t.float() for t in cast],
-                                 [None if g is None else g.float() for g in up_cast])
+    out = forward_backward(kernel, cast, up_cast, INPUT_NAMES)
+    ref_lowp = forward_backward(ref, cast, up_cast, INPUT_NAMES)
+    ref_fp32 = forward_backward(ref, [None if t is None else t.float() for t in cast],
+                                [None if g is None else g.float() for g in up_cast], INPUT_NAMES)
     return out, ref_lowp, ref_fp32
 
 
@@ -133,8 +120,8 @@ def test_reference_matches_torch_layer_norm(shape, p):
     def ref(x, r, w, b):
         return reference.add_layer_norm(x, r, w, b, 1e-5, p, rng=rng)
 
-    (y_ref,), g_ref = _forward_backward(ref, inputs, upstream)
-    (y_torch,), g_torch = _forward_backward(torch_version, inputs, upstream)
+    (y_ref,), g_ref = forward_backward(ref, inputs, upstream, INPUT_NAMES)
+    (y_torch,), g_torch = forward_backward(torch_version, inputs, upstream, INPUT_NAMES)
     assert_close("y", y_ref, y_torch, atol=1e-5, rtol=1e-5)
     for name in INPUT_NAMES:
         assert_close(f"d{name}", g_ref[name], g_torch[name], atol=1e-4, rtol=1e-5)

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fastformer
 from fastformer import backends, philox
 from fastformer.ops import add_layer_norm, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -28,15 +28,6 @@ def _cases():
             for config in CONFIGS:
                 yield pytest.param(backend.values[0], shape, config, marks=backend.marks,
                                    id=f"{backend.id}-{'x'.join(map(str, shape))}-{config}")
-
-
-def _run(fn, inputs, upstream):
-    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
-    outs = fn(*leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    present = [(n, leaf) for n, leaf in zip(NAMES, leaves) if leaf is not None]
-    grads = torch.autograd.grad(outs, [leaf for _, leaf in present], upstream[:len(outs)])
-    return [o.detach() for o in outs], {n: g for (n, _), g in zip(present, grads)}
 
 
 def _case(backend, shape, config, dtype):
@@ -58,8 +49,9 @@ def _case(backend, shape, config, dtype):
 
     def cast(ts, dt):
         return [None if t is None else t.to(dt) for t in ts]
-    return (_run(kernel, cast(inputs, dtype), cast(upstream, dtype)), _run(ref, cast(inputs, dtype), cast(upstream, dtype)),
-            _run(ref, cast(inputs, torch.float32), cast(upstream, torch.float32)))
+    return (forward_backward(kernel, cast(inputs, dtype), cast(upstream, dtype), NAMES),
+            forward_backward(ref, cast(inputs, dtype), cast(upstream, dtype), NAMES),
+            forward_backward(ref, cast(inputs, torch.float32), cast(upstream, torch.float32), NAMES))
 
 
 @pytest.mark.parametrize("backend,shape,config", list(_cases()))

@@ -59,3 +59,17 @@ def assert_close_lowp(name, out, ref_fp32, ref_lowp, factor=2.0, atol=1e-5):
 def assert_close(name, out, ref, atol, rtol):
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def forward_backward(fn, inputs, upstream, names):
+    """``fn``'s outputs (detached) and the gradient of every given input, by name (``names`` in the
+    order of ``inputs``; None inputs are left out), for the upstream gradients of its outputs (a
+    None upstream: that output is unused)."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    used = [(o, g) for o, g in zip(outs, upstream) if g is not None]
+    present = [(n, leaf) for n, leaf in zip(names, leaves) if leaf is not None]
+    grads = torch.autograd.grad([o for o, _ in used], [leaf for _, leaf in present], [g for _, g in used],
+                                allow_unused=True, materialize_grads=True)
+    return [o.detach() for o in outs], {n: g for (n, _), g in zip(present, grads)}
