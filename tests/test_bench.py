@@ -386,3 +386,18 @@ def test_a_run_of_some_shapes_replaces_only_their_records(tmp_path):
     assert sorted((r["label"], r["v"]) for r in doc["results"] if r["op"] == "attention") == [("D128", 2), ("D64", 3)]
     doc = report.write_json(path, {}, {}, [rec("attention", "D32", 4)])
     assert [(r["op"], r["label"]) for r in doc["results"]] == [("feed_forward", "N1"), ("attention", "D32")]
+
+
+def test_reps_sets_the_number_of_interleaved_samples(tmp_path, one_thread):
+    # the smoke sweep takes one sample per timing; --reps asks for more, for ops and the step
+    code = main(["bench", "--sweep", "smoke", "--reps", "4", "--ops", "add_layer_norm", "train_step",
+                 "--modes", "fwd", "--dtypes", "fp32", "--providers", "torch-eager", "fastformer-cpu",
+                 "--no-plots", "--out", str(tmp_path)])
+    assert code == 0
+    doc = json.load(open(tmp_path / "results.json"))
+    assert doc["settings"]["reps"] == 4
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    assert {r["op"] for r in ok} == {"add_layer_norm", "train_step"}
+    assert all(r["reps"] == 4 and len(r["samples_ms"]) == 4 for r in ok)
+    with pytest.raises(SystemExit):  # argparse: "--reps: must be at least 1"
+        main(["bench", "--reps", "0"])

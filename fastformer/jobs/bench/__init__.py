@@ -32,12 +32,19 @@ from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
 from . import hf_step, report, train_step
 from .ops import MODES, OPS
 from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
-from .records import TIMING, emit, error_status, new_record, relate, set_timed, time_all, time_steps
+from .records import TIMING, emit, error_status, new_record, relate, set_timed, time_all, time_steps, with_reps
 from .timing import peak_memory_bytes
 
 ALL_OPS = list(OPS) + ["train_step", hf_step.OP]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
@@ -54,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp32 and bf16 autocast; hf_bart_step runs fp32, and bf16 autocast when named")
     p.add_argument("--sweep", choices=sorted(TIMING), default=None,
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
+    p.add_argument("--reps", type=_positive, default=None, metavar="N",
+                   help="at least N interleaved repetitions of every timing (default: the sweep's own "
+                        "count, 10 for the full sweep's training step): more samples, a steadier best")
     p.add_argument("--shapes", nargs="+", default=None, metavar="WORD",
                    help="only the op shapes whose label has every WORD (e.g. D128 causal); results.json "
                         "then keeps the records of the op's other shapes")
@@ -81,7 +91,7 @@ def shape_wanted(label: str, words: Optional[List[str]]) -> bool:
 
 def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str,
              providers: Optional[List[str]], modes: List[str], log=None,
-             shapes: Optional[List[str]] = None) -> List[Dict]:
+             shapes: Optional[List[str]] = None, reps: Optional[int] = None) -> List[Dict]:
     """Records for every (shape, dtype, provider, mode) of ``op`` (``shapes``: only the shapes whose
     label has these words); the providers of one (shape, dtype, mode) are timed interleaved within
     each repetition."""
@@ -111,7 +121,7 @@ def bench_op(op: str, device: torch.device, dtypes: List[torch.dtype], size: str
                     records += [new_record(op, provider.name, shape, label, m, dname, error_status(e)) for m in modes]
             for mode in modes:
                 recs = {name: new_record(op, name, shape, label, mode, dname, "") for name in cases}
-                timings = time_all({n: c.calls[mode] for n, c in cases.items()}, recs, TIMING[size])
+                timings = time_all({n: c.calls[mode] for n, c in cases.items()}, recs, with_reps(TIMING[size], reps))
                 for name, t in timings.items():
                     try:
                         peak = peak_memory_bytes(cases[name].calls[mode], device, reset=cases[name].reset)
@@ -135,7 +145,7 @@ YARDSTICKS = {GEMMS: ("gemm_share", False), GEMMS_REAL: ("gemm_share_real_tokens
 
 
 def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None,
-                     dtypes: Optional[List[str]] = None) -> List[Dict]:
+                     dtypes: Optional[List[str]] = None, reps: Optional[int] = None) -> List[Dict]:
     """Records of the training step for each provider and dtype (fp32, bf16 autocast; ``dtypes``
     keeps a subset), the providers timed interleaved within each repetition, beside the time of
     the step's matrix products alone (``torch-gemms-alone``) measured in the same interleaved run,
@@ -155,7 +165,8 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
                         for p in names if train_step.why_not(p, device) is None}
             for yardstick, (_, real) in YARDSTICKS.items():
                 builders[yardstick] = lambda real=real: train_step.build_gemms(shape, device, dtype, real_tokens=real)
-            recs = time_steps("train_step", shape, label, dtype, size, device, builders, flops, no_peak=YARDSTICKS)
+            recs = time_steps("train_step", shape, label, dtype, size, device, builders, flops,
+                              no_peak=YARDSTICKS, reps=reps)
             for yardstick, (key, _) in YARDSTICKS.items():
                 relate(recs, yardstick, key, skip=YARDSTICKS)
             emit(records, recs, log, f"train_step {dtype}", 1)
@@ -165,7 +176,7 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
 def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, quick: bool = False,
         size: Optional[str] = None, modes: Optional[List[str]] = None, dtypes: Optional[List[str]] = None,
         device: str = "auto", out: Optional[str] = None, plots: bool = True, verbose: bool = True,
-        threads: Optional[int] = None, shapes: Optional[List[str]] = None) -> Dict:
+        threads: Optional[int] = None, shapes: Optional[List[str]] = None, reps: Optional[int] = None) -> Dict:
     """Run the benchmarks; returns the JSON document written to ``<out>/results.json``."""
     known = set(REGISTRY) | set(train_step.PROVIDERS) | set(hf_step.PROVIDERS)
     unknown = [p for p in providers or [] if p not in known]
@@ -201,18 +212,18 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         if log:
             log(f"bench {op} ({size} sweep on {dev})")
         if op == "train_step":
-            records += bench_train_step(dev, size, providers, log, dtypes=dtypes)
+            records += bench_train_step(dev, size, providers, log, dtypes=dtypes, reps=reps)
         elif op == hf_step.OP:
-            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes)
+            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes, reps=reps)
         else:
-            records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log, shapes=shapes)
+            records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log, shapes=shapes, reps=reps)
     report.add_speedups(records)
     load_after = report._load_average()
     if dev.type == "cpu" and quiet:
         # a run that made the machine busy part-way (other work started) is not a result either
         quiet, verdict = report.quiet_verdict(load_before, os.cpu_count() or 1, load_after)
     os.makedirs(out, exist_ok=True)
-    settings = {"sweep": size, "ops": ops, "shapes": shapes, "providers": chosen, "modes": modes,
+    settings = {"sweep": size, "reps": reps, "ops": ops, "shapes": shapes, "providers": chosen, "modes": modes,
                 "dtypes": [_DTYPE_NAMES[d] for d in torch_dtypes], "seconds": time.perf_counter() - started,
                 "load_average_before": load_before, "load_average_after": load_after,
                 "readme_grade": quiet, "verdict": verdict,
@@ -221,7 +232,8 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
     doc = report.write_json(os.path.join(out, "results.json"), machine, settings, records,
                             per_shape=shapes is not None)
     table = report.markdown(records)
-    header = (f"fastformer bench ({size}) on {machine['gpu'] or machine['cpu']}, {machine['torch_threads']} threads, "
+    sweep = size + (f", {reps} reps" if reps else "")
+    header = (f"fastformer bench ({sweep}) on {machine['gpu'] or machine['cpu']}, {machine['torch_threads']} threads, "
               f"torch {machine['torch']}, triton {machine['triton']}, cpu kernels {machine['cpu_capability']}, "
               f"load average {load_before} before the run, "
               f"{settings['load_average_after']} after\n\n**{verdict}**\n\n"
@@ -241,4 +253,4 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
 def run_from_args(args: argparse.Namespace) -> Dict:
     return run(ops=args.ops, providers=args.providers, quick=args.quick, size=args.sweep, modes=args.modes,
                dtypes=args.dtypes, device=args.device, out=args.out, plots=args.plots, threads=args.threads,
-               shapes=args.shapes)
+               shapes=args.shapes, reps=args.reps)

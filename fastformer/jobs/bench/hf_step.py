@@ -186,7 +186,7 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str = "f
 
 
 def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]], log=None,
-                  dtypes: Optional[List[str]] = None) -> List[Dict]:
+                  dtypes: Optional[List[str]] = None, reps: Optional[int] = None) -> List[Dict]:
     """Records of the BART step for each provider (``providers``: those of them named there) and
     dtype (fp32; ``dtypes`` may name bf16 too), timed interleaved within each repetition; a
     provider that cannot run here gets a record saying why."""
@@ -202,6 +202,6 @@ def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]
         flops = gemm_flops(shape, make_batch(shape, device))
         for dtype in chosen:
             builders = {p: why_not(p, device) or (lambda p=p: build_step(p, shape, device, dtype)) for p in names}
-            recs = time_steps(OP, shape, shape_label, dtype, size, device, builders, flops)
+            recs = time_steps(OP, shape, shape_label, dtype, size, device, builders, flops, reps=reps)
             emit(records, recs, log, f"{OP} {dtype}", 1)
     return records

@@ -1,7 +1,7 @@
 """The records every benchmark writes (one per op, provider, shape, mode and dtype), and the
 interleaved timing that fills them in; shared by the op, training-step and Hugging Face benchmarks."""
 import statistics
-from typing import Callable, Collection, Dict, List, Tuple, Union
+from typing import Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -15,6 +15,14 @@ TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "gpu-check": (3, 1
           "full": (3, 10, 200, 0.5)}
 STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "gpu-check": (1, 3, 5, 0.0),
                "full": (2, 10, 30, 2.0)}
+
+
+def with_reps(timing: Tuple[int, int, int, float], reps: Optional[int]) -> Tuple[int, int, int, float]:
+    """``timing`` taking at least ``reps`` samples (``--reps``; None keeps the sweep's counts)."""
+    if reps is None:
+        return timing
+    warmup, min_reps, max_reps, min_time = timing
+    return warmup, reps, max(reps, max_reps), min_time
 
 
 def new_record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype: str, status: str) -> Dict:
@@ -75,11 +83,11 @@ def emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int
 
 def time_steps(op: str, shape: Dict, label: str, dtype: str, size: str, device: torch.device,
                builders: Dict[str, Union[Callable[[], object], str]], flops: float,
-               no_peak: Collection[str] = ()) -> Dict[str, Dict]:
+               no_peak: Collection[str] = (), reps: Optional[int] = None) -> Dict[str, Dict]:
     """The records of one training-step shape and dtype: ``builders`` maps each provider to a
     callable that builds its step (a ``train_step.Step``), or to the reason it cannot run here
     (recorded as skipped); the steps are timed interleaved, each with its peak memory (except
-    ``no_peak``), tokens per second and TFLOP/s of ``flops``."""
+    ``no_peak``), tokens per second and TFLOP/s of ``flops``; ``reps``: see :func:`with_reps`."""
     recs, steps = {}, {}
     for provider, build in builders.items():
         rec = recs[provider] = new_record(op, provider, shape, label, "step", dtype, "")
@@ -91,7 +99,7 @@ def time_steps(op: str, shape: Dict, label: str, dtype: str, size: str, device: 
             steps[provider] = build()
         except Exception as e:  # noqa: BLE001 (a provider that fails says why; the others run)
             rec["status"] = error_status(e)
-    timings = time_all({p: st.run for p, st in steps.items()}, recs, STEP_TIMING[size])
+    timings = time_all({p: st.run for p, st in steps.items()}, recs, with_reps(STEP_TIMING[size], reps))
     for provider, t in timings.items():
         step, peak = steps[provider], None
         if provider not in no_peak:
