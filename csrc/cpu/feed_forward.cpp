@@ -49,7 +49,8 @@ bool onednn_bf16_supported() {
 // Whether fp32 products go to oneDNN's linear rather than ATen's BLAS (MKL's sgemm): not on an
 // Intel CPU, where MKL is faster at the feed-forward's shapes (Xeon model 207, 2 threads, N 1558,
 // E 256, F 1024: 2.5-3.0 ms a product against oneDNN's 3.1-4.4 ms), but elsewhere (AMD), where
-// MKL's sgemm does not take its AVX-512 path and oneDNN is about twice as fast.
+// MKL's sgemm does not take its AVX-512 path and oneDNN is about twice as fast on an AVX-512 EPYC.
+// (On an AVX2-only EPYC, Zen 3, the two take the same time within 10% at N 1536, best of 30.)
 bool onednn_for_fp32() {
 #if FF_ISA_X86 && defined(__GNUC__)
   static const bool use = [] {

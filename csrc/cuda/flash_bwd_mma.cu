@@ -1,9 +1,8 @@
 // Attention backward on tensor cores: FlashAttention-2's backward with mma.sync m16n8k16 (bf16 /
 // fp16 inputs, fp32 accumulation), ldmatrix and cp.async (mma.cuh; fragment layouts in its
 // header). Launcher declared in flash_mma.h; the definition is the gradient of
-// fastformer/ops/reference.py::attention. The forward is flash_fwd_mma.cu, whose tile helpers
-// (swz, LdOffsets, load_tile, pack2) are repeated here unchanged (that file is not edited by this
-// one's change; a shared header is the obvious follow-up). Notes and compiler output:
+// fastformer/ops/reference.py::attention. The forward is flash_fwd_mma.cu; the tile helpers both
+// use (swz, LdOffsets, load_tile, pack2) are in flash_tiles.cuh. Notes and compiler output:
 // flash_bwd_mma.md.
 //
 // Three launches, no atomics, every gradient element written by one lane: deterministic.
