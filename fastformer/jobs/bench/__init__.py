@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
     p.add_argument("--reps", type=_positive, default=None, metavar="N",
                    help="at least N interleaved repetitions of every timing (default: the sweep's own "
-                        "count, 10 for the full sweep's training step): more samples, a steadier best")
+                        "count, 10 for the full sweep's training step): steadier medians and paired ratios")
     p.add_argument("--shapes", nargs="+", default=None, metavar="WORD",
                    help="only the op shapes whose label has every WORD (e.g. D128 causal); results.json "
                         "then keeps the records of the op's other shapes")
