@@ -39,6 +39,7 @@ ALL_OPS = list(OPS) + ["train_step", hf_step.OP]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
+
 def _positive(text: str) -> int:
     n = int(text)
     if n < 1:
