@@ -399,5 +399,5 @@ def test_reps_sets_the_number_of_interleaved_samples(tmp_path, one_thread):
     ok = [r for r in doc["results"] if r["status"] == "ok"]
     assert {r["op"] for r in ok} == {"add_layer_norm", "train_step"}
     assert all(r["reps"] == 4 and len(r["samples_ms"]) == 4 for r in ok)
-    with pytest.raises(SystemExit):  # argparse: "--reps: must be at least 1"
+    with pytest.raises(SystemExit):  # argparse: "--reps must be an int >= 1, got 0"
         main(["bench", "--reps", "0"])

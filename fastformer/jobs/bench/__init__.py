@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ...internal.validation import positive_int
 from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
 from . import hf_step, report, train_step
 from .ops import MODES, OPS
@@ -40,11 +41,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+def _reps(text: str) -> int:
+    try:  # the library's own count check, its message kept by argparse
+        return positive_int("--reps", int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp32 and bf16 autocast; hf_bart_step runs fp32, and bf16 autocast when named")
     p.add_argument("--sweep", choices=sorted(TIMING), default=None,
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
-    p.add_argument("--reps", type=_positive, default=None, metavar="N",
+    p.add_argument("--reps", type=_reps, default=None, metavar="N",
                    help="at least N interleaved repetitions of every timing (default: the sweep's own "
                         "count, 10 for the full sweep's training step): steadier medians and paired ratios")
     p.add_argument("--shapes", nargs="+", default=None, metavar="WORD",
