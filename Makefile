@@ -22,7 +22,7 @@ $(VENV)/.deps: $(PY)
 setup: $(VENV)/.deps
 
 build: setup
-	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	$(PIP) install --quiet --use-pep517 --no-build-isolation --no-deps -e .
 
 demo: build
 	$(PY) -m fastformer train

@@ -9,6 +9,7 @@ The CUDA sources in csrc/cuda/ are added only when the installed torch has CUDA.
 import glob
 import os
 import platform
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -16,6 +17,8 @@ from torch.utils import cpp_extension
 import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import libstdcxx  # noqa: E402  (tools/, not a package)
 
 
 # The ISA levels the CPU kernels (csrc/cpu/*_kernel.cpp) are compiled for, each from the same
@@ -172,6 +175,7 @@ class BuildExtension(cpp_extension.BuildExtension):
 
 
 if __name__ == "__main__":
+    libstdcxx.use_shared("fastformer setup")  # never a CXX that links libstdc++ statically
     setup(
         name="fastformer",
         version="0.1.0",

@@ -7,21 +7,24 @@ after it is recorded as skipped), and the exit status is 1 if any step failed:
 
 1. ``build``: tools/find_nvcc.py picks an nvcc of torch's CUDA major (pip-installing NVIDIA's
    when the machine's is of another major; where it cannot, one line says so and the extension
-   is built without its CUDA kernels), then ``setup.py build_ext --inplace``;
+   is built without its CUDA kernels), then ``pip install --no-build-isolation -e .`` into the venv
+   (as ``make build``: the Triton kernels are installed as fastformer.triton_kernels, which an
+   in-place ``build_ext`` alone left unimportable on the first machine);
 2. ``error-path``: one CUDA glue check that fails with an integer in its message must raise a
-   RuntimeError, not crash the process (it crashed in the first GPU build); when it crashes, the
-   log gets what the process loaded (which objects define libstdc++'s stream and locale code,
-   which compilers built the extension);
-3. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op (attention in two
+   RuntimeError, not crash the process (it crashed in the first GPU build, built by a g++ that
+   links libstdc++ statically: tools/libstdcxx.py now swaps such a CXX for the system's); when
+   it crashes, the log gets what the process loaded (which objects define libstdc++'s stream
+   and locale code, which compilers built the extension);
+3. ``check``: ``python -m fastformer check`` (before the benchmarks, so that a run cut short has it);
+4. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op (attention in two
    runs, one per head dim): attention over the grid B 8, H 16, S 512/2048, D 64/128, causal or
    not, dropout 0 or 0.1, forward and backward, fastformer's cuda and triton backends against
    SDPA's flash kernel and eager PyTorch (TFLOP/s); the other ops at their quick shapes against
    their torch composition (GB/s or TFLOP/s); ``results.json`` and ``results.md`` (every op's
    table) and ``attention.md`` (the grid, one row per shape and mode, one column per provider)
    in the same folder;
-4. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
-   left out, and the log's first line says which);
-5. ``check``: ``python -m fastformer check``.
+5. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
+   left out, and the log's first line says which), without the SIMT harness.
 
 ``summary.md`` there lists each step's status and time. Without a CUDA GPU it says why in one
 line and exits 1 at once: it never passes by running nothing.
@@ -41,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import libstdcxx  # noqa: E402  (tools/: what a crash in the error path is looked at with)
 
 # the ops benchmarked after attention (each its own `fastformer bench` run, so a slow one costs
 # only its own records)
@@ -51,8 +56,8 @@ BENCH_OPS = ["attention", "add_layer_norm", "feed_forward", "cross_entropy", "li
 BENCH_PROVIDERS = ["torch-eager", "fastformer-cuda", "fastformer-triton", "sdpa-flash", "fastformer-padded",
                    "torch-copy-alone", "torch-linear-cross-entropy-chunked"]
 # (step, seconds it may take at most): the budget caps each further
-STEP_LIMITS = {"build": 210, "error-path": 30, "bench-attention-d64": 100, "bench-attention-d128": 100,
-               "gpu-tests": 100, "check": 80}
+STEP_LIMITS = {"build": 180, "error-path": 30, "bench-attention-d64": 100, "bench-attention-d128": 100,
+               "gpu-tests": 150, "check": 80}
 BENCH_LIMIT = 40  # each other op's bench
 
 
@@ -118,11 +123,17 @@ def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = Non
     without them, ``nvcc_note`` says why); ``missing``: packages that are not installed."""
     build_env = {"MAX_JOBS": str(os.cpu_count() or 4)}
     build_env.update({"CUDA_HOME": cuda_home} if cuda_home else {"FASTFORMER_BUILD_CUDA": "0"})
-    result = [Step("build", [python, "setup.py", "build_ext", "--inplace"], STEP_LIMITS["build"], build_env,
+    # --use-pep517: where wheel is installed and there is no pyproject.toml, pip otherwise runs
+    # `setup.py develop`, which in setuptools >= 80 calls pip again with build isolation (network)
+    install = [python, "-m", "pip", "install", "--quiet", "--use-pep517", "--no-build-isolation", "--no-deps",
+               "--no-index", "-e", "."]
+    result = [Step("build", install, STEP_LIMITS["build"], build_env,
                    note=nvcc_note),
               Step("error-path", [python, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--probe"],
                    STEP_LIMITS["error-path"],
                    skip=None if cuda_home else "the CUDA kernels are not built (no nvcc of torch's CUDA)")]
+    # the quick correctness check first, so that a run cut short by its budget still has it
+    result.append(Step("check", [python, "-m", "fastformer", "check"], STEP_LIMITS["check"]))
     from fastformer.jobs.bench.ops import GPU_CHECK_ATTENTION
 
     plots = "matplotlib" not in missing
@@ -138,9 +149,10 @@ def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = Non
         note = (f"left out {len(left_out)} test files that import what is not installed "
                 f"({', '.join(sorted({m for ms in left_out.values() for m in ms}))}): "
                 + ", ".join(os.path.basename(p) for p in left_out))
-    result.append(Step("gpu-tests", tests + ["tests"], STEP_LIMITS["gpu-tests"], note=note,
-                       skip="pytest is not installed" if "pytest" in missing else None))
-    result.append(Step("check", [python, "-m", "fastformer", "check"], STEP_LIMITS["check"]))
+    # FASTFORMER_CUDA_SIMT=off: the CPU harness of the CUDA kernels (tests/simt) is not what a GPU
+    # checks, and building it took the step's time
+    result.append(Step("gpu-tests", tests + ["tests"], STEP_LIMITS["gpu-tests"], {"FASTFORMER_CUDA_SIMT": "off"},
+                       note=note, skip="pytest is not installed" if "pytest" in missing else None))
     return result
 
 
@@ -197,25 +209,6 @@ def run_step(step: Step, log_path: str, limit: float) -> Tuple[Optional[int], fl
 
 
 # -- the error-path probe and the report of a crash ---------------------------------------------
-# std::ostream::_M_insert<long> (integer output) and std::locale::classic(): a shared object that
-# exports them carries its own copy of libstdc++'s streams and locale. Next to the process's
-# libstdc++ that breaks integer formatting in TORCH_CHECK messages (a test extension linked with
-# -static-libstdc++ here dropped the integers from its messages and aborted on another), the
-# suspected cause of the first GPU build's crash in exactly those messages.
-LIBSTDCXX_MARKERS = ("_ZNSo9_M_insertIlEERSoT_", "_ZNSt6locale7classicEv")
-
-
-def private_libstdcxx(path: str) -> Optional[List[str]]:
-    """The LIBSTDCXX_MARKERS that the shared object ``path`` defines (None: nm is not here)."""
-    try:
-        out = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True,
-                             timeout=120).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    defined = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}  # less @@GLIBCXX_x
-    return [s for s in LIBSTDCXX_MARKERS if s in defined]
-
-
 def probe() -> int:
     """One failing check of the CUDA glue whose message formats integers must raise."""
     import torch
@@ -229,7 +222,7 @@ def probe() -> int:
         return 1
     import fastformer._C as ext
 
-    private = private_libstdcxx(ext.__file__)
+    private = libstdcxx.defined_markers(ext.__file__)
     if private:
         print(f"error-path: FAILED: {ext.__file__} carries its own libstdc++ (defines {', '.join(private)}): "
               f"build it with a compiler whose libstdc++ this process loads, without -static-libstdc++")
@@ -262,7 +255,7 @@ def abi_report() -> int:
         objects = sorted({line.split()[-1] for line in f if ".so" in line.split()[-1]})
     print(f"extension: {ext.__file__}")
     for obj in objects:
-        found = private_libstdcxx(obj)
+        found = libstdcxx.defined_markers(obj)
         if found is None:
             print(f"nm unavailable; loaded objects: {' '.join(objects)}")
             break
@@ -361,6 +354,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     nvcc = find_nvcc.find(torch.version.cuda, install=True)
     note = nvcc.message if nvcc.cuda_home else f"building WITHOUT the CUDA kernels: {nvcc.message}"
     print(f"gpu-check: {note}", flush=True)
+    compilers, why = libstdcxx.choose()  # the build, the harness and the crash report all inherit it
+    if why:
+        print(f"gpu-check: {why}", flush=True)
+    os.environ.update(compilers)
     missing = missing_modules(["pytest", "hypothesis", "matplotlib", "transformers", "triton"])
     if missing:
         print(f"gpu-check: not installed here, so left out where needed: {', '.join(missing)}", flush=True)

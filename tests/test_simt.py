@@ -240,3 +240,16 @@ def test_modelled_device_sm_count_and_free_memory():
     finally:
         ops().set_sm_count(sms)
         ops().set_free_memory(free)
+
+
+def test_header_leaves_the_standard_library_compiling(tmp_path):
+    # libstdc++ writes __attribute__((__noinline__)) (<memory>); a __noinline__ macro in simt.h broke
+    # the harness build with a newer g++ on the first GPU machine
+    cxx = os.environ.get("CXX", "c++")
+    src = tmp_path / "after_simt_h.cpp"
+    src.write_text('#include "simt.h"\n#include <map>\n#include <memory>\n#include <mutex>\n#include <string>\n'
+                   '#include <vector>\nint main() { return 0; }\n')
+    header_dir = os.path.join(os.path.dirname(plugin.__file__))
+    proc = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{header_dir}", str(src)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -56,6 +56,10 @@ def build(verbose: bool = False) -> str:
     """Build (incrementally), load into this process, and return the library's path."""
     from torch.utils.cpp_extension import load
 
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import libstdcxx
+
+    libstdcxx.use_shared("SIMT harness")  # never a CXX that links libstdc++ statically
     build_dir = os.path.join(ROOT, "build", "simt")
     os.makedirs(build_dir, exist_ok=True)
     load(name=NAME, sources=sources(build_dir), build_directory=build_dir, extra_cflags=FLAGS,

@@ -123,7 +123,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
-#define __noinline__ __attribute__((noinline))
+// No __noinline__: libstdc++ writes __attribute__((__noinline__)), which such a macro breaks
+// (<memory> included after this header); no kernel uses it.
 #define __shared__ static
 #define __constant__
 #define __managed__

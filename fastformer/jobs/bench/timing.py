@@ -13,6 +13,7 @@ under ``torch.profiler`` with ``profile_memory=True`` and the allocation/free ev
 CPU allocator are replayed in time order; the peak is the highest running total.
 """
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -175,10 +176,13 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device,
     """
     if reset is not None:
         reset()
+    # a reference cycle of an earlier call, freed by the collector inside the window, would hide
+    # memory (on a GPU it made the peak negative)
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
         out = fn()
         del out
         torch.cuda.synchronize(device)
