@@ -7,9 +7,9 @@ after it is recorded as skipped), and the exit status is 1 if any step failed:
 
 1. ``build``: tools/find_nvcc.py picks an nvcc of torch's CUDA major (pip-installing NVIDIA's
    when the machine's is of another major; where it cannot, one line says so and the extension
-   is built without its CUDA kernels), then ``pip install --no-build-isolation -e .`` into the venv
-   (as ``make build``: the Triton kernels are installed as fastformer.triton_kernels, which an
-   in-place ``build_ext`` alone left unimportable on the first machine);
+   is built without its CUDA kernels), then ``pip install --use-pep517 --no-build-isolation -e .``
+   into the venv, as ``make build`` does (an in-place ``build_ext`` alone left the Triton
+   kernels, installed as fastformer.triton_kernels, unimportable on the first machine);
 2. ``error-path``: one CUDA glue check that fails with an integer in its message must raise a
    RuntimeError, not crash the process (it crashed in the first GPU build, built by a g++ that
    links libstdc++ statically: tools/libstdcxx.py now swaps such a CXX for the system's); when

@@ -176,11 +176,11 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device,
     """
     if reset is not None:
         reset()
-    # a reference cycle of an earlier call, freed by the collector inside the window, would hide
-    # memory (on a GPU it made the peak negative)
-    gc.collect()
+    gc.collect()  # an earlier call's reference cycles, freed inside the window, would hide memory
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # the base after the reset: memory freed between the two (late frees of an earlier call)
+        # made the peak negative on a GPU when the base was read first
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         out = fn()
