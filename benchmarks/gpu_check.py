@@ -20,7 +20,8 @@ after it is recorded as skipped), and the exit status is 1 if any step failed:
    runs, one per head dim): attention over the grid B 8, H 16, S 512/2048, D 64/128, causal or
    not, dropout 0 or 0.1, forward and backward, fastformer's cuda and triton backends against
    SDPA's flash kernel and eager PyTorch (TFLOP/s); the other ops at their quick shapes against
-   their torch composition (GB/s or TFLOP/s); ``results.json`` and ``results.md`` (every op's
+   their torch composition (GB/s or TFLOP/s; linear_cross_entropy forward + backward in one,
+   as its forward computes the gradients); ``results.json`` and ``results.md`` (every op's
    table) and ``attention.md`` (the grid, one row per shape and mode, one column per provider)
    in the same folder;
 5. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
@@ -55,6 +56,9 @@ BENCH_OPS = ["attention", "add_layer_norm", "feed_forward", "cross_entropy", "li
 # shape would take the whole budget)
 BENCH_PROVIDERS = ["torch-eager", "fastformer-cuda", "fastformer-triton", "sdpa-flash", "fastformer-padded",
                    "torch-copy-alone", "torch-linear-cross-entropy-chunked"]
+# linear_cross_entropy's forward computes the gradients too (chunk by chunk, never the (N, V)
+# logits), so its backward alone only scales them: it is timed as one forward + backward
+BENCH_MODES = {"linear_cross_entropy": ["fwd_bwd"]}
 # (step, seconds it may take at most): the budget caps each further
 STEP_LIMITS = {"build": 180, "error-path": 30, "bench-attention-d64": 100, "bench-attention-d128": 100,
                "gpu-tests": 150, "check": 80}
@@ -111,7 +115,7 @@ def unimportable_tests(tests_dir: str, missing: Sequence[str]) -> Dict[str, List
 def bench_step(op: str, out: str, python: str, plots: bool, shapes: Sequence[str] = ()) -> Step:
     """One `fastformer bench` run (``shapes``: only the op's shapes whose label has these words)."""
     cmd = [python, "-m", "fastformer", "bench", "--device", "cuda", "--sweep", "gpu-check", "--ops", op,
-           "--modes", "fwd", "bwd", "--providers", *BENCH_PROVIDERS, "--out", out]
+           "--modes", *BENCH_MODES.get(op, ["fwd", "bwd"]), "--providers", *BENCH_PROVIDERS, "--out", out]
     name = "-".join([f"bench-{op}"] + [w.lower() for w in shapes])
     return Step(name, cmd + (["--shapes", *shapes] if shapes else []) + ([] if plots else ["--no-plots"]),
                 STEP_LIMITS.get(name, BENCH_LIMIT))

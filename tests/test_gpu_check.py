@@ -21,6 +21,10 @@ def _steps(**kw):
     return {s.name: s for s in gpu_check.steps("OUT", python="py", **kw)}
 
 
+def _modes(cmd):
+    return cmd[cmd.index("--modes") + 1:cmd.index("--providers")]
+
+
 def test_steps_build_probe_bench_every_op_then_tests_and_check():
     steps = _steps(cuda_home="/cuda")
     assert list(steps) == ["build", "error-path", "check", "bench-attention-d64", "bench-attention-d128",
@@ -37,6 +41,9 @@ def test_steps_build_probe_bench_every_op_then_tests_and_check():
     assert bench[bench.index("--ops") + 1] == "attention" and "--no-plots" not in bench
     assert bench[bench.index("--shapes"):] == ["--shapes", "D128"]
     assert "--shapes" not in steps["bench-feed_forward"].cmd
+    assert _modes(bench) == ["fwd", "bwd"]
+    # its forward computes the gradients: a backward alone would be timed nearly free
+    assert _modes(steps["bench-linear_cross_entropy"].cmd) == ["fwd_bwd"]
     providers = bench[bench.index("--providers") + 1:bench.index("--out")]
     assert {"fastformer-cuda", "fastformer-triton", "sdpa-flash", "torch-eager"} <= set(providers)
     assert "torch-compile" not in providers  # a compilation per shape would take the whole budget
