@@ -2,7 +2,7 @@
 first has one (``make gpu-check`` prepares the Python it runs in: tools/gpu_env.py).
 
 Steps, each logged to ``benchmarks/results/<gpu-name>/<step>.log``; every step runs even if an
-earlier one failed, within one time budget (``--budget``, default 360 s; a step that would start
+earlier one failed, within one time budget (``--budget``, default 540 s; a step that would start
 after it is recorded as skipped), and the exit status is 1 if any step failed:
 
 1. ``build``: tools/find_nvcc.py picks an nvcc of torch's CUDA major (pip-installing NVIDIA's
@@ -334,7 +334,7 @@ def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="make gpu-check: build, GPU tests, check and benchmarks")
-    p.add_argument("--budget", type=float, default=360.0, help="seconds for all steps together (default 360)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps together (default 540)")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--abi-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

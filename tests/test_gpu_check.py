@@ -51,7 +51,7 @@ def test_steps_build_probe_bench_every_op_then_tests_and_check():
     assert steps["gpu-tests"].env == {"FASTFORMER_CUDA_SIMT": "off"}  # the CPU harness is no GPU check
     assert steps["check"].cmd == ["py", "-m", "fastformer", "check"]
     assert all(s.skip is None for s in steps.values())
-    # even every step at its limit fits one 15-minute GPU loan (the default budget caps it at 360 s)
+    # even every step at its limit fits one 15-minute GPU loan (the default budget caps it at 540 s)
     assert sum(s.limit for s in steps.values()) <= 14 * 60
 
 
