@@ -358,10 +358,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     nvcc = find_nvcc.find(torch.version.cuda, install=True)
     note = nvcc.message if nvcc.cuda_home else f"building WITHOUT the CUDA kernels: {nvcc.message}"
     print(f"gpu-check: {note}", flush=True)
-    compilers, why = libstdcxx.choose()  # the build, the harness and the crash report all inherit it
-    if why:
-        print(f"gpu-check: {why}", flush=True)
-    os.environ.update(compilers)
+    libstdcxx.use_shared("gpu-check")  # the CC/CXX that the build, the harness and the crash report inherit
     missing = missing_modules(["pytest", "hypothesis", "matplotlib", "transformers", "triton"])
     if missing:
         print(f"gpu-check: not installed here, so left out where needed: {', '.join(missing)}", flush=True)

@@ -13,7 +13,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import libstdcxx  # noqa: E402
 
-CPP = "#include <sstream>\n#include <string>\nstd::string fmt(long v) { std::ostringstream s; s << v; return s.str(); }\n"
 pytestmark = pytest.mark.skipif(not all(shutil.which(t) for t in ("g++", "nm")), reason="needs g++ and nm (binutils)")
 
 
@@ -26,7 +25,7 @@ def _static_gxx(tmp_path):
 
 
 def test_a_private_libstdcxx_copy_is_recognised(tmp_path):
-    (tmp_path / "f.cpp").write_text(CPP)
+    (tmp_path / "f.cpp").write_text(libstdcxx._PROBE)
     for name, cxx in (("shared", shutil.which("g++")), ("static", _static_gxx(tmp_path))):
         subprocess.run([cxx, "-shared", "-fPIC", "-O1", str(tmp_path / "f.cpp"), "-o", str(tmp_path / f"{name}.so")],
                        check=True, timeout=120)

@@ -249,7 +249,7 @@ def test_header_leaves_the_standard_library_compiling(tmp_path):
     src = tmp_path / "after_simt_h.cpp"
     src.write_text('#include "simt.h"\n#include <map>\n#include <memory>\n#include <mutex>\n#include <string>\n'
                    '#include <vector>\nint main() { return 0; }\n')
-    header_dir = os.path.join(os.path.dirname(plugin.__file__))
+    header_dir = os.path.dirname(plugin.__file__)
     proc = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{header_dir}", str(src)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -3,8 +3,8 @@
 A compiler that links libstdc++ statically (the first GPU machine's ``CC``/``CXX``, /opt/gcc, did)
 gives the extension a private copy of libstdc++'s streams and locale beside the process's own.
 TORCH_CHECK messages that format an integer then crash the process. ``choose()`` notices such a
-``CXX`` and falls back to the system's ``g++``/``c++``; setup.py and the SIMT harness's build use
-it. Standard library only.
+``CXX`` and falls back to the system's ``g++``/``c++``; setup.py, the SIMT harness's build and
+gpu-check use it. Standard library only.
 """
 import os
 import shutil
