@@ -21,8 +21,15 @@ $(VENV)/.deps: $(PY)
 
 setup: $(VENV)/.deps
 
-build: setup
+# pip's editable build compiles the extension from scratch (minutes), so it runs only when the build's
+# inputs changed: the Python code is used in place. `make clean` (or `make -B build`) forces it.
+BUILD_INPUTS := setup.py tools/libstdcxx.py $(shell find csrc -type f 2>/dev/null)
+
+$(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	$(PIP) install --quiet --use-pep517 --no-build-isolation --no-deps -e .
+	@touch $@
+
+build: $(VENV)/.built
 
 demo: build
 	$(PY) -m fastformer train
@@ -46,4 +53,4 @@ gpu-check:
 	$(GPU_VENV)/bin/python benchmarks/gpu_check.py --budget $(GPU_CHECK_BUDGET)
 
 clean:
-	rm -rf build *.egg-info fastformer/*.so .pytest_cache .benchmarks
+	rm -rf build *.egg-info fastformer/*.so .pytest_cache .benchmarks $(VENV)/.built
