@@ -25,7 +25,7 @@ def _modes(cmd):
     return cmd[cmd.index("--modes") + 1:cmd.index("--providers")]
 
 
-def test_steps_build_probe_bench_every_op_then_tests_and_check():
+def test_steps_build_probe_check_then_bench_every_op_then_tests():
     steps = _steps(cuda_home="/cuda")
     assert list(steps) == ["build", "error-path", "check", "bench-attention-d64", "bench-attention-d128",
                            "bench-add_layer_norm", "bench-feed_forward", "bench-cross_entropy",

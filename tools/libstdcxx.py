@@ -53,17 +53,15 @@ def choose(env: Mapping[str, str] = os.environ) -> Tuple[Dict[str, str], str]:
     cxx = env.get("CXX")
     if not cxx or not links_libstdcxx_statically(cxx):
         return {}, ""
+    problem = f"CXX={cxx} links libstdc++ statically, which crashes torch extensions' error messages"
     mine = os.path.realpath(shutil.which(cxx, path=env.get("PATH")) or cxx)
     for name in FALLBACKS:
         other = shutil.which(name, path=env.get("PATH"))
         if other and os.path.realpath(other) != mine and links_libstdcxx_statically(other) is False:
             cc = os.path.join(os.path.dirname(other), "gcc" if name == "g++" else "cc")
             cc = cc if os.path.exists(cc) else other
-            return ({"CC": cc, "CXX": other},
-                    f"CXX={cxx} links libstdc++ statically, which crashes torch extensions' error "
-                    f"messages: building with {other} instead")
-    return {}, (f"CXX={cxx} links libstdc++ statically, which crashes torch extensions' error messages, "
-                f"and no other g++/c++ here links it as a shared library")
+            return {"CC": cc, "CXX": other}, f"{problem}: building with {other} instead"
+    return {}, f"{problem}, and no other g++/c++ here links it as a shared library"
 
 
 def use_shared(who: str) -> None:
