@@ -66,7 +66,12 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;    // query rows per tile
 constexpr int64_t kBlockK = 128;   // keys per tile; a multiple of kPad
-constexpr int64_t kPad = 16;       // score rows are padded (with -inf) to whole vectors
+// Score rows are padded (with -inf) to whole vectors. The products whose N is the key count
+// (Q K^T, dO V^T) run npad wide: columns [nk, npad) of K^T / V^T hold whatever an earlier tile
+// left there, and what they give is overwritten before it is read (-inf, or 0 in dP). oneDNN's
+// brgemm then sees a few N instead of every length (a ragged N was ~20-35% slower per product at
+// attention's tile sizes on AMD EPYC / AVX2, ragged M and K not).
+constexpr int64_t kPad = 16;
 
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
@@ -613,8 +618,8 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
         const int64_t nk = std::min(kBlockK, kend - j0), npad = round_up(nk, kPad);
         const acc_t* Kj = k_tile.get(p.k, b, h, j0, nk, ldk);  // (nk, D)
         attn::transpose(Kj, ldk, nk, D, KT.data(), kBlockK);         // (D, nk)
-        // S (mq, nk) = Q_i K_j^T
-        attn::matmul(mq, nk, D, Qi, ldq, KT.data(), kBlockK, S.data(), kBlockK, false);
+        // S (mq, nk) = Q_i K_j^T, computed npad wide (see kPad)
+        attn::matmul(mq, npad, D, Qi, ldq, KT.data(), kBlockK, S.data(), kBlockK, false);
         // the softmax rows in groups of kGroup, their maxima and sums reduced together
         for (int64_t g0 = 0; g0 < mq; g0 += kGroup) {
           const int64_t rows = std::min(kGroup, mq - g0);
@@ -782,7 +787,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     for (int64_t r = 0; r < mq; ++r) p.dropout_row(drop, b, h, i0 + r, j0, nk, npad, w.keep.data() + r * kBlockK);
   }
   // P (mq, nk) = exp(scale * Q_i K_j^T + mask - lse)
-  attn::matmul(mq, nk, D, Qi, ldq, w.KT.data(), kBlockK, w.S.data(), kBlockK, false);
+  attn::matmul(mq, npad, D, Qi, ldq, w.KT.data(), kBlockK, w.S.data(), kBlockK, false);
   const bool fused = fusable<acc_t>(p.mask);
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t i = i0 + r;
@@ -810,7 +815,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   }
 
   // dP (mq, nk) = dO_i V_j^T, then dS = scale * P (dP Z - delta) in place
-  attn::matmul(mq, nk, D, dOi, lddo, w.VT.data(), kBlockK, w.dP.data(), kBlockK, false);
+  attn::matmul(mq, npad, D, dOi, lddo, w.VT.data(), kBlockK, w.dP.data(), kBlockK, false);
   for (int64_t r = 0; r < mq; ++r) {
     acc_t* dp = w.dP.data() + r * kBlockK;
     if (npad > nk) std::fill(dp + nk, dp + npad, acc_t(0));

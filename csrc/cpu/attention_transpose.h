@@ -4,7 +4,9 @@
 //
 // fp32 with AVX-512: every 16 x 16 block, ragged edges included (masked), goes through registers
 // (16 loads, four rounds of 16 shuffles, 16 stores); at::vec::transpose_mxn, which round-trips its
-// block through memory, was measured 3-4x slower. Other types / ISAs use at::vec throughout.
+// block through memory, was measured 3-4x slower. fp32 with AVX2: the same in 8 x 8 blocks (for a
+// run-time block size at::vec has only its scalar loop, which took more of the attention backward
+// than its tile products on AMD EPYC). Other types / ISAs use at::vec throughout.
 #pragma once
 #ifndef CPU_CAPABILITY
 #error "included only by the per-ISA kernel sources csrc/cpu/*_kernel.cpp (see isa.h)"
@@ -15,7 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -65,10 +67,64 @@ __attribute__((always_inline)) inline void transpose16x16(const float* src, int6
     }
   }
 }
+#elif defined(__AVX2__)
+// One fp32 block of nr <= 8 rows and nc <= 8 columns, as transpose16x16: masked loads and stores
+// keep the rows and columns past a ragged edge unread and unwritten.
+__attribute__((always_inline)) inline void transpose8x8(const float* src, int64_t ld_src, float* dst,
+                                                        int64_t ld_dst, int nr = 8, int nc = 8) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i col_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), lane);
+  const __m256i row_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
+  __m256 a[8], b[8];
+  for (int i = 0; i < 8; ++i) {
+    if (nc == 8) {
+      a[i] = i < nr ? _mm256_loadu_ps(src + i * ld_src) : _mm256_setzero_ps();
+    } else {
+      a[i] = i < nr ? _mm256_maskload_ps(src + i * ld_src, col_mask) : _mm256_setzero_ps();
+    }
+  }
+  for (int i = 0; i < 8; i += 2) {  // 32-bit interleave of row pairs
+    b[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+    b[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // 64-bit interleave within groups of four rows
+    a[i] = _mm256_shuffle_ps(b[i], b[i + 2], 0x44);
+    a[i + 1] = _mm256_shuffle_ps(b[i], b[i + 2], 0xee);
+    a[i + 2] = _mm256_shuffle_ps(b[i + 1], b[i + 3], 0x44);
+    a[i + 3] = _mm256_shuffle_ps(b[i + 1], b[i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit halves across the groups
+    b[j] = _mm256_permute2f128_ps(a[j], a[j + 4], 0x20);
+    b[j + 4] = _mm256_permute2f128_ps(a[j], a[j + 4], 0x31);
+  }
+  for (int j = 0; j < nc; ++j) {
+    if (nr == 8) {
+      _mm256_storeu_ps(dst + j * ld_dst, b[j]);
+    } else {
+      _mm256_maskstore_ps(dst + j * ld_dst, row_mask, b[j]);
+    }
+  }
+}
 #endif
 
 template <typename T>
 void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = 0; r < rows; r += 8) {
+      const int nr = static_cast<int>(std::min<int64_t>(8, rows - r));
+      for (int64_t c = 0; c < cols; c += 8) {
+        const int nc = static_cast<int>(std::min<int64_t>(8, cols - c));
+        if (nr == 8 && nc == 8) {  // inlined with constant bounds: no masks
+          transpose8x8(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst);
+        } else {
+          transpose8x8(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst, nr, nc);
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < rows; r += 16) {
     const int64_t nr = std::min<int64_t>(16, rows - r);
     for (int64_t c = 0; c < cols; c += 16) {
