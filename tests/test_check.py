@@ -89,3 +89,17 @@ def test_fp16_is_checked_on_cuda_only(monkeypatch):
     assert sorted(set(seen), key=str) == sorted({("cpu", torch.float32), ("cpu", torch.bfloat16),
                                                  ("cuda", torch.float32), ("cuda", torch.bfloat16),
                                                  ("cuda", torch.float16)}, key=str)
+
+
+@pytest.mark.parametrize("args, first", [([], True), (["--autotune"], False)], ids=["default", "autotune"])
+def test_triton_runs_its_first_configs_unless_autotune(monkeypatch, args, first):
+    """check runs Triton's autotuned kernels at their first config (autotuning every small shape
+    compiles every candidate), the other backends untouched; --autotune lets Triton tune."""
+    utils = pytest.importorskip("fastformer.triton_kernels.utils", reason="triton is not installed")
+    seen = []
+    monkeypatch.setattr(check, "targets", lambda names=None: [("triton", "cpu", None), ("cpu", "cpu", None)])
+    monkeypatch.setattr(check, "check_case", lambda op, case, backend, device, dtype:
+                        seen.append((backend, utils.first_config_only())) or (0.0, 1.0))
+    assert main(["check", "--op", "cross_entropy", *args]) == 0
+    assert set(seen) == {("triton", first), ("cpu", False)}
+    assert not utils.first_config_only()  # restored once check is done

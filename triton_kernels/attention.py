@@ -30,7 +30,8 @@ from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_bas
                               mask_bases, masked_scores, program_ids, sequence, stats_row, store_rows)
 from .matmul import input_precision
 from .registration import register_op
-from .utils import INTERPRET, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
+from .utils import (INTERPRET, dropout_threshold, first_config_only, next_power_of_2, on_device_of_first_tensor,
+                    read_philox)
 
 MAX_HEAD_DIM = 256
 
@@ -350,17 +351,15 @@ def _dropout_args(dropout_p: float):
 
 def _launch(kind, fn, grid_of, block_d, elt, args, meta):
     """Launch ``fn`` through ``wrap_triton`` so torch.compile captures the kernel inside the
-    registered op: autotuned on a GPU (its first config under
-    ``torch.use_deterministic_algorithms(True)``), the fixed interpreter blocks on CPU."""
+    registered op: autotuned on a GPU (its first config where ``utils.first_config_only()``), the
+    fixed interpreter blocks on CPU."""
     wrap = torch.library.wrap_triton
     if INTERPRET and not INTERPRET_FIRST_CHOICE:
         blocks = dict(INTERPRET_BLOCKS)
         wrap(fn)[grid_of(blocks)](*args, **meta, **blocks)
     else:
         heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
-        if INTERPRET or torch.are_deterministic_algorithms_enabled():
-            # the autotuner's pick may differ between processes and a tile size changes the
-            # summation order: run the first (best-guess) config, the same in every process
+        if INTERPRET or first_config_only():  # the first (best-guess) config, no autotuning
             cfg = _configs(kind, block_d, elt, heavy, meta.get("VARLEN", False))[0]
             wrap(fn)[grid_of(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
                                           num_stages=cfg.num_stages)

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold
+from .utils import dropout_keep_tile, dropout_threshold, first_config_only
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -469,8 +469,8 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
 
     ``wrap``: ``torch.library.wrap_triton`` when called from a ``triton_op`` (so torch.compile
     sees the kernel), else None. ``config``: a ``triton.Config`` to run instead of autotuning
-    (tests and benchmarks of single configs); under ``torch.use_deterministic_algorithms(True)``
-    the first autotune candidate is run instead of autotuning. ``split_k``: the number of K
+    (tests and benchmarks of single configs); where ``utils.first_config_only()`` (deterministic
+    mode, ``utils.first_configs()``) the first autotune candidate is run instead of autotuning. ``split_k``: the number of K
     slices to ask for (default ``FORCE_SPLIT_K``, else :func:`choose_split_k` from the device's SM
     count); cut to whole ``BLOCK_K`` steps, so a short K may still run unsplit.
     """
@@ -506,9 +506,7 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
                         seed, offset, threshold, scale, wrap)
         return splits
 
-    if config is None and not INTERPRET and torch.are_deterministic_algorithms_enabled():
-        # the autotuner's pick may differ between processes and BLOCK_K changes the summation
-        # order: run the first listed config, the same in every process
+    if config is None and not INTERPRET and first_config_only():  # the first listed config
         config = kernel_for(a.dtype).configs[0]
     kernel = kernel_for(a.dtype) if config is None else _matmul
     if wrap is not None:

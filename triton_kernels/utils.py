@@ -1,5 +1,6 @@
 """Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream, the
-host-side read of the ops' ``philox`` argument, and the CUDA device guard of the host functions."""
+host-side read of the ops' ``philox`` argument, the CUDA device guard of the host functions, and
+the switch that runs autotuned kernels at their first config."""
 import contextlib
 import functools
 import os
@@ -11,6 +12,30 @@ import triton.language as tl
 
 # Read once, at import: the kernels specialise on it (triton_kernels/aot.py unsets it before importing).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_first_configs = 0  # how many first_configs() blocks are open
+
+
+def first_config_only() -> bool:
+    """Whether the autotuned kernels (attention's, the feed-forward's matmul) run their first,
+    best-guess config instead of autotuning: inside :func:`first_configs`, and under
+    ``torch.use_deterministic_algorithms(True)`` (the autotuner's pick may differ between
+    processes, and a tile size changes the summation order)."""
+    return _first_configs > 0 or torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def first_configs():
+    """Within the block, the autotuned kernels run their first config: one compile per kernel
+    specialisation instead of one per candidate config and shape bucket. For correctness checks
+    on small shapes (``python -m fastformer check``), which a fresh Triton cache otherwise spends
+    compiling configs that only the timing runs of autotuning use."""
+    global _first_configs
+    _first_configs += 1
+    try:
+        yield
+    finally:
+        _first_configs -= 1
 
 
 @triton.jit

@@ -8,6 +8,7 @@ at most ``LOWP_FACTOR`` times the error of the reference itself computed in that
 (plus a small floor). The exit status is non-zero when any line fails.
 """
 import argparse
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -221,9 +222,21 @@ def targets(names: Optional[Sequence[str]] = None) -> List[Tuple[str, str, Optio
     return out
 
 
+def _kernel_configs(backend: str, autotune: bool):
+    """Triton's autotuned kernels run their first config (as in deterministic mode) unless
+    ``autotune``: autotuning compiles and times every candidate config of every shape bucket,
+    which on a fresh Triton cache took longer than make gpu-check's 80 s for the whole check (H200)."""
+    if backend != "triton" or autotune:
+        return contextlib.nullcontext()
+    from ..triton_kernels.utils import first_configs  # triton is importable: the backend is available
+
+    return first_configs()
+
+
 def run(backend_names: Optional[Sequence[str]] = None, op_names: Optional[Sequence[str]] = None,
-        print_fn=print) -> int:
-    """Print the availability table and one line per (op, backend, dtype); the number of failures."""
+        print_fn=print, autotune: bool = False) -> int:
+    """Print the availability table and one line per (op, backend, dtype); the number of failures.
+    ``autotune``: let Triton autotune as in training, instead of running each kernel's first config."""
     print_fn("backends:")
     for name, avail in backends.available_backends().items():
         print_fn(f"  {name:<10} {'available' if avail else 'unavailable'}{': ' + avail.reason if avail.reason else ''}")
@@ -239,7 +252,8 @@ def run(backend_names: Optional[Sequence[str]] = None, op_names: Optional[Sequen
                 worst, fail, bad_case = (0.0, 1.0), None, ""
                 for case in OPS[op][2]:
                     try:
-                        err, tol = check_case(op, case, backend, device, dtype)
+                        with _kernel_configs(backend, autotune):
+                            err, tol = check_case(op, case, backend, device, dtype)
                     except Exception as e:  # a kernel that raises fails its line, the rest still run
                         fail = f"{case.name}: {type(e).__name__}: {e}"
                         break
@@ -261,6 +275,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check only this backend (repeatable; default: every one that can run here, "
                         "triton only on a GPU)")
     p.add_argument("--op", action="append", choices=sorted(OPS), dest="ops", help="check only this op (repeatable)")
+    p.add_argument("--autotune", action="store_true",
+                   help="let Triton autotune every shape, as training does (default: each autotuned kernel runs its "
+                        "first config; autotuning compiles every candidate, slow on a fresh Triton cache)")
 
 
 __all__ = ["run", "check_case", "targets", "add_arguments", "OPS"]

@@ -157,7 +157,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif command == "check":
             from . import check
 
-            return 1 if check.run(options["backends"], options["ops"]) else 0
+            return 1 if check.run(options["backends"], options["ops"], autotune=options["autotune"]) else 0
         else:
             from . import bench
 
