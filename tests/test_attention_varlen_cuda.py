@@ -228,7 +228,7 @@ def test_hypothesis_lengths(backend, data):
 
 # The subsets re-run per schedule: reverse the tile tests of this file and the shared varlen tests;
 # warp_ahead (each of the kernels' warps alone to its next __syncthreads) fewer tile tests, fp16 /
-# bf16 (the tensor-core forward, FMA backward) and the dropout, lse and NaN tests, to keep its time
+# bf16 (the tensor-core forward and backward) and the dropout, lse and NaN tests, to keep its time
 # in check.
 SCHEDULE_SUBSETS = {
     "reverse": "(many_tiles and causal and (d40 or d111 or d256)) or (cuda and (fp32 or dropout or lse or nan))",

@@ -1,9 +1,10 @@
 // attention_varlen on CUDA: the glue of the fused kernels of attention.cu, which the padded op
-// shares (schema in csrc/schemas.h, checks in csrc/checks/attention_varlen.h), and, for the
-// forward of 16-bit inputs, of the tensor-core kernel flash_fwd_mma.cu. The host never
-// reads cu_seqlens (that would synchronise with the device): the kernels read them and clamp every
-// sequence to the tensors' rows. Only out and lse are made by the forward; the backward adds the
-// fp32 delta (H, total_q) and the three gradients: nothing of size Lq x Lk exists.
+// shares (schema in csrc/schemas.h, checks in csrc/checks/attention_varlen.h), and, for 16-bit
+// inputs, of the tensor-core kernels flash_fwd_mma.cu (forward) and flash_bwd_mma.cu (backward).
+// The host never reads cu_seqlens (that would synchronise with the device): the kernels read them
+// and clamp every sequence to the tensors' rows. Only out and lse are made by the forward; the
+// backward adds the fp32 delta (H, total_q) and the three gradients: nothing of size Lq x Lk
+// exists.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -24,6 +25,13 @@ FfRows packed_rows(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; 
 
 // lse and delta: (H, total_q) contiguous fp32.
 FfRows stat_rows(int64_t total_q) { return {0, 1, total_q}; }
+
+// FfRows as the flash launchers' (batch, head, row) stride triples.
+void set_rows(const FfRows& r, int64_t* sb, int64_t* sh, int64_t* ss) {
+  *sb = r.batch;
+  *sh = r.head;
+  *ss = r.row;
+}
 
 FfAttentionArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_q, const at::Tensor& cu_k,
@@ -56,8 +64,8 @@ FfAttentionArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::
   return a;
 }
 
-// The same call for the tensor-core forward (flash_fwd_mma.cu): out (total_q, H, D) and lse
-// (H, total_q) contiguous, as made below.
+// The same call for the tensor-core kernels (flash_fwd_mma.cu, flash_bwd_mma.cu): out
+// (total_q, H, D) and lse (H, total_q) contiguous, as made below.
 FfFlashFwdArgs flash_args(const FfAttentionArgs& a) {
   FfFlashFwdArgs f{};
   f.q = a.q;
@@ -141,6 +149,32 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
   const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
                                         dropout_p, rng, dtype);
+  // Both kernels write the rows the sequences own; rows no sequence owns (cu_seqlens ending before
+  // total, or out of range: unknown to the host, which never reads them) get 0 here.
+  dq.zero_();
+  dk.zero_();
+  dv.zero_();
+  // 16-bit inputs on the tensor-core backward wherever flash_bwd_mma_why_not admits the call (an
+  // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta in flash_args' (H, total_q).
+  const FfFlashFwdArgs flash = flash_args(a);
+  if (flash_bwd_mma_why_not(flash) == nullptr) {
+    FfFlashBwdArgs fb{};
+    fb.f = flash;
+    fb.dout = dout.const_data_ptr();
+    set_rows(packed_rows(dout), &fb.do_sb, &fb.do_sh, &fb.do_ss);
+    fb.out = out.const_data_ptr();
+    set_rows(packed_rows(out), &fb.o_sb, &fb.o_sh, &fb.o_ss);
+    fb.lse = lse.const_data_ptr<float>();
+    fb.delta = delta.data_ptr<float>();
+    fb.dq = dq.data_ptr();
+    set_rows(packed_rows(dq), &fb.dq_sb, &fb.dq_sh, &fb.dq_ss);
+    fb.dk = dk.data_ptr();
+    set_rows(packed_rows(dk), &fb.dk_sb, &fb.dk_sh, &fb.dk_ss);
+    fb.dv = dv.data_ptr();
+    set_rows(packed_rows(dv), &fb.dv_sb, &fb.dv_sh, &fb.dv_ss);
+    FF_CHECK_LAUNCH(launch_flash_bwd_mma(fb, ff_stream(q)));
+    return;
+  }
   const FfAttentionGrads g{dout.const_data_ptr(), packed_rows(dout), out.const_data_ptr(), packed_rows(out),
                            lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(dims.total_q),
                            dq.data_ptr(), packed_rows(dq), dk.data_ptr(), packed_rows(dk),

@@ -1,13 +1,22 @@
 // Attention backward on tensor cores: FlashAttention-2's backward with mma.sync m16n8k16 (bf16 /
 // fp16 inputs, fp32 accumulation), ldmatrix and cp.async (mma.cuh; fragment layouts in its
-// header). Launcher declared in flash_mma.h; the definition is the gradient of
-// fastformer/ops/reference.py::attention. The forward is flash_fwd_mma.cu; the tile helpers both
-// use (swz, LdOffsets, load_tile, pack2) are in flash_tiles.cuh. Notes and compiler output:
-// flash_bwd_mma.md.
+// header). Launcher declared in flash_mma.h; the definitions are the gradients of
+// fastformer/ops/reference.py::attention and ::attention_varlen, whose glue (attention.cpp,
+// attention_varlen.cpp) runs their 16-bit backwards here where flash_bwd_mma_why_not allows. The
+// forward is flash_fwd_mma.cu; the tile helpers both use (swz, LdOffsets, load_tile, pack2) are in
+// flash_tiles.cuh. Notes and compiler output: flash_bwd_mma.md.
+//
+// Varlen, as the forward: a block's (b, h, tile) addresses sequence b's rows from cu_seqlens
+// (flash_tiles.cuh's seq_rows); Sq / Sk in the kernels are that sequence's lengths (causal
+// bottom-right per sequence, the tile counts), p.Sq / p.Sk the maxima that size the grids and
+// number the dropout counters (so the bits are the forward's). lse and Dsum are read and written
+// in the forward's lse layout ((H, total_q) for varlen). A block whose owned tile starts past its
+// sequence's length exits before any barrier; rows no sequence owns are not written (the glue
+// zeroes them).
 //
 // Three launches, no atomics, every gradient element written by one lane: deterministic.
-//   delta   Dsum = rowsum(dO * O) in fp32 (B, H, Sq), a warp a row (the FMA backward computes the
-//           same inside its dQ kernel; here both kernels below read it).
+//   delta   Dsum = rowsum(dO * O) in fp32 (lse's layout), a warp a row (the FMA backward computes
+//           the same inside its dQ kernel; here both kernels below read it).
 //   dK dV   a block owns kOwn keys of one (b, h) and streams the query tiles that can see them
 //           (kStream rows; Q, dO, lse, Dsum and the dropout bits double-buffered, cp.async). A
 //           warp computes, for its 16 keys, S^T = K Q^T and dP^T = V dO^T (keys are the mma's M
@@ -55,6 +64,9 @@ static_assert(kThreads == ff_flash::kThreads, "the shared tile helpers copy with
 using ff_flash::LdOffsets;
 using ff_flash::load_tile;
 using ff_flash::pack2;
+using ff_flash::SeqRows;
+using ff_flash::head_row;
+using ff_flash::seq_rows;
 using ff_flash::swz;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -91,8 +103,12 @@ struct Params {
   int64_t am_sb, am_sh, am_sq;  // the key stride is 1
   uint32_t threshold;
   uint64_t seed, offset;
-  const float* lse;  // (B, H, Sq) contiguous
-  float* delta;      // (B, H, Sq) contiguous
+  const float* lse;  // the forward's, (b, h, i) at b lse_sb + h lse_sh + i (rows contiguous)
+  float* delta;      // laid out as lse
+  int64_t lse_sb, lse_sh;
+  const int32_t* cu_q;  // varlen: sequence b's rows from cu_q[b]; null for the padded op
+  const int32_t* cu_k;
+  int64_t total_q, total_k;
   void* dq;
   void* dk;
   void* dv;
@@ -101,16 +117,18 @@ struct Params {
 
 // ---- this file's helpers
 
-// keep[i (kCols / 8) + c], bit e: key k0 + 8 c + e kept for query q0 + i of (b, h) (0 past Sq or
-// Sk). k0 is a multiple of 8. Every thread calls it.
+// keep[i (kCols / 8) + c], bit e: key k0 + 8 c + e kept for query q0 + i of (b, h) (0 past the
+// sequence's Sq or Sk). The counters are the padded op's on (B, H, p.Sq, p.Sk) (varlen: the
+// maxima), as the forward's. k0 is a multiple of 8. Every thread calls it.
 template <int kRows, int kCols>
-FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0) {
+FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0,
+                         int Sq, int Sk) {
   constexpr int kG = kCols / kFfDropoutGroup;
   const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.Sk));
   for (int e = threadIdx.x; e < kRows * kG; e += kThreads) {
     const int i = e / kG, c = e % kG, qi = q0 + i, kj = k0 + kFfDropoutGroup * c;
     uint32_t bits = 0u;
-    if (qi < p.Sq && kj < p.Sk) {
+    if (qi < Sq && kj < Sk) {
       const uint64_t r = static_cast<uint64_t>((b * p.H + h) * p.Sq + qi);
       bits = ff_dropout_keep8(p.seed, p.offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup),
                               p.threshold);
@@ -156,12 +174,15 @@ flash_bwd_delta_kernel(Params p, const void* out, int64_t o_sb, int64_t o_sh, in
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // (b H + h) Sq + i
   if (row >= rows) return;  // whole warps, no barrier follows
   const int64_t i = row % p.Sq, bh = row / p.Sq, h = bh % p.H, b = bh / p.H;
-  const T* const dor = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + i * p.do_ss;
-  const T* const orow = static_cast<const T*>(out) + b * o_sb + h * o_sh + i * o_ss;
+  const SeqRows sq = seq_rows(p.cu_q, b, p.total_q, p.Sq);
+  if (i >= sq.len) return;  // past a varlen sequence's end
+  const int64_t r = sq.start + i;
+  const T* const dor = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + r * p.do_ss;
+  const T* const orow = static_cast<const T*>(out) + b * o_sb + h * o_sh + r * o_ss;
   float acc = 0.0f;
   for (int d = lane; d < p.D; d += kFfWarpSize) acc = fmaf(ff_to_float(dor[d]), ff_to_float(orow[d]), acc);
   acc = ff_warp_sum(acc);
-  if (lane == 0) p.delta[row] = acc;
+  if (lane == 0) p.delta[b * p.lse_sb + h * p.lse_sh + r] = acc;
 }
 
 // ------------------------------------------------------------------ dK, dV
@@ -184,9 +205,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   float* const dl_s = lse_s + 2 * BM;                                        // 2 x BM
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
 
-  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
   const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
   const int n0 = static_cast<int>(blockIdx.x % p.tiles) * BN;
+  // the sequence's rows; Sq and Sk below are its lengths, p.Sq and p.Sk the maxima
+  const SeqRows sq = seq_rows(p.cu_q, b, p.total_q, p.Sq), sk = seq_rows(p.cu_k, b, p.total_k, p.Sk);
+  const int Sq = sq.len, Sk = sk.len, D = static_cast<int>(p.D);
+  if (n0 >= Sk) return;  // a varlen sequence shorter than the grid: the whole block, no barrier yet
   const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
   const int g = lane / 4, t = lane % 4, i8 = lane / 8;
   const int kg = warp / C::kSplit, dpart = warp % C::kSplit;  // 16-key group, head-dim part
@@ -196,12 +220,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   if (i_begin < 0) i_begin = 0;
   const int m_tiles = i_begin < Sq ? (Sq - i_begin + BM - 1) / BM : 0;
 
-  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const uint16_t* const kgl = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
-  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
-  const uint16_t* const dog = static_cast<const uint16_t*>(p.dout) + b * p.do_sb + h * p.do_sh;
-  const float* const lse_g = p.lse + (b * p.H + h) * p.Sq;
-  const float* const dl_g = p.delta + (b * p.H + h) * p.Sq;
+  const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
+  const uint16_t* const kgl = head_row(p.k, b, h, sk.start, p.k_sb, p.k_sh, p.k_ss);
+  const uint16_t* const vg = head_row(p.v, b, h, sk.start, p.v_sb, p.v_sh, p.v_ss);
+  const uint16_t* const dog = head_row(p.dout, b, h, sq.start, p.do_sb, p.do_sh, p.do_ss);
+  const float* const lse_g = p.lse + b * p.lse_sb + h * p.lse_sh + sq.start;
+  const float* const dl_g = p.delta + b * p.lse_sb + h * p.lse_sh + sq.start;
 
   // the lane's keys (rows g, g + 8 of its warp's 16) and whether a mask other than causal / am
   // leaves them visible
@@ -236,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
       lse_s[stage * BM + e] = in ? lse_g[i0 + e] * kLog2e : INFINITY;
       dl_s[stage * BM + e] = in ? dl_g[i0 + e] : 0.0f;
     }
-    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, i0, n0);
+    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, i0, n0, Sq, Sk);
     ff_cp_async_commit();
   };
 
@@ -347,10 +371,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   }
 
   const int row0 = n0 + 16 * kg, col0 = dpart * C::kDW;
-  store_rows<T, kDT>(static_cast<uint16_t*>(p.dk) + b * p.dk_sb + h * p.dk_sh, p.dk_ss, row0, Sk,
-                     col0, dk, p.scale, p);
-  store_rows<T, kDT>(static_cast<uint16_t*>(p.dv) + b * p.dv_sb + h * p.dv_sh, p.dv_ss, row0, Sk,
-                     col0, dv, 1.0f, p);
+  store_rows<T, kDT>(static_cast<uint16_t*>(p.dk) + b * p.dk_sb + h * p.dk_sh + sk.start * p.dk_ss,
+                     p.dk_ss, row0, Sk, col0, dk, p.scale, p);
+  store_rows<T, kDT>(static_cast<uint16_t*>(p.dv) + b * p.dv_sb + h * p.dv_sh + sk.start * p.dv_ss,
+                     p.dv_ss, row0, Sk, col0, dv, 1.0f, p);
 }
 
 // ------------------------------------------------------------------ dQ
@@ -373,10 +397,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kStreamElems);  // 2 x BN / 32
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(hid + 2 * (BN / 32));      // 2 x BM x kKG
 
-  const int Sq = static_cast<int>(p.Sq), Sk = static_cast<int>(p.Sk), D = static_cast<int>(p.D);
   const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
   // the last query tiles first: under causal they see the most keys
   const int m0 = static_cast<int>(p.tiles - 1 - blockIdx.x % p.tiles) * BM;
+  const SeqRows sq = seq_rows(p.cu_q, b, p.total_q, p.Sq), sk = seq_rows(p.cu_k, b, p.total_k, p.Sk);
+  const int Sq = sq.len, Sk = sk.len, D = static_cast<int>(p.D);
+  if (m0 >= Sq) return;  // a varlen sequence shorter than the grid: the whole block, no barrier yet
   const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
   const int g = lane / 4, t = lane % 4, i8 = lane / 8;
   const int qg16 = warp / C::kSplit, dpart = warp % C::kSplit;
@@ -386,18 +412,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   if (p.causal && q_last + shift + 1 < n_end) n_end = q_last + shift + 1;
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
-  const uint16_t* const qg = static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const uint16_t* const kgl = static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh;
-  const uint16_t* const vg = static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh;
-  const uint16_t* const dog = static_cast<const uint16_t*>(p.dout) + b * p.do_sb + h * p.do_sh;
+  const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
+  const uint16_t* const kgl = head_row(p.k, b, h, sk.start, p.k_sb, p.k_sh, p.k_ss);
+  const uint16_t* const vg = head_row(p.v, b, h, sk.start, p.v_sb, p.v_sh, p.v_ss);
+  const uint16_t* const dog = head_row(p.dout, b, h, sq.start, p.do_sb, p.do_sh, p.do_ss);
 
   const int row_i[2] = {m0 + 16 * qg16 + g, m0 + 16 * qg16 + g + 8};
   float lse2[2], dl[2];
+  const int64_t stat0 = b * p.lse_sb + h * p.lse_sh + sq.start;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const bool in = row_i[r] < Sq;
-    lse2[r] = in ? p.lse[(b * p.H + h) * p.Sq + row_i[r]] * kLog2e : INFINITY;
-    dl[r] = in ? p.delta[(b * p.H + h) * p.Sq + row_i[r]] : 0.0f;
+    lse2[r] = in ? p.lse[stat0 + row_i[r]] * kLog2e : INFINITY;
+    dl[r] = in ? p.delta[stat0 + row_i[r]] : 0.0f;
   }
   // ldmatrix offsets: A (Q or dO rows 16 qg16 + lane % 16), B^T (K or V rows), B k-major (K, .trans)
   const LdOffsets<kD> a_at(lane % 16, lane / 16);
@@ -418,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
       const unsigned bits = __ballot_sync(kFfFullMask, hidden);
       if (lane == 0) hid[stage * (BN / 32) + warp] = bits;
     }
-    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, m0, n0);
+    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, m0, n0, Sq, Sk);
     ff_cp_async_commit();
   };
 
@@ -525,8 +552,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
     __syncthreads();  // every warp is done with this stage before tile it + 2 refills it
   }
 
-  store_rows<T, kDT>(static_cast<uint16_t*>(p.dq) + b * p.dq_sb + h * p.dq_sh, p.dq_ss,
-                     m0 + 16 * qg16, Sq, dpart * C::kDW, dq, p.scale, p);
+  store_rows<T, kDT>(static_cast<uint16_t*>(p.dq) + b * p.dq_sb + h * p.dq_sh + sq.start * p.dq_ss,
+                     p.dq_ss, m0 + 16 * qg16, Sq, dpart * C::kDW, dq, p.scale, p);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -592,6 +619,15 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
   if (a.Sq >= (int64_t{1} << 30) || a.Sk >= (int64_t{1} << 30)) {
     return "flash_bwd_mma: Sq and Sk must be below 2^30";  // the kernels' 32-bit row arithmetic
   }
+  if ((a.lse_sb | a.lse_sh | a.lse_ss) != 0 && a.lse_ss != 1) {
+    return "flash_bwd_mma: lse (and delta) rows must be contiguous (lse_ss == 1)";
+  }
+  if ((a.cu_seqlens_q == nullptr) != (a.cu_seqlens_k == nullptr)) {
+    return "flash_bwd_mma: cu_seqlens_q and cu_seqlens_k come together (varlen) or not at all";
+  }
+  if (a.cu_seqlens_q != nullptr && (a.kpm != nullptr || a.am != nullptr)) {
+    return "flash_bwd_mma: varlen rows (cu_seqlens) take no key_padding_mask or attn_mask";
+  }
 #ifndef FF_SIMT
   int major = 0;
   if (const char* err = ff_flash::current_device_major(&major)) return err;
@@ -646,6 +682,15 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.offset = f.offset;
   p.lse = a.lse;
   p.delta = a.delta;
+  // lse / delta strides: the forward's given ones (varlen: (H, total_q)), or (all 0) the padded
+  // op's contiguous (B, H, Sq); rows contiguous either way
+  const bool lse_given = (f.lse_sb | f.lse_sh | f.lse_ss) != 0;
+  p.lse_sb = lse_given ? f.lse_sb : f.H * f.Sq;
+  p.lse_sh = lse_given ? f.lse_sh : f.Sq;
+  p.cu_q = f.cu_seqlens_q;
+  p.cu_k = f.cu_seqlens_k;
+  p.total_q = f.total_q;
+  p.total_k = f.total_k;
   p.dq = a.dq;
   p.dk = a.dk;
   p.dv = a.dv;

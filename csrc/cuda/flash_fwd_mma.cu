@@ -87,6 +87,9 @@ static_assert(kThreads == ff_flash::kThreads, "the shared tile helpers copy with
 using ff_flash::LdOffsets;
 using ff_flash::load_tile;
 using ff_flash::pack2;
+using ff_flash::SeqRows;
+using ff_flash::head_row;
+using ff_flash::seq_rows;
 using ff_flash::swz;
 constexpr int kBlockM = 16 * kWarps;  // query rows a block
 constexpr float kLog2e = 1.4426950408889634f;
@@ -125,21 +128,6 @@ struct Params {
   const int32_t* cu_k;
   int64_t total_q, total_k;
 };
-
-// Sequence b of a varlen operand: its first row and length, clamped to the tensor's rows and to
-// max_len as attention.cu's seq_of does (any cu_seqlens values are memory-safe).
-struct SeqRows {
-  int64_t start;
-  int len;
-};
-FF_DEVICE SeqRows seq_rows(const int32_t* cu, int64_t b, int64_t total, int64_t max_len) {
-  if (cu == nullptr) return {0, static_cast<int>(max_len)};
-  int64_t s = cu[b], e = cu[b + 1];
-  s = s < 0 ? 0 : (s > total ? total : s);
-  e = e < s ? s : (e > total ? total : e);
-  const int64_t len = e - s;
-  return {s, static_cast<int>(len > max_len ? max_len : len)};
-}
 
 FF_DEVICE float bits_float(uint32_t u) {
   float f;
@@ -200,12 +188,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   if (p.causal && q_last + shift + 1 < n_end) n_end = q_last + shift + 1;
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
-  const uint16_t* const qg =
-      static_cast<const uint16_t*>(p.q) + b * p.q_sb + h * p.q_sh + sq.start * p.q_ss;
-  const uint16_t* const kg =
-      static_cast<const uint16_t*>(p.k) + b * p.k_sb + h * p.k_sh + sk.start * p.k_ss;
-  const uint16_t* const vg =
-      static_cast<const uint16_t*>(p.v) + b * p.v_sb + h * p.v_sh + sk.start * p.v_ss;
+  const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
+  const uint16_t* const kg = head_row(p.k, b, h, sk.start, p.k_sb, p.k_sh, p.k_ss);
+  const uint16_t* const vg = head_row(p.v, b, h, sk.start, p.v_sb, p.v_sh, p.v_ss);
 
   // The lane's rows: row_i[r] = the query of accumulator half r (g, g + 8).
   const int row_i[2] = {m0 + 16 * warp + g, m0 + 16 * warp + g + 8};

@@ -3,7 +3,7 @@
 // error string. The glue of attention and attention_varlen (csrc/cuda/attention.cpp,
 // attention_varlen.cpp) runs their forwards here whenever flash_fwd_mma_why_not says it can; the
 // SIMT harness's test op fastformer_simt_selftest::flash_fwd_mma (tests/simt/simt_lib.cpp) calls
-// the launcher directly; the backward launcher below, likewise, by attention's glue and by
+// the launcher directly; the backward launcher below, likewise, by both ops' glue and by
 // fastformer_simt_selftest::flash_bwd_mma.
 #pragma once
 #include <cstdint>
@@ -64,9 +64,11 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
 
 // The backward of the same call on tensor cores (csrc/cuda/flash_bwd_mma.cu): f is the forward's
 // description; dout and out (B, H, Sq, D) in its dtype through their strides (unit last stride);
-// lse (B, H, Sq) fp32 contiguous, the forward's; delta (B, H, Sq) fp32 contiguous, a workspace
-// (written: rowsum(dout * out)); dq (B, H, Sq, D), dk / dv (B, H, Sk, D) in the dtype, written
-// through their strides (unit last stride). Deterministic (no atomics).
+// lse fp32, the forward's, laid out as f.lse_s* say (all 0: (B, H, Sq) contiguous; rows
+// contiguous); delta fp32 the same, a workspace (written: rowsum(dout * out)); dq (B, H, Sq, D),
+// dk / dv (B, H, Sk, D) in the dtype, written through their strides (unit last stride). Varlen (f's
+// cu_seqlens): as the forward, each sequence's rows through the strides; rows no sequence owns
+// are not written. Deterministic (no atomics).
 struct FfFlashBwdArgs {
   FfFlashFwdArgs f;
   const void* dout;
@@ -84,7 +86,8 @@ struct FfFlashBwdArgs {
 };
 
 // nullptr when the backward kernels can take the call: the forward's rule (16-bit dtype, an
-// attn_mask with a unit key stride, sm_80+, sizes in range), checked on its own.
+// attn_mask with a unit key stride, varlen without masks, sm_80+, sizes in range) and lse rows
+// contiguous, checked on its own.
 const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a);
 
 const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream);

@@ -1,7 +1,8 @@
 // The tile helpers both tensor-core attention kernels share (flash_fwd_mma.cu, flash_bwd_mma.cu):
 // the swizzled shared-memory tile layout, the row copies into it (cp.async or plain loads),
-// ldmatrix row addresses and the 16-bit packing of two floats; on the host, the device's compute
-// capability both why_not checks ask for. kThreads is the block size both kernels launch (4 warps).
+// ldmatrix row addresses, the 16-bit packing of two floats and a varlen sequence's rows; on the
+// host, the device's compute capability both why_not checks ask for. kThreads is the block size
+// both kernels launch (4 warps).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -111,5 +112,27 @@ inline const char* current_device_major(int* major) {
   return nullptr;
 }
 #endif
+
+// Sequence b of a varlen operand: its first row and length, clamped to the tensor's rows and to
+// max_len as attention.cu's seq_of does (any cu_seqlens values are memory-safe); the padded op's
+// [0, max_len) where cu is null. Both kernels address the same rows through it.
+struct SeqRows {
+  int64_t start;
+  int len;
+};
+FF_DEVICE SeqRows seq_rows(const int32_t* cu, int64_t b, int64_t total, int64_t max_len) {
+  if (cu == nullptr) return {0, static_cast<int>(max_len)};
+  int64_t s = cu[b], e = cu[b + 1];
+  s = s < 0 ? 0 : (s > total ? total : s);
+  e = e < s ? s : (e > total ? total : e);
+  const int64_t len = e - s;
+  return {s, static_cast<int>(len > max_len ? max_len : len)};
+}
+
+// Row `row` of head (b, h) of a 16-bit operand, through its (batch, head, row) strides.
+FF_DEVICE const uint16_t* head_row(const void* base, int64_t b, int64_t h, int64_t row, int64_t sb,
+                                   int64_t sh, int64_t ss) {
+  return static_cast<const uint16_t*>(base) + b * sb + h * sh + row * ss;
+}
 
 }  // namespace ff_flash
