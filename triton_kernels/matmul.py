@@ -470,9 +470,10 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
     ``wrap``: ``torch.library.wrap_triton`` when called from a ``triton_op`` (so torch.compile
     sees the kernel), else None. ``config``: a ``triton.Config`` to run instead of autotuning
     (tests and benchmarks of single configs); where ``utils.first_config_only()`` (deterministic
-    mode, ``utils.first_configs()``) the first autotune candidate is run instead of autotuning. ``split_k``: the number of K
-    slices to ask for (default ``FORCE_SPLIT_K``, else :func:`choose_split_k` from the device's SM
-    count); cut to whole ``BLOCK_K`` steps, so a short K may still run unsplit.
+    mode, ``utils.first_configs()``) the first autotune candidate is run instead of autotuning.
+    ``split_k``: the number of K slices to ask for (default ``FORCE_SPLIT_K``, else
+    :func:`choose_split_k` from the device's SM count); cut to whole ``BLOCK_K`` steps, so a short K
+    may still run unsplit.
     """
     M, K = a.shape
     N = b.shape[1]

@@ -156,32 +156,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));  // (B, H, Sq)
   at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
+  const FfAttentionGrads g{dout.const_data_ptr(), heads_rows(dout), out.const_data_ptr(), heads_rows(out),
+                           lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(H, Sq),
+                           dq.data_ptr(), heads_rows(dq), dk.data_ptr(), heads_rows(dk),
+                           dv.data_ptr(), heads_rows(dv)};
   // 16-bit inputs on the tensor-core backward (flash_bwd_mma.cu) wherever flash_bwd_mma_why_not
   // admits the call (the forward's rule: an sm_80+ GPU, an attn_mask with a unit key stride);
   // else, and for fp32, the FMA kernels.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_bwd_mma_why_not(flash) == nullptr) {
-    FfFlashBwdArgs fb{};
-    fb.f = flash;
-    fb.dout = dout.const_data_ptr();
-    fb.do_sb = dout.stride(0), fb.do_sh = dout.stride(1), fb.do_ss = dout.stride(2);
-    fb.out = out.const_data_ptr();
-    fb.o_sb = out.stride(0), fb.o_sh = out.stride(1), fb.o_ss = out.stride(2);
-    fb.lse = lse.const_data_ptr<float>();
-    fb.delta = delta.data_ptr<float>();
-    fb.dq = dq.data_ptr();
-    fb.dq_sb = dq.stride(0), fb.dq_sh = dq.stride(1), fb.dq_ss = dq.stride(2);
-    fb.dk = dk.data_ptr();
-    fb.dk_sb = dk.stride(0), fb.dk_sh = dk.stride(1), fb.dk_ss = dk.stride(2);
-    fb.dv = dv.data_ptr();
-    fb.dv_sb = dv.stride(0), fb.dv_sh = dv.stride(1), fb.dv_ss = dv.stride(2);
-    FF_CHECK_LAUNCH(launch_flash_bwd_mma(fb, ff_stream(q)));
+    FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
     return {dq, dk, dv};
   }
-  const FfAttentionGrads g{dout.const_data_ptr(), heads_rows(dout), out.const_data_ptr(), heads_rows(out),
-                           lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(H, Sq),
-                           dq.data_ptr(), heads_rows(dq), dk.data_ptr(), heads_rows(dk),
-                           dv.data_ptr(), heads_rows(dv)};
   FF_CHECK_LAUNCH(launch_attention_bwd(call.a, g, ff_stream(q)));
   return {dq, dk, dv};
 }

@@ -26,13 +26,6 @@ FfRows packed_rows(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; 
 // lse and delta: (H, total_q) contiguous fp32.
 FfRows stat_rows(int64_t total_q) { return {0, 1, total_q}; }
 
-// FfRows as the flash launchers' (batch, head, row) stride triples.
-void set_rows(const FfRows& r, int64_t* sb, int64_t* sh, int64_t* ss) {
-  *sb = r.batch;
-  *sh = r.head;
-  *ss = r.row;
-}
-
 FfAttentionArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cu_q, const at::Tensor& cu_k,
                             const checks::VarlenDims& dims, bool is_causal, double scale,
@@ -154,31 +147,17 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
   dq.zero_();
   dk.zero_();
   dv.zero_();
-  // 16-bit inputs on the tensor-core backward wherever flash_bwd_mma_why_not admits the call (an
-  // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta in flash_args' (H, total_q).
-  const FfFlashFwdArgs flash = flash_args(a);
-  if (flash_bwd_mma_why_not(flash) == nullptr) {
-    FfFlashBwdArgs fb{};
-    fb.f = flash;
-    fb.dout = dout.const_data_ptr();
-    set_rows(packed_rows(dout), &fb.do_sb, &fb.do_sh, &fb.do_ss);
-    fb.out = out.const_data_ptr();
-    set_rows(packed_rows(out), &fb.o_sb, &fb.o_sh, &fb.o_ss);
-    fb.lse = lse.const_data_ptr<float>();
-    fb.delta = delta.data_ptr<float>();
-    fb.dq = dq.data_ptr();
-    set_rows(packed_rows(dq), &fb.dq_sb, &fb.dq_sh, &fb.dq_ss);
-    fb.dk = dk.data_ptr();
-    set_rows(packed_rows(dk), &fb.dk_sb, &fb.dk_sh, &fb.dk_ss);
-    fb.dv = dv.data_ptr();
-    set_rows(packed_rows(dv), &fb.dv_sb, &fb.dv_sh, &fb.dv_ss);
-    FF_CHECK_LAUNCH(launch_flash_bwd_mma(fb, ff_stream(q)));
-    return;
-  }
   const FfAttentionGrads g{dout.const_data_ptr(), packed_rows(dout), out.const_data_ptr(), packed_rows(out),
                            lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(dims.total_q),
                            dq.data_ptr(), packed_rows(dq), dk.data_ptr(), packed_rows(dk),
                            dv.data_ptr(), packed_rows(dv)};
+  // 16-bit inputs on the tensor-core backward wherever flash_bwd_mma_why_not admits the call (an
+  // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta in flash_args' (H, total_q).
+  const FfFlashFwdArgs flash = flash_args(a);
+  if (flash_bwd_mma_why_not(flash) == nullptr) {
+    FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
+    return;
+  }
   FF_CHECK_LAUNCH(launch_attention_bwd(a, g, ff_stream(q)));
 }
 

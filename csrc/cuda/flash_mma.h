@@ -8,6 +8,8 @@
 #pragma once
 #include <cstdint>
 
+#include "launchers.h"  // FfRows, FfAttentionGrads: the FMA kernels' description of the same call
+
 // The forward of `attention` (fastformer/ops/reference.py) for 16-bit inputs on sm_80+, and fp32
 // ones as tf32 when allowed: q (B, H, Sq, D), k / v (B, H, Sk, D) in dtype (1 float16, 2 bfloat16,
 // 0 float32 with allow_tf32), unit last stride, any
@@ -84,6 +86,21 @@ struct FfFlashBwdArgs {
   void* dv;
   int64_t dv_sb, dv_sh, dv_ss;
 };
+
+// The backward's arguments from the FMA kernels' description of the same gradients (the glue
+// builds that for either path): g's pointers and (batch, head, row) strides. lse / delta are laid
+// out as f says (g.stat_s describes the same layout to the FMA kernels).
+inline FfFlashBwdArgs ff_flash_bwd_args(const FfFlashFwdArgs& f, const FfAttentionGrads& g) {
+  FfFlashBwdArgs b{};
+  b.f = f;
+  b.dout = g.dout, b.do_sb = g.dout_s.batch, b.do_sh = g.dout_s.head, b.do_ss = g.dout_s.row;
+  b.out = g.out, b.o_sb = g.out_s.batch, b.o_sh = g.out_s.head, b.o_ss = g.out_s.row;
+  b.lse = g.lse, b.delta = g.delta;
+  b.dq = g.dq, b.dq_sb = g.dq_s.batch, b.dq_sh = g.dq_s.head, b.dq_ss = g.dq_s.row;
+  b.dk = g.dk, b.dk_sb = g.dk_s.batch, b.dk_sh = g.dk_s.head, b.dk_ss = g.dk_s.row;
+  b.dv = g.dv, b.dv_sb = g.dv_s.batch, b.dv_sh = g.dv_s.head, b.dv_ss = g.dv_s.row;
+  return b;
+}
 
 // nullptr when the backward kernels can take the call: the forward's rule (16-bit dtype, an
 // attn_mask with a unit key stride, varlen without masks, sm_80+, sizes in range) and lse rows
