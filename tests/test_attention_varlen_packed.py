@@ -192,3 +192,22 @@ def test_torch_compile_traces_the_packed_backward():
     torch._dynamo.reset()
     got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(qkv), qkv)[0]
     assert_close("dqkv", got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["q,k,v", "q,kv", "qkv"])
+def test_torch_compile_traces_each_layout_without_grad(layout):
+    """Inference under torch.compile: with no input requiring grad dynamo runs the Function's
+    forward inline, where torch 2.13 bound a ``*inputs`` parameter to one tensor of q and kv."""
+    skip_without_kernels("cpu", "attention_varlen")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(LQ), H, D, generator=g)
+    kv = torch.randn(sum(LK), 2, H, D, generator=g)
+    cq, ck = cu(LQ, "cpu"), cu(LK, "cpu")
+    calls = {"q,k,v": lambda q, kv: attention_varlen(q, kv[:, 0], kv[:, 1], cq, ck, max(LQ), max(LK)),
+             "q,kv": lambda q, kv: attention_varlen_kvpacked(q, kv, cq, ck, max(LQ), max(LK)),
+             "qkv": lambda q, kv: attention_varlen_qkvpacked(torch.stack([kv[:, 0], kv[:, 0], kv[:, 1]], 1), ck,
+                                                             max(LK))}
+    want = calls[layout](q, kv)
+    torch._dynamo.reset()
+    got = torch.compile(calls[layout], fullgraph=True, backend="eager")(q, kv)
+    assert_close("out", got, want, atol=1e-6, rtol=1e-6)

@@ -271,6 +271,26 @@ def test_real_token_gemms_are_the_packed_models_linear_products():
                           + ns * L * 2 * d * d + nt * d * V)  # cross-attention K V of the memory; vocabulary
 
 
+@pytest.mark.skipif(not fastformer.backends.availability("cpu"), reason="needs the cpu backend (the C++ extension)")
+def test_compiled_fastformer_step_trains_as_the_eager_step(one_thread):
+    """fastformer-cpu-compile: the same model and optimizer under inductor, on the packed rows.
+    Dropout on: the compiled graph draws the same Philox pairs in the same order, so two steps
+    give eager's losses up to inductor's rounding."""
+    from fastformer.jobs.bench import train_step as ts
+
+    shape = ts.sweep("cpu", "smoke")[0]
+    assert shape["dropout"] > 0
+    assert ts.why_not(ts.COMPILED, torch.device("cpu")) is None and ts.COMPILED in ts.providers_for(torch.device("cpu"))
+    assert ts.COMPILED not in ts.providers_for(torch.device("cuda"))
+    torch._dynamo.reset()
+    losses = {}
+    for provider in ("fastformer-cpu", ts.COMPILED):
+        step = ts.build_step(provider, shape, torch.device("cpu"), "fp32")
+        losses[provider] = torch.stack([step.run().detach() for _ in range(2)])
+    torch.testing.assert_close(losses[ts.COMPILED], losses["fastformer-cpu"], atol=1e-5, rtol=1e-5)
+    assert losses[ts.COMPILED][1] != losses[ts.COMPILED][0], "the second step must see the updated weights"
+
+
 def test_copy_yardstick_moves_the_ops_bytes_and_gives_the_fraction_of_copy_bandwidth(tmp_path, capsys, one_thread):
     spec = bench_ops.OPS["cross_entropy"]
     shape = spec.sweep("cpu", "smoke")[0]

@@ -23,7 +23,7 @@ def test_one_sequence_a_row_empty_rows_included():
     mask = torch.tensor([[False, False, True], [True, True, True], [False, True, False]])  # holes allowed
     p = Packing(mask)
     assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, 2, 2, 4]
-    assert p.num_sequences == 3 and p.max_seqlen == 2
+    assert p.num_sequences == 3 and p.max_seqlen == 3  # the row width, a bound read from no data
     assert p.positions.tolist() == [0, 1, 0, 2]  # the padded layout's columns
 
 

@@ -27,7 +27,8 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p,
-                kernels, *inputs):
+                kernels, x0, x1=None, x2=None):  # the layout's 1-3 tensors; not *inputs, which dynamo
+        inputs = tuple(t for t in (x0, x1, x2) if t is not None)  # (torch 2.13) binds wrongly in a no-grad trace
         q, k, v = split(layout, inputs)
         if cu_seqlens_k is None:  # the queries' (the same tensor twice would break torch.compile's trace)
             cu_seqlens_k = cu_seqlens_q

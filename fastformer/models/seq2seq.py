@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from .. import backends
 from .. import nn as fnn
 from .. import ops
 from ..nn.packing import Packing
@@ -37,9 +38,10 @@ class Seq2SeqTransformer(torch.nn.Module):
     positions are those of the padded computation (up to rounding); :meth:`forward` returns zero
     logits and :meth:`encode` a zero memory at the padded positions. With dropout on, the masks
     are drawn over the packed rows, so they are other (equally distributed) draws than the padded
-    computation's, unless nothing is padded. Under ``torch.compile`` (the number of real tokens is
-    data-dependent: packing would break the graph) and with ``skip_padding=False``, the padded
-    positions are computed too.
+    computation's, unless nothing is padded. With ``skip_padding=False`` the padded positions are
+    computed too, and so they are under ``torch.compile`` unless dynamo may capture the number of
+    real tokens as a data-dependent size (``torch._dynamo.config.capture_dynamic_output_shape_ops``)
+    and attention_varlen runs on a kernel backend.
 
     Packed-sequence training: ``loss(src, tgt, src_segments=..., tgt_segments=...)`` takes rows
     holding several sentence pairs each (see :meth:`loss`).
@@ -74,6 +76,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         if not isinstance(skip_padding, bool):
             raise TypeError(f"skip_padding must be a bool, got {type(skip_padding).__name__}")
         self.d_model, self.pad_idx, self.bos_idx, self.eos_idx = d_model, pad_idx, bos_idx, eos_idx
+        self.nhead = nhead
         self.skip_padding = skip_padding
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
 
@@ -128,7 +131,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         table = self.src_embed if name == "src" else self.tgt_embed
         if tokens.device != table.weight.device:
             raise ValueError(f"{name} is on {tokens.device} but the model is on {table.weight.device}")
-        if tokens.numel() == 0 or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or tokens.numel() == 0:
             return  # a value check would read the data (a graph break); the embedding checks it too
         vocab = table.num_embeddings
         lo, hi = int(tokens.min()), int(tokens.max())
@@ -153,9 +156,17 @@ class Seq2SeqTransformer(torch.nn.Module):
                              positional=table, positions=packing.positions, dropout_p=self._embed_dropout_p())
 
     def _runs_packed(self) -> bool:
-        """Whether to run on the packed rows: asked for, and not traced (under torch.compile the
-        number of real tokens would be a data-dependent shape)."""
-        return self.skip_padding and not torch.compiler.is_compiling()
+        """Whether to run on the packed rows: asked for, and when traced by torch.compile, allowed
+        to: the number of real tokens is then a data-dependent size, which dynamo captures only
+        with ``capture_dynamic_output_shape_ops``, and the reference attention_varlen (one Python
+        step a sequence, branching on its length) cannot be traced that way."""
+        if not (self.skip_padding and torch.compiler.is_compiling()):
+            return self.skip_padding
+        weight = self.src_embed.weight
+        dtype = validation.autocast_dtype(weight.device) or weight.dtype
+        head_dim = self.d_model // self.nhead
+        return (torch._dynamo.config.capture_dynamic_output_shape_ops
+                and backends.select("attention_varlen", weight.device, dtype, head_dim=head_dim) is not None)
 
     def encode(self, src: torch.Tensor):
         """Source ids (B, Ss) -> (memory (B, Ss, d_model), source padding mask (B, Ss) bool)."""
@@ -163,7 +174,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         src_kpm = padding_mask(src, self.pad_idx)
         if self._runs_packed():
             packing = Packing(src_kpm)
-            if packing.num_tokens:
+            if packing.has_tokens:
                 return packing.unpack(self._encode_packed(src, packing)), src_kpm
         memory = self.encoder(self.embed(self.src_embed, src), src_key_padding_mask=src_kpm, is_causal=False)
         return memory, src_kpm
@@ -191,7 +202,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         if self._runs_packed():
             self._check_pair(src, tgt)
             src_packing, tgt_packing = Packing(padding_mask(src, self.pad_idx)), Packing(padding_mask(tgt, self.pad_idx))
-            if src_packing.num_tokens and tgt_packing.num_tokens:
+            if src_packing.has_tokens and tgt_packing.has_tokens:
                 memory = self._encode_packed(src, src_packing)
                 return tgt_packing.unpack(self.output_proj(self._decode_packed(tgt, memory, tgt_packing, src_packing)))
         memory, src_kpm = self.encode(src)
@@ -231,7 +242,7 @@ class Seq2SeqTransformer(torch.nn.Module):
             self._check_pair(src, tgt)
             src_packing = Packing(padding_mask(src, self.pad_idx))
             tgt_packing = Packing(padding_mask(tgt_in, self.pad_idx))
-            if src_packing.num_tokens and tgt_packing.num_tokens:
+            if src_packing.has_tokens and tgt_packing.has_tokens:
                 return self._packed_loss(src, tgt_in, tgt_out, src_packing, tgt_packing, label_smoothing)
         memory, src_kpm = self.encode(src)
         hidden = self.decode(tgt_in, memory, src_kpm)  # (B, St - 1, d)

@@ -15,7 +15,6 @@ Packed-sequence training puts several short sentences into one row: ``segment_id
 then says which sentence of its row each position belongs to (a sentence is a run of equal ids),
 attention stays within each sentence and ``positions`` restart at 0 in each.
 """
-import functools
 from typing import Optional
 
 import torch
@@ -40,7 +39,10 @@ class Packing:
         cu_seqlens: ``(num_sequences + 1,)`` int32 cumulative sequence lengths over the packed
             rows (for :func:`fastformer.ops.attention_varlen`); an empty row without
             ``segment_ids`` is a sequence of length 0, so a batch's two packings line up.
-        max_seqlen: the longest sequence's length.
+        max_seqlen: a bound on the sequence lengths, for :func:`fastformer.ops.attention_varlen`:
+            the row width ``S`` (no read of the data, so also under torch.compile; attention's
+            dropout then numbers its bits as the padded layout's); with ``segment_ids``, the
+            longest sentence's length.
         dense: True when nothing is padded; then ``pack`` and ``unpack`` are views, and the
             packed rows are the padded batch's rows in the same order.
     """
@@ -53,12 +55,18 @@ class Packing:
         self.padding_mask = padding_mask
         self.batch_size, self.seq_len = padding_mask.shape
         self.index = (~padding_mask).reshape(-1).nonzero().squeeze(1)  # (n,)
-        self.num_tokens = int(self.index.numel())
-        self.dense = self.num_tokens == padding_mask.numel()
+        # Traced by torch.compile, n is a data-dependent size: kept symbolic, and the moves always
+        # gather and scatter (dense would be a guard on the data).
+        traced = torch.compiler.is_compiling()
+        self.num_tokens = self.index.numel() if traced else int(self.index.numel())
+        self.dense = not traced and self.num_tokens == padding_mask.numel()
         self._rows = self.index // self.seq_len  # (n,) batch row of each token
         self._cols = self.index % self.seq_len  # (n,) its column in the padded layout
         self._pad_index = padding_mask.reshape(-1).nonzero().squeeze(1)  # (B * S - n,)
         self._lengths: Optional[torch.Tensor] = None  # (num_sequences,), computed when first asked for
+        self._segmented = segment_ids is not None
+        self._cu_seqlens: Optional[torch.Tensor] = None
+        self._max_seqlen: Optional[int] = None
         if segment_ids is None:
             self.positions = self._cols  # as in the padded layout, where a row's column is its position
         else:
@@ -78,7 +86,7 @@ class Packing:
             self._lengths = lengths
 
     # The sequences are computed only when asked for: the position-wise layers never need them
-    # (a Hugging Face encoder layer takes only pack / unpack), and max_seqlen reads a GPU tensor.
+    # (a Hugging Face encoder layer takes only pack / unpack).
     @property
     def _sequence_lengths(self) -> torch.Tensor:
         if self._lengths is None:  # one sequence a row, empty rows included
@@ -86,17 +94,31 @@ class Packing:
         return self._lengths
 
     @property
+    def has_tokens(self) -> bool:
+        """Whether any position is real. Taken as true under torch.compile, which cannot branch on
+        the data: the packed layers then run on zero rows."""
+        return torch.compiler.is_compiling() or self.num_tokens > 0
+
+    @property
     def num_sequences(self) -> int:
         return self.batch_size if self._lengths is None else int(self._lengths.numel())
 
-    @functools.cached_property
+    # Cached by hand: functools.cached_property holds a lock on Python 3.11, which dynamo cannot enter.
+    @property
     def cu_seqlens(self) -> torch.Tensor:
-        lengths = self._sequence_lengths
-        return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+        if self._cu_seqlens is None:
+            lengths = self._sequence_lengths
+            self._cu_seqlens = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+        return self._cu_seqlens
 
-    @functools.cached_property
+    @property
     def max_seqlen(self) -> int:
-        return int(self._sequence_lengths.max()) if self.num_sequences else 0
+        if self._max_seqlen is None:
+            if self._segmented:  # the longest sentence: read on the host
+                self._max_seqlen = int(self._lengths.max()) if self.num_sequences else 0
+            else:  # a row's length is at most its width, with no read of the data
+                self._max_seqlen = self.seq_len
+        return self._max_seqlen
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, S, *rest)`` -> ``(n, *rest)``: the rows of the real tokens."""

@@ -21,7 +21,7 @@ def _ids(name: str, t) -> None:
 def _in_range(name: str, t: torch.Tensor, size: int, what: str) -> None:
     """Every value of ``t`` in ``[0, size)``; skipped while torch.compile traces (a value check
     reads the data: a graph break) and for an empty ``t``."""
-    if t.numel() == 0 or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or t.numel() == 0:
         return
     lo, hi = (int(v) for v in torch.aminmax(t))
     if lo < 0 or hi >= size:

@@ -6,6 +6,8 @@ One step = zero_grad, forward, label-smoothed loss, backward, Adam update, for
 * ``torch-eager``: the same architecture from ``torch.nn.Transformer`` + embeddings (scaled by
   sqrt(d_model)) + sinusoidal positions + tied output projection + ``nn.CrossEntropyLoss``;
 * ``torch-compile``: that torch model's forward + loss under ``torch.compile``;
+* ``fastformer-cpu-compile``: fastformer's model on the cpu backend with its loss under
+  ``torch.compile``, on the packed rows (``capture_dynamic_output_shape_ops``);
 
 The fastformer step updates with ``fastformer.optim.make_optimizer`` (torch's fused Adam where
 the device has it), as ``python -m fastformer train`` does; the torch providers with
@@ -29,7 +31,8 @@ from .timing import synchronized
 
 PAD, BOS, EOS = 0, 1, 2
 DTYPES = ("fp32", "bf16")
-PROVIDERS = ["fastformer-" + name for name in backends.NAMES] + ["torch-eager", "torch-compile"]
+COMPILED = "fastformer-cpu-compile"
+PROVIDERS = ["fastformer-" + name for name in backends.NAMES] + [COMPILED, "torch-eager", "torch-compile"]
 STEP_OPS = ("embedding", "attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")  # what the model's step runs
 
 
@@ -107,7 +110,7 @@ class TorchSeq2Seq(nn.Module):
 def providers_for(device: torch.device) -> List[str]:
     """The training-step providers that are timing providers on ``device`` (the cpu backend on a
     CPU, triton and cuda on a GPU, the others on both)."""
-    only = {"fastformer-cpu": "cpu", "fastformer-triton": "cuda", "fastformer-cuda": "cuda"}
+    only = {"fastformer-cpu": "cpu", COMPILED: "cpu", "fastformer-triton": "cuda", "fastformer-cuda": "cuda"}
     return [p for p in PROVIDERS if only.get(p, device.type) == device.type]
 
 
@@ -115,13 +118,29 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
     """None if ``provider`` can run the training step on ``device``, else why not."""
     if provider in ("torch-eager", "torch-compile"):
         return None
-    if not provider.startswith("fastformer-") or provider[len("fastformer-"):] not in backends.NAMES:
+    if provider not in PROVIDERS:
         return f"unknown training-step provider {provider!r} (known: {PROVIDERS})"
     try:
         import fastformer.models  # noqa: F401
     except ImportError as e:
         return f"fastformer.models is not importable: {e}"
-    return backend_why_not(provider[len("fastformer-"):], STEP_OPS, device, torch.float32)
+    return backend_why_not(_backend(provider), STEP_OPS, device, torch.float32)
+
+
+def _backend(provider: str) -> str:
+    """The backend a fastformer provider forces."""
+    return provider[len("fastformer-"):].removesuffix("-compile")
+
+
+def _compiled_packed(loss_fn: Callable) -> Callable:
+    """``loss_fn`` under torch.compile, with dynamo allowed to trace the number of real tokens as a
+    data-dependent size: the compiled model runs on the packed rows, as eager code does."""
+    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False)
+
+    def call(*args):
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            return compiled(*args)
+    return call
 
 
 @dataclass
@@ -146,10 +165,12 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
                                    num_encoder_layers=kw["layers"], num_decoder_layers=kw["layers"],
                                    dim_feedforward=kw["ffn"], dropout=kw["dropout"],
                                    pad_idx=PAD, bos_idx=BOS, eos_idx=EOS).to(device)
-        backend = provider[len("fastformer-"):]
+        backend = _backend(provider)
 
         def loss_fn(src, tgt):
             return model.loss(src, tgt, label_smoothing=shape["smoothing"])
+        if provider == COMPILED:
+            loss_fn = _compiled_packed(loss_fn)
     else:
         backend = None
         model = TorchSeq2Seq(shape["vocab"], smoothing=shape["smoothing"], **kw).to(device)

@@ -1,0 +1,123 @@
+"""Seq2SeqTransformer under torch.compile: on the packed rows where dynamo may capture the number
+of real tokens (``capture_dynamic_output_shape_ops``), in the padded layout otherwise; one graph
+either way (``fullgraph=True`` raises at a break).
+
+Most graphs run through a recording backend that runs dynamo's graph as it is (the kernels eager
+code calls); one test goes through AOTAutograd (``aot_eager``: fake kernels with a data-dependent
+row count, the joint graph and its partition), whose results must be the eager bits.
+"""
+import re
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fastformer
+from test_packing import TOL, loss_and_grads, model_and_batch
+from utils import assert_close, kernel_backends
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
+
+capture_token_counts = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+
+class Recorder:
+    """A dynamo backend that keeps each graph's code (with its autograd bodies) and runs it."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    def ops(self):
+        """The fastformer ops the graphs call."""
+        return {name for code in self.graphs for name in re.findall(r"fastformer\.(\w+)", code)}
+
+
+def compiled_loss(model, backend):
+    torch._dynamo.reset()
+    return torch.compile(lambda s, t: model.loss(s, t, label_smoothing=0.1), fullgraph=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton"))
+def test_compiled_loss_runs_on_the_packed_rows_with_the_eager_bits(backend):
+    """Dropout on: the compiled graph draws the same Philox (seed, offset) pairs in the same order,
+    over the same packed rows, so loss and every gradient are eager's bits (aot_eager runs the very
+    kernels eager code runs)."""
+    model, src, tgt = model_and_batch(dropout=0.1)
+    with fastformer.use_backend(backend):
+        want_loss, want = loss_and_grads(model, src, tgt, True, seed=3)
+        with capture_token_counts:
+            compiled = compiled_loss(model, "aot_eager")
+            torch.manual_seed(3)
+            loss = compiled(src, tgt)
+            got = torch.autograd.grad(loss, list(model.parameters()))
+    assert torch.equal(loss.detach(), want_loss)
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        assert torch.equal(a, b), f"grad {name} differs by {(a - b).abs().max().item():.3e}"
+
+
+def test_the_packed_graph_calls_varlen_attention_and_takes_any_token_count():
+    model, src, tgt = model_and_batch()
+    recorder = Recorder()
+    counter = CompileCounterWithBackend(recorder)
+    with capture_token_counts:
+        compiled = compiled_loss(model, counter)
+        for cut_src, cut_tgt in ((None, None), (2, 5), (6, 1)):  # the same (B, S), other token counts
+            s, t = src.clone(), tgt.clone()
+            if cut_src is not None:
+                s[0, cut_src:] = 0
+                t[2, cut_tgt + 1:] = 0
+            assert_close("compiled loss", compiled(s, t), model.loss(s, t, label_smoothing=0.1), *TOL["out"])
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times for one batch shape"
+    assert {"attention_varlen_fwd", "attention_varlen_bwd"} <= recorder.ops()
+    assert not {"attention_fwd", "attention_bwd"} & recorder.ops(), "the packed graph computed padded attention"
+
+
+def test_without_capture_the_compiled_loss_computes_the_padding_in_one_graph():
+    model, src, tgt = model_and_batch()
+    recorder = Recorder()
+    want = model.loss(src, tgt, label_smoothing=0.1)
+    assert_close("compiled loss", compiled_loss(model, recorder)(src, tgt), want, *TOL["out"])
+    assert "attention_fwd" in recorder.ops() and "attention_varlen_fwd" not in recorder.ops()
+
+
+def test_on_the_reference_backend_the_compiled_loss_stays_padded():
+    """The reference attention_varlen steps through the sequences in Python, branching on each
+    length: traced, those are data, so the model keeps the padded layout there."""
+    model, src, tgt = model_and_batch()
+    recorder = Recorder()
+    with fastformer.use_backend("reference"), capture_token_counts:
+        got = compiled_loss(model, recorder)(src, tgt)
+        want = model.loss(src, tgt, label_smoothing=0.1)
+    assert_close("compiled loss", got, want, *TOL["out"])
+    code = "".join(recorder.graphs)
+    assert "nonzero" not in code, "the reference backend's graph packed the rows"
+
+
+def test_compiled_forward_and_encode_run_packed():
+    model, src, tgt = model_and_batch()
+    model.eval()
+    recorder = Recorder()
+    with torch.no_grad(), capture_token_counts:
+        torch._dynamo.reset()
+        logits = torch.compile(model, fullgraph=True, backend=recorder)(src, tgt)
+        memory, kpm = torch.compile(model.encode, fullgraph=True, backend=recorder)(src)
+        want_logits, (want_memory, want_kpm) = model(src, tgt), model.encode(src)
+    assert_close("logits", logits, want_logits, *TOL["out"])
+    assert_close("memory", memory, want_memory, *TOL["out"])
+    assert torch.equal(kpm, want_kpm)
+    assert len(recorder.graphs) == 2 and all("attention_varlen_fwd" in code for code in recorder.graphs)
+
+
+def test_a_compiled_batch_without_source_tokens_matches_the_padded_loss():
+    """Traced, the model cannot fall back to the padded layout for an empty side, as eager code
+    does: the packed layers run on zero rows, and cross-attention over no key gives zeros."""
+    model, src, tgt = model_and_batch()
+    empty = torch.zeros_like(src)
+    with capture_token_counts:
+        got_loss = compiled_loss(model, Recorder())(empty, tgt)
+    want_loss, _ = loss_and_grads(model, empty, tgt, False)
+    assert_close("loss", got_loss.detach(), want_loss, *TOL["out"])
