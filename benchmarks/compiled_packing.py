@@ -17,8 +17,7 @@ import time
 import torch
 
 import fastformer
-from fastformer.jobs.bench.train_step import BOS, EOS, PAD, make_batch, sweep
-from fastformer.models import Seq2SeqTransformer
+from fastformer.jobs.bench.train_step import fastformer_model, make_batch, sweep
 from fastformer.optim import make_optimizer
 
 VARIANTS = ("eager", "compiled, packed", "compiled, padded")
@@ -26,10 +25,7 @@ VARIANTS = ("eager", "compiled, packed", "compiled, padded")
 
 def build_step(variant: str, shape: dict, src: torch.Tensor, tgt: torch.Tensor):
     torch.manual_seed(0)
-    model = Seq2SeqTransformer(shape["vocab"], shape["vocab"], d_model=shape["d_model"], nhead=shape["heads"],
-                               num_encoder_layers=shape["layers"], num_decoder_layers=shape["layers"],
-                               dim_feedforward=shape["ffn"], dropout=shape["dropout"], pad_idx=PAD, bos_idx=BOS,
-                               eos_idx=EOS).train()
+    model = fastformer_model(shape, torch.device("cpu")).train()
     optimizer = make_optimizer(model, lr=1e-4)
 
     def loss_fn(s, t):

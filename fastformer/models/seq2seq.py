@@ -76,7 +76,6 @@ class Seq2SeqTransformer(torch.nn.Module):
         if not isinstance(skip_padding, bool):
             raise TypeError(f"skip_padding must be a bool, got {type(skip_padding).__name__}")
         self.d_model, self.pad_idx, self.bos_idx, self.eos_idx = d_model, pad_idx, bos_idx, eos_idx
-        self.nhead = nhead
         self.skip_padding = skip_padding
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
 
@@ -164,7 +163,7 @@ class Seq2SeqTransformer(torch.nn.Module):
             return self.skip_padding
         weight = self.src_embed.weight
         dtype = validation.autocast_dtype(weight.device) or weight.dtype
-        head_dim = self.d_model // self.nhead
+        head_dim = self.encoder.layers[0].self_attn.head_dim
         return (torch._dynamo.config.capture_dynamic_output_shape_ops
                 and backends.select("attention_varlen", weight.device, dtype, head_dim=head_dim) is not None)
 

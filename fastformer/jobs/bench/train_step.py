@@ -143,6 +143,16 @@ def _compiled_packed(loss_fn: Callable) -> Callable:
     return call
 
 
+def fastformer_model(shape: Dict, device: torch.device) -> nn.Module:
+    """``fastformer.models.Seq2SeqTransformer`` of the step's ``shape``."""
+    from fastformer.models import Seq2SeqTransformer
+
+    return Seq2SeqTransformer(shape["vocab"], shape["vocab"], d_model=shape["d_model"], nhead=shape["heads"],
+                              num_encoder_layers=shape["layers"], num_decoder_layers=shape["layers"],
+                              dim_feedforward=shape["ffn"], dropout=shape["dropout"],
+                              pad_idx=PAD, bos_idx=BOS, eos_idx=EOS).to(device)
+
+
 @dataclass
 class Step:
     """One benchmarked training step."""
@@ -159,12 +169,7 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
     kw = dict(d_model=shape["d_model"], heads=shape["heads"], layers=shape["layers"], ffn=shape["ffn"],
               dropout=shape["dropout"])
     if provider.startswith("fastformer-"):
-        from fastformer.models import Seq2SeqTransformer
-
-        model = Seq2SeqTransformer(shape["vocab"], shape["vocab"], d_model=kw["d_model"], nhead=kw["heads"],
-                                   num_encoder_layers=kw["layers"], num_decoder_layers=kw["layers"],
-                                   dim_feedforward=kw["ffn"], dropout=kw["dropout"],
-                                   pad_idx=PAD, bos_idx=BOS, eos_idx=EOS).to(device)
+        model = fastformer_model(shape, device)
         backend = _backend(provider)
 
         def loss_fn(src, tgt):
