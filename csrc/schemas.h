@@ -18,6 +18,9 @@
 //     (csrc/philox_arg.h); being on the CPU it costs no device sync. It is always checked, its
 //     values used only when dropout_p > 0 (a call without dropout passes zeros, draws nothing).
 //   * reduction: 0 = none, 1 = mean, 2 = sum (torch's Reduction enum).
+//   * SymInt marks a size that follows the batch's shape (max_seqlen_*, num_positions): a
+//     torch.compile'd model keeps it symbolic instead of compiling again for each row width. The
+//     kernels take it as int64_t, which the dispatcher allows for a SymInt argument.
 #pragma once
 #include <torch/library.h>
 
@@ -46,18 +49,18 @@ inline void ff_define_schemas(torch::Library& m) {
   // ceil(max_seqlen_k / 8) groups a row, so the same sequences right-padded draw the same bits.
   m.def(
       "attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, float dropout_p, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, float scale, float dropout_p, "
       "Tensor philox) -> (Tensor, Tensor)");
   m.def(
       "attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, "
       "float scale, float dropout_p, Tensor philox) -> (Tensor, Tensor, Tensor)");
   // The same backward writing into given gradients (FlashAttention's dq_ / dk_ / dv_): slices of
   // one packed (total, 3, H, D) qkv or (total, 2, H, D) kv gradient, so a caller holding packed
   // inputs gets one gradient without stacking three. Every element of dq, dk and dv is written.
   m.def(
       "attention_varlen_bwd.into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, "
       "float scale, float dropout_p, Tensor philox, *, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
 
   // x, residual (N, C) contiguous; weight, bias (C,). Returns y = LN(h), h = residual + dropout(x)
@@ -127,7 +130,7 @@ inline void ff_define_schemas(torch::Library& m) {
   // scatter-add of grad * keep / (1 - p) by input, its padding_idx row 0 (-1: no padding_idx);
   // dpositional the same scatter-add by positions. Deterministic: each row a fixed-order sum.
   m.def(
-      "embedding_bwd(Tensor grad, Tensor input, Tensor? positions, int num_weights, int num_positions, "
+      "embedding_bwd(Tensor grad, Tensor input, Tensor? positions, int num_weights, SymInt num_positions, "
       "bool weight_grad, bool positional_grad, int padding_idx, float scale, float dropout_p, Tensor philox) "
       "-> (Tensor, Tensor)");
 }

@@ -64,7 +64,7 @@ def philox_bits(n: int, seed: int, offset: int, device=None) -> torch.Tensor:
 
 def groups_per_row(C: int) -> int:
     """Philox calls per row of ``C`` columns: one per eight columns."""
-    return (int(C) + 7) // 8
+    return (C + 7) // 8  # no int(): a SymInt C stays symbolic under torch.compile
 
 
 def counters_used(shape: Sequence[int]) -> int:

@@ -76,6 +76,33 @@ def test_the_packed_graph_calls_varlen_attention_and_takes_any_token_count():
     assert not {"attention_fwd", "attention_bwd"} & recorder.ops(), "the packed graph computed padded attention"
 
 
+def test_one_graph_takes_any_batch_shape_where_b_and_s_are_dynamic():
+    """B and S marked dynamic (as dynamo's automatic dynamic shapes does after a second shape): one
+    compile serves every (B, S), with eager's bits and dropout on. The ops' sizes that follow S
+    (attention_varlen's max_seqlen, the embedding backward's num_positions) are SymInts in the
+    schema; were one an int, dynamo would specialize S and raise at mark_dynamic."""
+    model, _, _ = model_and_batch(dropout=0.1)
+    counter = CompileCounterWithBackend("aot_eager")  # fake kernels with symbolic sizes too
+    with capture_token_counts:
+        compiled = compiled_loss(model, counter)
+        for B, S in ((3, 7), (3, 12), (5, 9)):
+            g = torch.Generator().manual_seed(S)
+            src = torch.randint(3, 17, (B, S), generator=g)
+            tgt = torch.randint(3, 19, (B, S + 1), generator=g)
+            src[0, S - 2:], tgt[1, S - 3:], tgt[:, 0] = 0, 0, 1
+            for t in (src, tgt):
+                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 1)
+            want_loss, want = loss_and_grads(model, src, tgt, True, seed=B * S)
+            torch.manual_seed(B * S)
+            loss = compiled(src, tgt)
+            got = torch.autograd.grad(loss, list(model.parameters()))
+            assert torch.equal(loss.detach(), want_loss), (B, S)
+            for (name, _), a, b in zip(model.named_parameters(), got, want):
+                assert torch.equal(a, b), f"(B, S) = {(B, S)}: grad {name} differs by {(a - b).abs().max().item():.3e}"
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times for three batch shapes"
+
+
 def test_without_capture_the_compiled_loss_computes_the_padding_in_one_graph():
     model, src, tgt = model_and_batch()
     recorder = Recorder()

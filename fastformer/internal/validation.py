@@ -73,8 +73,9 @@ def positive(name: str, x) -> float:
 
 
 def positive_int(name: str, x, *, minimum: int = 1) -> int:
-    """``x`` as an int >= ``minimum`` (module sizes, counts); TypeError for a non-int."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+    """``x`` as an int >= ``minimum`` (module sizes, counts); TypeError for a non-int. A
+    ``torch.SymInt`` (a size torch.compile keeps symbolic) counts as an int."""
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
     if x < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {x}")
