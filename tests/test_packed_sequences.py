@@ -32,7 +32,7 @@ def test_segments_split_rows_into_sentences_and_restart_positions():
     seg = torch.tensor([[0, 0, 1, 1, 1, 9], [4, 5, 5, 5, 5, 7], [0] * 6])
     p = Packing(mask, seg)
     assert p.cu_seqlens.tolist() == [0, 2, 5, 6, 10, 11]  # rows: [2, 3], [1, 4, 1], none
-    assert p.num_sequences == 5 and p.max_seqlen == 4
+    assert p.num_sequences == 5 and p.max_seqlen == 6  # the row width, not the longest sentence
     assert p.positions.tolist() == [0, 1, 0, 1, 2, 0, 0, 1, 2, 3, 0]
 
 

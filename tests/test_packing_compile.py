@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastformer
+from test_packed_sequences import make_model, packed_rows, pairs
 from test_packing import TOL, loss_and_grads, model_and_batch
 from utils import assert_close, kernel_backends
 
@@ -148,3 +149,39 @@ def test_a_compiled_batch_without_source_tokens_matches_the_padded_loss():
         got_loss = compiled_loss(model, Recorder())(empty, tgt)
     want_loss, _ = loss_and_grads(model, empty, tgt, False)
     assert_close("loss", got_loss.detach(), want_loss, *TOL["out"])
+
+
+def test_packed_sentence_pairs_compile_with_the_eager_bits():
+    """Several sentences a row (src_segments / tgt_segments): the sentence count is data too,
+    captured as a size; the pairs' count check runs with the graph."""
+    model = make_model(dropout=0.1)
+    (src, tgt, src_seg, tgt_seg), _ = packed_rows(pairs(), rows=3)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    with capture_token_counts:
+        compiled = torch.compile(lambda *a: model.loss(*a[:2], 0.1, src_segments=a[2], tgt_segments=a[3]),
+                                 fullgraph=True, backend=counter)
+        torch.manual_seed(5)
+        loss = compiled(src, tgt, src_seg, tgt_seg)
+        got = torch.autograd.grad(loss, list(model.parameters()))
+        torch.manual_seed(5)
+        want_loss = model.loss(src, tgt, 0.1, src_segments=src_seg, tgt_segments=tgt_seg)
+        want = torch.autograd.grad(want_loss, list(model.parameters()))
+        assert torch.equal(loss.detach(), want_loss.detach())
+        for (name, _), a, b in zip(model.named_parameters(), got, want):
+            assert torch.equal(a, b), f"grad {name} differs by {(a - b).abs().max().item():.3e}"
+        bad = tgt_seg.clone()
+        bad[0, :] = 0  # row 0's target sentences merged into one
+        with pytest.raises(RuntimeError, match="must hold the same number of sentences"):
+            compiled(src, tgt, src_seg, bad)
+    assert counter.frame_count == 1
+
+
+def test_packed_sentence_pairs_without_capture_are_a_clear_error():
+    model = make_model()
+    (src, tgt, src_seg, tgt_seg), _ = packed_rows(pairs(), rows=3)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: model.loss(*a[:2], src_segments=a[2], tgt_segments=a[3]), fullgraph=True,
+                             backend="eager")
+    with pytest.raises(RuntimeError, match="capture_dynamic_output_shape_ops = True"):
+        compiled(src, tgt, src_seg, tgt_seg)

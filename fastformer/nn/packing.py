@@ -40,9 +40,9 @@ class Packing:
             rows (for :func:`fastformer.ops.attention_varlen`); an empty row without
             ``segment_ids`` is a sequence of length 0, so a batch's two packings line up.
         max_seqlen: a bound on the sequence lengths, for :func:`fastformer.ops.attention_varlen`:
-            the row width ``S`` (no read of the data, so also under torch.compile; attention's
-            dropout then numbers its bits as the padded layout's); with ``segment_ids``, the
-            longest sentence's length.
+            the row width ``S``, with or without ``segment_ids`` (no read of the data: no host
+            sync on a GPU, and a size torch.compile can trace; attention's dropout then numbers
+            its bits as the padded layout's).
         dense: True when nothing is padded; then ``pack`` and ``unpack`` are views, and the
             packed rows are the padded batch's rows in the same order.
     """
@@ -64,9 +64,7 @@ class Packing:
         self._cols = self.index % self.seq_len  # (n,) its column in the padded layout
         self._pad_index = padding_mask.reshape(-1).nonzero().squeeze(1)  # (B * S - n,)
         self._lengths: Optional[torch.Tensor] = None  # (num_sequences,), computed when first asked for
-        self._segmented = segment_ids is not None
         self._cu_seqlens: Optional[torch.Tensor] = None
-        self._max_seqlen: Optional[int] = None
         if segment_ids is None:
             self.positions = self._cols  # as in the padded layout, where a row's column is its position
         else:
@@ -78,11 +76,11 @@ class Packing:
                                  f"{tuple(padding_mask.shape)}, got {got}")
             seg = segment_ids.reshape(-1).index_select(0, self.index.to(segment_ids.device)).to(self.index.device)
             new = torch.ones(self.num_tokens, dtype=torch.bool, device=self.index.device)  # a sequence starts here
-            if self.num_tokens > 1:
-                new[1:] = (self._rows[1:] != self._rows[:-1]) | (seg[1:] != seg[:-1])
+            new[1:] = (self._rows[1:] != self._rows[:-1]) | (seg[1:] != seg[:-1])
             first = new.nonzero().squeeze(1)  # (num_sequences,)
-            lengths = torch.diff(first, append=first.new_tensor([self.num_tokens]))
-            self.positions = self._cols - self._cols[first].repeat_interleave(lengths)  # 0 at each sentence's start
+            lengths = torch.diff(first, append=self.index.new_full((1,), self.num_tokens))
+            starts = self._cols[first].repeat_interleave(lengths, output_size=self.num_tokens)  # (n,)
+            self.positions = self._cols - starts  # 0 at each sentence's start
             self._lengths = lengths
 
     # The sequences are computed only when asked for: the position-wise layers never need them
@@ -101,7 +99,10 @@ class Packing:
 
     @property
     def num_sequences(self) -> int:
-        return self.batch_size if self._lengths is None else int(self._lengths.numel())
+        """The number of sequences; with ``segment_ids``, data: symbolic under torch.compile."""
+        if self._lengths is None:
+            return self.batch_size
+        return self._lengths.numel() if torch.compiler.is_compiling() else int(self._lengths.numel())
 
     # Cached by hand: functools.cached_property holds a lock on Python 3.11, which dynamo cannot enter.
     @property
@@ -113,12 +114,7 @@ class Packing:
 
     @property
     def max_seqlen(self) -> int:
-        if self._max_seqlen is None:
-            if self._segmented:  # the longest sentence: read on the host
-                self._max_seqlen = int(self._lengths.max()) if self.num_sequences else 0
-            else:  # a row's length is at most its width, with no read of the data
-                self._max_seqlen = self.seq_len
-        return self._max_seqlen
+        return self.seq_len  # a sequence lies within one row
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, S, *rest)`` -> ``(n, *rest)``: the rows of the real tokens."""
