@@ -233,6 +233,23 @@ def _kernel_configs(backend: str, autotune: bool):
     return first_configs()
 
 
+def _check_line(op: str, backend: str, device: str, dtype: torch.dtype, print_fn) -> bool:
+    """Every case of ``op`` on one backend and dtype, printed as one line with the worst error."""
+    worst, fail, bad_case = (0.0, 1.0), None, ""
+    for case in OPS[op][2]:
+        try:
+            err, tol = check_case(op, case, backend, device, dtype)
+        except Exception as e:  # a kernel that raises fails its line, the rest still run
+            fail = f"{case.name}: {type(e).__name__}: {e}"
+            break
+        if err / tol > worst[0] / worst[1]:
+            worst, bad_case = (err, tol), case.name
+    ok = fail is None and worst[0] <= worst[1]
+    detail = fail or f"max err {worst[0]:.2e} (tol {worst[1]:.2e}) worst case: {bad_case}"
+    print_fn(f"{'PASS' if ok else 'FAIL'} {op:<21} {backend:<7} {DTYPE_NAMES[dtype]:<5} {detail}")
+    return ok
+
+
 def run(backend_names: Optional[Sequence[str]] = None, op_names: Optional[Sequence[str]] = None,
         print_fn=print, autotune: bool = False) -> int:
     """Print the availability table and one line per (op, backend, dtype); the number of failures.
@@ -246,23 +263,11 @@ def run(backend_names: Optional[Sequence[str]] = None, op_names: Optional[Sequen
             print_fn(f"skip {backend}: {why}")
             continue
         dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
-        for op in op_names or OPS:
-            for dtype in dtypes:
-                ran += 1
-                worst, fail, bad_case = (0.0, 1.0), None, ""
-                for case in OPS[op][2]:
-                    try:
-                        with _kernel_configs(backend, autotune):
-                            err, tol = check_case(op, case, backend, device, dtype)
-                    except Exception as e:  # a kernel that raises fails its line, the rest still run
-                        fail = f"{case.name}: {type(e).__name__}: {e}"
-                        break
-                    if err / tol > worst[0] / worst[1]:
-                        worst, bad_case = (err, tol), case.name
-                ok = fail is None and worst[0] <= worst[1]
-                failures += not ok
-                detail = fail or f"max err {worst[0]:.2e} (tol {worst[1]:.2e}) worst case: {bad_case}"
-                print_fn(f"{'PASS' if ok else 'FAIL'} {op:<21} {backend:<7} {DTYPE_NAMES[dtype]:<5} {detail}")
+        with _kernel_configs(backend, autotune):
+            for op in op_names or OPS:
+                for dtype in dtypes:
+                    ran += 1
+                    failures += not _check_line(op, backend, device, dtype, print_fn)
     if ran == 0:
         print_fn("FAIL no kernel backend could run here")
         return 1
