@@ -185,3 +185,32 @@ def test_packed_sentence_pairs_without_capture_are_a_clear_error():
                              backend="eager")
     with pytest.raises(RuntimeError, match="capture_dynamic_output_shape_ops = True"):
         compiled(src, tgt, src_seg, tgt_seg)
+
+
+def test_compiled_cross_attention_over_sentence_packings_checks_their_counts():
+    """Packings with segment ids built inside the compiled code: their sentence counts are data,
+    so the module checks them with the graph (eagerly: a ValueError before any kernel)."""
+    from fastformer.nn import MultiheadAttention
+    from fastformer.nn.packing import Packing
+
+    torch.manual_seed(0)
+    attn = MultiheadAttention(24, 3, batch_first=True)
+    x, mem = torch.randn(2, 6, 24), torch.randn(2, 5, 24)
+    q_seg = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])
+    kv_seg = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+
+    def cross(x, mem, q_seg, kv_seg):
+        qp = Packing(torch.zeros(x.shape[:2], dtype=torch.bool), q_seg)
+        kp = Packing(torch.zeros(mem.shape[:2], dtype=torch.bool), kv_seg)
+        memp = kp.pack(mem)
+        return attn(qp.pack(x), memp, memp, need_weights=False, packing=(qp, kp))[0]
+
+    torch._dynamo.reset()
+    with capture_token_counts:
+        compiled = torch.compile(cross, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x, mem, q_seg, kv_seg), cross(x, mem, q_seg, kv_seg))
+        merged = torch.zeros_like(kv_seg)  # one key sentence a row: 2 against 4 query sentences
+        with pytest.raises(ValueError, match="same number of sequences"):
+            cross(x, mem, q_seg, merged)
+        with pytest.raises(RuntimeError, match="same number of sequences"):
+            compiled(x, mem, q_seg, merged)

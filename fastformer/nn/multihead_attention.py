@@ -270,7 +270,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             if t.shape[0] != packing.num_tokens:
                 raise ValueError(f"packed {name} must have one row per real token, {packing.num_tokens}, got "
                                  f"shape {tuple(t.shape)}")
-        if q_packing.num_sequences != kv_packing.num_sequences:
+        if torch.compiler.is_compiling():  # with segment ids the counts are data: checked when the graph runs
+            torch._check(q_packing.num_sequences == kv_packing.num_sequences,  # a constant message, or no graph
+                         lambda: "query and key packings must hold the same number of sequences")
+        elif q_packing.num_sequences != kv_packing.num_sequences:
             raise ValueError(f"query and key packings must hold the same number of sequences, got "
                              f"{q_packing.num_sequences} and {kv_packing.num_sequences}")
         w, b = self.in_proj_weight, self.in_proj_bias  # (3E, E), (3E,)
