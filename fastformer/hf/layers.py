@@ -96,6 +96,8 @@ def _encoder_packing(attention_mask, hidden_states):
     parts = getattr(attention_mask, _PARTS, None)
     if parts is None or parts[0] is None or parts[1] or tuple(parts[0].shape) != tuple(hidden_states.shape[:2]):
         return None
+    if torch.compiler.is_compiling() and not torch._dynamo.config.capture_dynamic_output_shape_ops:
+        return None  # the token count is data, which dynamo may not capture: padded, in one graph
     packing = getattr(attention_mask, "_fastformer_packing", None)
     if packing is None:
         packing = Packing(parts[0])

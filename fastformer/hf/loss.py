@@ -9,11 +9,13 @@ generation, no labels, an output projection that is not a plain hook-free ``nn.L
 model's own forward, logits included.
 """
 import functools
+import importlib
 import inspect
 import logging
 import sys
 import warnings
 
+import torch
 from torch import nn
 
 from .. import ops
@@ -60,7 +62,7 @@ def _flat_arguments(bound):
     return a
 
 
-def _fused_loss_forward(model, spec, a, label_smoothing):
+def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
     """The model's own forward with labels, its ``lm_head(h) + final_logits_bias`` and
     ``CrossEntropyLoss`` replaced by one ``linear_cross_entropy``; returns ``Seq2SeqLMOutput`` with
     ``logits=None`` (or its tuple when ``return_dict`` is False)."""
@@ -74,7 +76,7 @@ def _fused_loss_forward(model, spec, a, label_smoothing):
         raise ValueError(f"Labels' sequence length {labels.shape[1]} cannot exceed the maximum allowed length of "
                          f"{model.max_target_positions} tokens.")
     if a.get("decoder_input_ids") is None and (spec.shift_ignores_embeds or a.get("decoder_inputs_embeds") is None):
-        a["decoder_input_ids"] = spec.shift(labels, model.config)
+        a["decoder_input_ids"] = spec.shift(modeling, labels, model.config)
     if spec.no_cache_with_labels:
         if a.get("use_cache"):
             logger.warning("The `use_cache` argument is changed to `False` since `labels` is provided.")
@@ -89,8 +91,11 @@ def _fused_loss_forward(model, spec, a, label_smoothing):
         bias = extra if bias is None else bias + extra
     labels = labels.to(hidden.device)
     keep = labels.ne(IGNORE_INDEX)  # (B, T): the head's GEMMs skip the ignored (padded) target rows
-    if not bool(keep.all()) and bool(keep.any()):
-        hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
+    if torch.compiler.is_compiling():  # no branch on the data; the row count is data, where dynamo may capture it
+        if torch._dynamo.config.capture_dynamic_output_shape_ops:
+            hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
+    elif not bool(keep.all()) and bool(keep.any()):
+        hidden, labels = hidden[keep], labels[keep]
     loss = ops.linear_cross_entropy(hidden, head.weight, labels, linear_bias=bias, label_smoothing=label_smoothing)
     out = Seq2SeqLMOutput(
         loss=loss, logits=None, cache=outputs.cache,
@@ -105,6 +110,7 @@ def _make_forward(cls, spec):
     Trainer, is ``cls.forward``'s)."""
     orig = cls.forward
     sig = inspect.signature(orig)
+    modeling = importlib.import_module(spec.module)  # here, not in forward: an import breaks a compiled graph
 
     @functools.wraps(orig)
     def forward(self, *args, **kwargs):
@@ -113,7 +119,7 @@ def _make_forward(cls, spec):
         labels = a.get("labels")
         ls = getattr(self, "_fastformer_label_smoothing", 0.0)
         if labels is not None and self.training and plain(self.get_output_embeddings(), nn.Linear):
-            return _fused_loss_forward(self, spec, a, ls)
+            return _fused_loss_forward(self, spec, modeling, a, ls)
         if labels is None and self.training and not getattr(self, "_fastformer_trainer_warned", False) \
                 and _trainer_smooths():
             self._fastformer_trainer_warned = True

@@ -24,43 +24,40 @@ class ModelSpec:
     norm: str                       # "post" (BART, Marian) or "pre" (mBART, M2M100, Whisper)
     lm_models: Tuple[str, ...]      # the *ForConditionalGeneration class(es): the fused loss
     base_models: Tuple[str, ...]    # the bare *Model class(es): layers and attention only
-    shift: Callable                 # labels -> decoder_input_ids, as the model's own forward does
+    shift: Callable                 # (modeling module, labels, config) -> decoder_input_ids, as the model's forward
     final_logits_bias: bool
     no_cache_with_labels: bool      # the model's forward sets use_cache=False when labels are given
     shift_ignores_embeds: bool = False  # M2M100 shifts labels whenever decoder_input_ids is None
     max_target_check: bool = False      # Whisper refuses labels longer than max_target_positions
 
 
-def _shift3(module):
-    def shift(labels, config):
-        mod = importlib.import_module(module)
-        return mod.shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id)
-    return shift
+# The module is handed in, imported at convert(): an import in forward would break a torch.compile graph.
+def _shift3(mod, labels, config):
+    return mod.shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id)
 
 
-def _shift_mbart(labels, config):
-    from transformers.models.mbart import modeling_mbart
-    return modeling_mbart.shift_tokens_right(labels, config.pad_token_id)
+def _shift_mbart(mod, labels, config):
+    return mod.shift_tokens_right(labels, config.pad_token_id)  # no start token: it wraps the language id
 
 
 _M = "transformers.models."
 SPECS = {
     "bart": ModelSpec(_M + "bart.modeling_bart", "BartEncoderLayer", "BartDecoderLayer", "post",
-                      ("BartForConditionalGeneration",), ("BartModel",), _shift3(_M + "bart.modeling_bart"),
+                      ("BartForConditionalGeneration",), ("BartModel",), _shift3,
                       final_logits_bias=True, no_cache_with_labels=True),
     "marian": ModelSpec(_M + "marian.modeling_marian", "MarianEncoderLayer", "MarianDecoderLayer", "post",
-                        ("MarianMTModel",), ("MarianModel",), _shift3(_M + "marian.modeling_marian"),
+                        ("MarianMTModel",), ("MarianModel",), _shift3,
                         final_logits_bias=True, no_cache_with_labels=True),
     "mbart": ModelSpec(_M + "mbart.modeling_mbart", "MBartEncoderLayer", "MBartDecoderLayer", "pre",
                        ("MBartForConditionalGeneration",), ("MBartModel",), _shift_mbart,
                        final_logits_bias=True, no_cache_with_labels=True),
     "m2m_100": ModelSpec(_M + "m2m_100.modeling_m2m_100", "M2M100EncoderLayer", "M2M100DecoderLayer", "pre",
                          ("M2M100ForConditionalGeneration",), ("M2M100Model",),
-                         _shift3(_M + "m2m_100.modeling_m2m_100"), final_logits_bias=False,
+                         _shift3, final_logits_bias=False,
                          no_cache_with_labels=False, shift_ignores_embeds=True),
     "whisper": ModelSpec(_M + "whisper.modeling_whisper", "WhisperEncoderLayer", "WhisperDecoderLayer", "pre",
                          ("WhisperForConditionalGeneration",), ("WhisperModel",),
-                         _shift3(_M + "whisper.modeling_whisper"), final_logits_bias=False,
+                         _shift3, final_logits_bias=False,
                          no_cache_with_labels=False, max_target_check=True),
 }
 

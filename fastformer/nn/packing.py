@@ -100,9 +100,7 @@ class Packing:
     @property
     def num_sequences(self) -> int:
         """The number of sequences; with ``segment_ids``, data: symbolic under torch.compile."""
-        if self._lengths is None:
-            return self.batch_size
-        return self._lengths.numel() if torch.compiler.is_compiling() else int(self._lengths.numel())
+        return self.batch_size if self._lengths is None else self._lengths.numel()
 
     # Cached by hand: functools.cached_property holds a lock on Python 3.11, which dynamo cannot enter.
     @property

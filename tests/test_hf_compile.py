@@ -1,0 +1,44 @@
+"""A converted Hugging Face model under torch.compile: one graph (``fullgraph=True``) for the training
+loss, whose loss and gradients are the eager converted model's. With ``capture_dynamic_output_shape_ops``
+the encoder layers skip the source padding and the fused loss the ignored label rows, as eagerly;
+without it (dynamo's default) both compute the padding, since their row counts are data."""
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face integration tests need transformers")
+
+import torch  # noqa: E402
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+
+import hf_models as H  # noqa: E402
+from utils import assert_close  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
+
+
+def loss_and_grads(model, fn, batch):
+    loss = fn(**batch).loss
+    return loss.detach(), torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad],
+                                              allow_unused=True)
+
+
+# the padded case is the same branches for every model: one post-LN and one pre-LN family
+CASES = [(m, True) for m in H.MODEL_TYPES] + [("bart", False), ("mbart", False)]
+
+
+@pytest.mark.parametrize("model_type, capture", CASES, ids=[f"{m}-{'packed' if c else 'padded'}" for m, c in CASES])
+def test_compiled_converted_model_is_one_graph_with_the_eager_loss_and_gradients(model_type, capture):
+    model = H.convert(H.build(model_type)).train()  # dropout 0: the comparison is exact up to rounding
+    batch = H.batch(model_type)
+    want_loss, want = loss_and_grads(model, model, batch)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+        compiled = torch.compile(model, fullgraph=True, backend=counter)
+        got_loss, got = loss_and_grads(model, compiled, batch)
+    assert counter.frame_count == 1
+    assert_close("loss", got_loss, want_loss, 1e-6, 1e-5)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert_close(f"grad {name}", a, b, 1e-6, 1e-5)
