@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..nn.packing import Packing
+from ..nn.packing import Packing, may_pack
 from .attention import _PARTS
 
 
@@ -96,8 +96,8 @@ def _encoder_packing(attention_mask, hidden_states):
     parts = getattr(attention_mask, _PARTS, None)
     if parts is None or parts[0] is None or parts[1] or tuple(parts[0].shape) != tuple(hidden_states.shape[:2]):
         return None
-    if torch.compiler.is_compiling() and not torch._dynamo.config.capture_dynamic_output_shape_ops:
-        return None  # the token count is data, which dynamo may not capture: padded, in one graph
+    if not may_pack():
+        return None  # compiled without data-dependent sizes: padded, in one graph
     packing = getattr(attention_mask, "_fastformer_packing", None)
     if packing is None:
         packing = Packing(parts[0])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..nn.packing import may_pack
 from .layers import fused_subclass, plain
 
 logger = logging.getLogger("fastformer.hf")
@@ -92,7 +93,7 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
     labels = labels.to(hidden.device)
     keep = labels.ne(IGNORE_INDEX)  # (B, T): the head's GEMMs skip the ignored (padded) target rows
     if torch.compiler.is_compiling():  # no branch on the data; the row count is data, where dynamo may capture it
-        if torch._dynamo.config.capture_dynamic_output_shape_ops:
+        if may_pack():
             hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
     elif not bool(keep.all()) and bool(keep.any()):
         hidden, labels = hidden[keep], labels[keep]

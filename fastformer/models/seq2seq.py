@@ -6,7 +6,7 @@ import torch
 from .. import backends
 from .. import nn as fnn
 from .. import ops
-from ..nn.packing import Packing
+from ..nn.packing import Packing, may_pack
 from ..internal import validation
 from .generation import generate
 from .masks import padding_mask
@@ -164,7 +164,7 @@ class Seq2SeqTransformer(torch.nn.Module):
         weight = self.src_embed.weight
         dtype = validation.autocast_dtype(weight.device) or weight.dtype
         head_dim = self.encoder.layers[0].self_attn.head_dim
-        return (torch._dynamo.config.capture_dynamic_output_shape_ops
+        return (may_pack()
                 and backends.select("attention_varlen", weight.device, dtype, head_dim=head_dim) is not None)
 
     def encode(self, src: torch.Tensor):

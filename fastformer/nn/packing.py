@@ -20,6 +20,12 @@ from typing import Optional
 import torch
 
 
+def may_pack() -> bool:
+    """Whether the real-token count may set a size here: always eagerly; under torch.compile only
+    where dynamo captures data-dependent sizes (``capture_dynamic_output_shape_ops``)."""
+    return not torch.compiler.is_compiling() or torch._dynamo.config.capture_dynamic_output_shape_ops
+
+
 class Packing:
     """Where the real tokens of a ``(B, S)`` batch lie, and the moves between the layouts.
 
