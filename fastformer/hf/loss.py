@@ -92,11 +92,10 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
         bias = extra if bias is None else bias + extra
     labels = labels.to(hidden.device)
     keep = labels.ne(IGNORE_INDEX)  # (B, T): the head's GEMMs skip the ignored (padded) target rows
-    if torch.compiler.is_compiling():  # no branch on the data; the row count is data, where dynamo may capture it
-        if may_pack():
-            hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
-    elif not bool(keep.all()) and bool(keep.any()):
-        hidden, labels = hidden[keep], labels[keep]
+    # traced: no branch on the data, and the row count is data, a size only where dynamo may capture it
+    select = may_pack() if torch.compiler.is_compiling() else not bool(keep.all()) and bool(keep.any())
+    if select:
+        hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
     loss = ops.linear_cross_entropy(hidden, head.weight, labels, linear_bias=bias, label_smoothing=label_smoothing)
     out = Seq2SeqLMOutput(
         loss=loss, logits=None, cache=outputs.cache,

@@ -277,17 +277,16 @@ class Seq2SeqTransformer(torch.nn.Module):
         tgt_out = torch.cat([tgt[:, 1:], tgt.new_full((tgt.shape[0], 1), self.pad_idx)], dim=1).long()
         src_packing = Packing(padding_mask(src, self.pad_idx), src_segments.to(src.device))
         tgt_packing = Packing(tgt_pad | last, seg)  # the decoder reads all but each sentence's last token
-        pairs = ("src_segments and tgt_segments must hold the same number of sentences (of at least one source "
-                 "token and two target tokens), got {} and {}")
         if traced:  # the counts are data: checked when the graph runs
             torch._check(src_packing.num_sequences == tgt_packing.num_sequences,  # a constant message, or no graph
                          lambda: "src_segments and tgt_segments must hold the same number of sentences")
             torch._check(src_packing.num_tokens > 0, lambda: "packed sentence pairs need at least one sentence pair")
-        else:
-            if src_packing.num_sequences != tgt_packing.num_sequences:
-                raise ValueError(pairs.format(src_packing.num_sequences, tgt_packing.num_sequences))
-            if not (self.skip_padding and src_packing.num_tokens and tgt_packing.num_tokens):
-                raise ValueError("packed sentence pairs need skip_padding=True and at least one sentence pair")
+        elif src_packing.num_sequences != tgt_packing.num_sequences:
+            raise ValueError(f"src_segments and tgt_segments must hold the same number of sentences (of at least "
+                             f"one source token and two target tokens), got {src_packing.num_sequences} and "
+                             f"{tgt_packing.num_sequences}")
+        elif not (self.skip_padding and src_packing.num_tokens and tgt_packing.num_tokens):
+            raise ValueError("packed sentence pairs need skip_padding=True and at least one sentence pair")
         return self._packed_loss(src, tgt, tgt_out, src_packing, tgt_packing, label_smoothing)
 
     def generate(self, src: torch.Tensor, max_len=None, beam_size: int = 1) -> torch.Tensor:
