@@ -173,26 +173,76 @@ def test_swapped_or_hooked_submodules_are_called(monkeypatch):
                            "feed_forward": full["feed_forward"] - 1}
 
 
-@pytest.mark.parametrize("model_type", ["bart", "mbart"])  # post-LN and pre-LN
-def test_padding_is_skipped_by_the_encoders_position_wise_ops_and_the_loss(model_type, monkeypatch):
-    """The encoder's add_layer_norm and feed_forward take the real source tokens only, the fused loss
-    the labels that are not -100; the decoder (no padding mask of its own) takes every position."""
-    model = H.convert(H.build(model_type).train())
-    batch = H.batch(model_type)
-    rows = {name: [] for name in ("add_layer_norm", "feed_forward", "linear_cross_entropy")}
+def _rows_up_to_last_label(labels):
+    """Per row, 1 + the column of its last label that is not -100 (0 for a row with none)."""
+    return sum(max((t + 1 for t, y in enumerate(row) if y != -100), default=0) for row in labels.tolist())
+
+
+def _spy_rows(monkeypatch, *names):
+    """The rows (numel / last dim) of the first argument of each call to these fastformer.ops."""
+    rows = {name: [] for name in names}
     for name, seen in rows.items():
         def spy(x, *args, _fn=getattr(fastformer.ops, name), _seen=seen, **kwargs):
             _seen.append(x.numel() // x.shape[-1])
             return _fn(x, *args, **kwargs)
         monkeypatch.setattr(fastformer.ops, name, spy)
+    return rows
+
+
+@pytest.mark.parametrize("model_type", ["bart", "mbart"])  # post-LN and pre-LN
+def test_padding_is_skipped_by_the_position_wise_ops_and_the_loss(model_type, monkeypatch):
+    """The encoder's add_layer_norm and feed_forward take the real source tokens only, the decoder's the
+    target positions up to each row's last label that is not -100, the fused loss those labels."""
+    model = H.convert(H.build(model_type).train())
+    batch = H.batch(model_type)
+    rows = _spy_rows(monkeypatch, "add_layer_norm", "feed_forward", "linear_cross_entropy")
     model(**batch).loss.backward()
     n_src, n_tgt = int(batch["attention_mask"].sum()), batch["labels"].numel()
     n_labels = int(batch["labels"].ne(-100).sum())
-    assert n_src < batch["attention_mask"].numel() and n_labels < n_tgt  # the batch has padding to skip
+    n_dec = _rows_up_to_last_label(batch["labels"])
+    assert n_src < batch["attention_mask"].numel() and n_dec < n_tgt  # the batch has padding to skip
     E, L = model.config.encoder_layers, model.config.decoder_layers
-    assert rows["feed_forward"] == [n_src] * E + [n_tgt] * L
-    # the encoder's two per layer (pre-LN: the first LayerNorm of each layer still sees the padded layout,
-    # whose rows come from the previous layer, where the padding is zero)
+    assert rows["feed_forward"] == [n_src] * E + [n_dec] * L
+    # two per encoder layer (pre-LN: the first LayerNorm of each layer still sees the padded layout,
+    # whose rows come from the previous layer, where the padding is zero), three per decoder layer
     per_layer = [n_src, n_src] if model_type == "bart" else [H.batch(model_type)["attention_mask"].numel(), n_src]
     assert rows["add_layer_norm"][:2 * E] == per_layer * E
+    dec_first = n_dec if model_type == "bart" else n_tgt  # pre-LN: self_attn_layer_norm on the padded layout
+    assert rows["add_layer_norm"][2 * E:] == [dec_first, n_dec, n_dec] * L
     assert rows["linear_cross_entropy"] == [n_labels]
+
+
+@pytest.mark.parametrize("model_type", H.MODEL_TYPES)
+def test_decoder_skips_only_the_positions_after_the_last_label(model_type, monkeypatch):
+    """Labels ignored inside a row (a prompt) are still decoder inputs, a row of ignored labels only is
+    skipped whole; loss and gradients stay the unconverted model's. A decoder_attention_mask of the
+    caller's is its semantics: every position computed, as transformers computes it."""
+    ref = H.build(model_type).train()
+    model = H.convert(copy.deepcopy(ref))
+    batch = H.batch(model_type, B=4)
+    labels = batch["labels"]  # (4, 5): row 0 ends in two -100
+    labels[1, :2] = -100  # ignored at the start only: nothing after its last label to skip
+    labels[2, :] = -100  # a row with no label at all
+    labels[3, 1] = labels[3, 3:] = -100  # inside and at the end
+    if model_type == "mbart":  # its shift_tokens_right fails on a row without labels: inputs of its own
+        batch["decoder_input_ids"] = torch.randint(4, H.VOCAB, labels.shape, generator=torch.Generator().manual_seed(1))
+    rows = _spy_rows(monkeypatch, "feed_forward")
+    got, want = model(**batch).loss, ref(**batch).loss
+    got.backward(), want.backward()
+    n_dec = _rows_up_to_last_label(labels)
+    assert n_dec == 3 + 5 + 0 + 3
+    assert rows["feed_forward"][-model.config.decoder_layers:] == [n_dec] * model.config.decoder_layers
+    assert_close("loss", got, want, 2e-5, 1e-4)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.requires_grad:
+            assert_close(f"grad {name}", p.grad, q.grad, 2e-5, 1e-4)
+
+    # the caller's decoder mask (padding at the end of row 0 only, as a tokenizer gives it)
+    dec_mask = torch.ones_like(labels)
+    dec_mask[0, 3:] = 0
+    rows["feed_forward"].clear()
+    got = model(**batch, decoder_attention_mask=dec_mask, output_hidden_states=True)
+    want = ref(**batch, decoder_attention_mask=dec_mask, output_hidden_states=True)
+    assert_close("loss", got.loss, want.loss, 2e-5, 1e-4)
+    assert rows["feed_forward"][-model.config.decoder_layers:] == [labels.numel()] * model.config.decoder_layers
+    assert_close("decoder hidden states", got.decoder_hidden_states[-1], want.decoder_hidden_states[-1], 2e-5, 1e-4)

@@ -10,7 +10,9 @@ attention implementation) and swaps the elementwise tail for fastformer's fused 
 * ``fc2(dropout(act(fc1(x))))`` -> ``feed_forward(x, ..., activation=, dropout_p=activation_dropout)``;
 * an encoder layer whose mask is key padding runs everything after its attention on the real tokens
   alone (:class:`~fastformer.nn.packing.Packing`): its output is zero at the padded positions, which
-  every later attention masks out (transformers computes values there that nothing uses).
+  every later attention masks out (transformers computes values there that nothing uses). A decoder
+  layer does the same (its cross-attention on the padded layout) where the fused loss marked the
+  target positions after each row's last counted label as padding: causal, nothing reads them.
 
 The layer object stays (parameters, hooks, submodules); its class becomes a subclass of its transformers
 class that only overrides ``forward`` (:func:`fused_subclass`).
@@ -20,7 +22,7 @@ from torch import nn
 
 from .. import ops
 from ..nn.packing import Packing, may_pack
-from .attention import _PARTS
+from .attention import _PARTS, ROWS_UNUSED
 
 
 def _p(layer, p):
@@ -89,13 +91,16 @@ def _clamp_fp16(h, only_if_not_finite):
     return h
 
 
-def _encoder_packing(attention_mask, hidden_states):
-    """The real tokens of ``hidden_states`` (B, S, E) when the encoder's mask is exactly key padding (the
-    parts ``fastformer_mask`` attached), else None. Built once per forward: it is kept on the mask,
-    which every layer of the encoder shares."""
+def _layer_packing(attention_mask, hidden_states, decoder=False):
+    """The real tokens of ``hidden_states`` (B, S, E) where a layer may skip the rest, else None: an
+    encoder mask that is exactly key padding (the parts ``fastformer_mask`` attached), or a decoder's
+    causal mask with key padding whose padded rows nothing reads (``ROWS_UNUSED``). Built once per
+    forward: it is kept on the mask, which every layer of the stack shares."""
     parts = getattr(attention_mask, _PARTS, None)
-    if parts is None or parts[0] is None or parts[1] or tuple(parts[0].shape) != tuple(hidden_states.shape[:2]):
+    if parts is None or parts[0] is None or parts[1] != decoder or tuple(parts[0].shape) != tuple(hidden_states.shape[:2]):
         return None
+    if decoder and not getattr(attention_mask, ROWS_UNUSED, False):
+        return None  # a caller's decoder padding: its rows are outputs (the hidden states, a loss on them)
     if not may_pack():
         return None  # compiled without data-dependent sizes: padded, in one graph
     packing = getattr(attention_mask, "_fastformer_packing", None)
@@ -109,7 +114,8 @@ def _encoder_packing(attention_mask, hidden_states):
 
 
 def _packed(packing, *tensors):
-    return tensors if packing is None else tuple(packing.pack(t) for t in tensors)
+    packed = tensors if packing is None else tuple(packing.pack(t) for t in tensors)
+    return packed[0] if len(packed) == 1 else packed
 
 
 def _unpacked(packing, x):
@@ -120,7 +126,7 @@ def _unpacked(packing, x):
 def post_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
     residual = hidden_states
     h, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
-    packing = _encoder_packing(attention_mask, h)
+    packing = _layer_packing(attention_mask, h)
     h, residual = _packed(packing, h, residual)  # (n, E) each with padding skipped
     h = _aln(self, h, residual, self.self_attn_layer_norm)
     h = _ffn_aln(self, h, self.final_layer_norm)
@@ -132,13 +138,15 @@ def post_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hi
     cache = _cache_kwarg(cache, kwargs)
     residual = hidden_states
     h, _ = self.self_attn(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    packing = _layer_packing(attention_mask, h, decoder=True)
+    h, residual = _packed(packing, h, residual)  # (n, E) each with unused rows skipped
     h = _aln(self, h, residual, self.self_attn_layer_norm)
     if encoder_hidden_states is not None:
         residual = h
-        h, _ = self.encoder_attn(h, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
-                                 cache=cache, **kwargs)
-        h = _aln(self, h, residual, self.encoder_attn_layer_norm)
-    return _ffn_aln(self, h, self.final_layer_norm)
+        h, _ = self.encoder_attn(_unpacked(packing, h), key_value_states=encoder_hidden_states,
+                                 attention_mask=encoder_attention_mask, cache=cache, **kwargs)
+        h = _aln(self, _packed(packing, h), residual, self.encoder_attn_layer_norm)
+    return _unpacked(packing, _ffn_aln(self, h, self.final_layer_norm))
 
 
 # ---- pre-LN: mBART, M2M100, Whisper --------------------------------------------------------------
@@ -151,7 +159,7 @@ def pre_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
     residual = hidden_states
     x = _ln(hidden_states, self.self_attn_layer_norm)
     a, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, **kwargs)
-    packing = _encoder_packing(attention_mask, a)
+    packing = _layer_packing(attention_mask, a)
     a, residual = _packed(packing, a, residual)  # (n, E) each with padding skipped
     x, h = _aln(self, a, residual, self.final_layer_norm, prenorm=True)
     h = _pre_ln_ffn_tail(self, x, h)
@@ -164,12 +172,15 @@ def pre_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hid
     residual = hidden_states
     x = _ln(hidden_states, self.self_attn_layer_norm)
     a, _ = self.self_attn(x, cache=cache, attention_mask=attention_mask, **kwargs)
+    packing = _layer_packing(attention_mask, a, decoder=True)
+    a, residual = _packed(packing, a, residual)  # (n, E) each with unused rows skipped
     if encoder_hidden_states is not None:
         x, residual = _aln(self, a, residual, self.encoder_attn_layer_norm, prenorm=True)
-        a, _ = self.encoder_attn(x, key_value_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
-                                 cache=cache, **kwargs)
+        a, _ = self.encoder_attn(_unpacked(packing, x), key_value_states=encoder_hidden_states,
+                                 attention_mask=encoder_attention_mask, cache=cache, **kwargs)
+        a = _packed(packing, a)
     x, h = _aln(self, a, residual, self.final_layer_norm, prenorm=True)
-    return _pre_ln_ffn_tail(self, x, h)
+    return _unpacked(packing, _pre_ln_ffn_tail(self, x, h))
 
 
 FORWARDS = {

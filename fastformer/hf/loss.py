@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import ops
 from ..nn.packing import may_pack
+from .attention import ROWS_UNUSED
 from .layers import fused_subclass, plain
 
 logger = logging.getLogger("fastformer.hf")
@@ -63,6 +64,19 @@ def _flat_arguments(bound):
     return a
 
 
+def _unused_target_tail(labels):
+    """(B, T) bool, True up to each row's last label that is not ignored, or None where every row ends
+    in one. Decoding is causal, so the positions after that label feed no loss term: as the decoder's
+    padding mask, marked ``ROWS_UNUSED``, they are masked keys and its layers skip their rows."""
+    keep = labels.ne(IGNORE_INDEX)  # (B, T)
+    if bool(keep[:, -1].all()):
+        return None
+    cols = torch.arange(1, labels.shape[1] + 1, device=labels.device)  # (T,) one past each column
+    mask = cols.le((keep * cols).amax(dim=1, keepdim=True))  # (B, T): column < one past the last kept
+    setattr(mask, ROWS_UNUSED, True)
+    return mask
+
+
 def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
     """The model's own forward with labels, its ``lm_head(h) + final_logits_bias`` and
     ``CrossEntropyLoss`` replaced by one ``linear_cross_entropy``; returns ``Seq2SeqLMOutput`` with
@@ -78,6 +92,8 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
                          f"{model.max_target_positions} tokens.")
     if a.get("decoder_input_ids") is None and (spec.shift_ignores_embeds or a.get("decoder_inputs_embeds") is None):
         a["decoder_input_ids"] = spec.shift(modeling, labels, model.config)
+    if a.get("decoder_attention_mask") is None and not torch.compiler.is_compiling():
+        a["decoder_attention_mask"] = _unused_target_tail(labels)
     if spec.no_cache_with_labels:
         if a.get("use_cache"):
             logger.warning("The `use_cache` argument is changed to `False` since `labels` is provided.")
