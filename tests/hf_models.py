@@ -105,17 +105,24 @@ FUSED_OPS = ("attention", "add_layer_norm", "feed_forward", "cross_entropy", "li
 
 def count_op_calls(monkeypatch):
     """Wrap each ``fastformer.ops`` entry point (what fastformer.hf calls) with a counter; returns the
-    ``Counter`` of calls by op name, and the list of each attention call's keyword arguments."""
+    ``Counter`` of calls by op name, and the list of each attention call's keyword arguments.
+    ``attention_varlen`` (a layer's attention on its packed rows) counts as ``attention``; its entry
+    has ``varlen=True``, ``Sq``/``Sk`` its sequences' bound (the row width) and no key padding mask."""
     import collections
 
     import fastformer
 
     calls, attention_kwargs = collections.Counter(), []
-    for name in FUSED_OPS:
+    for name in FUSED_OPS + ("attention_varlen",):
         fn = getattr(fastformer.ops, name)
 
         def wrapper(*args, _fn=fn, _name=name, **kwargs):
-            calls[_name] += 1
+            if _name == "attention_varlen":
+                calls["attention"] += 1
+                attention_kwargs.append(dict(kwargs, Sq=args[5], Sk=args[6], varlen=True, rows_q=args[0].shape[0],
+                                             rows_k=args[1].shape[0]))
+            else:
+                calls[_name] += 1
             if _name == "attention":
                 attention_kwargs.append(dict(kwargs, Sq=args[0].shape[2], Sk=args[1].shape[2]))
             return _fn(*args, **kwargs)

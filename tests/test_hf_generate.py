@@ -52,11 +52,12 @@ def test_generate_gives_the_same_tokens(model_type, num_beams, backend, monkeypa
     E, L = model.config.encoder_layers, model.config.decoder_layers
     S = H.SRC_POS if model_type == "whisper" else batch["input_ids"].shape[1]
     assert S > NEW
-    seen = collections.Counter((k["Sq"], k["Sk"], k["is_causal"], k.get("key_padding_mask") is not None)
-                               for k in attention)
+    seen = collections.Counter((k["Sq"], k["Sk"], k["is_causal"], k.get("key_padding_mask") is not None,
+                                k.get("varlen", False)) for k in attention)
     padded = model_type != "whisper"  # Whisper's encoder has no padding mask
-    want_calls = {(S, S, False, padded): E, (1, S, False, padded): NEW * L}
-    want_calls.update({(1, step, False, False): L for step in range(1, NEW + 1)})
+    # the encoder on its packed rows where the source is padded; decoding in the padded layout
+    want_calls = {(S, S, False, False, padded): E, (1, S, False, padded, False): NEW * L}
+    want_calls.update({(1, step, False, False, False): L for step in range(1, NEW + 1)})
     assert dict(seen) == want_calls
     assert all(k.get("attn_mask") is None for k in attention), "a mask was materialised"
     fused = H.ffn_fusable(model_type, backend)

@@ -108,7 +108,9 @@ def test_profiler_shows_the_cpu_kernels(model_type):
     names = {e.name for e in prof.events()}
     E, L = model.config.encoder_layers, model.config.decoder_layers
     counts = {n: sum(e.name == n for e in prof.events()) for n in names if n.startswith("fastformer::")}
-    assert counts["fastformer::attention_fwd"] == counts["fastformer::attention_bwd"] == E + 2 * L
+    # source padding and labels ending in -100: every attention runs on the packed rows
+    assert counts["fastformer::attention_varlen_fwd"] == counts["fastformer::attention_varlen_bwd"] == E + 2 * L
+    assert "fastformer::attention_fwd" not in counts
     assert counts["fastformer::feed_forward_fwd"] == counts["fastformer::feed_forward_bwd"] == E + L
     assert counts["fastformer::add_layer_norm_fwd"] == counts["fastformer::add_layer_norm_bwd"] == 2 * E + 3 * L
     assert counts["fastformer::linear_cross_entropy_fwd"] == 1  # its gradient is written in the same pass
@@ -190,12 +192,14 @@ def _spy_rows(monkeypatch, *names):
 
 
 @pytest.mark.parametrize("model_type", ["bart", "mbart"])  # post-LN and pre-LN
-def test_padding_is_skipped_by_the_position_wise_ops_and_the_loss(model_type, monkeypatch):
-    """The encoder's add_layer_norm and feed_forward take the real source tokens only, the decoder's the
-    target positions up to each row's last label that is not -100, the fused loss those labels."""
+def test_padding_is_skipped_by_every_layer_op_and_the_loss(model_type, monkeypatch):
+    """The encoder's ops, attention included, take the real source tokens only, the decoder's the target
+    positions up to each row's last label that is not -100, the fused loss those labels; cross-attention
+    runs from the decoder's packed rows to the encoder's."""
     model = H.convert(H.build(model_type).train())
     batch = H.batch(model_type)
     rows = _spy_rows(monkeypatch, "add_layer_norm", "feed_forward", "linear_cross_entropy")
+    calls, attention = H.count_op_calls(monkeypatch)
     model(**batch).loss.backward()
     n_src, n_tgt = int(batch["attention_mask"].sum()), batch["labels"].numel()
     n_labels = int(batch["labels"].ne(-100).sum())
@@ -203,13 +207,10 @@ def test_padding_is_skipped_by_the_position_wise_ops_and_the_loss(model_type, mo
     assert n_src < batch["attention_mask"].numel() and n_dec < n_tgt  # the batch has padding to skip
     E, L = model.config.encoder_layers, model.config.decoder_layers
     assert rows["feed_forward"] == [n_src] * E + [n_dec] * L
-    # two per encoder layer (pre-LN: the first LayerNorm of each layer still sees the padded layout,
-    # whose rows come from the previous layer, where the padding is zero), three per decoder layer
-    per_layer = [n_src, n_src] if model_type == "bart" else [H.batch(model_type)["attention_mask"].numel(), n_src]
-    assert rows["add_layer_norm"][:2 * E] == per_layer * E
-    dec_first = n_dec if model_type == "bart" else n_tgt  # pre-LN: self_attn_layer_norm on the padded layout
-    assert rows["add_layer_norm"][2 * E:] == [dec_first, n_dec, n_dec] * L
+    assert rows["add_layer_norm"] == [n_src] * 2 * E + [n_dec] * 3 * L
     assert rows["linear_cross_entropy"] == [n_labels]
+    seen = [(k.get("varlen", False), k.get("rows_q"), k.get("rows_k"), k["is_causal"]) for k in attention]
+    assert seen == [(True, n_src, n_src, False)] * E + [(True, n_dec, n_dec, True), (True, n_dec, n_src, False)] * L
 
 
 @pytest.mark.parametrize("model_type", H.MODEL_TYPES)
@@ -227,11 +228,15 @@ def test_decoder_skips_only_the_positions_after_the_last_label(model_type, monke
     if model_type == "mbart":  # its shift_tokens_right fails on a row without labels: inputs of its own
         batch["decoder_input_ids"] = torch.randint(4, H.VOCAB, labels.shape, generator=torch.Generator().manual_seed(1))
     rows = _spy_rows(monkeypatch, "feed_forward")
+    _, attention = H.count_op_calls(monkeypatch)
     got, want = model(**batch).loss, ref(**batch).loss
     got.backward(), want.backward()
     n_dec = _rows_up_to_last_label(labels)
     assert n_dec == 3 + 5 + 0 + 3
-    assert rows["feed_forward"][-model.config.decoder_layers:] == [n_dec] * model.config.decoder_layers
+    L = model.config.decoder_layers
+    assert rows["feed_forward"][-L:] == [n_dec] * L
+    # the decoder's self- and cross-attention on its packed rows (M2M100 and Whisper included: no KV cache)
+    assert [(k.get("varlen", False), k.get("rows_q")) for k in attention[-2 * L:]] == [(True, n_dec)] * 2 * L
     assert_close("loss", got, want, 2e-5, 1e-4)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.requires_grad:
@@ -246,3 +251,17 @@ def test_decoder_skips_only_the_positions_after_the_last_label(model_type, monke
     assert_close("loss", got.loss, want.loss, 2e-5, 1e-4)
     assert rows["feed_forward"][-model.config.decoder_layers:] == [labels.numel()] * model.config.decoder_layers
     assert_close("decoder hidden states", got.decoder_hidden_states[-1], want.decoder_hidden_states[-1], 2e-5, 1e-4)
+
+    # use_cache=True: where the model keeps it (BART, Marian and mBART drop it given labels), the cache
+    # is transformers' own, every position computed as it computes them
+    rows["feed_forward"].clear(), attention.clear()
+    with torch.no_grad():
+        got, want = model(**batch, use_cache=True), ref(**batch, use_cache=True)
+    assert_close("loss", got.loss, want.loss, 2e-5, 1e-4)
+    cached = model_type in ("m2m_100", "whisper")
+    assert rows["feed_forward"][-L:] == [labels.numel() if cached else n_dec] * L
+    assert all(k.get("varlen", False) != cached for k in attention[-2 * L:])
+    if cached:
+        for layer in range(L):
+            assert_close(f"cached keys {layer}", got.past_key_values.self_attention_cache.layers[layer].keys,
+                         want.past_key_values.self_attention_cache.layers[layer].keys, 2e-5, 1e-4)

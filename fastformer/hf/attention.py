@@ -27,6 +27,9 @@ _PARTS = "_fastformer_parts"  # attribute on a mask tensor: (key_padding_mask or
 # attribute on a 2-D padding mask, copied to the mask built from it: nothing reads the outputs at its
 # padded positions (set by the fused loss on the decoder mask it derives from trailing ignored labels)
 ROWS_UNUSED = "_fastformer_padded_rows_unused"
+# keyword the fused layers pass through a transformers attention module to its attention interface
+# when its input is packed rows (1, n, E): (query packing, key packing, is_causal)
+VARLEN = "fastformer_varlen"
 _warned = set()
 
 
@@ -118,12 +121,24 @@ def fastformer_attention_forward(module, query, key, value, attention_mask, drop
         B_, Hk, S_, D_ = key.shape
         key = key[:, :, None].expand(B_, Hk, n_rep, S_, D_).reshape(B_, Hk * n_rep, S_, D_)
         value = value[:, :, None].expand(B_, Hk, n_rep, S_, value.shape[-1]).reshape(B_, Hk * n_rep, S_, -1)
+    packings = kwargs.get(VARLEN)
+    if packings is not None:
+        return _varlen_attention(query, key, value, *packings, dropout, scaling), None
     B, H, Sq, D = query.shape
     Sk = key.shape[2]
     kpm, mask, causal = translate_mask(module, attention_mask, Sq, Sk, B, query.device, is_causal)
     out = ops.attention(query, key, value, key_padding_mask=kpm, attn_mask=mask, is_causal=causal,
                         scale=scaling, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_attention(query, key, value, q_packing, k_packing, causal, dropout, scaling):
+    """q/k/v (1, H, n, D) of packed rows (what a transformers attention module makes of a (1, n, E)
+    input) -> (1, n, H, D): attention within each sequence of the packings, no padding computed."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n, H, D)
+    out = ops.attention_varlen(q, k, v, q_packing.cu_seqlens, k_packing.cu_seqlens, q_packing.max_seqlen,
+                               k_packing.max_seqlen, is_causal=causal, scale=scaling, dropout_p=dropout)
+    return out[None]
 
 
 _registered = False

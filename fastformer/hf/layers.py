@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import ops
 from ..nn.packing import Packing, may_pack
-from .attention import _PARTS, ROWS_UNUSED
+from .attention import _PARTS, ROWS_UNUSED, VARLEN
 
 
 def _p(layer, p):
@@ -91,11 +91,23 @@ def _clamp_fp16(h, only_if_not_finite):
     return h
 
 
+def _cached_packing(holder, padding_mask):
+    """A Packing of ``padding_mask()`` kept on ``holder`` (a mask every layer of the stack shares), so it
+    is built once per forward."""
+    packing = getattr(holder, "_fastformer_packing", None)
+    if packing is None:
+        packing = Packing(padding_mask())
+        try:
+            holder._fastformer_packing = packing
+        except Exception:  # noqa: BLE001 (a tensor that takes no attributes: build it per layer)
+            pass
+    return packing
+
+
 def _layer_packing(attention_mask, hidden_states, decoder=False):
     """The real tokens of ``hidden_states`` (B, S, E) where a layer may skip the rest, else None: an
     encoder mask that is exactly key padding (the parts ``fastformer_mask`` attached), or a decoder's
-    causal mask with key padding whose padded rows nothing reads (``ROWS_UNUSED``). Built once per
-    forward: it is kept on the mask, which every layer of the stack shares."""
+    causal mask with key padding whose padded rows nothing reads (``ROWS_UNUSED``)."""
     parts = getattr(attention_mask, _PARTS, None)
     if parts is None or parts[0] is None or parts[1] != decoder or tuple(parts[0].shape) != tuple(hidden_states.shape[:2]):
         return None
@@ -103,50 +115,82 @@ def _layer_packing(attention_mask, hidden_states, decoder=False):
         return None  # a caller's decoder padding: its rows are outputs (the hidden states, a loss on them)
     if not may_pack():
         return None  # compiled without data-dependent sizes: padded, in one graph
-    packing = getattr(attention_mask, "_fastformer_packing", None)
-    if packing is None:
-        packing = Packing(parts[0])
-        try:
-            attention_mask._fastformer_packing = packing
-        except Exception:  # noqa: BLE001 (a tensor that takes no attributes: build it per layer)
-            pass
+    packing = _cached_packing(attention_mask, lambda: parts[0])
     return None if packing.dense else packing
 
 
-def _packed(packing, *tensors):
-    packed = tensors if packing is None else tuple(packing.pack(t) for t in tensors)
-    return packed[0] if len(packed) == 1 else packed
+def _memory_packing(mask, memory, packing):
+    """The rows of the encoder output ``memory`` (B, S, E) that cross-attention's keys are: its mask's
+    key padding skipped, or every row without a mask (kept on the target ``packing``); None where the
+    mask is anything else."""
+    parts = (None, False) if mask is None else getattr(mask, _PARTS, None)
+    if parts is None or parts[1] or (parts[0] is not None and tuple(parts[0].shape) != tuple(memory.shape[:2])):
+        return None
+    if parts[0] is None:
+        return _cached_packing(packing, lambda: memory.new_zeros(memory.shape[:2], dtype=torch.bool))
+    return _cached_packing(mask, lambda: parts[0])
 
 
-def _unpacked(packing, x):
-    return x if packing is None else packing.unpack(x)
+def _rows(packing, x):
+    """``x`` as packed rows (n, E) when there is a packing (it may be packed already), else as it is."""
+    return x if packing is None or x.dim() == 2 else packing.pack(x)
+
+
+def _padded(packing, x):
+    """``x`` back in the padded layout (B, S, E), zeros at the skipped positions."""
+    return x if x.dim() == 3 else packing.unpack(x)
+
+
+def _attend(attn, x, mask, packing, kv_packing=None, causal=False, **kwargs):
+    """transformers attention module ``attn`` (its own projections) on ``x``: padded (B, S, E) under
+    ``mask``, or packed rows (n, E) through ``attention_varlen`` within the sequences of ``packing``
+    (keys: ``kv_packing``'s, default the same; a ``key_value_states`` packed likewise)."""
+    if x.dim() == 3:
+        return attn(x, attention_mask=mask, **kwargs)[0]
+    kv = kwargs.pop("key_value_states", None)
+    kwargs[VARLEN] = (packing, packing if kv_packing is None else kv_packing, causal)
+    out, _ = attn(x[None], key_value_states=None if kv is None else kv[None], attention_mask=None, **kwargs)
+    return out[0]  # (n, E)
+
+
+def _decoder_packing(attention_mask, hidden_states, cache):
+    """The rows a decoder layer skips (see :func:`_layer_packing`); none with a KV cache, which holds
+    every position as transformers computes it."""
+    return None if cache is not None else _layer_packing(attention_mask, hidden_states, decoder=True)
+
+
+def _cross_attention(layer, x, packing, cache, memory, memory_mask, **kwargs):
+    """The decoder layer's cross-attention for its rows ``x`` (packed where ``packing``), returned in
+    the layout of ``x``: on the packed rows of both sides where it can, else padded."""
+    mem_packing = _memory_packing(memory_mask, memory, packing) if x.dim() == 2 else None
+    if mem_packing is not None:
+        return _attend(layer.encoder_attn, x, None, packing, mem_packing, key_value_states=mem_packing.pack(memory),
+                       **kwargs)
+    out, _ = layer.encoder_attn(_padded(packing, x), key_value_states=memory, attention_mask=memory_mask,
+                                cache=cache, **kwargs)
+    return _rows(packing, out)
 
 
 # ---- post-LN: BART, Marian ----------------------------------------------------------------------
 def post_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
-    residual = hidden_states
-    h, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
-    packing = _layer_packing(attention_mask, h)
-    h, residual = _packed(packing, h, residual)  # (n, E) each with padding skipped
-    h = _aln(self, h, residual, self.self_attn_layer_norm)
+    packing = _layer_packing(attention_mask, hidden_states)
+    x = _rows(packing, hidden_states)  # (n, E) with padding skipped, attention included
+    h = _aln(self, _attend(self.self_attn, x, attention_mask, packing, **kwargs), x, self.self_attn_layer_norm)
     h = _ffn_aln(self, h, self.final_layer_norm)
-    return _clamp_fp16(_unpacked(packing, h), only_if_not_finite=True)
+    return _clamp_fp16(_padded(packing, h), only_if_not_finite=True)
 
 
 def post_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                             encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
     cache = _cache_kwarg(cache, kwargs)
-    residual = hidden_states
-    h, _ = self.self_attn(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    packing = _layer_packing(attention_mask, h, decoder=True)
-    h, residual = _packed(packing, h, residual)  # (n, E) each with unused rows skipped
-    h = _aln(self, h, residual, self.self_attn_layer_norm)
+    packing = _decoder_packing(attention_mask, hidden_states, cache)
+    x = _rows(packing, hidden_states)  # (n, E) with unused rows skipped, attention included
+    h = _attend(self.self_attn, x, attention_mask, packing, causal=True, cache=cache, **kwargs)
+    h = _aln(self, h, x, self.self_attn_layer_norm)
     if encoder_hidden_states is not None:
-        residual = h
-        h, _ = self.encoder_attn(_unpacked(packing, h), key_value_states=encoder_hidden_states,
-                                 attention_mask=encoder_attention_mask, cache=cache, **kwargs)
-        h = _aln(self, _packed(packing, h), residual, self.encoder_attn_layer_norm)
-    return _unpacked(packing, _ffn_aln(self, h, self.final_layer_norm))
+        a = _cross_attention(self, h, packing, cache, encoder_hidden_states, encoder_attention_mask, **kwargs)
+        h = _aln(self, a, h, self.encoder_attn_layer_norm)
+    return _padded(packing, _ffn_aln(self, h, self.final_layer_norm))
 
 
 # ---- pre-LN: mBART, M2M100, Whisper --------------------------------------------------------------
@@ -156,31 +200,26 @@ def _pre_ln_ffn_tail(self, x, h):
 
 
 def pre_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
-    residual = hidden_states
-    x = _ln(hidden_states, self.self_attn_layer_norm)
-    a, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, **kwargs)
-    packing = _layer_packing(attention_mask, a)
-    a, residual = _packed(packing, a, residual)  # (n, E) each with padding skipped
+    packing = _layer_packing(attention_mask, hidden_states)
+    residual = _rows(packing, hidden_states)  # (n, E) with padding skipped, attention included
+    a = _attend(self.self_attn, _ln(residual, self.self_attn_layer_norm), attention_mask, packing, **kwargs)
     x, h = _aln(self, a, residual, self.final_layer_norm, prenorm=True)
     h = _pre_ln_ffn_tail(self, x, h)
-    return _clamp_fp16(_unpacked(packing, h), only_if_not_finite=False)
+    return _clamp_fp16(_padded(packing, h), only_if_not_finite=False)
 
 
 def pre_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                            encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
     cache = _cache_kwarg(cache, kwargs)
-    residual = hidden_states
-    x = _ln(hidden_states, self.self_attn_layer_norm)
-    a, _ = self.self_attn(x, cache=cache, attention_mask=attention_mask, **kwargs)
-    packing = _layer_packing(attention_mask, a, decoder=True)
-    a, residual = _packed(packing, a, residual)  # (n, E) each with unused rows skipped
+    packing = _decoder_packing(attention_mask, hidden_states, cache)
+    residual = _rows(packing, hidden_states)  # (n, E) with unused rows skipped, attention included
+    a = _attend(self.self_attn, _ln(residual, self.self_attn_layer_norm), attention_mask, packing, causal=True,
+                cache=cache, **kwargs)
     if encoder_hidden_states is not None:
         x, residual = _aln(self, a, residual, self.encoder_attn_layer_norm, prenorm=True)
-        a, _ = self.encoder_attn(_unpacked(packing, x), key_value_states=encoder_hidden_states,
-                                 attention_mask=encoder_attention_mask, cache=cache, **kwargs)
-        a = _packed(packing, a)
+        a = _cross_attention(self, x, packing, cache, encoder_hidden_states, encoder_attention_mask, **kwargs)
     x, h = _aln(self, a, residual, self.final_layer_norm, prenorm=True)
-    return _unpacked(packing, _pre_ln_ffn_tail(self, x, h))
+    return _padded(packing, _pre_ln_ffn_tail(self, x, h))
 
 
 FORWARDS = {

@@ -92,12 +92,14 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
                          f"{model.max_target_positions} tokens.")
     if a.get("decoder_input_ids") is None and (spec.shift_ignores_embeds or a.get("decoder_inputs_embeds") is None):
         a["decoder_input_ids"] = spec.shift(modeling, labels, model.config)
-    if a.get("decoder_attention_mask") is None and not torch.compiler.is_compiling():
-        a["decoder_attention_mask"] = _unused_target_tail(labels)
     if spec.no_cache_with_labels:
         if a.get("use_cache"):
             logger.warning("The `use_cache` argument is changed to `False` since `labels` is provided.")
         a["use_cache"] = False
+    elif a.get("use_cache") is None:
+        a["use_cache"] = False  # nothing decodes from a training forward's cache, which would hold every position
+    if a.get("decoder_attention_mask") is None and not a["use_cache"] and not torch.compiler.is_compiling():
+        a["decoder_attention_mask"] = _unused_target_tail(labels)
     outputs = getattr(model, model.base_model_prefix)(**a, return_dict=True)
     hidden = outputs.last_hidden_state
     head = model.get_output_embeddings()
