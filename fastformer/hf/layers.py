@@ -8,11 +8,13 @@ attention implementation) and swaps the elementwise tail for fastformer's fused 
 * pre-LN (mBART, M2M100, Whisper): ``residual + dropout(x)`` followed by the next block's
   LayerNorm -> ``add_layer_norm(x, residual, ..., prenorm=True)`` (``(LayerNorm(h), h)``);
 * ``fc2(dropout(act(fc1(x))))`` -> ``feed_forward(x, ..., activation=, dropout_p=activation_dropout)``;
-* an encoder layer whose mask is key padding runs everything after its attention on the real tokens
-  alone (:class:`~fastformer.nn.packing.Packing`): its output is zero at the padded positions, which
-  every later attention masks out (transformers computes values there that nothing uses). A decoder
-  layer does the same (its cross-attention on the padded layout) where the fused loss marked the
-  target positions after each row's last counted label as padding: causal, nothing reads them.
+* an encoder layer whose mask is key padding runs on the real tokens alone
+  (:class:`~fastformer.nn.packing.Packing`), attention included: its attention module gets the packed
+  rows as one (1, n, E) sequence and the interface runs ``attention_varlen`` within each sentence.
+  Its output is zero at the padded positions, which every later attention masks out (transformers
+  computes values there that nothing uses). A decoder layer does the same where the fused loss marked
+  the target positions after each row's last counted label as padding (causal: nothing reads them),
+  its cross-attention from its packed rows to the encoder's.
 
 The layer object stays (parameters, hooks, submodules); its class becomes a subclass of its transformers
 class that only overrides ``forward`` (:func:`fused_subclass`).
