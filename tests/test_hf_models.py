@@ -249,7 +249,7 @@ def test_decoder_skips_only_the_positions_after_the_last_label(model_type, monke
     got = model(**batch, decoder_attention_mask=dec_mask, output_hidden_states=True)
     want = ref(**batch, decoder_attention_mask=dec_mask, output_hidden_states=True)
     assert_close("loss", got.loss, want.loss, 2e-5, 1e-4)
-    assert rows["feed_forward"][-model.config.decoder_layers:] == [labels.numel()] * model.config.decoder_layers
+    assert rows["feed_forward"][-L:] == [labels.numel()] * L
     assert_close("decoder hidden states", got.decoder_hidden_states[-1], want.decoder_hidden_states[-1], 2e-5, 1e-4)
 
     # use_cache=True: where the model keeps it (BART, Marian and mBART drop it given labels), the cache
