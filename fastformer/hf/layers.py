@@ -134,20 +134,20 @@ def _memory_packing(mask, memory, packing):
 
 
 def _rows(packing, x):
-    """``x`` as packed rows (n, E) when there is a packing (it may be packed already), else as it is."""
-    return x if packing is None or x.dim() == 2 else packing.pack(x)
+    """``x`` (B, S, E) as packed rows (n, E) when there is a packing, else as it is."""
+    return x if packing is None else packing.pack(x)
 
 
 def _padded(packing, x):
-    """``x`` back in the padded layout (B, S, E), zeros at the skipped positions."""
-    return x if x.dim() == 3 else packing.unpack(x)
+    """Packed rows (n, E) back in the padded layout (B, S, E), zeros at the skipped positions."""
+    return x if packing is None else packing.unpack(x)
 
 
 def _attend(attn, x, mask, packing, kv_packing=None, causal=False, **kwargs):
     """transformers attention module ``attn`` (its own projections) on ``x``: padded (B, S, E) under
     ``mask``, or packed rows (n, E) through ``attention_varlen`` within the sequences of ``packing``
     (keys: ``kv_packing``'s, default the same; a ``key_value_states`` packed likewise)."""
-    if x.dim() == 3:
+    if packing is None:
         return attn(x, attention_mask=mask, **kwargs)[0]
     kv = kwargs.pop("key_value_states", None)
     kwargs[VARLEN] = (packing, packing if kv_packing is None else kv_packing, causal)
@@ -164,7 +164,7 @@ def _decoder_packing(attention_mask, hidden_states, cache):
 def _cross_attention(layer, x, packing, cache, memory, memory_mask, **kwargs):
     """The decoder layer's cross-attention for its rows ``x`` (packed where ``packing``), returned in
     the layout of ``x``: on the packed rows of both sides where it can, else padded."""
-    mem_packing = _memory_packing(memory_mask, memory, packing) if x.dim() == 2 else None
+    mem_packing = None if packing is None else _memory_packing(memory_mask, memory, packing)
     if mem_packing is not None:
         return _attend(layer.encoder_attn, x, None, packing, mem_packing, key_value_states=mem_packing.pack(memory),
                        **kwargs)
