@@ -1,6 +1,6 @@
 """``python -m fastformer bench --ops hf_bart_step``: Hugging Face BART's training step, plain
 (``transformers``), ``torch.compile``d (``transformers-compile``) and after ``fastformer.convert``
-(``transformers-fastformer``): its smoke size runs, every provider's step computes plain
+(``transformers-fastformer``, and compiled: ``transformers-fastformer-compile``): its smoke size runs, every provider's step computes plain
 transformers' loss, and without transformers every provider says why it cannot run."""
 import json
 import sys
@@ -54,8 +54,8 @@ def test_smoke_size_runs_for_the_providers_that_can_run_here(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "### hf_bart_step" in table and "| transformers |" in table
     records = {r["provider"]: r for r in json.load(open(tmp_path / "results.json"))["results"]}
-    # --quick leaves out the compiled provider (a minute of compilation on a CPU) unless named
-    runnable = [p for p in hf_step.PROVIDERS if p != "transformers-compile" and hf_step.why_not(p, CPU) is None]
+    # --quick leaves out the compiled providers (a minute of compilation each on a CPU) unless named
+    runnable = [p for p in hf_step.PROVIDERS if "compile" not in p and hf_step.why_not(p, CPU) is None]
     assert "transformers" in runnable and sorted(records) == sorted(runnable)
     for name in runnable:
         r = records[name]
@@ -77,6 +77,7 @@ def _losses(provider, shape, steps=3):
 @pytest.mark.parametrize("provider", [
     "transformers-fastformer",
     pytest.param("transformers-compile", marks=pytest.mark.slow),
+    pytest.param("transformers-fastformer-compile", marks=pytest.mark.slow),
 ])
 def test_every_provider_computes_plain_transformers_loss(provider, smoothing):
     """At dropout 0, from the same weights on the same batch: the same loss at the first step (the

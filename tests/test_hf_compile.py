@@ -1,7 +1,8 @@
 """A converted Hugging Face model under torch.compile: one graph (``fullgraph=True``) for the training
 loss, whose loss and gradients are the eager converted model's. With ``capture_dynamic_output_shape_ops``
-the encoder layers skip the source padding and the fused loss the ignored label rows, as eagerly;
-without it (dynamo's default) both compute the padding, since their row counts are data."""
+the encoder layers skip the source padding, the decoder layers the target positions after each row's last
+label and the fused loss the ignored label rows, as eagerly;
+without it (dynamo's default) they compute the padding, since their row counts are data."""
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face integration tests need transformers")
@@ -26,16 +27,25 @@ CASES = [(m, True) for m in H.MODEL_TYPES] + [("bart", False), ("mbart", False)]
 
 
 @pytest.mark.parametrize("model_type, capture", CASES, ids=[f"{m}-{'packed' if c else 'padded'}" for m, c in CASES])
-def test_compiled_converted_model_is_one_graph_with_the_eager_loss_and_gradients(model_type, capture):
+def test_compiled_converted_model_is_one_graph_with_the_eager_loss_and_gradients(model_type, capture, monkeypatch):
     model = H.convert(H.build(model_type)).train()  # dropout 0: the comparison is exact up to rounding
     batch = H.batch(model_type)
     want_loss, want = loss_and_grads(model, model, batch)
+    _, attention = H.count_op_calls(monkeypatch)  # counted as dynamo traces the ops
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
         compiled = torch.compile(model, fullgraph=True, backend=counter)
         got_loss, got = loss_and_grads(model, compiled, batch)
     assert counter.frame_count == 1
+    # the decoder's self- and cross-attention: on the rows up to each row's last label where sizes may be data
+    labels = batch["labels"]
+    assert not bool((labels[:, -1] != -100).all())  # some row ends in ignored labels: there is a tail to skip
+    cols = torch.arange(1, labels.shape[1] + 1)
+    n_dec = int(((labels != -100) * cols).amax(dim=1).sum())
+    L = model.config.decoder_layers
+    decoder = [(k.get("varlen", False), k.get("rows_q")) for k in attention[-2 * L:]]
+    assert decoder == ([(True, n_dec)] if capture else [(False, None)]) * 2 * L
     assert_close("loss", got_loss, want_loss, 1e-6, 1e-5)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     for name, a, b in zip(names, got, want):

@@ -24,8 +24,8 @@ logger = logging.getLogger("fastformer.hf")
 
 NAME = "fastformer"
 _PARTS = "_fastformer_parts"  # attribute on a mask tensor: (key_padding_mask or None, is_causal, Sq, Sk)
-# attribute on a 2-D padding mask, copied to the mask built from it: nothing reads the outputs at its
-# padded positions (set by the fused loss on the decoder mask it derives from trailing ignored labels)
+# attribute on a mask with parts: nothing reads the outputs at its padded query positions (set by the
+# fused loss on the decoder mask it derives from trailing ignored labels)
 ROWS_UNUSED = "_fastformer_padded_rows_unused"
 # keyword the fused layers pass through a transformers attention module to its attention interface
 # when its input is packed rows (1, n, E): (query packing, key packing, is_causal)
@@ -70,8 +70,6 @@ def fastformer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, ma
         kpm = (~padding.to(torch.bool)).expand(batch_size, kv_length)
     try:
         setattr(mask, _PARTS, (kpm, causal, q_length, kv_length))
-        if kpm is not None and getattr(attention_mask, ROWS_UNUSED, False):
-            setattr(mask, ROWS_UNUSED, True)
     except Exception:  # noqa: BLE001 (a tensor that takes no attributes, e.g. under tracing)
         pass
     return mask

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import ops
 from ..nn.packing import may_pack
-from .attention import ROWS_UNUSED
+from .attention import _PARTS, NAME, ROWS_UNUSED, fastformer_mask
 from .layers import fused_subclass, plain
 
 logger = logging.getLogger("fastformer.hf")
@@ -64,15 +64,25 @@ def _flat_arguments(bound):
     return a
 
 
-def _unused_target_tail(labels):
-    """(B, T) bool, True up to each row's last label that is not ignored, or None where every row ends
-    in one. Decoding is causal, so the positions after that label feed no loss term: as the decoder's
-    padding mask, marked ``ROWS_UNUSED``, they are masked keys and its layers skip their rows."""
-    keep = labels.ne(IGNORE_INDEX)  # (B, T)
-    if bool(keep[:, -1].all()):
+def _unused_target_tail(labels, config):
+    """The decoder's causal mask (B, 1, T, T), built as transformers builds it from a 2-D padding mask
+    that is True up to each row's last label that is not ignored; None where every row ends in one, or
+    where the model's attention is not fastformer's. Decoding is causal, so the positions after that
+    label feed no loss term: marked ``ROWS_UNUSED``, they are masked keys and the decoder layers skip
+    their rows. Built here as 4-D, which transformers passes to the layers as it is (it would copy a
+    2-D mask, and a copy traced by torch.compile loses the mark)."""
+    if getattr(config, "_attn_implementation", None) != NAME or not getattr(config, "is_causal", True):
         return None
-    cols = torch.arange(1, labels.shape[1] + 1, device=labels.device)  # (T,) one past each column
-    mask = cols.le((keep * cols).amax(dim=1, keepdim=True))  # (B, T): column < one past the last kept
+    keep = labels.ne(IGNORE_INDEX)  # (B, T)
+    if not torch.compiler.is_compiling() and bool(keep[:, -1].all()):  # traced: no branch on the data
+        return None
+    B, T = labels.shape
+    cols = torch.arange(1, T + 1, device=labels.device)  # (T,) one past each column
+    real = cols.le((keep * cols).amax(dim=1, keepdim=True))  # (B, T): column < one past the last kept
+    mask = fastformer_mask(batch_size=B, q_length=T, kv_length=T, attention_mask=real, allow_is_causal_skip=False,
+                           device=labels.device)
+    if getattr(mask, _PARTS, (None,))[0] is None:
+        return None  # a mask without its parts packs nothing: leave the decoder to transformers
     setattr(mask, ROWS_UNUSED, True)
     return mask
 
@@ -98,8 +108,8 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
         a["use_cache"] = False
     elif a.get("use_cache") is None:
         a["use_cache"] = False  # nothing decodes from a training forward's cache, which would hold every position
-    if a.get("decoder_attention_mask") is None and not a["use_cache"] and not torch.compiler.is_compiling():
-        a["decoder_attention_mask"] = _unused_target_tail(labels)
+    if a.get("decoder_attention_mask") is None and not a["use_cache"] and may_pack():
+        a["decoder_attention_mask"] = _unused_target_tail(labels, model.config)
     outputs = getattr(model, model.base_model_prefix)(**a, return_dict=True)
     hidden = outputs.last_hidden_state
     head = model.get_output_embeddings()

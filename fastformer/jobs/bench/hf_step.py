@@ -12,9 +12,11 @@ is downloaded), for
   ``torch.compile(dynamic=False)``;
 * ``transformers-fastformer``: the model after ``fastformer.convert(model, label_smoothing=)``
   (fused layers and attention; the LM head and loss as one fused ``linear_cross_entropy``, the
-  logits never materialised), its loss ``model(..., labels=labels).loss``.
+  logits never materialised), its loss ``model(..., labels=labels).loss``;
+* ``transformers-fastformer-compile``: that loss under ``torch.compile(fullgraph=True,
+  dynamic=False)`` with ``capture_dynamic_output_shape_ops`` (the layers still skip the padding).
 
-All three start from the same initial weights, run on the same batch (the decoder inputs shifted
+All start from the same initial weights, run on the same batch (the decoder inputs shifted
 from the labels, as the model itself does), with ``use_cache=False`` (what the model's forward sets
 when given labels), and update with the same ``torch.optim.Adam`` (lr 1e-4, betas (0.9, 0.98),
 eps 1e-9), so the difference is the model's forward and backward alone. fp32 by default (bf16
@@ -39,8 +41,10 @@ from .records import emit, time_steps
 from .timing import synchronized
 
 OP = "hf_bart_step"
-PROVIDERS = ["transformers", "transformers-compile", "transformers-fastformer"]
-EAGER, COMPILE, FASTFORMER = PROVIDERS
+PROVIDERS = ["transformers", "transformers-compile", "transformers-fastformer", "transformers-fastformer-compile"]
+EAGER, COMPILE, FASTFORMER, FASTFORMER_COMPILE = PROVIDERS
+COMPILED = (COMPILE, FASTFORMER_COMPILE)  # those that compile first (left out of short runs)
+CONVERTED = (FASTFORMER, FASTFORMER_COMPILE)  # those that run the model after fastformer.convert
 DTYPES = ("fp32", "bf16")
 DEFAULT_DTYPES = ("fp32",)
 IGNORE = -100
@@ -106,12 +110,12 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"transformers is not installed (pip install transformers): {type(e).__name__}: {detail}"
-    if provider == COMPILE:
+    if provider in COMPILED:
         try:
             import torch._inductor  # noqa: F401
         except ImportError as e:  # pragma: no cover - a torch without inductor
             return f"torch.compile unavailable: {e}"
-    if provider == FASTFORMER:
+    if provider in CONVERTED:
         try:
             from fastformer.hf._version import check_version
         except ImportError as e:
@@ -153,8 +157,12 @@ def loss_fn(provider: str, model, shape: Dict, batch: Dict[str, torch.Tensor]):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
                                label_smoothing=ls)
 
-    fn = own if provider == FASTFORMER or ls == 0 else smoothed
-    return torch.compile(fn, dynamic=False) if provider == COMPILE else fn
+    fn = own if provider in CONVERTED or ls == 0 else smoothed
+    if provider == COMPILE:
+        return torch.compile(fn, dynamic=False)
+    if provider == FASTFORMER_COMPILE:
+        return train_step.compiled_packed(fn)
+    return fn
 
 
 def build_step(provider: str, shape: Dict, device: torch.device, dtype: str = "fp32") -> train_step.Step:
@@ -165,7 +173,7 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str = "f
     if reason is not None:
         raise RuntimeError(reason)
     model = build_model(shape, device)
-    if provider == FASTFORMER:
+    if provider in CONVERTED:
         import fastformer
 
         model = fastformer.convert(model, label_smoothing=shape["smoothing"])
@@ -192,7 +200,7 @@ def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]
     provider that cannot run here gets a record saying why."""
     names = [p for p in (providers or PROVIDERS) if p in PROVIDERS]
     if providers is None and size in ("quick", "smoke"):  # no compilation (a minute on CPU) in short runs
-        names = [p for p in names if p != COMPILE]
+        names = [p for p in names if p not in COMPILED]
     if providers is not None and not names and log:
         log(f"  {OP}: none of --providers is one of its providers ({', '.join(PROVIDERS)})")
     chosen = [d for d in DTYPES if d in dtypes] if dtypes else list(DEFAULT_DTYPES)

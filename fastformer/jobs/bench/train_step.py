@@ -132,7 +132,7 @@ def _backend(provider: str) -> str:
     return provider[len("fastformer-"):].removesuffix("-compile")
 
 
-def _compiled_packed(loss_fn: Callable) -> Callable:
+def compiled_packed(loss_fn: Callable) -> Callable:
     """``loss_fn`` under torch.compile, with dynamo allowed to trace the number of real tokens as a
     data-dependent size: the compiled model runs on the packed rows, as eager code does."""
     compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False)
@@ -175,7 +175,7 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
         def loss_fn(src, tgt):
             return model.loss(src, tgt, label_smoothing=shape["smoothing"])
         if provider == COMPILED:
-            loss_fn = _compiled_packed(loss_fn)
+            loss_fn = compiled_packed(loss_fn)
     else:
         backend = None
         model = TorchSeq2Seq(shape["vocab"], smoothing=shape["smoothing"], **kw).to(device)
