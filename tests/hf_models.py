@@ -103,6 +103,12 @@ def _shift(model, labels):
 FUSED_OPS = ("attention", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy")
 
 
+def rows_up_to_last_label(labels):
+    """The decoder rows a converted model computes in training: per row, 1 + the column of its last label
+    that is not -100 (0 for a row with none), summed."""
+    return sum(max((t + 1 for t, y in enumerate(row) if y != -100), default=0) for row in labels.tolist())
+
+
 def count_op_calls(monkeypatch):
     """Wrap each ``fastformer.ops`` entry point (what fastformer.hf calls) with a counter; returns the
     ``Counter`` of calls by op name, and the list of each attention call's keyword arguments.

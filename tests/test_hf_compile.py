@@ -1,8 +1,8 @@
 """A converted Hugging Face model under torch.compile: one graph (``fullgraph=True``) for the training
 loss, whose loss and gradients are the eager converted model's. With ``capture_dynamic_output_shape_ops``
-the encoder layers skip the source padding, the decoder layers the target positions after each row's last
-label and the fused loss the ignored label rows, as eagerly;
-without it (dynamo's default) they compute the padding, since their row counts are data."""
+the encoder layers skip the source padding, the decoder layers the target positions after each row's
+last label and the fused loss the ignored label rows, as eagerly; without it (dynamo's default) they
+compute the padding, since their row counts are data."""
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face integration tests need transformers")
@@ -41,8 +41,7 @@ def test_compiled_converted_model_is_one_graph_with_the_eager_loss_and_gradients
     # the decoder's self- and cross-attention: on the rows up to each row's last label where sizes may be data
     labels = batch["labels"]
     assert not bool((labels[:, -1] != -100).all())  # some row ends in ignored labels: there is a tail to skip
-    cols = torch.arange(1, labels.shape[1] + 1)
-    n_dec = int(((labels != -100) * cols).amax(dim=1).sum())
+    n_dec = H.rows_up_to_last_label(labels)
     L = model.config.decoder_layers
     decoder = [(k.get("varlen", False), k.get("rows_q")) for k in attention[-2 * L:]]
     assert decoder == ([(True, n_dec)] if capture else [(False, None)]) * 2 * L

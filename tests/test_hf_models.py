@@ -175,11 +175,6 @@ def test_swapped_or_hooked_submodules_are_called(monkeypatch):
                            "feed_forward": full["feed_forward"] - 1}
 
 
-def _rows_up_to_last_label(labels):
-    """Per row, 1 + the column of its last label that is not -100 (0 for a row with none)."""
-    return sum(max((t + 1 for t, y in enumerate(row) if y != -100), default=0) for row in labels.tolist())
-
-
 def _spy_rows(monkeypatch, *names):
     """The rows (numel / last dim) of the first argument of each call to these fastformer.ops."""
     rows = {name: [] for name in names}
@@ -203,7 +198,7 @@ def test_padding_is_skipped_by_every_layer_op_and_the_loss(model_type, monkeypat
     model(**batch).loss.backward()
     n_src, n_tgt = int(batch["attention_mask"].sum()), batch["labels"].numel()
     n_labels = int(batch["labels"].ne(-100).sum())
-    n_dec = _rows_up_to_last_label(batch["labels"])
+    n_dec = H.rows_up_to_last_label(batch["labels"])
     assert n_src < batch["attention_mask"].numel() and n_dec < n_tgt  # the batch has padding to skip
     E, L = model.config.encoder_layers, model.config.decoder_layers
     assert rows["feed_forward"] == [n_src] * E + [n_dec] * L
@@ -231,7 +226,7 @@ def test_decoder_skips_only_the_positions_after_the_last_label(model_type, monke
     _, attention = H.count_op_calls(monkeypatch)
     got, want = model(**batch).loss, ref(**batch).loss
     got.backward(), want.backward()
-    n_dec = _rows_up_to_last_label(labels)
+    n_dec = H.rows_up_to_last_label(labels)
     assert n_dec == 3 + 5 + 0 + 3
     L = model.config.decoder_layers
     assert rows["feed_forward"][-L:] == [n_dec] * L

@@ -1,8 +1,8 @@
 """``python -m fastformer bench``: every op (forward, backward, forward+backward) and the
 end-to-end training step, for every provider that can run here, over a sweep of shapes; and
 Hugging Face transformers' BART training step (``hf_bart_step``: plain, ``torch.compile``d, and
-after ``fastformer.convert``, eager and compiled; see :mod:`fastformer.jobs.bench.hf_step`) where transformers is
-installed (where it is not, its records say so).
+after ``fastformer.convert``, eager and compiled; see :mod:`fastformer.jobs.bench.hf_step`) where
+transformers is installed (where it is not, its records say so).
 
 Providers (see :mod:`fastformer.jobs.bench.providers`): the fastformer backends that
 ``fastformer.available_backends()`` allows on the device (triton only on a GPU), eager PyTorch
