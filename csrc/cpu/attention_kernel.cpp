@@ -248,13 +248,13 @@ struct Problem {
   }
   // out[0, nk) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
   // (b, h, i), then up to npad multipliers of the next columns or zeros: out holds kBlockK, and
-  // a whole last block of Philox columns is written there instead of through a copy (padding
+  // the last Philox call's columns are written whole there instead of through a copy (padding
   // columns only ever multiply P = 0). The probabilities (B, H, Sq, Sk) are rows of Sk, one per
   // query, row-major.
   template <typename A>
   void dropout_row(const DropoutScales<A>& drop, int64_t b, int64_t h, int64_t i, int64_t j0,
                    int64_t nk, int64_t npad, A* out) const {
-    const int64_t n = std::min(round_up(nk, dropout_detail::kBlock), kBlockK);
+    const int64_t n = std::min(round_up(nk, dropout_detail::kMinFill), kBlockK);
     drop.fill(out, j0, n, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
     if (n < npad) std::fill(out + n, out + npad, A(0));
   }

@@ -35,6 +35,7 @@ namespace dropout_detail {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 constexpr int64_t kBlock = 128;  // columns per 16-lane Philox call
+constexpr int64_t kMinFill = 64;  // fill() costs the same for n and round_up(n, kMinFill)
 
 // The per-round keys, broadcast once per DropoutScales (the seed is the same for every group).
 struct RoundKeys {
@@ -49,13 +50,15 @@ struct RoundKeys {
 };
 
 // The keep bits (1: kept) of the 128 columns of groups n0 .. n0 + 15: bit j of keep[h] is column
-// 64 h + j.
+// 64 h + j. kHalves = 1 runs only the first register's groups (columns 0 .. 63; keep[1] = 0): half
+// the Philox work where a row needs no more (attention rows of up to 64 keys).
 //
 // The AVX2 path's scheme (below) at twice the width: the state in 64-bit lanes, each word in the
 // low half, register h running groups 8 h .. 8 h + 7; each three-way XOR is one vpternlog. The
 // lanes hold groups 0, 4, 1, 5, 2, 6, 3, 7 (+ 8 h) because a 64-bit unpack takes lanes 2 j and
 // 2 j + 1 into 128-bit chunk j: the unpacks then give whole groups already in column order, and
 // no shuffle crosses chunks.
+template <int kHalves = 2>
 inline void keep_bits(const RoundKeys& key, uint64_t n0, uint32_t threshold, uint64_t (&keep)[2]) {
   const __m512i ma = _mm512_set1_epi64(kPhiloxRoundA);
   const __m512i mb = _mm512_set1_epi64(kPhiloxRoundB);
@@ -64,7 +67,7 @@ inline void keep_bits(const RoundKeys& key, uint64_t n0, uint32_t threshold, uin
   // counters as 64-bit integers: the low word is lo32(n), the high word hi32(n), carry included
   const __m512i n[2] = {base, _mm512_add_epi64(base, _mm512_set1_epi64(8))};
   __m512i c0[2], c1[2], c2[2], c3[2];
-  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
+  for (int h = 0; h < kHalves; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
     const __m512i pa = _mm512_mul_epu32(n[h], ma);
     c0[h] = _mm512_xor_si512(_mm512_srli_epi64(n[h], 32), key.k0[0]);
     c1[h] = _mm512_setzero_si512();
@@ -72,7 +75,7 @@ inline void keep_bits(const RoundKeys& key, uint64_t n0, uint32_t threshold, uin
     c3[h] = pa;
   }
   for (int round = 1; round < 10; ++round) {
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       const __m512i pb = _mm512_mul_epu32(c2[h], mb);
       const __m512i pa = _mm512_mul_epu32(c0[h], ma);
       // 0x96: a ^ b ^ c
@@ -84,7 +87,8 @@ inline void keep_bits(const RoundKeys& key, uint64_t n0, uint32_t threshold, uin
   }
   // kept iff u >= T (unsigned 16-bit); DropoutScales::fill handles T = 0, 65536
   const __m512i t16 = _mm512_set1_epi16(static_cast<short>(threshold));
-  for (int h = 0; h < 2; ++h) {
+  if (kHalves == 1) keep[1] = 0;
+  for (int h = 0; h < kHalves; ++h) {
     // each lane's (w0, w1) and (w2, w3): the low words of c1 / c3 moved into the odd dwords
     const __m512i w01 = _mm512_mask_shuffle_epi32(c0[h], 0xAAAA, c1[h], _MM_PERM_CDAB);
     const __m512i w23 = _mm512_mask_shuffle_epi32(c2[h], 0xAAAA, c3[h], _MM_PERM_CDAB);
@@ -132,12 +136,16 @@ inline void write_block(A* out, const Keys& key, uint64_t n0, uint32_t threshold
 }
 
 // out[0, hi - lo) = the multipliers of columns [lo, hi) of that block (lo < 64): its bits shifted
-// down by lo, then a shorter store; no buffer.
+// down by lo, then a shorter store; no buffer. Half the Philox calls when hi <= 64.
 template <typename A>
 inline void write_part(A* out, const Keys& key, uint64_t n0, uint32_t threshold, A scale, int64_t lo,
                        int64_t hi) {
   uint64_t keep[2];
-  keep_bits(key, n0, threshold, keep);
+  if (hi <= 64) {
+    keep_bits<1>(key, n0, threshold, keep);
+  } else {
+    keep_bits(key, n0, threshold, keep);
+  }
   if (lo > 0) {
     keep[0] = keep[0] >> lo | keep[1] << (64 - lo);
     keep[1] >>= lo;
@@ -148,6 +156,7 @@ inline void write_part(A* out, const Keys& key, uint64_t n0, uint32_t threshold,
 #elif defined(__AVX2__)
 
 constexpr int64_t kBlock = 64;  // columns per 8-lane Philox call
+constexpr int64_t kMinFill = kBlock;
 
 // The per-round keys, broadcast once per DropoutScales (the seed is the same for every group).
 struct RoundKeys {
@@ -248,6 +257,7 @@ inline void write_block(A* out, const Keys& key, uint64_t n0, uint32_t threshold
 #else
 
 constexpr int64_t kBlock = kDropoutGroup;  // columns per scalar Philox call
+constexpr int64_t kMinFill = kBlock;
 
 using Keys = uint64_t;  // the seed
 
