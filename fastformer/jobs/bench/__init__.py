@@ -155,7 +155,7 @@ def bench_train_step(device: torch.device, size: str, providers: Optional[List[s
     skips padding in the position-wise layers, so its step can take less than the first)."""
     names = providers or train_step.providers_for(device)
     if providers is None and size in ("quick", "smoke"):
-        names = [n for n in names if n not in ("torch-compile", train_step.COMPILED, "fastformer-reference")]
+        names = [n for n in names if n not in train_step.COMPILED + ("fastformer-reference",)]
     names = [n for n in names if n in train_step.providers_for(device)]
     records = []
     for shape in train_step.sweep(device.type, size):
