@@ -280,15 +280,16 @@ def test_compiled_fastformer_step_trains_as_the_eager_step(one_thread):
 
     shape = ts.sweep("cpu", "smoke")[0]
     assert shape["dropout"] > 0
-    assert ts.why_not(ts.FASTFORMER_COMPILE, torch.device("cpu")) is None and ts.FASTFORMER_COMPILE in ts.providers_for(torch.device("cpu"))
-    assert ts.FASTFORMER_COMPILE not in ts.providers_for(torch.device("cuda"))
+    compiled = ts.FASTFORMER_COMPILE
+    assert ts.why_not(compiled, torch.device("cpu")) is None and compiled in ts.providers_for(torch.device("cpu"))
+    assert compiled not in ts.providers_for(torch.device("cuda"))
     torch._dynamo.reset()
     losses = {}
-    for provider in ("fastformer-cpu", ts.FASTFORMER_COMPILE):
+    for provider in ("fastformer-cpu", compiled):
         step = ts.build_step(provider, shape, torch.device("cpu"), "fp32")
         losses[provider] = torch.stack([step.run().detach() for _ in range(2)])
-    torch.testing.assert_close(losses[ts.FASTFORMER_COMPILE], losses["fastformer-cpu"], atol=1e-5, rtol=1e-5)
-    assert losses[ts.FASTFORMER_COMPILE][1] != losses[ts.FASTFORMER_COMPILE][0], "the second step must see the updated weights"
+    torch.testing.assert_close(losses[compiled], losses["fastformer-cpu"], atol=1e-5, rtol=1e-5)
+    assert losses[compiled][1] != losses[compiled][0], "the second step must see the updated weights"
 
 
 def test_copy_yardstick_moves_the_ops_bytes_and_gives_the_fraction_of_copy_bandwidth(tmp_path, capsys, one_thread):

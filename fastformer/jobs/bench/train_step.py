@@ -111,7 +111,8 @@ class TorchSeq2Seq(nn.Module):
 def providers_for(device: torch.device) -> List[str]:
     """The training-step providers that are timing providers on ``device`` (the cpu backend on a
     CPU, triton and cuda on a GPU, the others on both)."""
-    only = {"fastformer-cpu": "cpu", FASTFORMER_COMPILE: "cpu", "fastformer-triton": "cuda", "fastformer-cuda": "cuda"}
+    only = {"fastformer-cpu": "cpu", FASTFORMER_COMPILE: "cpu",
+            "fastformer-triton": "cuda", "fastformer-cuda": "cuda"}
     return [p for p in PROVIDERS if only.get(p, device.type) == device.type]
 
 
