@@ -9,6 +9,7 @@ The CUDA sources in csrc/cuda/ are added only when the installed torch has CUDA.
 import glob
 import os
 import platform
+import re
 import sys
 
 from setuptools import find_packages, setup
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import libstdcxx  # noqa: E402  (tools/, not a package)
 
 
-# The ISA levels the CPU kernels (csrc/cpu/*_kernel.cpp) are compiled for, each from the same
+# The ISA levels the CPU kernels (csrc/cpu/*_kernel*.cpp) are compiled for, each from the same
 # source into its own namespace fastformer::<level>; csrc/cpu/isa.h picks one at run time. The
 # flags are ATen's for the same CPU_CAPABILITY, so at::vec::Vectorized has the same width there.
 ISA_FLAGS = {
@@ -52,20 +53,26 @@ def cpu_flags():
 def cpu_sources(ops=None):
     """(baseline sources, per-ISA kernel sources) of the CPU extension, paths relative to ROOT:
     csrc/ops.cpp, csrc/cpu/isa.cpp, large_buffers.cpp, philox.cpp and each op's <op>.cpp are compiled once,
-    csrc/cpu/<op>_kernel.cpp once per ISA level. ops: op file names to take (None: all); the RNG's
-    test ops (philox_bits, dropout_fill) come with every selection."""
+    csrc/cpu/<op>_kernel.cpp (or an op's several <op>_kernel_<part>.cpp) once per ISA level. ops: op
+    file names to take (None: all); the RNG's test ops (philox_bits, dropout_fill) come with every
+    selection."""
     cpu = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
     always = {"isa.cpp", "large_buffers.cpp", "philox.cpp", "dropout_fill.cpp", "dropout_fill_kernel.cpp"}
     # linear_cross_entropy runs the cross_entropy row kernel
     wanted = None if ops is None else set(ops) | ({"cross_entropy"} if "linear_cross_entropy" in ops else set())
 
+    def kernel_op(name):
+        """The op of a per-ISA kernel file (<op>_kernel.cpp, <op>_kernel_<part>.cpp), else None."""
+        m = re.fullmatch(r"(.+)_kernel(_[a-z0-9]+)?\.cpp", name)
+        return m.group(1) if m else None
+
     def take(name):
-        op = name[:-len("_kernel.cpp")] if name.endswith("_kernel.cpp") else name[:-len(".cpp")]
+        op = kernel_op(name) or name[:-len(".cpp")]
         return wanted is None or name in always or op in wanted
 
     base = [os.path.join("csrc", "ops.cpp")] + [os.path.join("csrc", "cpu", f) for f in cpu
-                                                 if not f.endswith("_kernel.cpp") and take(f)]
-    kernels = [os.path.join("csrc", "cpu", f) for f in cpu if f.endswith("_kernel.cpp") and take(f)]
+                                                 if kernel_op(f) is None and take(f)]
+    kernels = [os.path.join("csrc", "cpu", f) for f in cpu if kernel_op(f) is not None and take(f)]
     return base, kernels
 
 
@@ -174,19 +181,25 @@ class BuildExtension(cpp_extension.BuildExtension):
         super().build_extension(ext)
 
 
+def _transformers_requirement() -> str:
+    """The hf extra's requirement, from fastformer/hf/_version.py (run alone: it imports only re)."""
+    scope = {}
+    with open(os.path.join(ROOT, "fastformer", "hf", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["requirement"]()
+
+
 if __name__ == "__main__":
     libstdcxx.use_shared("fastformer setup")  # never a CXX that links libstdc++ statically
     setup(
         name="fastformer",
         version="0.1.0",
         description="Fused Triton / C++ / CUDA kernels for encoder-decoder Transformer training",
-        # The Triton kernels live in the top-level triton_kernels/ folder but install as
-        # fastformer.triton_kernels: a top-level "triton_kernels" is the Triton project's own package.
-        packages=find_packages(include=["fastformer", "fastformer.*"]) + ["fastformer.triton_kernels"],
-        package_dir={"fastformer.triton_kernels": "triton_kernels"},
+        packages=find_packages(include=["fastformer", "fastformer.*"]),
         python_requires=">=3.10",
         install_requires=["torch", "tqdm", "matplotlib", "sacrebleu", "tokenizers"],
-        extras_require={"triton": ["triton"], "hf": ["transformers>=5.24,<5.25"], "test": ["pytest", "pytest-benchmark", "hypothesis"]},
+        extras_require={"triton": ["triton"], "hf": [_transformers_requirement()],
+                        "test": ["pytest", "pytest-benchmark", "hypothesis"]},
         # FASTFORMER_BUILD_EXTENSION=0: the Python package alone (the backends then say the
         # extension is not built); tests/test_install.py installs it so, in seconds.
         ext_modules=[extension()] if os.environ.get("FASTFORMER_BUILD_EXTENSION", "1") == "1" else [],

@@ -4,7 +4,7 @@ traces the ops through them without a graph break.
 
 ``register(namespace)`` attaches them to one namespace's ops: ``fastformer`` (the C++ extension,
 done by ``_ext.load_error`` once it is loaded); the Triton kernels take them from ``FAKES``
-(``triton_kernels/registration.py``).
+(``fastformer/triton_kernels/registration.py``).
 """
 from typing import Callable, Dict
 

@@ -12,7 +12,7 @@ words ``w0..w3`` give the eight columns 16 random bits each, in memory order: co
 2**-17 of ``1 - p``; kept values are scaled by ``1 / (1 - p)``. An op call consumes
 ``rows * G`` counters.
 
-The C++ kernels (``csrc/cpu/philox.h``) and the Triton kernels (``triton_kernels/utils.py``)
+The C++ kernels (``csrc/cpu/philox.h``) and the Triton kernels (``fastformer/triton_kernels/utils.py``)
 produce the same bits, so the reference ops here regenerate the very mask a kernel used, and
 backward passes regenerate it instead of storing it. ``seed`` and ``offset`` come from torch's
 default generator (:func:`next_seed`), so ``torch.manual_seed`` makes a run repeatable.
@@ -89,7 +89,7 @@ def random16(shape: Sequence[int], seed: int, offset: int, device=None) -> torch
 
 def drop_threshold(p: float) -> int:
     """The 16-bit threshold: an element is kept iff its 16 bits are ``>= drop_threshold(p)``."""
-    return int(p * (1 << 16) + 0.5)  # round half up, as csrc/cpu/philox.h and triton_kernels/utils.py
+    return int(p * (1 << 16) + 0.5)  # round half up, as csrc/cpu/philox.h and fastformer/triton_kernels/utils.py
 
 
 def keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, device=None) -> torch.Tensor:

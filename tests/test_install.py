@@ -1,9 +1,9 @@
-"""Installed, the Triton kernels are ``fastformer.triton_kernels``: a top-level ``import
-triton_kernels`` keeps meaning the Triton project's own package (issue 18, item 4).
+"""The Triton kernels are ``fastformer.triton_kernels`` (source: ``fastformer/triton_kernels/``):
+a top-level ``import triton_kernels`` keeps meaning the Triton project's own package (issue 18,
+item 4), in a checkout as installed.
 
-Each check runs a fresh interpreter from a folder outside the repository (the repository root on
-sys.path would make its ``triton_kernels/`` folder importable by that name, as in any checkout),
-next to a stand-in for the Triton project's ``triton_kernels`` package.
+Each check runs a fresh interpreter next to a stand-in for the Triton project's
+``triton_kernels`` package; the first from the repository root, as a contributor's shell would.
 """
 import os
 import subprocess
@@ -30,11 +30,11 @@ def _stand_in(tmp_path):
     return other
 
 
-def _probe(tmp_path, extra_path):
+def _probe(cwd, extra_path):
     import json
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(extra_path))
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -42,9 +42,9 @@ def _probe(tmp_path, extra_path):
 
 def test_the_readmes_install_keeps_the_name_triton_kernels_free(tmp_path):
     # `make build` installed this checkout in editable mode into the interpreter running the tests
-    found = _probe(tmp_path, [str(_stand_in(tmp_path))])
+    found = _probe(ROOT, [str(_stand_in(tmp_path))])
     assert found["marker"], f"import triton_kernels found {found['top']}, not the Triton project's package"
-    assert found["ours"] == os.path.join(ROOT, "triton_kernels", "__init__.py")
+    assert found["ours"] == os.path.join(ROOT, "fastformer", "triton_kernels", "__init__.py")
 
 
 @pytest.mark.slow
@@ -61,3 +61,23 @@ def test_a_wheel_install_puts_the_kernels_inside_fastformer(tmp_path):
     found = _probe(tmp_path, [str(target), str(_stand_in(tmp_path))])
     assert found["marker"]
     assert found["ours"] == str(kernels / "__init__.py")
+
+
+def test_the_transformers_version_is_written_once():
+    """fastformer/hf/_version.py's TESTED is what `make setup` installs and what setup.py's hf extra
+    allows (the Makefile and setup.py read it; neither writes a version of its own)."""
+    sys.path.insert(0, ROOT)
+    try:
+        import setup as ff_setup
+    finally:
+        sys.path.remove(ROOT)
+    from fastformer.hf import _version
+
+    make = subprocess.run(["make", "-pn", "setup"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    deps = next(line for line in make.stdout.splitlines() if line.startswith("DEPS :="))
+    assert f"transformers=={_version.TESTED}" in deps.split()
+    major, minor = (int(p) for p in _version.TESTED.split(".")[:2])
+    assert ff_setup._transformers_requirement() == f"transformers>={major}.{minor},<{major}.{minor + 1}"
+    for path in ("Makefile", "setup.py"):
+        with open(os.path.join(ROOT, path)) as f:
+            assert _version.TESTED not in f.read(), f"{path} writes the transformers version itself"

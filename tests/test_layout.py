@@ -1,26 +1,23 @@
 """The house's layering, read from the source with ``ast`` (nothing is imported):
 
 * the library (everything in ``fastformer/`` outside ``fastformer/jobs/`` and ``__main__.py``,
-  and ``triton_kernels/``) never imports the jobs' subpackage ``fastformer.jobs``;
-* the import graph of ``fastformer/`` and ``triton_kernels/`` has no circle.
+  the Triton kernels of ``fastformer/triton_kernels/`` included) never imports the jobs'
+  subpackage ``fastformer.jobs``;
+* the import graph of ``fastformer/`` has no circle.
 
 Every import counts, at module level or inside a function (a function-level import still ties
 the two modules together; it only hides the circle until the call), except those under
 ``if TYPE_CHECKING:``, which never run. ``importlib.import_module("literal")`` counts too.
 Importing ``a.b.c`` is an edge to ``a.b.c`` alone: the parent packages' ``__init__`` run first,
 but a package importing its own submodules is how packages work, not a circle.
-
-The Triton kernels' source is the top-level folder ``triton_kernels/``; they install as
-``fastformer.triton_kernels``, so both names mean the folder's modules.
 """
 import ast
 import os
 from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("fastformer", "triton_kernels")
+PACKAGES = ("fastformer",)
 JOBS = "fastformer.jobs"
-ALIASES = {"fastformer.triton_kernels": "triton_kernels"}  # installed name -> source folder's name
 
 Edges = Dict[str, Dict[str, Tuple[str, int]]]  # module -> imported module -> (file, line)
 
@@ -39,13 +36,6 @@ def module_names(root: str) -> Dict[str, str]:
                         parts.pop()
                     found[".".join(parts)] = path
     return found
-
-
-def _canonical(name: str) -> str:
-    for alias, real in ALIASES.items():
-        if name == alias or name.startswith(alias + "."):
-            return real + name[len(alias):]
-    return name
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -101,7 +91,7 @@ def import_graph(root: str = ROOT) -> Edges:
         visitor.visit(tree)
         edges = graph.setdefault(module, {})
         for candidates, line in visitor.found:
-            known = [c for c in map(_canonical, candidates) if c in modules]
+            known = [c for c in candidates if c in modules]
             if known and known[0] != module:
                 edges.setdefault(known[0], (os.path.relpath(path, root), line))
     return graph
@@ -189,9 +179,9 @@ def test_the_checker_sees_relative_function_level_and_aliased_imports(tmp_path):
         "fastformer/jobs/__init__.py": "",
         "fastformer/jobs/train.py": "import fastformer.ops.core\n",
         "fastformer/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import fastformer.jobs\n",
-        "triton_kernels/__init__.py": "",
-        "triton_kernels/a.py": "from fastformer.triton_kernels import b\n",
-        "triton_kernels/b.py": "import importlib\nX = importlib.import_module('triton_kernels.a')\n",
+        "fastformer/triton_kernels/__init__.py": "",
+        "fastformer/triton_kernels/a.py": "from fastformer.triton_kernels import b\n",
+        "fastformer/triton_kernels/b.py": "import importlib\nX = importlib.import_module('fastformer.triton_kernels.a')\n",
     })
     graph = import_graph(root)
     assert library_imports_of_jobs(graph) == [
@@ -200,7 +190,7 @@ def test_the_checker_sees_relative_function_level_and_aliased_imports(tmp_path):
     assert "fastformer.jobs" not in graph["fastformer.typed"]  # TYPE_CHECKING imports never run
     cycle = find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1] and len(cycle) == 3
-    assert set(cycle) in ({"fastformer.ops.core", "fastformer.jobs.train"}, {"triton_kernels.a", "triton_kernels.b"})
+    assert set(cycle) in ({"fastformer.ops.core", "fastformer.jobs.train"}, {"fastformer.triton_kernels.a", "fastformer.triton_kernels.b"})
     assert "->" in describe(cycle, graph)
 
 
@@ -210,6 +200,5 @@ def test_a_package_importing_its_submodules_is_no_circle(tmp_path):
         "fastformer/ops/__init__.py": "from .core import f\n",
         "fastformer/ops/core.py": "from .. import backends\n\ndef f():\n    pass\n",
         "fastformer/backends.py": "import torch\n",
-        "triton_kernels/__init__.py": "",
     })
     assert find_cycle(import_graph(root)) is None

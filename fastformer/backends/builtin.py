@@ -11,14 +11,12 @@ from typing import Optional
 
 import torch
 
-from .. import _ext
+from .. import _ext, op_table
 from .declaration import Backend, Device, Limit, OpLibrary, PythonModules, Requirement, register
 
 CPP_MAX_HEAD_DIM = 256  # kMaxHeadDim in csrc/checks/attention.h, checked by the cpu and cuda kernels
 TRITON_PACKAGE = "fastformer.triton_kernels"
-TRITON_MODULE_OF = {"attention": "attention", "attention_varlen": "attention_varlen", "add_layer_norm": "add_layer_norm", "feed_forward": "feed_forward",
-                    "cross_entropy": "cross_entropy", "linear_cross_entropy": "cross_entropy",
-                    "embedding": "embedding"}
+TRITON_MODULE_OF = {op.name: op.triton_module for op in op_table.TABLE}
 GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

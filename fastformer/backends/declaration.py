@@ -15,15 +15,13 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import _ext
+from .. import _ext, op_table
 
-# The ops with kernels: each kernel backend provides ``<op>_fwd`` and, where the op has one, ``<op>_bwd``.
-OPS = ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy",
-       "embedding")
-# Optional variants a C++ backend may add as overloads ``<op>_<fn>.<overload>``, found as ``<op>_<fn>_<overload>``:
-# attention_varlen's backward writing into given gradients (``attention_varlen_bwd_into``) and add_layer_norm
-# with the producing linear layer's bias fused in (``add_layer_norm_fwd_x_bias`` / ``add_layer_norm_bwd_x_bias``).
-OVERLOADS = {"attention_varlen": ("bwd.into",), "add_layer_norm": ("fwd.x_bias", "bwd.x_bias")}
+# The ops with kernels (fastformer/op_table.py): each kernel backend provides ``<op>_<fn>`` for the op's kernels.
+OPS = op_table.NAMES
+# Optional variants a C++ backend may add as overloads ``<op>_<fn>.<overload>``, found as ``<op>_<fn>_<overload>``
+# (e.g. ``attention_varlen_bwd_into``).
+OVERLOADS = {op.name: op.overloads for op in op_table.TABLE if op.overloads}
 
 # What a kernel source finds for one op: its functions by name, or why it has none.
 Found = Union[Dict[str, Callable], str]
@@ -72,7 +70,7 @@ class OpLibrary:
         if not _ext.has_kernel(f"{op}_fwd", self.dispatch_key, self.namespace):
             return f"{self.what} has no {self.dispatch_key} kernel for {op}"
         ns = getattr(torch.ops, self.namespace)
-        found = {fn: getattr(ns, fn) for fn in (f"{op}_fwd", f"{op}_bwd") if hasattr(ns, fn)}
+        found = {fn: getattr(ns, fn) for fn in op_table.BY_NAME[op].functions if hasattr(ns, fn)}
         for overload in OVERLOADS.get(op, ()):
             if _ext.has_kernel(f"{op}_{overload}", self.dispatch_key, self.namespace):
                 fn, name = overload.split(".")
@@ -96,7 +94,7 @@ class PythonModules:
             module = self.module(op)
         except ImportError as exc:
             return f"{self.package}.{self.module_of[op]} cannot be imported ({exc})"
-        found = {fn: getattr(module, fn) for fn in (f"{op}_fwd", f"{op}_bwd") if hasattr(module, fn)}
+        found = {fn: getattr(module, fn) for fn in op_table.BY_NAME[op].functions if hasattr(module, fn)}
         return found if f"{op}_fwd" in found else f"{module.__name__} defines no {op}_fwd"
 
 

@@ -1,11 +1,18 @@
-"""The transformers versions fastformer's Hugging Face integration is tested with."""
+"""The transformers version fastformer's Hugging Face integration is tested with: written here
+once. ``make setup`` installs ``TESTED`` (the Makefile reads it from this file), setup.py's ``hf``
+extra asks for ``requirement()``, and ``convert()`` refuses a version outside the range."""
 import re
 
-# (major, minor) inclusive range the integration was written and tested against. The fused layer
-# forwards mirror transformers' own layer code, so a version outside this range is refused rather
-# than risk a silently different model.
-MIN_VERSION = (5, 24)
-MAX_VERSION = (5, 24)
+# The release the tests run on. The fused layer forwards mirror that release's layer code, so a
+# minor version outside (major, minor) of it is refused rather than risk a silently different model.
+TESTED = "5.24.0"
+MIN_VERSION = MAX_VERSION = tuple(int(part) for part in TESTED.split(".")[:2])
+
+
+def requirement() -> str:
+    """The pip requirement of the supported range, e.g. ``transformers>=5.24,<5.25``."""
+    lo, hi = MIN_VERSION, MAX_VERSION
+    return f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"
 
 
 def supported_range() -> str:

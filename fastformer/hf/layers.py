@@ -161,6 +161,18 @@ def _decoder_packing(attention_mask, hidden_states, cache):
     return None if cache is not None else _layer_packing(attention_mask, hidden_states, decoder=True)
 
 
+def _decoder_self_attention(layer, hidden_states, attention_mask, cache, kwargs, ln=None):
+    """What both decoder forwards start with: ``(cache, packing, rows, attention)``, the layer's rows of
+    ``hidden_states`` (packed where it may skip some) and its causal self-attention on them, pre-LN on
+    their LayerNorm ``ln``. Pops ``past_key_values`` from ``kwargs`` (:func:`_cache_kwarg`)."""
+    cache = _cache_kwarg(cache, kwargs)
+    packing = _decoder_packing(attention_mask, hidden_states, cache)
+    rows = _rows(packing, hidden_states)  # (n, E) with unused rows skipped, attention included
+    x = rows if ln is None else _ln(rows, ln)
+    return cache, packing, rows, _attend(layer.self_attn, x, attention_mask, packing, causal=True, cache=cache,
+                                         **kwargs)
+
+
 def _cross_attention(layer, x, packing, cache, memory, memory_mask, **kwargs):
     """The decoder layer's cross-attention for its rows ``x`` (packed where ``packing``), returned in
     the layout of ``x``: on the packed rows of both sides where it can, else padded."""
@@ -184,10 +196,7 @@ def post_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
 
 def post_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                             encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
-    cache = _cache_kwarg(cache, kwargs)
-    packing = _decoder_packing(attention_mask, hidden_states, cache)
-    x = _rows(packing, hidden_states)  # (n, E) with unused rows skipped, attention included
-    h = _attend(self.self_attn, x, attention_mask, packing, causal=True, cache=cache, **kwargs)
+    cache, packing, x, h = _decoder_self_attention(self, hidden_states, attention_mask, cache, kwargs)
     h = _aln(self, h, x, self.self_attn_layer_norm)
     if encoder_hidden_states is not None:
         a = _cross_attention(self, h, packing, cache, encoder_hidden_states, encoder_attention_mask, **kwargs)
@@ -212,11 +221,8 @@ def pre_ln_encoder_forward(self, hidden_states, attention_mask, **kwargs):
 
 def pre_ln_decoder_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                            encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
-    cache = _cache_kwarg(cache, kwargs)
-    packing = _decoder_packing(attention_mask, hidden_states, cache)
-    residual = _rows(packing, hidden_states)  # (n, E) with unused rows skipped, attention included
-    a = _attend(self.self_attn, _ln(residual, self.self_attn_layer_norm), attention_mask, packing, causal=True,
-                cache=cache, **kwargs)
+    cache, packing, residual, a = _decoder_self_attention(self, hidden_states, attention_mask, cache, kwargs,
+                                                          ln=self.self_attn_layer_norm)
     if encoder_hidden_states is not None:
         x, residual = _aln(self, a, residual, self.encoder_attn_layer_norm, prenorm=True)
         a = _cross_attention(self, x, packing, cache, encoder_hidden_states, encoder_attention_mask, **kwargs)

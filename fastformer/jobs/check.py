@@ -19,7 +19,7 @@ import torch
 from .. import backends, ops
 from ..ops import reference
 
-KERNEL_BACKENDS = ("cpu", "triton", "cuda")
+KERNEL_BACKENDS = tuple(name for name in backends.NAMES if name != "reference")
 # fp32 (atol, rtol) per tensor, held against max|ref| (sums over up to ~1000 terms).
 FP32_TOL = (1e-4, 1e-4)
 # Low precision: error <= LOWP_FACTOR x the reference's own low-precision error + LOWP_FLOOR x max|ref|.

@@ -5,8 +5,10 @@ import os
 import sys
 from typing import List, Optional
 
+from ..backends import NAMES as BACKEND_NAMES
 from .devices import THREADS_HELP
 
+BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
 S = argparse.SUPPRESS  # options left out stay out, so a resumed run can tell what the user changed
 
 
@@ -53,7 +55,7 @@ def _train_parser(sub) -> None:
     o.add_argument("--steps", type=int, help="optimizer steps (default: tuned for the built-in task, "
                                              "or 10 epochs for --data)")
     x = p.add_argument_group("execution")
-    x.add_argument("--backend", choices=["auto", "reference", "cpu", "triton", "cuda"],
+    x.add_argument("--backend", choices=BACKEND_CHOICES,
                    help="fastformer kernel backend (default auto)")
     x.add_argument("--dtype", choices=["auto", "fp32", "bf16"],
                    help="bf16 = torch.autocast to bfloat16; auto (default) = bf16 on a CUDA GPU, fp32 on a CPU")
@@ -82,7 +84,7 @@ def _translate_parser(sub) -> None:
     p.add_argument("--max-len", type=int, default=None, metavar="N",
                    help="longest output in tokens, <s> included (default: source length + 50)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--backend", choices=["auto", "reference", "cpu", "triton", "cuda"], default="auto")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
 
 
 def _bench_parser(sub) -> None:

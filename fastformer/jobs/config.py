@@ -4,6 +4,7 @@ the user's options with a checkpoint's on resume, and the model a config describ
 import dataclasses
 from typing import Any, Dict, Optional
 
+from .. import backends
 from .devices import DTYPES
 
 PRESETS: Dict[str, Dict[str, int]] = {
@@ -88,7 +89,7 @@ class TrainConfig:
         one_of("task", TASKS)
         one_of("tokenizer", ("auto", "char", "bpe"))
         one_of("preset", PRESETS)
-        one_of("backend", ("auto", "reference", "cpu", "triton", "cuda"))
+        one_of("backend", ("auto",) + backends.NAMES)
         one_of("dtype", DTYPES)
         one_of("device", ("auto", "cpu", "cuda"))
         for name in ("task_train", "task_test", "batch_tokens", "warmup", "beam", "eval_batch"):

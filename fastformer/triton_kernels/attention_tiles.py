@@ -179,6 +179,16 @@ def sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN: tl.c
 
 
 @triton.jit
+def program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k, BLOCK: tl.constexpr,
+                     REVERSE: tl.constexpr, VARLEN: tl.constexpr):
+    """:func:`program_ids` and then :func:`sequence` of its batch entry, the set-up every kernel
+    starts with: (start, h, b64, h64, q0, k0, Lq, Lk)."""
+    start, h, b64, h64 = program_ids(BLOCK, REVERSE)
+    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    return start, h, b64, h64, q0, k0, Lq, Lk
+
+
+@triton.jit
 def head_base(X, b64, h64, stride_b, stride_h, row0, stride_row):
     """Pointer to the first row of head h of batch entry b: ``b * stride_b`` into a (B, H, S, D)
     tensor (``row0`` the constant 0, which folds away), or row ``row0`` of a packed (total, H, D)
@@ -202,3 +212,32 @@ def mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b, stride
     ``Sq``, ``Sk``: the dropout rows' shape (the longest sequence's with VARLEN)."""
     return (KPM + b64 * stride_kpm_b, head_base(AM, b64, h64, stride_am_b, stride_am_h, 0, 0),
             dropout_rng_base(rng_offset, b64, H, h, Sq, Sk))
+
+
+@triton.jit
+def key_bases(K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb,
+              stride_vh, stride_vn, stride_kpm_b, stride_am_b, stride_am_h):
+    """The key side of head (b, h), which every kernel reads: (k rows, v rows, key padding mask row,
+    additive mask, Philox counter), as head_base and mask_bases give them."""
+    k_base = head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn)
+    v_base = head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn)
+    kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
+                                             stride_am_b, stride_am_h)
+    return k_base, v_base, kpm_base, am_base, rng_base
+
+
+@triton.jit
+def key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
+                    stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, MASK_EDGE: tl.constexpr,
+                    EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+    """Key tile ``start_n`` of a query tile ``q`` (BM, BD), the head of the forward's and dQ's
+    loop steps: its keys and values (BN, BD) and the masked scores (BM, BN) in log2 units."""
+    kn = start_n + offs_n
+    k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
+    qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
+    s = masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
+                      stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
+                      IS_CAUSAL, LARGE_OFFSETS)
+    return k, v, s

@@ -22,11 +22,10 @@ import triton
 import triton.language as tl
 
 from .registration import register_op
-from .utils import (check_tensor, dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor,
-                    read_philox)
+from .utils import (check_float, check_tensor, dropout_args, dropout_keep_tile, next_power_of_2,
+                    on_device_of_first_tensor, read_philox)
 
 MAX_C = 16384  # the widest row one program keeps in registers
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _DWDB_BLOCK_G = 32  # partial rows summed per step of the dweight/dbias reduction
 _DWDB_BLOCK_N = 128  # columns per program of the dweight/dbias reduction
@@ -37,11 +36,43 @@ _PART_BLOCK_N = 256  # columns per program of _add_layer_norm_bwd_part
 
 
 @triton.jit
-def _row_keep(seed, offset, row, C, threshold, BLOCK_C: tl.constexpr):
-    """Dropout keep-mask (BLOCK_C,) of columns ``0 .. BLOCK_C - 1`` of row ``row``."""
+def _row_keep(seed, offset, row, C, c0, threshold, BLOCK_C: tl.constexpr):
+    """Dropout keep-mask (BLOCK_C,) of columns ``c0 .. c0 + BLOCK_C - 1`` of row ``row``."""
     rows = tl.full((1,), row, tl.int64)  # (1,)
-    keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(C, 8), 0, threshold, BLOCK_C)  # (1, BLOCK_C)
+    keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(C, 8), c0, threshold, BLOCK_C)  # (1, BLOCK_C)
     return tl.reshape(keep, (BLOCK_C,))
+
+
+@triton.jit
+def _row_block(g, rows_per_program, N):
+    """Rows [row_start, row_end) of block ``g`` of the backward's row blocks."""
+    row_start = g * rows_per_program
+    return row_start, tl.minimum(row_start + rows_per_program, N)
+
+
+@triton.jit
+def _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, c0, drop_threshold, drop_scale,
+                 HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The tail both row backwards share, on columns ``c0 + arange(BLOCK_C)`` of ``row`` (elements
+    ``idx``): the gradient of h (``dh`` from the LayerNorm, plus DHIn) to DRes, dropout's backward
+    of it to DX."""
+    if HAS_DH:
+        dh += tl.load(DHIn + idx, mask=mask, other=0.0).to(tl.float32)
+    if STORE_DRES:
+        tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
+    dx = dh
+    if HAS_DROPOUT:
+        keep = _row_keep(seed, offset, row, C, c0, drop_threshold, BLOCK_C)
+        dx = tl.where(keep, dh * drop_scale, 0.0)
+    tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partials(DWPart, DBPart, g, C, cols, mask, dw_acc, db_acc):
+    """Row ``g`` of the (G, C) dweight / dbias partials, columns ``cols``."""
+    part = g.to(tl.int64) * C + cols
+    tl.store(DWPart + part, dw_acc, mask=mask)
+    tl.store(DBPart + part, db_acc, mask=mask)
 
 
 @triton.jit
@@ -70,7 +101,7 @@ def _add_layer_norm_fwd(
     idx = row * C + cols  # row-major element index (int64)
     h = tl.load(X + idx, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = _row_keep(seed, offset, row, C, drop_threshold, BLOCK_C)
+        keep = _row_keep(seed, offset, row, C, 0, drop_threshold, BLOCK_C)
         h = tl.where(keep, h * drop_scale, 0.0)
     if HAS_RESIDUAL:
         h += tl.load(R + idx, mask=mask, other=0.0).to(tl.float32)
@@ -119,8 +150,7 @@ def _add_layer_norm_bwd(
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, N)
+    row_start, row_end = _row_block(pid, rows_per_program, N)
     for row in range(row_start, row_end):
         idx = tl.cast(row, tl.int64) * C + cols
         h = tl.load(H + idx, mask=mask, other=0.0).to(tl.float32)
@@ -132,20 +162,11 @@ def _add_layer_norm_bwd(
         c1 = tl.sum(xhat * wdy, axis=0) / C
         c2 = tl.sum(wdy, axis=0) / C
         dh = (wdy - (xhat * c1 + c2)) * rstd
-        if HAS_DH:
-            dh += tl.load(DHIn + idx, mask=mask, other=0.0).to(tl.float32)
-        if STORE_DRES:
-            tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
-        dx = dh
-        if HAS_DROPOUT:
-            keep = _row_keep(seed, offset, row, C, drop_threshold, BLOCK_C)
-            dx = tl.where(keep, dh * drop_scale, 0.0)
-        tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
+        _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, 0, drop_threshold, drop_scale,
+                     HAS_DH, HAS_DROPOUT, STORE_DRES, BLOCK_C)
         dw_acc += dy * xhat
         db_acc += dy
-    part = pid.to(tl.int64) * C + cols
-    tl.store(DWPart + part, dw_acc, mask=mask)
-    tl.store(DBPart + part, db_acc, mask=mask)
+    _store_partials(DWPart, DBPart, pid, C, cols, mask, dw_acc, db_acc)
 
 
 @triton.jit
@@ -175,8 +196,7 @@ def _add_layer_norm_bwd_chunked(
     (from cache) and stores its gradients. dweight / dbias come from _add_layer_norm_bwd_part."""
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK_C)  # (CHUNK_C,)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, N)
+    row_start, row_end = _row_block(pid, rows_per_program, N)
     for row in range(row_start, row_end):
         base = tl.cast(row, tl.int64) * C
         mean = tl.load(Mean + row)
@@ -202,16 +222,8 @@ def _add_layer_norm_bwd_chunked(
                    * tl.load(DY + idx, mask=mask, other=0.0).to(tl.float32))
             xhat = tl.where(mask, (h - mean) * rstd, 0.0)
             dh = (wdy - (xhat * c1 + c2)) * rstd
-            if HAS_DH:
-                dh += tl.load(DHIn + idx, mask=mask, other=0.0).to(tl.float32)
-            if STORE_DRES:
-                tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
-            dx = dh
-            if HAS_DROPOUT:
-                rows = tl.full((1,), row, tl.int64)  # (1,)
-                keep = dropout_keep_tile(seed, offset, rows, tl.cdiv(C, 8), c0, drop_threshold, CHUNK_C)
-                dx = tl.where(tl.reshape(keep, (CHUNK_C,)), dh * drop_scale, 0.0)
-            tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
+            _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, c0, drop_threshold, drop_scale,
+                         HAS_DH, HAS_DROPOUT, STORE_DRES, CHUNK_C)
 
 
 @triton.jit
@@ -234,8 +246,7 @@ def _add_layer_norm_bwd_part(
     mask = cols < C
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = g * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, N)
+    row_start, row_end = _row_block(g, rows_per_program, N)
     for row in range(row_start, row_end):
         idx = tl.cast(row, tl.int64) * C + cols
         h = tl.load(H + idx, mask=mask, other=0.0).to(tl.float32)
@@ -243,9 +254,7 @@ def _add_layer_norm_bwd_part(
         xhat = tl.where(mask, (h - tl.load(Mean + row)) * tl.load(Rstd + row), 0.0)
         dw_acc += dy * xhat
         db_acc += dy
-    part = g.to(tl.int64) * C + cols
-    tl.store(DWPart + part, dw_acc, mask=mask)
-    tl.store(DBPart + part, db_acc, mask=mask)
+    _store_partials(DWPart, DBPart, g, C, cols, mask, dw_acc, db_acc)
 
 
 @triton.jit
@@ -296,24 +305,12 @@ def _partial_rows(n: int, device: torch.device) -> Tuple[int, int]:
 
 
 def _check_x(x: torch.Tensor, name: str = "x") -> Tuple[int, int]:
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (N, C), got shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be fp16, bf16 or fp32 for the triton backend, got {x.dtype}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    check_float(name, x, 2, "be 2-D (N, C)")
     N, C = x.shape
     if C > MAX_C:
         raise ValueError(f"the triton add_layer_norm keeps a row in registers and supports hidden "
                          f"sizes up to {MAX_C}, got C = {C}")
     return N, C
-
-
-def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    has_dropout = dropout_p > 0.0
-    return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
 
 
 @on_device_of_first_tensor
@@ -332,7 +329,7 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     rstd = torch.empty(N, dtype=torch.float32, device=x.device)
     if N == 0:
         return y, h, mean, rstd
-    has_dropout, threshold, scale = _dropout_args(dropout_p)
+    has_dropout, threshold, scale = dropout_args(dropout_p)
     block_c = next_power_of_2(max(C, 8))  # whole Philox groups of 8 columns
     torch.library.wrap_triton(_add_layer_norm_fwd)[(N,)](
         x, residual if residual is not None else x, weight, bias, y, h, mean, rstd,
@@ -355,7 +352,7 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     check_tensor("weight", weight, (C,))
     check_tensor("mean", mean, (N,), torch.float32)
     check_tensor("rstd", rstd, (N,), torch.float32)
-    has_dropout, threshold, scale = _dropout_args(dropout_p)
+    has_dropout, threshold, scale = dropout_args(dropout_p)
     store_dres = has_residual and has_dropout
     dx = torch.empty_like(h)  # (N, C)
     dres = torch.empty_like(h) if store_dres else h.new_empty(0)  # empty: the residual's grad is dx

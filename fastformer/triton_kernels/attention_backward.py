@@ -17,8 +17,9 @@ preprocess needs no such mode (it runs on the packed rows as one sequence of tot
 import triton
 import triton.language as tl
 
-from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, load_rows,
-                              mask_bases, masked_scores, program_ids, sequence, stats_row, store_rows)
+from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
+                              key_tile_scores, load_rows, mask_bases, masked_scores, program_sequence, stats_row,
+                              store_rows)
 
 
 @triton.jit
@@ -154,8 +155,8 @@ def _attention_bwd_dkdv(
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
 ):
-    start_n, h, b64, h64 = program_ids(BLOCK_N, False)
-    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
+                                                           BLOCK_N, False, VARLEN)
     if VARLEN:
         if start_n >= Lk:  # the grid covers the longest sequence: this one ends before the tile
             return
@@ -163,6 +164,7 @@ def _attention_bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
+    # not key_bases: the mask bases come after the loads here, and moving them changes the code
     k = load_rows(head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn, offs_d, Lk, D,
                   EVEN_D, LARGE_OFFSETS)
     v = load_rows(head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn), offs_n, stride_vn, offs_d, Lk, D,
@@ -215,13 +217,9 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one key tile's contribution to this query tile's dQ (``Sq``, ``Sk``: this
     sequence's lengths; ``drop_cols``: the dropout rows' width)."""
-    kn = start_n + offs_n
-    k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
-    s = masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
-                       stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                       IS_CAUSAL, LARGE_OFFSETS)
+    k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
+                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, MASK_EDGE,
+                              EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, INPUT_PRECISION, LARGE_OFFSETS)
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     if HAS_DROPOUT:
@@ -290,8 +288,8 @@ def _attention_bwd_dq(
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
 ):
-    start_m, h, b64, h64 = program_ids(BLOCK_M, IS_CAUSAL)
-    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
+                                                           BLOCK_M, IS_CAUSAL, VARLEN)
     if VARLEN:
         if start_m >= Lq:  # the grid covers the longest sequence: this one ends before the tile
             return
@@ -305,10 +303,9 @@ def _attention_bwd_dq(
                    D, EVEN_D, LARGE_OFFSETS)
     lse2, delta = _load_row_stats(stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN),
                                   stats_row(Delta, b64, h, H, Sq, q0, total_q, VARLEN), offs_m, Lq)
-    k_base = head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn)
-    v_base = head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn)
-    kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
-                                             stride_am_b, stride_am_h)
+    k_base, v_base, kpm_base, am_base, rng_base = key_bases(
+        K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+        stride_vn, stride_kpm_b, stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

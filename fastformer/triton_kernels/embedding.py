@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from .registration import register_op
-from .utils import check_tensor, dropout_keep_tile, dropout_threshold, next_power_of_2, on_device_of_first_tensor, read_philox
+from .utils import (check_float, check_tensor, dropout_args, dropout_keep_tile, next_power_of_2,
+                    on_device_of_first_tensor, read_philox)
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FWD_ROWS = 8  # ids a forward program ...
 _FWD_MAX_BLOCK_D = 256  # ... and its columns a step: 8 x 1024 fp32 spilled registers at 4 warps
@@ -112,20 +112,8 @@ def _check_ids(name: str, t: torch.Tensor, n: Optional[int] = None) -> int:
 
 
 def _check_rows(name: str, t: torch.Tensor) -> Tuple[int, int]:
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be fp16, bf16 or fp32 for the triton backend, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    check_float(name, t, 2, "be 2-D")
     return t.shape
-
-
-def _dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    has_dropout = dropout_p > 0.0
-    return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
 
 
 def _block_d(D: int, cap: int) -> int:
@@ -147,7 +135,7 @@ def _embedding_fwd_impl(input: torch.Tensor, weight: torch.Tensor, positional: O
     out = torch.empty((N, D), dtype=weight.dtype, device=weight.device)
     if N == 0 or D == 0:
         return out
-    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    has_dropout, threshold, drop_scale = dropout_args(dropout_p)
     has_pos = positional is not None
     torch.library.wrap_triton(_embedding_fwd)[(triton.cdiv(N, _FWD_ROWS),)](
         input, weight, positions if has_pos else input, positional if has_pos else weight, out, N, D, scale,
@@ -163,7 +151,7 @@ def _table_grad(grad, keys, K, skip_row, scale, seed, offset, dropout_p):
         return table
     sorted_keys, order = torch.sort(keys, stable=True)  # a segment's rows in increasing id position
     ends = torch.searchsorted(sorted_keys, sorted_keys, right=True)
-    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    has_dropout, threshold, drop_scale = dropout_args(dropout_p)
     block_d = _block_d(D, _BWD_MAX_BLOCK_D)
     torch.library.wrap_triton(_embedding_bwd)[(N, triton.cdiv(D, block_d))](
         grad, sorted_keys, order, ends, table, N, D, skip_row, scale, seed, offset, threshold, drop_scale,

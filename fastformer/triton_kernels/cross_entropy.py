@@ -18,10 +18,9 @@ import triton
 import triton.language as tl
 
 from .registration import register_op
-from .utils import check_tensor, next_power_of_2, on_device_of_first_tensor
+from .utils import check_float, check_tensor, next_power_of_2, on_device_of_first_tensor
 
 MAX_BLOCK_V = 4096  # classes per step of the row loops
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 _CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk of linear_cross_entropy (at least)
@@ -106,12 +105,7 @@ def _launch(logits, target, loss_rows, grad, grad_scale, ignore_index, label_smo
 
 
 def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be fp16, bf16 or fp32 for the triton backend, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    check_float(name, t, ndim, f"have {ndim} dimensions")
 
 
 def _check_reduction(reduction: int) -> None:

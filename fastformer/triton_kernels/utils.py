@@ -85,6 +85,28 @@ def check_tensor(name: str, t: torch.Tensor, shape, dtype=None) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the activations' dtypes the kernels take
+
+
+def check_float(name: str, t: torch.Tensor, ndim: int, dims: str) -> None:
+    """Host-side check of a floating-point input: ``ndim`` dimensions (``dims`` words the error,
+    ``"{name} must {dims}"``), a dtype of FLOAT_DTYPES, contiguous."""
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must {dims}, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be fp16, bf16 or fp32 for the triton backend, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
+    """(HAS_DROPOUT, threshold, scale) of a dropout probability in [0, 1) (a ValueError otherwise)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    has_dropout = dropout_p > 0.0
+    return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
+
+
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

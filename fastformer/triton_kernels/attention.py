@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from . import attention_backward as kernels
-from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, load_rows,
-                              mask_bases, masked_scores, program_ids, sequence, stats_row, store_rows)
+from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
+                              key_tile_scores, load_rows, program_sequence, stats_row, store_rows)
 from .matmul import input_precision
 from .registration import register_op
 from .utils import (INTERPRET, dropout_threshold, first_config_only, next_power_of_2, on_device_of_first_tensor,
@@ -49,13 +49,9 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """One key tile of the online softmax: returns the updated (acc, l_i, m_i). ``Sq``, ``Sk``: this
     sequence's lengths; ``drop_cols``: the dropout rows' width (keep_tile's ``Sk``)."""
-    kn = start_n + offs_n
-    k = load_rows(k_base, kn, stride_kn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
-    qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
-    s = masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
-                       stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                       IS_CAUSAL, LARGE_OFFSETS)
+    k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
+                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, MASK_EDGE,
+                              EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, INPUT_PRECISION, LARGE_OFFSETS)
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible so far
     alpha = tl.exp2(m_i - m_safe)
@@ -122,8 +118,8 @@ def _attention_fwd(
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
 ):
-    start_m, h, b64, h64 = program_ids(BLOCK_M, IS_CAUSAL)
-    q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
+    start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
+                                                           BLOCK_M, IS_CAUSAL, VARLEN)
     if VARLEN:
         if start_m >= Lq:  # the grid covers the longest sequence: this one ends before the tile
             return
@@ -133,10 +129,9 @@ def _attention_fwd(
 
     q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm), offs_m, stride_qm, offs_d, Lq, D,
                   EVEN_D, LARGE_OFFSETS)
-    k_base = head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn)
-    v_base = head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn)
-    kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
-                                             stride_am_b, stride_am_h)
+    k_base, v_base, kpm_base, am_base, rng_base = key_bases(
+        K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+        stride_vn, stride_kpm_b, stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
