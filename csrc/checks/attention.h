@@ -26,9 +26,11 @@ inline void check_heads_operand(const Backend& be, const char* op, const char* n
   if (&t != &q) check_same_dtype(op, name, t, q, "q");
 }
 
+constexpr const char* kHeadsLayout = "4-D (B, H, S, D)";  // the padded op's operands
+
 inline void check_attention_operand(const Backend& be, const char* op, const char* name,
                                     const at::Tensor& t, const at::Tensor& q) {
-  check_heads_operand(be, op, name, t, q, 4, "4-D (B, H, S, D)");
+  check_heads_operand(be, op, name, t, q, 4, kHeadsLayout);
 }
 
 // q, k, v and the scalars of both ops; returns (B, H, Sq, Sk, D).
@@ -50,19 +52,27 @@ inline std::array<int64_t, 5> check_attention_qkv(const Backend& be, const char*
   return {B, H, Sq, Sk, D};
 }
 
-// attention_bwd's own tensors: dout and out like q, lse (B, H, Sq) fp32.
-inline void check_attention_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
-                                        const at::Tensor& out, const at::Tensor& lse,
-                                        const at::Tensor& q, const std::array<int64_t, 5>& dims) {
-  const auto [B, H, Sq, Sk, D] = dims;
-  check_attention_operand(be, op, "dout", dout, q);
-  check_attention_operand(be, op, "out", out, q);
+// The backward's own tensors of either op (`rank`, `layout` as check_heads_operand's): dout and
+// out like q, lse fp32 on q's device. The caller checks lse's shape.
+inline void check_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
+                              const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
+                              int64_t rank, const char* layout) {
+  check_heads_operand(be, op, "dout", dout, q, rank, layout);
+  check_heads_operand(be, op, "out", out, q, rank, layout);
   TORCH_CHECK(dout.sizes() == q.sizes(), op, ": dout must have q's shape ", q.sizes(), ", got ",
               dout.sizes());
   TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ",
               out.sizes());
   check_device(be, op, "lse", lse, &q, "q");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+}
+
+// attention_bwd's own tensors: dout and out like q, lse (B, H, Sq) fp32.
+inline void check_attention_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
+                                        const at::Tensor& out, const at::Tensor& lse,
+                                        const at::Tensor& q, const std::array<int64_t, 5>& dims) {
+  const auto [B, H, Sq, Sk, D] = dims;
+  check_bwd_tensors(be, op, dout, out, lse, q, 4, kHeadsLayout);
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == Sq, op,
               ": lse must have shape (B, H, Sq) = (", B, ", ", H, ", ", Sq, "), got ", lse.sizes());
 }

@@ -16,9 +16,11 @@ struct VarlenDims {
   int64_t B, H, total_q, total_k, D, max_seqlen_q, max_seqlen_k;
 };
 
+constexpr const char* kPackedLayout = "3-D (total, H, D)";  // the varlen op's operands
+
 inline void check_varlen_operand(const Backend& be, const char* op, const char* name,
                                  const at::Tensor& t, const at::Tensor& q) {
-  check_heads_operand(be, op, name, t, q, 3, "3-D (total, H, D)");
+  check_heads_operand(be, op, name, t, q, 3, kPackedLayout);
 }
 
 // A cu_seqlens argument: int32, 1-D (B + 1,), contiguous, on q's device. Its values are checked by
@@ -82,14 +84,7 @@ inline void check_cu_seqlens_values(const char* op, const char* name, const at::
 inline void check_varlen_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
                                      const at::Tensor& out, const at::Tensor& lse,
                                      const at::Tensor& q, const VarlenDims& dims) {
-  check_varlen_operand(be, op, "dout", dout, q);
-  check_varlen_operand(be, op, "out", out, q);
-  TORCH_CHECK(dout.sizes() == q.sizes(), op, ": dout must have q's shape ", q.sizes(), ", got ",
-              dout.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ",
-              out.sizes());
-  check_device(be, op, "lse", lse, &q, "q");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  check_bwd_tensors(be, op, dout, out, lse, q, 3, kPackedLayout);
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == dims.H && lse.size(1) == dims.total_q, op,
               ": lse must have shape (H, total_q) = (", dims.H, ", ", dims.total_q, "), got ",
               lse.sizes());
@@ -143,6 +138,22 @@ inline void check_varlen_grads_disjoint(const char* op, const std::array<const a
                   " share memory; they must be slices of one packed buffer whose elements do not overlap");
     }
   }
+}
+
+// attention_varlen_bwd.into's checks before the backward's own: q, k, v, cu_seqlens and the
+// scalars, the gradients' layouts, and that they write disjoint memory.
+inline void check_varlen_bwd_into(const Backend& be, const char* op, const at::Tensor& dout,
+                                  const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                  int64_t max_seqlen_k, double scale, double dropout_p,
+                                  const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+  check_varlen_qkv(be, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                   dropout_p);
+  check_varlen_grad_out(be, op, "dq", dq, q, "q");
+  check_varlen_grad_out(be, op, "dk", dk, k, "k");
+  check_varlen_grad_out(be, op, "dv", dv, v, "v");
+  check_varlen_grads_disjoint(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out});
 }
 
 }  // namespace checks

@@ -1,6 +1,6 @@
 // attention_fwd / attention_bwd on CPU: the argument checks, the mask preparation and the op
-// registration, compiled once; the flash-style math is attention_kernel.cpp, run at the ISA level
-// isa.h chose.
+// registration, compiled once; the flash-style math is attention_kernel_fwd.cpp and
+// attention_kernel_bwd.cpp, run at the ISA level isa.h chose.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -19,10 +19,14 @@
 namespace fastformer {
 namespace {
 
-// The checked masks as the kernels read them (fills `mask`); returns the tensors that must
+// The masks checked and as the kernels read them (fills `mask`); returns the tensors that must
 // outlive the kernel.
-std::vector<at::Tensor> prepare_masks(const checks::AttentionMasks& masks, bool is_causal,
+std::vector<at::Tensor> prepare_masks(const char* op, const at::Tensor& q,
+                                      const std::optional<at::Tensor>& key_padding_mask,
+                                      const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                       const std::array<int64_t, 5>& dims, Masks& mask) {
+  const auto masks =
+      checks::check_attention_masks(checks::kCpu, op, q, key_padding_mask, attn_mask, dims);
   const auto [B, H, Sq, Sk, D] = dims;
   std::vector<at::Tensor> keep_alive;
   mask.Sk = Sk;
@@ -58,25 +62,39 @@ std::vector<at::Tensor> prepare_masks(const checks::AttentionMasks& masks, bool 
   return keep_alive;
 }
 
+// One call's arguments checked and as the kernels take them. The backward passes its own dout,
+// out and lse, checked after q, k, v (and before the masks), as the forward checks none.
+struct Call {
+  std::array<int64_t, 5> dims;  // (B, H, Sq, Sk, D)
+  Masks mask;
+  std::vector<at::Tensor> keep_alive;  // what mask points into
+  uint64_t seed, offset;
+
+  Call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+       const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
+       bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+       const at::Tensor* dout = nullptr, const at::Tensor* out = nullptr, const at::Tensor* lse = nullptr) {
+    const auto [s, o] = read_philox(op, philox);
+    seed = static_cast<uint64_t>(s);
+    offset = static_cast<uint64_t>(o);
+    dims = checks::check_attention_qkv(checks::kCpu, op, q, k, v, scale, dropout_p);
+    if (dout != nullptr) checks::check_attention_bwd_tensors(checks::kCpu, op, *dout, *out, *lse, q, dims);
+    keep_alive = prepare_masks(op, q, key_padding_mask, attn_mask, is_causal, dims, mask);
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
     bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
-  const char* op = "attention_fwd";
-  int64_t seed, offset;
-  std::tie(seed, offset) = read_philox(op, philox);
-  const auto dims = checks::check_attention_qkv(checks::kCpu, op, q_in, k_in, v_in, scale, dropout_p);
-  const auto masks = checks::check_attention_masks(checks::kCpu, op, q_in, key_padding_mask,
-                                                   attn_mask, dims);
-  Masks mask;
-  const auto keep_alive = prepare_masks(masks, is_causal, dims, mask);
-  const auto [B, H, Sq, Sk, D] = dims;
+  const Call c("attention_fwd", q_in, k_in, v_in, key_padding_mask, attn_mask, is_causal, scale,
+               dropout_p, philox);
+  const auto [B, H, Sq, Sk, D] = c.dims;
   at::Tensor out = empty_large({B, H, Sq, D}, q_in.options());  // pooled when large
   at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
-  FF_ISA(attention_fwd_impl)(dims, q, k, v, mask, scale, dropout_p, static_cast<uint64_t>(seed),
-                             static_cast<uint64_t>(offset), out, lse);
+  FF_ISA(attention_fwd_impl)(c.dims, q, k, v, c.mask, scale, dropout_p, c.seed, c.offset, out, lse);
   return {out, lse};
 }
 
@@ -85,26 +103,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
     bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
-  const char* op = "attention_bwd";
-  int64_t seed, offset;
-  std::tie(seed, offset) = read_philox(op, philox);
-  const auto dims = checks::check_attention_qkv(checks::kCpu, op, q_in, k_in, v_in, scale, dropout_p);
-  checks::check_attention_bwd_tensors(checks::kCpu, op, dout_in, out_in, lse_in, q_in, dims);
-  const auto masks = checks::check_attention_masks(checks::kCpu, op, q_in, key_padding_mask,
-                                                   attn_mask, dims);
-  const auto [B, H, Sq, Sk, D] = dims;
-  Masks mask;
-  const auto keep_alive = prepare_masks(masks, is_causal, dims, mask);
-
+  const Call c("attention_bwd", q_in, k_in, v_in, key_padding_mask, attn_mask, is_causal, scale,
+               dropout_p, philox, &dout_in, &out_in, &lse_in);
+  const auto [B, H, Sq, Sk, D] = c.dims;
   at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
   if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv};
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
   const at::Tensor dout = as_blas_rows(dout_in, 2), lse = lse_in.contiguous();
   const at::ScalarType acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(acc_dtype));
-  FF_ISA(attention_bwd_impl)(dims, dout, q, k, v, out_in, lse, mask, scale, dropout_p,
-                             static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), delta, dq,
-                             dk, dv);
+  FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
+                             c.offset, delta, dq, dk, dv);
   return {dq, dk, dv};
 }
 

@@ -1,6 +1,7 @@
-// The per-ISA entry points of attention and attention_varlen (attention_kernel.cpp, one copy per
-// level of isa.h), the mask and packed-layout descriptions the glue (attention.cpp,
-// attention_varlen.cpp) prepares for them, and the glue's shared tensor helpers.
+// The per-ISA entry points of attention and attention_varlen (attention_kernel_fwd.cpp,
+// attention_kernel_bwd.cpp, one copy per level of isa.h), the mask and packed-layout
+// descriptions the glue (attention.cpp, attention_varlen.cpp) prepares for them, and the glue's
+// shared tensor helpers.
 #pragma once
 #include <ATen/ATen.h>
 

@@ -1,8 +1,8 @@
 // attention_varlen_fwd / attention_varlen_bwd on CPU: the argument checks (csrc/checks/
-// attention_varlen.h) and the op registration. The math is attention's own kernel
-// (attention_kernel.cpp) reading the packed rows per sequence through cu_seqlens, run at the ISA
-// level isa.h chose: no padded position is computed and no operand is copied (but one whose rows
-// the GEMMs cannot take).
+// attention_varlen.h) and the op registration. The math is attention's own kernels
+// (attention_kernel_fwd.cpp, attention_kernel_bwd.cpp) reading the packed rows per sequence
+// through cu_seqlens, run at the ISA level isa.h chose: no padded position is computed and no
+// operand is copied (but one whose rows the GEMMs cannot take).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -91,12 +91,8 @@ void attention_varlen_bwd_into_cpu(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
     double dropout_p, const at::Tensor& philox, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const char* op = "attention_varlen_bwd.into";
-  checks::check_varlen_qkv(checks::kCpu, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, scale, dropout_p);
-  checks::check_varlen_grad_out(checks::kCpu, op, "dq", dq, q, "q");
-  checks::check_varlen_grad_out(checks::kCpu, op, "dk", dk, k, "k");
-  checks::check_varlen_grad_out(checks::kCpu, op, "dv", dv, v, "v");
-  checks::check_varlen_grads_disjoint(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out});
+  checks::check_varlen_bwd_into(checks::kCpu, op, dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, scale, dropout_p, dq, dk, dv);
   attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
 }

@@ -28,6 +28,36 @@ namespace fastformer {
 namespace CPU_CAPABILITY {
 namespace {
 
+// Rows a task: about 16K elements (in backward, most of the table's rows are zeros when K is a
+// vocabulary).
+inline int64_t row_grain(int64_t D) { return std::max<int64_t>(1, 16384 / D); }
+
+// One task's dropout of whole rows: row i's factors (keep / (1 - p), 0 where dropped) made from
+// (seed, offset, i) into a buffer that stays in L1, so forward and backward make the same ones.
+template <typename A>
+class RowDropout {
+ public:
+  RowDropout(double dropout_p, uint64_t seed, uint64_t offset, int64_t D)
+      : RowDropout(dropout_params(dropout_p), seed, offset, D) {}
+
+  // Row i's factors, or nullptr without dropout.
+  const A* row(int64_t i) const {
+    if (keep_) scales_.fill(keep_, 0, D_, dropout_row_counter(offset_, i, D_));
+    return keep_;
+  }
+
+ private:
+  RowDropout(const DropoutParams& dp, uint64_t seed, uint64_t offset, int64_t D)
+      : buf_(new A[dp.drop ? D : 0]), keep_(dp.drop ? buf_.get() : nullptr),
+        scales_(seed, dp.threshold, static_cast<A>(dp.scale)), offset_(offset), D_(D) {}
+
+  std::unique_ptr<A[]> buf_;
+  A* const keep_;
+  const DropoutScales<A> scales_;
+  const uint64_t offset_;
+  const int64_t D_;
+};
+
 template <typename T>
 void embedding_fwd_rows(const int64_t* ids, const T* weight, const int64_t* positions,
                         const T* positional, T* out, int64_t N, int64_t D, double scale,
@@ -35,17 +65,14 @@ void embedding_fwd_rows(const int64_t* ids, const T* weight, const int64_t* posi
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
-  const DropoutParams dp = dropout_params(dropout_p);
   const V vscale(static_cast<A>(scale));
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / D), [&](int64_t begin, int64_t end) {
-    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? D : 0]);  // dropout factors of one row
-    A* const keep = dp.drop ? keep_buf.get() : nullptr;
-    const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
+  at::parallel_for(0, N, row_grain(D), [&](int64_t begin, int64_t end) {
+    const RowDropout<A> dropout(dropout_p, seed, offset, D);
     for (int64_t i = begin; i < end; ++i) {
       const T* wr = weight + ids[i] * D;
       const T* pr = positional ? positional + positions[i] * D : nullptr;
       T* o = out + i * D;
-      if (keep) dropout.fill(keep, 0, D, dropout_row_counter(offset, i, D));
+      const A* keep = dropout.row(i);
       vec_loop<W>(D, [&](int64_t j, int64_t n) {
         V v = load(wr + j, n) * vscale;
         if (pr) v = v + load(pr + j, n);
@@ -63,15 +90,11 @@ void embedding_bwd_rows(const T* grad, const int64_t* order, const int64_t* star
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
-  const DropoutParams dp = dropout_params(dropout_p);
-  const V vscale(static_cast<A>(scale));
-  // about 16K elements of the table a task (most of its rows are zeros when K is a vocabulary)
-  at::parallel_for(0, K, std::max<int64_t>(1, 16384 / D), [&](int64_t begin, int64_t end) {
-    std::unique_ptr<A[]> keep_buf(new A[dp.drop ? D : 0]);
-    std::unique_ptr<A[]> sum_buf(new A[D]);  // the row's sum
-    A* const keep = dp.drop ? keep_buf.get() : nullptr;
+  at::parallel_for(0, K, row_grain(D), [&](int64_t begin, int64_t end) {
+    const RowDropout<A> dropout(dropout_p, seed, offset, D);
+    std::unique_ptr<A[]> sum_buf(new A[D]);  // the row's sum, scaled once when it is written
     A* const sum = sum_buf.get();
-    const DropoutScales<A> dropout(seed, dp.threshold, static_cast<A>(dp.scale));
+    const V vscale(static_cast<A>(scale));
     for (int64_t k = begin; k < end; ++k) {
       T* const row = table + k * D;
       const int64_t first = starts[k], last = starts[k + 1];
@@ -82,7 +105,7 @@ void embedding_bwd_rows(const T* grad, const int64_t* order, const int64_t* star
       for (int64_t r = first; r < last; ++r) {
         const int64_t i = order[r];
         const T* g = grad + i * D;
-        if (keep) dropout.fill(keep, 0, D, dropout_row_counter(offset, i, D));
+        const A* keep = dropout.row(i);
         const bool init = r == first;
         vec_loop<W>(D, [&](int64_t j, int64_t n) {
           V v = load(g + j, n);

@@ -104,6 +104,15 @@ void act_dropout_fwd(T* pre, const T* bias, T* a, int64_t N, int64_t F, Activati
   });
 }
 
+// sum[0, n) += x[0, n) (a bias gradient's column sums, one row at a time).
+template <typename T>
+inline void add_to_sum(acc_t<T>* sum, const T* x, int64_t n) {
+  using V = AccVec<T>;
+  vec_loop<V::size()>(n, [&](int64_t j, int64_t m) {
+    (V::loadu(sum + j, m) + load(x + j, m)).store(sum + j, m);
+  });
+}
+
 // One row of the backward pass: a = dropout(act(pre)) and dpre = da * keep * act'(pre) written over
 // da; db1_sum += dpre, db2_sum += dout (each when not nullptr). keep: nullptr without dropout.
 template <typename T>
@@ -125,11 +134,7 @@ inline void act_dropout_bwd_row(const T* pr, T* dr, T* ar, const acc_t<T>* keep,
     store(dr + j, d, n);
     if (db1_sum) (V::loadu(db1_sum + j, n) + d).store(db1_sum + j, n);
   });
-  if (db2_sum) {
-    vec_loop<W>(E, [&](int64_t j, int64_t n) {
-      (V::loadu(db2_sum + j, n) + load(gr + j, n)).store(db2_sum + j, n);
-    });
-  }
+  if (db2_sum) add_to_sum(db2_sum, gr, E);
 }
 
 // One row of relu's backward pass from the kept a: dpre = da * scale where a > 0, else 0, written
@@ -146,11 +151,7 @@ inline void relu_dropout_bwd_row(const T* ar, T* dr, const T* gr, acc_t<T> scale
     store(dr + j, d, n);
     if (db1_sum) (V::loadu(db1_sum + j, n) + d).store(db1_sum + j, n);
   });
-  if (db2_sum) {
-    vec_loop<W>(E, [&](int64_t j, int64_t n) {
-      (V::loadu(db2_sum + j, n) + load(gr + j, n)).store(db2_sum + j, n);
-    });
-  }
+  if (db2_sum) add_to_sum(db2_sum, gr, E);
 }
 
 // The backward's one pass over rows (see act_dropout_bwd_row, relu_dropout_bwd_row); saved: a for

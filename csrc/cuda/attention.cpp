@@ -15,6 +15,7 @@
 #include <optional>
 #include <tuple>
 
+#include "attention_call.h"
 #include "flash_mma.h"
 #include "glue.h"
 #include "launchers.h"
@@ -23,78 +24,8 @@
 namespace fastformer {
 namespace {
 
-// The rows of a (B, H, S, D) operand, as the kernels address them.
-FfRows heads_rows(const at::Tensor& t) { return {t.stride(0), t.stride(2), t.stride(1)}; }
-
 // lse and delta: (B, H, Sq) contiguous fp32.
 FfRows stat_rows(int64_t H, int64_t Sq) { return {H * Sq, 1, Sq}; }
-
-// The launchers' description of one call; `kpm` keeps the contiguous key_padding_mask alive.
-struct Call {
-  at::Tensor kpm;
-  FfAttentionArgs a{};
-  Call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-       const checks::AttentionMasks& m, const std::array<int64_t, 5>& dims, bool is_causal,
-       double scale, double dropout_p, const FfPhiloxArgs& rng, int dtype) {
-    const auto [B, H, Sq, Sk, D] = dims;
-    a.q = q.const_data_ptr();
-    a.k = k.const_data_ptr();
-    a.v = v.const_data_ptr();
-    a.q_s = heads_rows(q);
-    a.k_s = heads_rows(k);
-    a.v_s = heads_rows(v);
-    a.cu_seqlens_q = nullptr;  // every sequence: Sq queries, Sk keys
-    a.cu_seqlens_k = nullptr;
-    a.B = B;
-    a.H = H;
-    a.D = D;
-    a.total_q = Sq;
-    a.total_k = Sk;
-    a.max_seqlen_q = Sq;
-    a.max_seqlen_k = Sk;
-    if (m.key_padding_mask.defined()) {
-      kpm = m.key_padding_mask.contiguous();
-      a.key_padding_mask = kpm.const_data_ptr<bool>();
-    } else {
-      a.key_padding_mask = nullptr;
-    }
-    a.attn_mask = m.attn_mask.defined() ? m.attn_mask.const_data_ptr<float>() : nullptr;
-    a.am_sb = m.attn_mask_strides[0];
-    a.am_sh = m.attn_mask_strides[1];
-    a.am_sq = m.attn_mask_strides[2];
-    a.am_sk = m.attn_mask_strides[3];
-    a.dtype = dtype;
-    a.causal = is_causal;
-    a.scale = scale;
-    a.dropout_p = dropout_p;
-    a.seed = rng.seed;
-    a.offset = rng.offset;
-  }
-
-  // The same call for the tensor-core forward (flash_fwd_mma.cu), padded rows only.
-  FfFlashFwdArgs flash() const {
-    FfFlashFwdArgs f{};
-    f.q = a.q;
-    f.k = a.k;
-    f.v = a.v;
-    f.q_sb = a.q_s.batch, f.q_sh = a.q_s.head, f.q_ss = a.q_s.row;
-    f.k_sb = a.k_s.batch, f.k_sh = a.k_s.head, f.k_ss = a.k_s.row;
-    f.v_sb = a.v_s.batch, f.v_sh = a.v_s.head, f.v_ss = a.v_s.row;
-    f.B = a.B, f.H = a.H, f.Sq = a.total_q, f.Sk = a.total_k, f.D = a.D;
-    f.dtype = a.dtype;
-    f.causal = a.causal;
-    f.scale = a.scale;
-    f.kpm = a.key_padding_mask;
-    f.kpm_sb = a.total_k;  // kpm is (B, Sk) contiguous
-    f.am = a.attn_mask;
-    f.am_sb = a.am_sb, f.am_sh = a.am_sh, f.am_sq = a.am_sq, f.am_sk = a.am_sk;
-    f.dropout_p = a.dropout_p;
-    f.seed = a.seed;
-    f.offset = a.offset;
-    f.allow_tf32 = at::globalContext().allowTF32CuBLAS();  // torch.backends.cuda.matmul.allow_tf32
-    return f;
-  }
-};
 
 // The gradient of x laid out like empty_like(x) (the fake implementation's promise) where that
 // has a unit stride along D, which the kernels write through; else contiguous.
@@ -119,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     return {at::zeros({B, H, Sq, D}, q.options()),
             at::full({B, H, Sq}, std::numeric_limits<float>::infinity(), f32)};
   }
-  const Call call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
+  const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());  // (B, H, Sq, D)
   at::Tensor lse = at::empty({B, H, Sq}, f32);              // (B, H, Sq)
   // 16-bit inputs on tensor cores wherever that kernel takes the call (flash_fwd_mma_why_not: an
@@ -130,8 +61,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
   } else {
-    FF_CHECK_LAUNCH(launch_attention_fwd(call.a, out.data_ptr(), heads_rows(out), lse.data_ptr<float>(),
-                                         stat_rows(H, Sq), ff_stream(q)));
+    FF_CHECK_LAUNCH(launch_attention_fwd(call.a, out.data_ptr(), ff_heads_rows(out),
+                                         lse.data_ptr<float>(), stat_rows(H, Sq), ff_stream(q)));
   }
   return {out, lse};
 }
@@ -152,14 +83,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   if (B * H * Sq == 0 || Sk == 0) {  // nothing flows: every gradient is 0
     return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
   }
-  const Call call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
+  const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));  // (B, H, Sq)
   at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
-  const FfAttentionGrads g{dout.const_data_ptr(), heads_rows(dout), out.const_data_ptr(), heads_rows(out),
-                           lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(H, Sq),
-                           dq.data_ptr(), heads_rows(dq), dk.data_ptr(), heads_rows(dk),
-                           dv.data_ptr(), heads_rows(dv)};
+  const FfAttentionGrads g{dout.const_data_ptr(), ff_heads_rows(dout), out.const_data_ptr(),
+                           ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
+                           stat_rows(H, Sq), dq.data_ptr(), ff_heads_rows(dq), dk.data_ptr(),
+                           ff_heads_rows(dk), dv.data_ptr(), ff_heads_rows(dv)};
   // 16-bit inputs on the tensor-core backward (flash_bwd_mma.cu) wherever flash_bwd_mma_why_not
   // admits the call (the forward's rule: an sm_80+ GPU, an attn_mask with a unit key stride);
   // else, and for fp32, the FMA kernels.

@@ -168,19 +168,8 @@ FF_DEVICE void load_tile(float* dst, const T* base, int64_t stride, int64_t firs
 template <int kRowsQ, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int64_t q0,
                          int64_t q_len, int64_t k0, int64_t k_len) {
-  constexpr int kG = kCols / kFfDropoutGroup;
-  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.max_k));
-  for (int e = threadIdx.x; e < kRowsQ * kG; e += kThreads) {
-    const int i = e / kG, g = e % kG;
-    const int64_t qi = q0 + i, kj = k0 + kFfDropoutGroup * g;
-    uint32_t bits = 0u;
-    if (qi < q_len && kj < k_len) {
-      const uint64_t r = static_cast<uint64_t>((b * p.H + h) * p.max_q + qi);
-      bits = ff_dropout_keep8(p.seed, p.offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup),
-                              p.threshold);
-    }
-    keep[e] = static_cast<uint8_t>(bits);
-  }
+  ff_dropout_keep_tile<kRowsQ, kCols, kThreads>(keep, p.seed, p.offset, p.threshold, b, h, p.H, p.max_q,
+                                                p.max_k, q0, q_len, k0, k_len);
 }
 
 // The block's (tile, head, sequence) from the flat blockIdx.x = tile + tiles (h + H b).

@@ -12,6 +12,7 @@
 #include <limits>
 #include <tuple>
 
+#include "attention_call.h"
 #include "flash_mma.h"
 #include "glue.h"
 #include "launchers.h"
@@ -20,69 +21,8 @@
 namespace fastformer {
 namespace {
 
-// The rows of a (total, H, D) operand, as the kernels address them (start_b from cu_seqlens).
-FfRows packed_rows(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; }
-
 // lse and delta: (H, total_q) contiguous fp32.
 FfRows stat_rows(int64_t total_q) { return {0, 1, total_q}; }
-
-FfAttentionArgs varlen_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& cu_q, const at::Tensor& cu_k,
-                            const checks::VarlenDims& dims, bool is_causal, double scale,
-                            double dropout_p, const FfPhiloxArgs& rng, int dtype) {
-  FfAttentionArgs a{};
-  a.q = q.const_data_ptr();
-  a.k = k.const_data_ptr();
-  a.v = v.const_data_ptr();
-  a.q_s = packed_rows(q);
-  a.k_s = packed_rows(k);
-  a.v_s = packed_rows(v);
-  a.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
-  a.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
-  a.B = dims.B;
-  a.H = dims.H;
-  a.D = dims.D;
-  a.total_q = dims.total_q;
-  a.total_k = dims.total_k;
-  a.max_seqlen_q = dims.max_seqlen_q;
-  a.max_seqlen_k = dims.max_seqlen_k;
-  a.key_padding_mask = nullptr;  // the padded op's masks: none here
-  a.attn_mask = nullptr;
-  a.dtype = dtype;
-  a.causal = is_causal;
-  a.scale = scale;
-  a.dropout_p = dropout_p;
-  a.seed = rng.seed;
-  a.offset = rng.offset;
-  return a;
-}
-
-// The same call for the tensor-core kernels (flash_fwd_mma.cu, flash_bwd_mma.cu): out
-// (total_q, H, D) and lse (H, total_q) contiguous, as made below.
-FfFlashFwdArgs flash_args(const FfAttentionArgs& a) {
-  FfFlashFwdArgs f{};
-  f.q = a.q;
-  f.k = a.k;
-  f.v = a.v;
-  f.q_sb = a.q_s.batch, f.q_sh = a.q_s.head, f.q_ss = a.q_s.row;
-  f.k_sb = a.k_s.batch, f.k_sh = a.k_s.head, f.k_ss = a.k_s.row;
-  f.v_sb = a.v_s.batch, f.v_sh = a.v_s.head, f.v_ss = a.v_s.row;
-  f.B = a.B, f.H = a.H, f.Sq = a.max_seqlen_q, f.Sk = a.max_seqlen_k, f.D = a.D;
-  f.dtype = a.dtype;
-  f.causal = a.causal;
-  f.scale = a.scale;
-  f.dropout_p = a.dropout_p;
-  f.seed = a.seed;
-  f.offset = a.offset;
-  f.cu_seqlens_q = a.cu_seqlens_q;
-  f.cu_seqlens_k = a.cu_seqlens_k;
-  f.total_q = a.total_q;
-  f.total_k = a.total_k;
-  f.out_sb = 0, f.out_sh = a.D, f.out_ss = a.H * a.D;
-  f.lse_sb = 0, f.lse_sh = a.total_q, f.lse_ss = 1;
-  f.allow_tf32 = at::globalContext().allowTF32CuBLAS();  // torch.backends.cuda.matmul.allow_tf32
-  return f;
-}
 
 std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -102,17 +42,18 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   }
   at::Tensor out = at::empty({dims.total_q, dims.H, dims.D}, q.options());  // (total_q, H, D)
   at::Tensor lse = at::empty({dims.H, dims.total_q}, f32);                  // (H, total_q)
-  const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
-                                        dropout_p, rng, dtype);
+  const FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
+                             dropout_p, rng, dtype);
+  const FfAttentionArgs& a = call.a;
   // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU), fp32 too as
   // tf32 where torch allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write
   // the same out / lse, so the backward reads either.
-  const FfFlashFwdArgs flash = flash_args(a);
+  const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
   } else {
-    FF_CHECK_LAUNCH(launch_attention_fwd(a, out.data_ptr(), packed_rows(out), lse.data_ptr<float>(),
-                                         stat_rows(dims.total_q), ff_stream(q)));
+    FF_CHECK_LAUNCH(launch_attention_fwd(a, out.data_ptr(), ff_packed_rows(out),
+                                         lse.data_ptr<float>(), stat_rows(dims.total_q), ff_stream(q)));
   }
   return {out, lse};
 }
@@ -140,20 +81,21 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
   }
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
-  const FfAttentionArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
-                                        dropout_p, rng, dtype);
+  const FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
+                             dropout_p, rng, dtype);
+  const FfAttentionArgs& a = call.a;
   // Both kernels write the rows the sequences own; rows no sequence owns (cu_seqlens ending before
   // total, or out of range: unknown to the host, which never reads them) get 0 here.
   dq.zero_();
   dk.zero_();
   dv.zero_();
-  const FfAttentionGrads g{dout.const_data_ptr(), packed_rows(dout), out.const_data_ptr(), packed_rows(out),
-                           lse.const_data_ptr<float>(), delta.data_ptr<float>(), stat_rows(dims.total_q),
-                           dq.data_ptr(), packed_rows(dq), dk.data_ptr(), packed_rows(dk),
-                           dv.data_ptr(), packed_rows(dv)};
+  const FfAttentionGrads g{dout.const_data_ptr(), ff_packed_rows(dout), out.const_data_ptr(),
+                           ff_packed_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
+                           stat_rows(dims.total_q), dq.data_ptr(), ff_packed_rows(dq), dk.data_ptr(),
+                           ff_packed_rows(dk), dv.data_ptr(), ff_packed_rows(dv)};
   // 16-bit inputs on the tensor-core backward wherever flash_bwd_mma_why_not admits the call (an
-  // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta in flash_args' (H, total_q).
-  const FfFlashFwdArgs flash = flash_args(a);
+  // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta (H, total_q) contiguous.
+  const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_bwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
     return;
@@ -182,12 +124,8 @@ void attention_varlen_bwd_into_cuda(
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
     double scale, double dropout_p, const at::Tensor& philox, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const char* op = "attention_varlen_bwd.into";
-  checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, scale, dropout_p);
-  checks::check_varlen_grad_out(kFfBackend, op, "dq", dq, q, "q");
-  checks::check_varlen_grad_out(kFfBackend, op, "dk", dk, k, "k");
-  checks::check_varlen_grad_out(kFfBackend, op, "dv", dv, v, "v");
-  checks::check_varlen_grads_disjoint(op, {&dq, &dk, &dv}, {&dout, &q, &k, &v, &out});
+  checks::check_varlen_bwd_into(kFfBackend, op, dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, scale, dropout_p, dq, dk, dv);
   attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
 }

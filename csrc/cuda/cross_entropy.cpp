@@ -9,6 +9,7 @@
 
 #include <tuple>
 
+#include "cross_entropy_loss.h"
 #include "glue.h"
 #include "launchers.h"
 #include "../checks/cross_entropy.h"
@@ -28,22 +29,14 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logi
   const int64_t n = logits.size(0), V = logits.size(1);
   void* stream = ff_stream(logits);
 
-  at::Tensor count = at::empty({}, target.options());  // () int64: rows not ignored
-  FF_CHECK_LAUNCH(launch_cross_entropy_count_valid(target.const_data_ptr<int64_t>(), n, ignore_index,
-                                                   count.data_ptr<int64_t>(), stream));
-  const int64_t* mean_count = reduction == 1 ? count.const_data_ptr<int64_t>() : nullptr;
-  at::Tensor loss_rows = at::empty({n}, logits.options().dtype(at::kFloat));  // (N,)
+  const FfCrossEntropyLoss loss(target, n, ignore_index, reduction, logits, stream);
   at::Tensor grad = compute_grad ? at::empty_like(logits) : at::empty({0}, logits.options());
   const int code = ff_dtype_code(logits, "logits", op);
   FF_CHECK_LAUNCH(launch_cross_entropy_fwd(
       logits.const_data_ptr(), target.const_data_ptr<int64_t>(),
-      compute_grad ? grad.data_ptr() : nullptr, loss_rows.data_ptr<float>(), n, V, code,
-      label_smoothing, ignore_index, nullptr, mean_count, 1.0, stream));
-  if (reduction == 0) return {loss_rows.to(logits.scalar_type()), grad};
-  at::Tensor loss = at::empty({}, logits.options());
-  FF_CHECK_LAUNCH(launch_cross_entropy_reduce(loss_rows.const_data_ptr<float>(), n, mean_count,
-                                              loss.data_ptr(), code, stream));
-  return {loss, grad};
+      compute_grad ? grad.data_ptr() : nullptr, loss.loss_rows.data_ptr<float>(), n, V, code,
+      label_smoothing, ignore_index, nullptr, loss.mean_count, 1.0, stream));
+  return {loss.reduce(reduction, logits, code, stream), grad};
 }
 
 }  // namespace fastformer

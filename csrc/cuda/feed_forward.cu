@@ -95,6 +95,16 @@ FF_DEVICE void dropout_factors(uint64_t seed, uint64_t offset, int64_t r, int64_
   for (int j = 0; j < 8; ++j) f[j] = ((keep >> j) & 1u) ? scale : 0.0f;
 }
 
+// What both elementwise kernels take besides their tensors and sizes.
+struct ActDropout {
+  int act;             // 0 relu, 1 gelu, 2 silu
+  uint32_t threshold;  // Philox v2 16-bit threshold
+  float scale;         // 1 / (1 - p)
+  uint64_t seed;       // Philox key
+  uint64_t offset;     // first Philox counter
+  bool vec;            // 8-element vector access
+};
+
 // Forward. Block (32, 8), grid (ceil(G / 32), row blocks): thread (x, y) handles group
 // 32 blockIdx.x + x of rows 8 blockIdx.y + y, + 8 gridDim.y, ...
 // pre (N, F) gets b1 added in place (rounded to T: the activation sees exactly the saved pre,
@@ -106,12 +116,9 @@ _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b
                       T* __restrict__ a,          // (N, F) out
                       int64_t N,                  // rows
                       int64_t F,                  // columns (dropout row length C)
-                      int act,                    // 0 relu, 1 gelu, 2 silu
-                      uint32_t threshold,         // Philox v2 16-bit threshold
-                      float scale,                // 1 / (1 - p)
-                      uint64_t seed,              // Philox key
-                      uint64_t offset,            // first Philox counter
-                      bool vec) {                 // 8-element vector access
+                      ActDropout ad) {
+  const int act = ad.act;
+  const bool vec = ad.vec;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
   const int64_t c0 = g * kFfDropoutGroup;
   if (c0 >= F) return;  // no barrier in this kernel
@@ -130,7 +137,7 @@ _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b
       for (int j = 0; j < 8; ++j) v[j] = ff_to_float(ff_from_float<T>(v[j] + bias[j]));
       store8(pre + at, cnt, vec, v);
     }
-    dropout_factors(seed, offset, r, F, g, threshold, scale, f);
+    dropout_factors(ad.seed, ad.offset, r, F, g, ad.threshold, ad.scale, f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = activate(v[j], act) * f[j];
     store8(a + at, cnt, vec, v);
@@ -151,12 +158,9 @@ _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activatio
                       int64_t N,                   // rows
                       int64_t F,                   // columns
                       int64_t rows_per_part,       // rows of one part
-                      int act,                     // 0 relu, 1 gelu, 2 silu
-                      uint32_t threshold,          // Philox v2 16-bit threshold
-                      float scale,                 // 1 / (1 - p)
-                      uint64_t seed,               // Philox key
-                      uint64_t offset,             // first Philox counter
-                      bool vec) {                  // 8-element vector access
+                      ActDropout ad) {
+  const int act = ad.act;
+  const bool vec = ad.vec;
   __shared__ float sums[kTileRows][kTileCols + 1];  // per row lane: the 256 columns' sums
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
   const int64_t c0 = g * kFfDropoutGroup;
@@ -170,7 +174,7 @@ _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activatio
       float p[8], d[8], f[8], out[8];
       load8(pre + at, cnt, vec, p);
       load8(dpre + at, cnt, vec, d);
-      dropout_factors(seed, offset, r, F, g, threshold, scale, f);
+      dropout_factors(ad.seed, ad.offset, r, F, g, ad.threshold, ad.scale, f);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         out[j] = activate(p[j], act) * f[j];
@@ -250,6 +254,12 @@ unsigned tiles_for(int64_t F) {
   return static_cast<unsigned>((ff_dropout_groups(F) + kTileGroups - 1) / kTileGroups);
 }
 
+// The kernels' ActDropout for these arguments (vec: set per dtype, vector_ok).
+ActDropout act_dropout(int activation, double dropout_p, uint64_t seed, uint64_t offset) {
+  return {activation, ff_dropout_threshold(dropout_p), static_cast<float>(1.0 / (1.0 - dropout_p)), seed,
+          offset, false};
+}
+
 // Rows per part of the backward / colsum stage 1 for `parts` parts.
 int64_t rows_per_part(int64_t rows, int64_t parts) { return (rows + parts - 1) / parts; }
 
@@ -263,15 +273,13 @@ const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int6
                                         int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, void* stream) {
   if (N == 0 || F == 0) return nullptr;
-  const uint32_t threshold = ff_dropout_threshold(dropout_p);
-  const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+  ActDropout ad = act_dropout(activation, dropout_p, seed, offset);
   const int64_t row_blocks = std::min<int64_t>((N + kTileRows - 1) / kTileRows, 65535);
   const dim3 grid(tiles_for(F), static_cast<unsigned>(row_blocks)), block(kTileGroups, kTileRows);
   FF_DISPATCH_DTYPE(dtype, T, {
-    const bool vec = vector_ok(F, sizeof(T), pre, b1, a);
+    ad.vec = vector_ok(F, sizeof(T), pre, b1, a);
     FF_LAUNCH(_feed_forward_act_fwd<T>, grid, block, 0, stream, static_cast<T*>(pre),
-              static_cast<const T*>(b1), static_cast<T*>(a), N, F, activation, threshold, scale,
-              seed, offset, vec);
+              static_cast<const T*>(b1), static_cast<T*>(a), N, F, ad);
   });
   return ff_last_error();
 }
@@ -282,14 +290,13 @@ const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, fl
                                         uint64_t offset, void* stream) {
   if (F == 0) return nullptr;
   if (N > 0) {
-    const uint32_t threshold = ff_dropout_threshold(dropout_p);
-    const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+    ActDropout ad = act_dropout(activation, dropout_p, seed, offset);
     const dim3 grid(tiles_for(F), static_cast<unsigned>(parts)), block(kTileGroups, kTileRows);
     FF_DISPATCH_DTYPE(dtype, T, {
-      const bool vec = vector_ok(F, sizeof(T), pre, dpre, a);
+      ad.vec = vector_ok(F, sizeof(T), pre, dpre, a);
       FF_LAUNCH(_feed_forward_act_bwd<T>, grid, block, 0, stream, static_cast<const T*>(pre),
                 static_cast<T*>(dpre), static_cast<T*>(a), db1 != nullptr ? db1_partial : nullptr,
-                N, F, rows_per_part(N, parts), activation, threshold, scale, seed, offset, vec);
+                N, F, rows_per_part(N, parts), ad);
     });
   }
   if (db1 != nullptr) {  // N == 0: zero parts, stage 2 alone writes zeros

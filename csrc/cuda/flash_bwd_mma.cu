@@ -123,18 +123,8 @@ struct Params {
 template <int kRows, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0,
                          int Sq, int Sk) {
-  constexpr int kG = kCols / kFfDropoutGroup;
-  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.Sk));
-  for (int e = threadIdx.x; e < kRows * kG; e += kThreads) {
-    const int i = e / kG, c = e % kG, qi = q0 + i, kj = k0 + kFfDropoutGroup * c;
-    uint32_t bits = 0u;
-    if (qi < Sq && kj < Sk) {
-      const uint64_t r = static_cast<uint64_t>((b * p.H + h) * p.Sq + qi);
-      bits = ff_dropout_keep8(p.seed, p.offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup),
-                              p.threshold);
-    }
-    keep[e] = static_cast<uint8_t>(bits);
-  }
+  ff_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.threshold, b, h, p.H, p.Sq, p.Sk,
+                                               q0, Sq, k0, Sk);
 }
 
 // Rows [row0, row0 + 16) x head dims [col0, col0 + 8 kDT) of a gradient from C-layout

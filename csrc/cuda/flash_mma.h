@@ -55,6 +55,36 @@ struct FfFlashFwdArgs {
   bool allow_tf32;
 };
 
+// The tensor-core kernels' description of the call that a describes to the FMA kernels: the one
+// place FfFlashFwdArgs is filled (both ops' glue and the SIMT harness's test ops, through
+// attention_call.h). out_s / lse_s: the rows of out and lse (all 0: the padded op's contiguous
+// (B, H, Sq, D) and (B, H, Sq)); the grid Sq / Sk is max_seqlen_q / _k; kpm, when given, is
+// (B, max_seqlen_k) contiguous.
+inline FfFlashFwdArgs ff_flash_fwd_args(const FfAttentionArgs& a, FfRows out_s, FfRows lse_s,
+                                        bool allow_tf32) {
+  FfFlashFwdArgs f{};
+  f.q = a.q, f.k = a.k, f.v = a.v;
+  f.q_sb = a.q_s.batch, f.q_sh = a.q_s.head, f.q_ss = a.q_s.row;
+  f.k_sb = a.k_s.batch, f.k_sh = a.k_s.head, f.k_ss = a.k_s.row;
+  f.v_sb = a.v_s.batch, f.v_sh = a.v_s.head, f.v_ss = a.v_s.row;
+  f.B = a.B, f.H = a.H, f.Sq = a.max_seqlen_q, f.Sk = a.max_seqlen_k, f.D = a.D;
+  f.dtype = a.dtype;
+  f.causal = a.causal;
+  f.scale = a.scale;
+  f.kpm = a.key_padding_mask;
+  f.kpm_sb = a.max_seqlen_k;
+  f.am = a.attn_mask;
+  f.am_sb = a.am_sb, f.am_sh = a.am_sh, f.am_sq = a.am_sq, f.am_sk = a.am_sk;
+  f.dropout_p = a.dropout_p;
+  f.seed = a.seed, f.offset = a.offset;
+  f.cu_seqlens_q = a.cu_seqlens_q, f.cu_seqlens_k = a.cu_seqlens_k;
+  f.total_q = a.total_q, f.total_k = a.total_k;
+  f.out_sb = out_s.batch, f.out_sh = out_s.head, f.out_ss = out_s.row;
+  f.lse_sb = lse_s.batch, f.lse_sh = lse_s.head, f.lse_ss = lse_s.row;
+  f.allow_tf32 = allow_tf32;
+  return f;
+}
+
 // nullptr when the kernel can take the call, else why not (a 32-bit dtype, an attn_mask without a
 // unit key stride, masks with cu_seqlens, a GPU older than sm_80, sizes out of range).
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a);

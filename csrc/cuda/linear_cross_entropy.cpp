@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "cross_entropy_loss.h"
 #include "glue.h"
 #include "launchers.h"
 #include "../checks/cross_entropy.h"
@@ -135,22 +136,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
   const int64_t n = hidden.size(0);
   void* stream = ff_stream(hidden);
 
-  at::Tensor count = at::empty({}, target.options());  // () int64: rows not ignored
-  FF_CHECK_LAUNCH(launch_cross_entropy_count_valid(target.const_data_ptr<int64_t>(), n, ignore_index,
-                                                   count.data_ptr<int64_t>(), stream));
-  const int64_t* mean_count = reduction == 1 ? count.const_data_ptr<int64_t>() : nullptr;
-  at::Tensor loss_rows = at::empty({n}, hidden.options().dtype(at::kFloat));  // (N,)
-  Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index, nullptr, mean_count,
-                   compute_grad, loss_rows.data_ptr<float>());
-  at::Tensor loss;
-  if (reduction == 0) {
-    loss = loss_rows.to(hidden.scalar_type());
-  } else {
-    loss = at::empty({}, hidden.options());
-    FF_CHECK_LAUNCH(launch_cross_entropy_reduce(loss_rows.const_data_ptr<float>(), n, mean_count,
-                                                loss.data_ptr(), ff_dtype_code(hidden, "hidden"), stream));
-  }
-  return checks::linear_cross_entropy_fwd_returns(loss, g, compute_grad, hidden, weight);
+  const FfCrossEntropyLoss loss(target, n, ignore_index, reduction, hidden, stream);
+  Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index, nullptr, loss.mean_count,
+                   compute_grad, loss.loss_rows.data_ptr<float>());
+  return checks::linear_cross_entropy_fwd_returns(
+      loss.reduce(reduction, hidden, ff_dtype_code(hidden, "hidden"), stream), g, compute_grad, hidden,
+      weight);
 }
 
 // The gradient for reduction none: row i's loss weighted by grad_loss[i].

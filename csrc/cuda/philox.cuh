@@ -1,5 +1,5 @@
 // Philox 4x32-10 for the CUDA kernels, host and device ("Philox v2", defined in
-// fastformer/philox.py; the same bits as csrc/cpu/philox.h and triton_kernels/utils.py).
+// fastformer/philox.py; the same bits as csrc/cpu/philox.h and fastformer/triton_kernels/utils.py).
 //
 // An op's dropout tensor is viewed as rows of C columns (its last dimension). Row r is split into
 // G = ceil(C / 8) groups of eight columns; group g makes ONE Philox call with counter
@@ -13,6 +13,7 @@
 //   uint32_t keep = ff_dropout_keep8(seed, n, T);      bit j set iff column j of group n is kept
 //   uint32_t T = ff_dropout_threshold(p);              host side, once per launch
 //   uint64_t n = ff_dropout_counter(offset, r, C, g);  the counter of group g of row r
+//   ff_dropout_keep_tile<kRows, kCols, kThreads>(...)  a tile's keep bits, by a whole block
 #pragma once
 
 #include "../philox_constants.h"
@@ -97,6 +98,31 @@ FF_HOST_DEVICE int64_t ff_dropout_groups(int64_t C) {
 FF_HOST_DEVICE uint64_t ff_dropout_counter(uint64_t offset, int64_t r, int64_t C, int64_t g) {
   return offset + static_cast<uint64_t>(r) * static_cast<uint64_t>(ff_dropout_groups(C)) +
          static_cast<uint64_t>(g);
+}
+
+// The keep bits of a tile of attention probabilities (the padded op's (B, H, Sq, Sk) counters:
+// row (b H + h) Sq + i, Sk columns), into (shared) memory: keep[i (kCols / 8) + c], bit e, for
+// key k0 + 8 c + e of query q0 + i, i < kRows (0 for a query >= q_len or a key group past
+// k_len). k0 is a multiple of 8. The block's kThreads threads share the groups' Philox calls,
+// and every thread calls it. I: the caller's index type. The kernel parameters come by reference,
+// so they stay loads from parameter space where used: by value they were loaded at the call and
+// kept live across the kernel's loops (attention.cu on sm_80: up to +41 registers, and spills).
+template <int kRows, int kCols, int kThreads, typename I>
+FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const uint64_t& offset,
+                                    const uint32_t& threshold, int64_t b, int64_t h, const int64_t& H,
+                                    const int64_t& Sq, const int64_t& Sk, I q0, I q_len, I k0, I k_len) {
+  constexpr int kG = kCols / kFfDropoutGroup;
+  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(Sk));
+  for (int e = threadIdx.x; e < kRows * kG; e += kThreads) {
+    const int i = e / kG, c = e % kG;
+    const I qi = q0 + i, kj = k0 + kFfDropoutGroup * c;
+    uint32_t bits = 0u;
+    if (qi < q_len && kj < k_len) {
+      const uint64_t r = static_cast<uint64_t>((b * H + h) * Sq + qi);
+      bits = ff_dropout_keep8(seed, offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup), threshold);
+    }
+    keep[e] = static_cast<uint8_t>(bits);
+  }
 }
 
 // T = round(p * 2^16), half up, in [0, 65536] (p * 2^16 is exact in double), for p in [0, 1).

@@ -137,6 +137,28 @@ __global__ void cross_warp_kernel(float* out, int barrier) {
   out[t] = buf[t ^ 32];
 }
 
+// The float16 (kind 0) or bfloat16 (kind 1) instance of an elementwise kernel over n elements.
+template <typename In, typename Out>
+const char* launch_by_kind(int kind, void (*f16)(const In*, Out*, int64_t),
+                           void (*bf16)(const In*, Out*, int64_t), const In* in, Out* out, int64_t n,
+                           void* stream) {
+  auto* kernel = kind == 0 ? f16 : bf16;
+  FF_LAUNCH(kernel, dim3(ff_grid_blocks(n, 256)), dim3(256), 0, stream, in, out, n);
+  return ff_last_error();
+}
+
+// launch() under the harness's schedule `schedule` (< 0: the one in force), the one before
+// restored after; on a GPU just launch().
+template <typename Launch>
+const char* under_schedule(int schedule, const Launch& launch) {
+#ifdef FF_SIMT
+  const ff_simt::ScopedSchedule scope(schedule);
+#else
+  (void)schedule;
+#endif
+  return launch();
+}
+
 }  // namespace
 
 const char* launch_selftest_warp(const float* x, float* xor_sum, float* down_sum, float* scan,
@@ -168,22 +190,12 @@ const char* launch_selftest_broken(int mode, float* scratch, void* stream) {
 
 const char* launch_selftest_to_bits(const float* x, int16_t* bits, int64_t n, int kind,
                                     void* stream) {
-  if (kind == 0) {
-    FF_LAUNCH(to_bits_kernel<0>, dim3(ff_grid_blocks(n, 256)), dim3(256), 0, stream, x, bits, n);
-  } else {
-    FF_LAUNCH(to_bits_kernel<1>, dim3(ff_grid_blocks(n, 256)), dim3(256), 0, stream, x, bits, n);
-  }
-  return ff_last_error();
+  return launch_by_kind(kind, &to_bits_kernel<0>, &to_bits_kernel<1>, x, bits, n, stream);
 }
 
 const char* launch_selftest_from_bits(const int16_t* bits, float* x, int64_t n, int kind,
                                       void* stream) {
-  if (kind == 0) {
-    FF_LAUNCH(from_bits_kernel<0>, dim3(ff_grid_blocks(n, 256)), dim3(256), 0, stream, bits, x, n);
-  } else {
-    FF_LAUNCH(from_bits_kernel<1>, dim3(ff_grid_blocks(n, 256)), dim3(256), 0, stream, bits, x, n);
-  }
-  return ff_last_error();
+  return launch_by_kind(kind, &from_bits_kernel<0>, &from_bits_kernel<1>, bits, x, n, stream);
 }
 
 const char* launch_selftest_many_blocks(int32_t* out, int64_t blocks, void* stream) {
@@ -196,22 +208,16 @@ const char* launch_selftest_racy(float* out, int n, bool reverse, void* stream) 
 }
 
 const char* launch_selftest_racy_under(float* out, int n, int schedule, void* stream) {
-#ifdef FF_SIMT
-  const ff_simt::ScopedSchedule scope(schedule);
-#else
-  (void)schedule;
-#endif
-  FF_LAUNCH(racy_kernel, dim3(1), dim3(n), n * sizeof(float), stream, out);
-  return ff_last_error();
+  return under_schedule(schedule, [&] {
+    FF_LAUNCH(racy_kernel, dim3(1), dim3(n), n * sizeof(float), stream, out);
+    return ff_last_error();
+  });
 }
 
 const char* launch_selftest_cross_warp(float* out, int schedule, bool barrier, void* stream) {
-#ifdef FF_SIMT
-  const ff_simt::ScopedSchedule scope(schedule);
-#else
-  (void)schedule;
-#endif
-  FF_LAUNCH(cross_warp_kernel, dim3(1), dim3(64), 64 * sizeof(float), stream, out,
-            barrier ? 1 : 0);
-  return ff_last_error();
+  return under_schedule(schedule, [&] {
+    FF_LAUNCH(cross_warp_kernel, dim3(1), dim3(64), 64 * sizeof(float), stream, out,
+              barrier ? 1 : 0);
+    return ff_last_error();
+  });
 }

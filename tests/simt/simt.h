@@ -427,26 +427,26 @@ inline uint16_t float_to_bf16_bits(float f) {
 
 inline float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
-}  // namespace ff_simt
-
-struct __attribute__((aligned(2))) __half {
+// A 16-bit float of the CUDA headers: its bits, and conversions through `from` / `to` (float).
+template <uint16_t (*from)(float), float (*to)(uint16_t)>
+struct __attribute__((aligned(2))) Float16 {
   uint16_t __x;
-  __half() = default;
-  __half(float f) : __x(ff_simt::float_to_half_bits(f)) {}
-  __half(double d) : __x(ff_simt::float_to_half_bits(static_cast<float>(d))) {}
-  __half(int i) : __x(ff_simt::float_to_half_bits(static_cast<float>(i))) {}
-  __half(unsigned i) : __x(ff_simt::float_to_half_bits(static_cast<float>(i))) {}
-  operator float() const { return ff_simt::half_bits_to_float(__x); }
+  Float16() = default;
+  Float16(float f) : __x(from(f)) {}
+  Float16(double d) : __x(from(static_cast<float>(d))) {}
+  Float16(int i) : __x(from(static_cast<float>(i))) {}
+  Float16(unsigned i) : __x(from(static_cast<float>(i))) {}
+  operator float() const { return to(__x); }
 };
 
-struct __attribute__((aligned(2))) __nv_bfloat16 {
-  uint16_t __x;
-  __nv_bfloat16() = default;
-  __nv_bfloat16(float f) : __x(ff_simt::float_to_bf16_bits(f)) {}
-  __nv_bfloat16(double d) : __x(ff_simt::float_to_bf16_bits(static_cast<float>(d))) {}
-  __nv_bfloat16(int i) : __x(ff_simt::float_to_bf16_bits(static_cast<float>(i))) {}
-  __nv_bfloat16(unsigned i) : __x(ff_simt::float_to_bf16_bits(static_cast<float>(i))) {}
-  operator float() const { return ff_simt::bf16_bits_to_float(__x); }
+}  // namespace ff_simt
+
+// Distinct types (the kernels overload on them), one layout.
+struct __half : ff_simt::Float16<ff_simt::float_to_half_bits, ff_simt::half_bits_to_float> {
+  using Float16::Float16;
+};
+struct __nv_bfloat16 : ff_simt::Float16<ff_simt::float_to_bf16_bits, ff_simt::bf16_bits_to_float> {
+  using Float16::Float16;
 };
 
 struct __attribute__((aligned(4))) __half2 {

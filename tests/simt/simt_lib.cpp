@@ -5,9 +5,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <array>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <vector>
 
+#include "attention_call.h"
 #include "checks/cross_entropy.h"
 #include "flash_mma.h"
 #include "glue.h"
@@ -229,8 +233,54 @@ int64_t lce_device_chunk_rows(int64_t n, int64_t V, int64_t elem_size, int64_t f
   return fastformer::checks::linear_cross_entropy_device_chunk_rows(n, V, elem_size, free_bytes);
 }
 
-// ---- the tensor-core flash attention forward (csrc/cuda/flash_fwd_mma.cu), before the attention
-// op's glue calls it: tests/test_flash_mma.py. q / k / v keep their strides (unit last stride).
+// ---- the tensor-core flash attention kernels (csrc/cuda/flash_fwd_mma.cu, flash_bwd_mma.cu),
+// called directly, before and beside the attention op's glue: tests/test_flash_mma.py,
+// tests/test_flash_bwd_mma.py. q / k / v keep their strides (unit last stride).
+
+// q, k, v (and `more`: the backward's dout, out) checked: 4-D, one dtype, k / v (B, H, Sk, D) with
+// q's B, H, D, unit last strides. Returns (B, H, Sq, Sk, D).
+std::array<int64_t, 5> flash_dims(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v, std::initializer_list<const at::Tensor*> more = {}) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(), op,
+              ": want k and v (B, H, Sk, D) with q's B, H, D");
+  std::vector<const at::Tensor*> all{&q, &k, &v};
+  all.insert(all.end(), more.begin(), more.end());
+  for (const at::Tensor* t : all) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": q, k, v (dout, out) must share a dtype");
+    TORCH_CHECK(t->stride(3) == 1, op, ": q, k, v (dout, out) need a unit last stride");
+  }
+  return {B, H, Sq, Sk, D};
+}
+
+// The masks as the kernels take them: key_padding_mask (B, Sk) bool, attn_mask fp32 broadcast to
+// (B, H, Sq, Sk) with a unit key stride (a contiguous copy where it has none).
+fastformer::checks::AttentionMasks flash_masks(const char* op, const std::array<int64_t, 5>& dims,
+                                               const std::optional<at::Tensor>& key_padding_mask,
+                                               const std::optional<at::Tensor>& attn_mask) {
+  const auto [B, H, Sq, Sk, D] = dims;
+  fastformer::checks::AttentionMasks m;
+  if (key_padding_mask.has_value()) {
+    m.key_padding_mask = *key_padding_mask;
+    TORCH_CHECK(m.key_padding_mask.scalar_type() == at::kBool && m.key_padding_mask.dim() == 2 &&
+                    m.key_padding_mask.size(0) == B && m.key_padding_mask.size(1) == Sk,
+                op, ": key_padding_mask must be (B, Sk) bool");
+  }
+  if (attn_mask.has_value()) {
+    TORCH_CHECK(attn_mask->scalar_type() == at::kFloat && attn_mask->dim() == 4, op,
+                ": attn_mask must be 4-D fp32 additive (broadcast by 0 strides)");
+    m.attn_mask = attn_mask->expand({B, H, Sq, Sk});
+    if (m.attn_mask.stride(3) != 1) m.attn_mask = m.attn_mask.contiguous();
+    for (int d = 0; d < 4; ++d) m.attn_mask_strides[d] = m.attn_mask.stride(d);
+  }
+  return m;
+}
+
+// The kernels' description of the call, as the glue makes it (attention_call.h); fp32 never runs
+// as tf32 here.
+FfFlashFwdArgs flash_args(const FfAttentionCall& call) { return call.flash({}, {}, false); }
+
 std::tuple<at::Tensor, at::Tensor> flash_fwd_mma(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v,
                                                  const std::optional<at::Tensor>& key_padding_mask,
@@ -239,54 +289,18 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_mma(const at::Tensor& q, const at::
                                                  int64_t seed, int64_t offset) {
   const char* op = "flash_fwd_mma";
   const int dtype = ff_dtype_code(q, "q", op);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
-              ": q, k, v must share a dtype");
-  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(), op,
-              ": want k and v (B, H, Sk, D) with q's B, H, D");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, op,
-              ": q, k, v need a unit last stride");
-  at::Tensor kpm, am;
-  if (key_padding_mask.has_value()) {
-    kpm = key_padding_mask->contiguous();
-    TORCH_CHECK(kpm.scalar_type() == at::kBool && kpm.dim() == 2 && kpm.size(0) == B &&
-                    kpm.size(1) == Sk, op, ": key_padding_mask must be (B, Sk) bool");
-  }
-  if (attn_mask.has_value()) {
-    TORCH_CHECK(attn_mask->scalar_type() == at::kFloat && attn_mask->dim() == 4, op,
-                ": attn_mask must be 4-D fp32 additive (broadcast by 0 strides)");
-    am = attn_mask->expand({B, H, Sq, Sk});
-    if (am.stride(3) != 1) am = am.contiguous();  // the kernel wants a unit key stride
-  }
+  const auto dims = flash_dims(op, q, k, v);
+  const auto masks = flash_masks(op, dims, key_padding_mask, attn_mask);
+  const auto [B, H, Sq, Sk, D] = dims;
+  const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p,
+                             {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset)}, dtype);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
   at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
-  FfFlashFwdArgs a{};
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.q_sb = q.stride(0), a.q_sh = q.stride(1), a.q_ss = q.stride(2);
-  a.k_sb = k.stride(0), a.k_sh = k.stride(1), a.k_ss = k.stride(2);
-  a.v_sb = v.stride(0), a.v_sh = v.stride(1), a.v_ss = v.stride(2);
-  a.B = B, a.H = H, a.Sq = Sq, a.Sk = Sk, a.D = D;
-  a.dtype = dtype;
-  a.causal = is_causal;
-  a.scale = scale;
-  a.kpm = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
-  a.kpm_sb = Sk;
-  if (am.defined()) {
-    a.am = am.const_data_ptr<float>();
-    a.am_sb = am.stride(0), a.am_sh = am.stride(1), a.am_sq = am.stride(2), a.am_sk = am.stride(3);
-  }
-  a.dropout_p = dropout_p;
-  a.seed = static_cast<uint64_t>(seed);
-  a.offset = static_cast<uint64_t>(offset);
-  FF_CHECK_LAUNCH(launch_flash_fwd_mma(a, out.data_ptr(), lse.data_ptr<float>(), nullptr));
+  FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash_args(call), out.data_ptr(), lse.data_ptr<float>(), nullptr));
   return {out, lse};
 }
 
-// ---- the tensor-core flash attention backward (csrc/cuda/flash_bwd_mma.cu), called directly:
-// tests/test_flash_bwd_mma.py. out / lse are the forward's; the gradients come back contiguous.
+// out / lse are the forward's; the gradients come back contiguous.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in,
@@ -294,70 +308,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
     bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
   const char* op = "flash_bwd_mma";
   const int dtype = ff_dtype_code(q, "q", op);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
-  for (const at::Tensor* t : {&k, &v, &dout, &out}) {
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": q, k, v, dout, out must share a dtype");
-  }
-  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(), op,
-              ": want k and v (B, H, Sk, D) with q's B, H, D");
+  const auto dims = flash_dims(op, q, k, v, {&dout, &out});
+  const auto [B, H, Sq, Sk, D] = dims;
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), op, ": dout and out must be q's shape");
-  for (const at::Tensor* t : {&q, &k, &v, &dout, &out}) {
-    TORCH_CHECK(t->stride(3) == 1, op, ": q, k, v, dout, out need a unit last stride");
-  }
   TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 3 && lse_in.size(0) == B &&
                   lse_in.size(1) == H && lse_in.size(2) == Sq, op, ": lse must be (B, H, Sq) fp32");
   const at::Tensor lse = lse_in.contiguous();
-  at::Tensor kpm, am;
-  if (key_padding_mask.has_value()) {
-    kpm = key_padding_mask->contiguous();
-    TORCH_CHECK(kpm.scalar_type() == at::kBool && kpm.dim() == 2 && kpm.size(0) == B &&
-                    kpm.size(1) == Sk, op, ": key_padding_mask must be (B, Sk) bool");
-  }
-  if (attn_mask.has_value()) {
-    TORCH_CHECK(attn_mask->scalar_type() == at::kFloat && attn_mask->dim() == 4, op,
-                ": attn_mask must be 4-D fp32 additive (broadcast by 0 strides)");
-    am = attn_mask->expand({B, H, Sq, Sk});
-    if (am.stride(3) != 1) am = am.contiguous();  // the kernels want a unit key stride
-  }
+  const auto masks = flash_masks(op, dims, key_padding_mask, attn_mask);
+  const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p,
+                             {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset)}, dtype);
   at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
   at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
-  FfFlashBwdArgs a{};
-  FfFlashFwdArgs& f = a.f;
-  f.q = q.data_ptr();
-  f.k = k.data_ptr();
-  f.v = v.data_ptr();
-  f.q_sb = q.stride(0), f.q_sh = q.stride(1), f.q_ss = q.stride(2);
-  f.k_sb = k.stride(0), f.k_sh = k.stride(1), f.k_ss = k.stride(2);
-  f.v_sb = v.stride(0), f.v_sh = v.stride(1), f.v_ss = v.stride(2);
-  f.B = B, f.H = H, f.Sq = Sq, f.Sk = Sk, f.D = D;
-  f.dtype = dtype;
-  f.causal = is_causal;
-  f.scale = scale;
-  f.kpm = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
-  f.kpm_sb = Sk;
-  if (am.defined()) {
-    f.am = am.const_data_ptr<float>();
-    f.am_sb = am.stride(0), f.am_sh = am.stride(1), f.am_sq = am.stride(2), f.am_sk = am.stride(3);
-  }
-  f.dropout_p = dropout_p;
-  f.seed = static_cast<uint64_t>(seed);
-  f.offset = static_cast<uint64_t>(offset);
-  a.dout = dout.data_ptr();
-  a.do_sb = dout.stride(0), a.do_sh = dout.stride(1), a.do_ss = dout.stride(2);
-  a.out = out.data_ptr();
-  a.o_sb = out.stride(0), a.o_sh = out.stride(1), a.o_ss = out.stride(2);
-  a.lse = lse.const_data_ptr<float>();
-  a.delta = delta.data_ptr<float>();
-  a.dq = dq.data_ptr();
-  a.dq_sb = dq.stride(0), a.dq_sh = dq.stride(1), a.dq_ss = dq.stride(2);
-  a.dk = dk.data_ptr();
-  a.dk_sb = dk.stride(0), a.dk_sh = dk.stride(1), a.dk_ss = dk.stride(2);
-  a.dv = dv.data_ptr();
-  a.dv_sb = dv.stride(0), a.dv_sh = dv.stride(1), a.dv_ss = dv.stride(2);
-  FF_CHECK_LAUNCH(launch_flash_bwd_mma(a, nullptr));
+  const FfAttentionGrads g{dout.const_data_ptr(), ff_heads_rows(dout), out.const_data_ptr(),
+                           ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
+                           {H * Sq, 1, Sq}, dq.data_ptr(), ff_heads_rows(dq), dk.data_ptr(),
+                           ff_heads_rows(dk), dv.data_ptr(), ff_heads_rows(dv)};
+  FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash_args(call), g), nullptr));
   return {dq, dk, dv};
 }
 }  // namespace

@@ -1,0 +1,418 @@
+// The backward of the CPU attention kernels: fastformer::attention_bwd and attention_varlen_bwd
+// (one Problem for both, attention_problem.h), compiled once per ISA level (isa.h).
+//
+// Backward recomputes P = exp(S - lse) tile by tile and regenerates the dropout mask from
+// (seed, offset): with Z the dropout multipliers (0 or 1 / (1 - p)) and delta = rowsum(dO * O),
+//   dV += (P Z)^T dO,  dP = (dO V^T) Z,  dS = scale P (dP - delta),  dQ += dS K,  dK += dS^T Q.
+// Two race-free schedules, chosen per sequence:
+//   * one task per (sequence, head) computing dQ, dK and dV together (five products per tile),
+//     when the head is a small share of the whole call's work; a head of one tile (fp32 / fp64)
+//     has each product write its gradient rows in place (backward_single_tile), and the task
+//     computes its rows' delta itself unless some head is split (then row_dots runs first);
+//   * otherwise two passes: dK and dV per (sequence, head, key block), then dQ per
+//     (sequence, head, query block), recomputing S and dP in each (seven products per tile).
+// Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
+// are skipped. Threads take tasks one at a time from a shared counter, heaviest first
+// (TaskList, parallel_tasks), so sequences of different lengths do not leave a thread waiting
+// for another.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "attention.h"
+#include "attention_gemm.h"
+#include "attention_problem.h"
+#include "attention_rows.h"
+#include "attention_schedule.h"
+#include "attention_transpose.h"
+#include "dropout_scales.h"
+
+namespace fastformer {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename scalar_t>
+struct BwdData {
+  using acc_t = at::opmath_type<scalar_t>;
+  Rows<scalar_t> dout;
+  Rows<float> lse;      // Problem::stat_rows
+  Rows<acc_t> delta;    // Problem::stat_rows: rowsum(dout * out)
+  Rows<scalar_t> dq, dk, dv;  // the gradients, each row written once
+  Rows<scalar_t> out;         // the forward's output (for delta)
+};
+
+// Where a tile's gradient rows go: ld apart; accumulate adds to them, else the tile's product is
+// the first and only one and overwrites them.
+template <typename acc_t>
+struct GradRows {
+  acc_t* data;
+  int64_t ld;
+};
+
+// Per-thread scratch of the backward pass.
+template <typename scalar_t>
+struct BwdScratch {
+  using acc_t = at::opmath_type<scalar_t>;
+  std::vector<acc_t> S, dP, keep, PZ;  // (kBlockQ, kBlockK) tiles; keep / PZ only with dropout
+  std::vector<acc_t> KT, VT;           // (D, kBlockK): K_j^T, V_j^T
+  std::vector<acc_t> T;                // (kBlockK, kBlockQ): (P Z)^T, then dS^T
+  std::vector<acc_t> dq, dk, dv;       // accumulators of the rows a task owns (leading dim D)
+  std::vector<acc_t> x, y;             // bf16: a dout and an out row converted (head_deltas)
+  OperandTile<scalar_t> q, k, v, dout;
+  BwdScratch(bool dropout, int64_t D, int64_t dq_rows, int64_t dkv_rows)
+      : S(kBlockQ * kBlockK),
+        dP(kBlockQ * kBlockK),
+        keep(dropout ? kBlockQ * kBlockK : 0),
+        PZ(dropout ? kBlockQ * kBlockK : 0),
+        KT(D * kBlockK),
+        VT(D * kBlockK),
+        T(kBlockK * kBlockQ),
+        dq(dq_rows * D),
+        dk(dkv_rows * D),
+        dv(dkv_rows * D),
+        x(std::is_same_v<scalar_t, acc_t> ? 0 : D),
+        y(std::is_same_v<scalar_t, acc_t> ? 0 : D),
+        q(kBlockQ, D),
+        k(kBlockK, D),
+        v(kBlockK, D),
+        dout(kBlockQ, D) {}
+
+  // K_j, V_j (nk, D) of head (b, h) and their transposes into KT, VT.
+  void load_keys(const Problem<scalar_t>& p, int64_t b, int64_t h, int64_t j0, int64_t nk,
+                 const acc_t*& Kj, int64_t& ldk) {
+    int64_t ldv;
+    Kj = k.get(p.k, b, h, j0, nk, ldk);
+    const acc_t* Vj = v.get(p.v, b, h, j0, nk, ldv);
+    attn::transpose(Kj, ldk, nk, p.D, KT.data(), kBlockK);
+    attn::transpose(Vj, ldv, nk, p.D, VT.data(), kBlockK);
+  }
+};
+
+// One (query block, key block) tile of the backward pass: queries i0 .. i0 + mq - 1 against keys
+// j0 .. j0 + nk - 1 of head (b, h), with w.KT / w.VT holding K_j^T / V_j^T. Adds (accumulate) or
+// writes dS K_j to dq (mq, D) when given, and (P Z)^T dO_i, dS^T Q_i to dv, dk (nk, D) when given.
+template <typename scalar_t>
+void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
+                   int64_t b, int64_t h, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
+                   const at::opmath_type<scalar_t>* Kj, int64_t ldk, GradRows<at::opmath_type<scalar_t>> dq,
+                   GradRows<at::opmath_type<scalar_t>> dk, GradRows<at::opmath_type<scalar_t>> dv,
+                   bool accumulate = true) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t D = p.D, npad = round_up(nk, kPad), shift = p.shift(b);
+  const float* lse = g.lse.row(b, h, i0);
+  const acc_t* delta = g.delta.row(b, h, i0);
+  const bool dropout = p.dropout.drop;
+  const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, static_cast<acc_t>(p.dropout.scale));
+  int64_t ldq, lddo;
+  const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
+  const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
+
+  if (dropout) {  // before the product: the multipliers' stores are done when the rows read them
+    for (int64_t r = 0; r < mq; ++r) p.dropout_row(drop, b, h, i0 + r, j0, nk, npad, w.keep.data() + r * kBlockK);
+  }
+  // P (mq, nk) = exp(scale * Q_i K_j^T + mask - lse)
+  attn::matmul(mq, npad, D, Qi, ldq, w.KT.data(), kBlockK, w.S.data(), kBlockK, false);
+  const bool fused = fusable<acc_t>(p.mask);
+  for (int64_t r = 0; r < mq; ++r) {
+    const int64_t i = i0 + r;
+    acc_t* s = w.S.data() + r * kBlockK;
+    const float row_lse = lse[r];
+    if (row_lse == std::numeric_limits<float>::infinity()) {
+      std::fill(s, s + npad, acc_t(0));  // no visible key
+    } else if (std::isnan(row_lse)) {
+      poison_row(s, nk, npad);  // the forward's row was NaN: so are its gradients
+    } else if (fused) {
+      const Vec<acc_t> vlse(static_cast<acc_t>(row_lse));
+      scale_mask_map_row(p.mask, p.scale, b, i, shift, j0, nk, npad, s,
+                         [&](const Vec<acc_t>& x) { return vexp(x - vlse); });
+    } else {
+      scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
+      exp_sub(s, npad, static_cast<acc_t>(row_lse));
+    }
+    if (dropout) mul_into(w.PZ.data() + r * kBlockK, s, w.keep.data() + r * kBlockK, npad);
+  }
+
+  if (dv.data != nullptr) {
+    // dV_j (nk, D) += (P Z)^T (nk, mq) dO_i (mq, D)
+    attn::transpose(dropout ? w.PZ.data() : w.S.data(), kBlockK, mq, nk, w.T.data(), kBlockQ);
+    attn::matmul(nk, D, mq, w.T.data(), kBlockQ, dOi, lddo, dv.data, dv.ld, accumulate);
+  }
+
+  // dP (mq, nk) = dO_i V_j^T, then dS = scale * P (dP Z - delta) in place
+  attn::matmul(mq, npad, D, dOi, lddo, w.VT.data(), kBlockK, w.dP.data(), kBlockK, false);
+  for (int64_t r = 0; r < mq; ++r) {
+    acc_t* dp = w.dP.data() + r * kBlockK;
+    if (npad > nk) std::fill(dp + nk, dp + npad, acc_t(0));
+    softmax_bwd_row(dp, w.S.data() + r * kBlockK, dropout ? w.keep.data() + r * kBlockK : nullptr,
+                    npad, delta[r], p.scale);
+  }
+
+  if (dq.data != nullptr) {
+    // dQ_i (mq, D) += dS (mq, nk) K_j (nk, D)
+    attn::matmul(mq, D, nk, w.dP.data(), kBlockK, Kj, ldk, dq.data, dq.ld, accumulate);
+  }
+  if (dk.data != nullptr) {
+    // dK_j (nk, D) += dS^T (nk, mq) Q_i (mq, D)
+    attn::transpose(w.dP.data(), kBlockK, mq, nk, w.T.data(), kBlockQ);
+    attn::matmul(nk, D, mq, w.T.data(), kBlockQ, Qi, ldq, dk.data, dk.ld, accumulate);
+  }
+}
+
+// delta[b, h, i] = sum_d dout[b, h, i, d] * out[b, h, i, d]
+template <typename scalar_t>
+void row_dots(const Problem<scalar_t>& p, const Rows<scalar_t>& dout, const Rows<scalar_t>& out,
+              const Rows<at::opmath_type<scalar_t>>& delta) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kLowp = !std::is_same_v<scalar_t, acc_t>;
+  const int64_t D = p.D;
+  at::parallel_for(0, p.total_q() * p.H, grain_for(D), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> x(kLowp ? D : 0), y(kLowp ? D : 0);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t h = row % p.H;
+      const auto [b, i] = p.locate_q(row / p.H);
+      const acc_t* a;
+      const acc_t* c;
+      if constexpr (kLowp) {
+        convert_row(dout.row(b, h, i), x.data(), D);
+        convert_row(out.row(b, h, i), y.data(), D);
+        a = x.data();
+        c = y.data();
+      } else {
+        a = dout.row(b, h, i);
+        c = out.row(b, h, i);
+      }
+      *delta.row(b, h, i) = at::vec::map2_reduce_all<acc_t>(
+          [](Vec<acc_t> u, Vec<acc_t> t) { return u * t; },
+          [](Vec<acc_t> u, Vec<acc_t> t) { return u + t; }, a, c, D);
+    }
+  });
+}
+
+// delta of head (b, h)'s query rows [0, lq): row_dots for one head, run by the task that reads
+// them next, while its dout rows are in cache (x, y: D scratch each, for bf16).
+template <typename scalar_t>
+void head_deltas(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, int64_t b, int64_t h, int64_t lq,
+                 at::opmath_type<scalar_t>* x, at::opmath_type<scalar_t>* y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t D = p.D;
+  acc_t* delta = g.delta.row(b, h, 0);
+  for (int64_t i = 0; i < lq; ++i) {
+    const acc_t* a;
+    const acc_t* c;
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      convert_row(g.dout.row(b, h, i), x, D);
+      convert_row(g.out.row(b, h, i), y, D);
+      a = x;
+      c = y;
+    } else {
+      a = g.dout.row(b, h, i);
+      c = g.out.row(b, h, i);
+    }
+    delta[i] = at::vec::map2_reduce_all<acc_t>([](Vec<acc_t> u, Vec<acc_t> t) { return u * t; },
+                                               [](Vec<acc_t> u, Vec<acc_t> t) { return u + t; }, a, c, D);
+  }
+}
+
+// Rows [s0, s1) of head (b, h) of a gradient set to 0 (rows no tile writes: keys nobody sees).
+template <typename scalar_t>
+void zero_rows(const Rows<scalar_t>& dst, int64_t b, int64_t h, int64_t s0, int64_t s1, int64_t D) {
+  for (int64_t s = s0; s < s1; ++s) std::fill(dst.row(b, h, s), dst.row(b, h, s) + D, scalar_t(0));
+}
+
+// A whole head of one tile (Lq <= kBlockQ, Lk <= kBlockK; fp32 / fp64): each product of the tile
+// is the only one into its gradient rows, so it writes them in place, without an accumulator to
+// zero first and copy out after.
+template <typename scalar_t>
+void backward_single_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
+                          int64_t b, int64_t h) {
+  static_assert(std::is_same_v<scalar_t, at::opmath_type<scalar_t>>);
+  const int64_t D = p.D, lq = p.Lq(b), lk = p.Lk(b);
+  const auto [kbegin, kend] = p.key_span(b, lq);
+  if (lq == 0 || kbegin >= kend) {  // no key visible to any query: every gradient is 0
+    zero_rows(g.dq, b, h, 0, lq, D);
+    zero_rows(g.dk, b, h, 0, lk, D);
+    zero_rows(g.dv, b, h, 0, lk, D);
+    return;
+  }
+  zero_rows(g.dk, b, h, 0, kbegin, D);
+  zero_rows(g.dk, b, h, kend, lk, D);
+  zero_rows(g.dv, b, h, 0, kbegin, D);
+  zero_rows(g.dv, b, h, kend, lk, D);
+  const scalar_t* Kj;
+  int64_t ldk;
+  w.load_keys(p, b, h, kbegin, kend - kbegin, Kj, ldk);
+  backward_tile(p, g, w, b, h, 0, lq, kbegin, kend - kbegin, Kj, ldk, {g.dq.row(b, h, 0), g.dq.ld},
+                {g.dk.row(b, h, kbegin), g.dk.ld}, {g.dv.row(b, h, kbegin), g.dv.ld}, /*accumulate=*/false);
+}
+
+// dK, dV rows [jb, jb + nb) of head (b, h): accumulated over every query block that sees them
+// (into w.dk / w.dv) and stored; dq, when given, collects dS K for the whole head.
+template <typename scalar_t>
+void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
+                        int64_t b, int64_t h, int64_t jb, int64_t nb, at::opmath_type<scalar_t>* dq) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t D = p.D;
+  std::fill(w.dk.begin(), w.dk.begin() + nb * D, acc_t(0));
+  std::fill(w.dv.begin(), w.dv.begin() + nb * D, acc_t(0));
+  const int64_t lq = p.Lq(b);
+  const auto [kbegin, kend] = p.key_span(b, lq);
+  const int64_t j0 = std::max(jb, kbegin), j1 = std::min(jb + nb, kend);  // keys anyone sees
+  if (j0 < j1) {
+    const acc_t* Kj;
+    int64_t ldk;
+    w.load_keys(p, b, h, j0, j1 - j0, Kj, ldk);
+    for (int64_t i0 = p.query_begin(b, j0) / kBlockQ * kBlockQ; i0 < lq; i0 += kBlockQ) {
+      const int64_t mq = std::min(kBlockQ, lq - i0);
+      backward_tile(p, g, w, b, h, i0, mq, j0, j1 - j0, Kj, ldk, {dq != nullptr ? dq + i0 * D : nullptr, D},
+                    {w.dk.data() + (j0 - jb) * D, D}, {w.dv.data() + (j0 - jb) * D, D});
+    }
+  }
+  store_rows(w.dk.data(), g.dk, b, h, jb, nb, D);
+  store_rows(w.dv.data(), g.dv, b, h, jb, nb, D);
+}
+
+template <typename scalar_t>
+void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t D = p.D, threads = at::get_num_threads();
+  const bool dropout = p.dropout.drop;
+
+  // A head's score-tile work per sequence; the whole call's is H times their sum.
+  std::vector<int64_t> head_work(p.B, 0);
+  int64_t total = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t i0 = 0; i0 < p.Lq(b); i0 += kBlockQ) {
+      head_work[b] += p.tile_area(b, i0, std::min(kBlockQ, p.Lq(b) - i0));
+    }
+    total += p.H * head_work[b];
+  }
+  // A head of more than one tile is split into key and query blocks (two passes, seven products
+  // a tile instead of five) when as one task it would be over a quarter of a thread's share:
+  // then the one-task-per-head schedule cannot balance (for equal sequences: fewer than
+  // 4 x threads heads, as for the padded op).
+  auto split = [&](int64_t b) {
+    return threads > 1 && (p.Lq(b) > kBlockQ || p.Lk(b) > kBlockK) && 4 * threads * head_work[b] > total;
+  };
+  TaskList pass1(p.H), pass2(p.H);  // pass 1: whole heads and key blocks; pass 2: query blocks
+  int64_t whole_rows = 0;           // the longest whole head's queries (its dq accumulator)
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t lq = p.Lq(b), lk = p.Lk(b);
+    if (!split(b)) {
+      pass1.add(b, TaskList::kWholeHead, 5 * head_work[b]);
+      whole_rows = std::max(whole_rows, lq);
+      continue;
+    }
+    const auto [kbegin, kend] = p.key_span(b, lq);
+    for (int64_t jb = 0, kb = 0; jb < lk; jb += kBlockK, ++kb) {
+      const int64_t nk = std::max<int64_t>(0, std::min(jb + kBlockK, kend) - std::max(jb, kbegin));
+      pass1.add(b, kb, 4 * (lq - p.query_begin(b, jb)) * nk * D);
+    }
+    for (int64_t i0 = 0, qb = 0; i0 < lq; i0 += kBlockQ, ++qb) {
+      pass2.add(b, qb, 3 * p.tile_area(b, i0, std::min(kBlockQ, lq - i0)));
+    }
+  }
+  pass1.sort();
+  pass2.sort();
+  // delta: up front when split heads need it (their key-block tasks read every query row's),
+  // else by each whole-head task for its own rows
+  const bool head_delta = pass2.size() == 0;
+  if (!head_delta) row_dots(p, g.dout, g.out, g.delta);
+
+  // Pass 1: each whole-head task owns its dQ, dK, dV rows, each key-block task its dK, dV rows.
+  parallel_tasks(pass1.size(), pass1.work(), [&](TaskQueue& tasks) {
+    attn::BlasSingleThread blas;
+    BwdScratch<scalar_t> w(dropout, D, whole_rows, kBlockK);
+    for (int64_t task; tasks.pop(task);) {
+      int64_t h;
+      const TaskList::Item& it = pass1.item(task, h);
+      const int64_t b = it.b, lq = p.Lq(b), lk = p.Lk(b);
+      if (it.block != TaskList::kWholeHead) {
+        const int64_t jb = it.block * kBlockK;
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr);
+        continue;
+      }
+      if (head_delta) head_deltas(p, g, b, h, lq, w.x.data(), w.y.data());
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        if (lq <= kBlockQ && lk <= kBlockK) {
+          backward_single_tile(p, g, w, b, h);
+          continue;
+        }
+      }
+      // key blocks in turn, dQ accumulated over the whole head
+      int64_t ld;
+      w.q.get(p.q, b, h, 0, lq, ld);  // bf16: convert the head's q and dout once
+      w.dout.get(g.dout, b, h, 0, lq, ld);
+      std::fill(w.dq.begin(), w.dq.begin() + lq * D, acc_t(0));
+      for (int64_t jb = 0; jb < lk; jb += kBlockK) {
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), w.dq.data());
+      }
+      store_rows(w.dq.data(), g.dq, b, h, 0, lq, D);
+    }
+  });
+  // Pass 2: dQ of the split heads, each (sequence, head, query block) task owning its rows.
+  parallel_tasks(pass2.size(), pass2.work(), [&](TaskQueue& tasks) {
+    attn::BlasSingleThread blas;
+    BwdScratch<scalar_t> w(dropout, D, kBlockQ, 0);
+    for (int64_t task; tasks.pop(task);) {
+      int64_t h;
+      const TaskList::Item& it = pass2.item(task, h);
+      const int64_t b = it.b, i0 = it.block * kBlockQ, mq = std::min(kBlockQ, p.Lq(b) - i0);
+      const auto [kbegin, kend] = p.key_span(b, i0 + mq);
+      std::fill(w.dq.begin(), w.dq.end(), acc_t(0));
+      for (int64_t j0 = kbegin; j0 < kend; j0 += kBlockK) {
+        const int64_t nk = std::min(kBlockK, kend - j0);
+        const acc_t* Kj;
+        int64_t ldk;
+        w.load_keys(p, b, h, j0, nk, Kj, ldk);
+        backward_tile(p, g, w, b, h, i0, mq, j0, nk, Kj, ldk, {w.dq.data(), D}, {nullptr, D}, {nullptr, D});
+      }
+      store_rows(w.dq.data(), g.dq, b, h, i0, mq, D);
+    }
+  });
+}
+
+}  // namespace
+
+void attention_bwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& dout,
+                        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& out, const at::Tensor& lse, const Masks& mask,
+                        double scale, double dropout_p, uint64_t seed, uint64_t offset,
+                        at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
+    BwdData<scalar_t> g{rows_of<scalar_t>(dout), p.stat_rows(lse.data_ptr<float>()),
+                        p.stat_rows(delta.data_ptr<acc_t>()), rows_of<scalar_t>(dq),
+                        rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), rows_of<scalar_t>(out)};
+    attention_bwd_kernel<scalar_t>(p, g);
+  });
+}
+
+void attention_varlen_bwd_impl(const Varlen& lens, const at::Tensor& dout, const at::Tensor& q,
+                               const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse, bool causal, double scale, double dropout_p,
+                               uint64_t seed, uint64_t offset, at::Tensor& delta, at::Tensor& dq,
+                               at::Tensor& dk, at::Tensor& dv) {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
+    BwdData<scalar_t> g{packed_rows_of<scalar_t>(dout, lens.cu_q), p.stat_rows(lse.data_ptr<float>()),
+                        p.stat_rows(delta.data_ptr<acc_t>()), packed_rows_of<scalar_t>(dq, lens.cu_q),
+                        packed_rows_of<scalar_t>(dk, lens.cu_k), packed_rows_of<scalar_t>(dv, lens.cu_k),
+                        packed_rows_of<scalar_t>(out, lens.cu_q)};
+    attention_bwd_kernel<scalar_t>(p, g);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fastformer

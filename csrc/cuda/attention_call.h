@@ -1,0 +1,93 @@
+// The launchers' description of one call of attention or attention_varlen, built from its tensors:
+// FfAttentionArgs for the FMA kernels (attention.cu) and, from it, FfFlashFwdArgs for the
+// tensor-core kernels (flash_mma.h). Included by the glue of both ops (attention.cpp,
+// attention_varlen.cpp) and by the SIMT harness's test ops (tests/simt/simt_lib.cpp), so that
+// every path describes a call the same way.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+
+#include "flash_mma.h"
+#include "glue.h"
+#include "launchers.h"
+#include "../checks/attention.h"
+#include "../checks/attention_varlen.h"
+
+// The rows of a padded (B, H, S, D) operand, as the kernels address them.
+inline FfRows ff_heads_rows(const at::Tensor& t) { return {t.stride(0), t.stride(2), t.stride(1)}; }
+
+// The rows of a packed (total, H, D) operand (sequence b's start from cu_seqlens).
+inline FfRows ff_packed_rows(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; }
+
+struct FfAttentionCall {
+  at::Tensor kpm;  // keeps the contiguous key_padding_mask alive
+  FfAttentionArgs a{};
+
+  // attention: (B, H, S, D) operands, dims (B, H, Sq, Sk, D), the masks as checked (m's tensors
+  // must outlive the call: the attn_mask is read through its own strides).
+  FfAttentionCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const fastformer::checks::AttentionMasks& m, const std::array<int64_t, 5>& dims,
+                  bool is_causal, double scale, double dropout_p, const FfPhiloxArgs& rng, int dtype) {
+    const auto [B, H, Sq, Sk, D] = dims;
+    set(q, k, v, ff_heads_rows, {B, H, D, Sq, Sk, Sq, Sk}, is_causal, scale, dropout_p, rng, dtype);
+    if (m.key_padding_mask.defined()) {
+      kpm = m.key_padding_mask.contiguous();
+      a.key_padding_mask = kpm.const_data_ptr<bool>();
+    }
+    if (m.attn_mask.defined()) a.attn_mask = m.attn_mask.const_data_ptr<float>();
+    a.am_sb = m.attn_mask_strides[0];
+    a.am_sh = m.attn_mask_strides[1];
+    a.am_sq = m.attn_mask_strides[2];
+    a.am_sk = m.attn_mask_strides[3];
+  }
+
+  // attention_varlen: packed (total, H, D) operands whose sequences cu_q / cu_k delimit; no masks.
+  FfAttentionCall(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& cu_q, const at::Tensor& cu_k,
+                  const fastformer::checks::VarlenDims& d, bool is_causal, double scale,
+                  double dropout_p, const FfPhiloxArgs& rng, int dtype) {
+    set(q, k, v, ff_packed_rows, {d.B, d.H, d.D, d.total_q, d.total_k, d.max_seqlen_q, d.max_seqlen_k},
+        is_causal, scale, dropout_p, rng, dtype);
+    a.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
+    a.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
+  }
+
+  // The same call for the tensor-core kernels, out and lse through out_s / lse_s (all 0: the
+  // padded op's contiguous layout). fp32 may run as tf32 where torch allows tf32 matmuls
+  // (torch.backends.cuda.matmul.allow_tf32), unless the caller says otherwise.
+  FfFlashFwdArgs flash(FfRows out_s = {}, FfRows lse_s = {}) const {
+    return flash(out_s, lse_s, at::globalContext().allowTF32CuBLAS());
+  }
+  FfFlashFwdArgs flash(FfRows out_s, FfRows lse_s, bool allow_tf32) const {
+    return ff_flash_fwd_args(a, out_s, lse_s, allow_tf32);
+  }
+
+ private:
+  // What both ops share; sizes = (B, H, D, total_q, total_k, max_seqlen_q, max_seqlen_k). No
+  // cu_seqlens and no masks (a{} holds nulls and zeros).
+  void set(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, FfRows (*rows)(const at::Tensor&),
+           const std::array<int64_t, 7>& sizes, bool is_causal, double scale, double dropout_p,
+           const FfPhiloxArgs& rng, int dtype) {
+    a.q = q.const_data_ptr();
+    a.k = k.const_data_ptr();
+    a.v = v.const_data_ptr();
+    a.q_s = rows(q);
+    a.k_s = rows(k);
+    a.v_s = rows(v);
+    a.B = sizes[0];
+    a.H = sizes[1];
+    a.D = sizes[2];
+    a.total_q = sizes[3];
+    a.total_k = sizes[4];
+    a.max_seqlen_q = sizes[5];
+    a.max_seqlen_k = sizes[6];
+    a.dtype = dtype;
+    a.causal = is_causal;
+    a.scale = scale;
+    a.dropout_p = dropout_p;
+    a.seed = rng.seed;
+    a.offset = rng.offset;
+  }
+};
