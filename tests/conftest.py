@@ -13,7 +13,27 @@ if not torch.cuda.is_available():
 pytest_plugins = ["simt.plugin"]
 
 
+# The fast tier (`make test-fast`: -m "not slow") leaves out, besides the tests marked slow one by
+# one (from a --durations run), whole suites: these files, and every case run on the emulated
+# backends (triton under the interpreter, cuda on the SIMT harness). What stays: every op on the
+# reference and cpu backends, the model and modules, hostile input, determinism.
+SLOW_SUITES = ("test_hf_", "compile", "triton", "cuda", "simt", "flash_", "gpu_", "test_install", "test_distributed",
+               "test_bench", "test_hypothesis_ops", "test_find_nvcc", "test_libstdcxx")
+EMULATED_BACKENDS = ("triton", "cuda")
+
+
+def _slow_suite(item) -> bool:
+    if any(part in item.path.name for part in SLOW_SUITES):
+        return True
+    params = getattr(item, "callspec", None)
+    return params is not None and any(
+        "backend" in key and value in EMULATED_BACKENDS for key, value in params.params.items())
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _slow_suite(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

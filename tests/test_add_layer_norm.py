@@ -1,9 +1,6 @@
 """add_layer_norm: the reference against torch, then every kernel backend against the reference
 (forward and every gradient), dropout exactness and statistics, gradcheck, opcheck, bad input."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +9,9 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import _ext, backends, philox
 from fastformer.ops import add_layer_norm, reference
-from utils import assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends
+from utils import (
+    OUTSIDE_OTHER_SIMT_SCHEDULES, assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends,
+    num_threads, rerun_under_simt_schedule)
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -354,8 +353,7 @@ def test_cuda_backward_columns_past_the_register_sums(backend, C, sm_count):
         assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
-                    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
+@OUTSIDE_OTHER_SIMT_SCHEDULES
 @pytest.mark.parametrize("schedule", ["reverse", "warp_ahead"])
 @pytest.mark.parametrize("backend", CUDA)
 def test_cuda_other_thread_schedule(backend, schedule):
@@ -364,15 +362,9 @@ def test_cuda_other_thread_schedule(backend, schedule):
     half of a missing barrier within a warp's reach, or warp by warp to each __syncthreads
     (warp_ahead), which shows one between warps: the grid, register-overflow, fp32 dropout and
     128-bit / scalar tests of this file in a fresh process on the already built harness."""
-    from simt import plugin
-
-    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", os.path.abspath(__file__), "-k",
-           "cuda and (sm_count or register_sums or (fp32 and (post_dropout or prenorm_grad_both)) or vector_and_scalar)"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(here))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    rerun_under_simt_schedule(schedule, ("test_add_layer_norm.py",),
+                              "cuda and (sm_count or register_sums or (fp32 and (post_dropout or prenorm_grad_both))"
+                              " or vector_and_scalar)")
 
 
 @pytest.mark.parametrize("C", [1, 7, 8, 9, 65])
@@ -464,15 +456,11 @@ def test_backward_returns_empty_dresidual_unless_it_differs_from_dx(backend):
 @pytest.mark.parametrize("backend", CPU)
 def test_cpu_any_thread_count(backend, threads):
     """Rows split over 1 or 3 threads (per-thread dweight / dbias partial sums) give the same answer."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         shape, config = (203, 256), "prenorm_grad_both_dropout"
         inputs = _make_inputs(shape, config, "cpu")
         (outs, grads), _, (ref_outs, ref_grads) = _run_case(backend, shape, config, torch.float32,
                                                             inputs)
-    finally:
-        torch.set_num_threads(previous)
     for name, o, r in zip(("y", "h"), outs, ref_outs):
         assert_close(name, o, r, *FP32_TOL[backend]["out"])
     for name in ref_grads:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import _ext, backends, philox
 from fastformer.ops import attention, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, backend_cases, device_for, kernel_backends
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -52,12 +52,7 @@ TRITON_CASES = ("7x7_d40_kpm", "203x1_d40", "1x203_d111_causal_kpm_rand", "113x7
 
 
 def _cases():
-    for backend in BACKENDS:
-        name = backend.values[0]
-        for case in CASES:
-            if name == "triton" and case not in TRITON_CASES:
-                continue
-            yield pytest.param(name, case, marks=backend.marks, id=f"{backend.id}-{case}")
+    return backend_cases(BACKENDS, CASES, TRITON_CASES)
 
 
 def _masks(B, H, Sq, Sk, kinds, gen):
@@ -427,6 +422,7 @@ def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
 
 @pytest.mark.parametrize("Sk", [1, 7, 8, 9, 63, 64, 65, 1023])
 @pytest.mark.parametrize("backend", CPU)
+@pytest.mark.slow
 def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, Sk):
     """Rows of Sk keys (one per query, row-major over (B, H, Sq)) of any length, tiles starting
     off a group boundary, Sq != Sk, causal or not, offsets whose low word wraps mid-tensor:
@@ -621,6 +617,23 @@ def test_bad_input_raises_clear_errors(backend):
             attention(*(torch.randn(1, 1, 2, 300, device=device) for _ in range(3)))
 
 
+def check_bwd_glue(bwd, q, k, v, out, lse, wrong_dtype, rng):
+    """attention_bwd's glue (``bwd``, a backend's kernel) names what is wrong with its arguments
+    (fp32 q, k, v and the forward's out, lse); shared with tests/test_attention_cuda.py."""
+    dtype_name = {torch.float64: "Double", torch.float16: "Half"}[wrong_dtype]
+    bwd_cases = [
+        ((out[:, :, :4], q, k, v, out, lse), "dout must have q's shape"),
+        ((out, q, k, v, out.to(wrong_dtype), lse), f"out has dtype {dtype_name} but q has dtype Float"),
+        ((out, q, k, v, out, lse.double()), "lse must be float32"),
+        ((out, q, k, v, out, lse[:, :, :4]), r"lse must have shape \(B, H, Sq\)"),
+        ((out.transpose(-2, -1).contiguous().transpose(-2, -1), q, k, v, out, lse),
+         "dout must have a contiguous last dimension"),
+    ]
+    for args, message in bwd_cases:
+        with pytest.raises(RuntimeError, match=message):
+            bwd(*args, None, None, False, 0.5, 0.0, rng)
+
+
 @pytest.mark.parametrize("backend", CPU)
 def test_cpu_kernel_checks_name_the_argument(backend):
     fwd = backends.Kernels(backend).attention_fwd
@@ -653,14 +666,4 @@ def test_cpu_kernel_checks_name_the_argument(backend):
     with pytest.raises(RuntimeError, match="scale must be finite"):
         fwd(q, k, v, None, None, False, float("nan"), 0.0, philox.pack(0, 0))
     out, lse = fwd(q, k, v, None, None, False, 0.5, 0.0, philox.pack(0, 0))
-    bwd_cases = [
-        ((out[:, :, :4], q, k, v, out, lse), "dout must have q's shape"),
-        ((out, q, k, v, out.double(), lse), "out has dtype Double but q has dtype Float"),
-        ((out, q, k, v, out, lse.double()), "lse must be float32"),
-        ((out, q, k, v, out, lse[:, :, :4]), r"lse must have shape \(B, H, Sq\)"),
-        ((out.transpose(-2, -1).contiguous().transpose(-2, -1), q, k, v, out, lse),
-         "dout must have a contiguous last dimension"),
-    ]
-    for args, message in bwd_cases:
-        with pytest.raises(RuntimeError, match=message):
-            bwd(*args, None, None, False, 0.5, 0.0, philox.pack(0, 0))
+    check_bwd_glue(bwd, q, k, v, out, lse, torch.float64, philox.pack(0, 0))

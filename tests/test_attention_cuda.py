@@ -5,9 +5,6 @@ of size Sq x Sk is allocated), and the same under the SIMT harness's reversed an
 thread schedules.
 Without a GPU these run on the SIMT harness (tests/simt)."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,8 @@ import torch
 import fastformer
 from fastformer import backends, philox
 from fastformer.ops import attention, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from test_attention import check_bwd_glue
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends, other_simt_schedules_test
 
 CUDA = kernel_backends("cuda")
 CPU_OK = backends.availability("cpu", "cpu")
@@ -196,17 +194,7 @@ def test_glue_checks_name_the_argument(backend):
     with pytest.raises(RuntimeError, match="scale must be finite"):
         fwd(q, k, v, None, None, False, float("nan"), 0.0, philox.no_dropout())
     out, lse = fwd(q, k, v, None, None, False, 0.5, 0.0, philox.no_dropout())
-    bwd_cases = [
-        ((out[:, :, :4], q, k, v, out, lse), "dout must have q's shape"),
-        ((out, q, k, v, out.half(), lse), "out has dtype Half but q has dtype Float"),
-        ((out, q, k, v, out, lse.double()), "lse must be float32"),
-        ((out, q, k, v, out, lse[:, :, :4]), r"lse must have shape \(B, H, Sq\)"),
-        ((out.transpose(-2, -1).contiguous().transpose(-2, -1), q, k, v, out, lse),
-         "dout must have a contiguous last dimension"),
-    ]
-    for args, message in bwd_cases:
-        with pytest.raises(RuntimeError, match=message):
-            bwd(*args, None, None, False, 0.5, 0.0, philox.no_dropout())
+    check_bwd_glue(bwd, q, k, v, out, lse, torch.float16, philox.no_dropout())
 
 
 @pytest.mark.parametrize("backend", CUDA)
@@ -257,21 +245,8 @@ SCHEDULE_SUBSETS = {
 }
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
-                    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
-@pytest.mark.parametrize("schedule", sorted(SCHEDULE_SUBSETS))
-@pytest.mark.parametrize("backend", CUDA)
-def test_other_thread_schedule(backend, schedule):
-    """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
-    which shows the other half of a missing barrier within a warp's reach, or warp by warp
-    (warp_ahead), which shows one between warps: in a fresh process on the already built harness."""
-    from simt import plugin
-
-    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-           os.path.join(here, "test_attention_cuda.py"), os.path.join(here, "test_attention.py"),
-           "-k", SCHEDULE_SUBSETS[schedule]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+test_other_thread_schedule = other_simt_schedules_test(
+    ("test_attention_cuda.py", "test_attention.py"), SCHEDULE_SUBSETS,
+    "The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse), which "
+    "shows the other half of a missing barrier within a warp's reach, or warp by warp (warp_ahead), which "
+    "shows one between warps: in a fresh process on the already built harness.")

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from utils import assert_close, assert_close_lowp, kernel_backends
+from utils import assert_close, assert_close_lowp, kernel_backends, torch_setting
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
 A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
@@ -99,14 +99,8 @@ def test_large_offset_kernels_against_reference(monkeypatch):
     _check_fp32(got, _reference(q, k, v, kpm, am, dout, True, 0.3, 0.25, 9, 77))
 
 
-@contextlib.contextmanager
 def _float32_matmul_precision(precision):
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved)
+    return torch_setting(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, precision)
 
 
 @pytest.mark.parametrize("precision, want", [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 import fastformer
 from fastformer import _ext, backends, philox
 from fastformer.ops import attention, attention_varlen, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends, skip_without_kernels
+from utils import assert_close, assert_close_lowp, backend_cases, device_for, kernel_backends, skip_without_kernels
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPP = kernel_backends("cpu", "cuda")
@@ -36,13 +36,8 @@ CASES = {
 TRITON_CASES = ("one_1x1_d64", "odd_d40", "causal_lq_ne_lk_d111", "empty_causal_d64")
 
 
-def _cases(names=None):
-    for backend in BACKENDS:
-        name = backend.values[0]
-        for case in CASES:
-            if name == "triton" and case not in TRITON_CASES:
-                continue
-            yield pytest.param(name, case, marks=backend.marks, id=f"{backend.id}-{case}")
+def _cases():
+    return backend_cases(BACKENDS, CASES, TRITON_CASES)
 
 
 def cu_seqlens(lengths, device="cpu"):
@@ -285,6 +280,41 @@ def test_opcheck(backend, dtype):
         out, lse = ops.attention_varlen_fwd(*args)
         bwd_args = (torch.randn_like(out), q, k, v, out, lse, *args[3:])
         torch.library.opcheck(ops.attention_varlen_bwd.default, bwd_args)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
+def test_non_finite_v_at_hidden_keys_varlen(backend):
+    """The same for attention_varlen, bf16 (on cuda the tensor-core forward): packed sequences of
+    150 queries / 130 keys and 5 / 9, causal; a NaN never crosses into another sequence."""
+    device = device_for(backend)
+    lq, lk, H, D = [150, 5], [130, 9], 2, 16
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(n), H, D, generator=gen) for n in (lq, lk, lk))
+    v[129, 0, 3] = float("nan")  # sequence 0's last key: its last row only
+    v[60, 1, 5] = float("nan")   # sequence 0: rows >= 80
+    v[130 + 8, 0, 2] = float("nan")  # sequence 1's last key: its last row only
+    cu = [torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32) for n in (lq, lk)]
+
+    def run(v):
+        t = [x.to(device=device, dtype=torch.bfloat16) for x in (q, k, v)]
+        with fastformer.use_backend(backend):
+            return attention_varlen(*t, cu[0].to(device), cu[1].to(device), max(lq), max(lk), is_causal=True).cpu()
+
+    out, clean = run(v), run(v.nan_to_num(0.0, 0.0, 0.0))
+    got_bad = ~torch.isfinite(out)
+    for b in range(2):
+        Lq, Lk = lq[b], lk[b]
+        rows, keys = slice(sum(lq[:b]), sum(lq[:b + 1])), slice(sum(lk[:b]), sum(lk[:b + 1]))
+        visible = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)  # (Lq, Lk)
+        bad = ~torch.isfinite(v[keys]).transpose(0, 1)  # (H, Lk, D)
+        sees_bad = ((visible.float() @ bad.float()) > 0).transpose(0, 1)  # (Lq, H, D)
+        may_be_bad = (bad.any(1, keepdim=True) & visible.any(-1)[None, :, None]).transpose(0, 1)
+        assert got_bad[rows][sees_bad].all(), f"sequence {b}: elements that see a NaN are finite"
+        assert not (got_bad[rows] & ~may_be_bad).any(), f"sequence {b}: NaN where it may not be"
+        if Lq > Lk:
+            assert (out[rows][:Lq - Lk] == 0).all(), f"sequence {b}: rows with no visible key must be 0"
+    assert got_bad.any()
+    assert torch.equal(out[~got_bad], clean[~got_bad])
 
 
 # ---------------------------------------------------------------- bad input

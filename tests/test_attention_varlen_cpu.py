@@ -87,6 +87,7 @@ def test_forward_is_bitwise_the_same_on_any_thread_count(backend, threads):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.slow
 def test_many_equal_heads_and_two_long_cross_sequences(backend, causal):
     """Many short heads (whole-head backward tasks only) and Lq != Lk sequences of several tiles each."""
     skip_without_kernels(backend, "attention_varlen")
@@ -133,6 +134,7 @@ def test_single_tile_heads_non_finite(backend, causal):
         torch.testing.assert_close(g.double(), w, equal_nan=True, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_bf16_long_sequences(backend):
     skip_without_kernels(backend, "attention_varlen")
     qkv, dout, lengths = make(*LONG_AMONG_SHORT, H=2, D=64, dtype=torch.bfloat16)
@@ -260,6 +262,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow
 def test_every_isa_level_matches_the_reference(backend):
     """The varlen entry points exist at every ISA level the CPU runs (isa.h), dropout included."""
     skip_without_kernels(backend, "attention_varlen")

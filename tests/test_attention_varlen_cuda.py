@@ -5,10 +5,6 @@ strided q / k / v views and gradients laid out like them, cu_seqlens out of rang
 clamp them), determinism, the memory claim (nothing of size Lq x Lk is allocated), hypothesis over
 lengths, and the same under the SIMT harness's reversed and warp_ahead thread schedules. Without a
 GPU these run on the SIMT harness (tests/simt)."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -16,7 +12,9 @@ from hypothesis import given, settings, strategies as st
 import fastformer
 from fastformer import backends, philox
 from fastformer.ops import attention_varlen, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends, skip_without_kernels
+from utils import (
+    assert_close, assert_close_lowp, device_for, kernel_backends,
+    other_simt_schedules_test, skip_without_kernels)
 
 CUDA = kernel_backends("cuda")
 TOL = {"out": (2e-5, 1e-4), "grad": (1e-4, 1e-4)}  # fp32 (atol, rtol)
@@ -237,21 +235,7 @@ SCHEDULE_SUBSETS = {
 }
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
-                    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
-@pytest.mark.parametrize("schedule", sorted(SCHEDULE_SUBSETS))
-@pytest.mark.parametrize("backend", CUDA)
-def test_other_thread_schedule(backend, schedule):
-    """The same kernels with the harness's threads run last to first (FF_SIMT_SCHEDULE=reverse),
-    which shows the other half of a missing barrier within a warp's reach, or warp by warp
-    (warp_ahead), which shows one between warps: in a fresh process on the already built harness."""
-    from simt import plugin
-
-    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-           os.path.join(here, "test_attention_varlen_cuda.py"), os.path.join(here, "test_attention_varlen.py"),
-           "-k", SCHEDULE_SUBSETS[schedule]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+test_other_thread_schedule = other_simt_schedules_test(
+    ("test_attention_varlen_cuda.py", "test_attention_varlen.py"), SCHEDULE_SUBSETS,
+    "The varlen kernels' subset under the harness's other schedules (as test_attention_cuda.py's "
+    "test_other_thread_schedule): a missing barrier within a warp's reach or between warps fails it.")

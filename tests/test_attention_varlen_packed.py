@@ -180,6 +180,7 @@ def test_bad_packed_input_raises_clear_errors():
         attention_varlen_qkvpacked(torch.randn(6, 3, 2, 8), c, 3)
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_the_packed_backward():
     skip_without_kernels("cpu", "attention_varlen")
     qkv = torch.randn(sum(LK), 3, H, D)

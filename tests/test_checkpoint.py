@@ -78,6 +78,17 @@ def _assert_same_params(a, b):
         assert torch.equal(sa[k], sb[k]), k
 
 
+def _assert_resumes_to_the_straight_run(out, straight, step):
+    """The checkpoint in ``out`` holds ``step`` steps of ``straight``'s history; resumed from it,
+    the run ends as the uninterrupted one (history and parameters)."""
+    saved = ckpt.load(str(out))
+    assert saved["step"] == step and saved["history"] == straight.history[:step]
+    resumed = _resume(out)
+    resumed.fit()
+    assert resumed.history == straight.history
+    _assert_same_params(resumed, straight)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """An uninterrupted 10-step run."""
@@ -114,12 +125,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(straight, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         t.fit(on_step=press_ctrl_c)
     assert t.step == 6
-    saved = ckpt.load(str(tmp_path))
-    assert saved["step"] == 6 and saved["history"] == straight.history[:6]
-    resumed = _resume(tmp_path)
-    resumed.fit()
-    assert resumed.history == straight.history
-    _assert_same_params(resumed, straight)
+    _assert_resumes_to_the_straight_run(tmp_path, straight, 6)
 
 
 def test_resume_refuses_to_change_the_model(straight, tmp_path):
@@ -142,9 +148,4 @@ def test_interrupt_inside_a_step_saves_the_last_completed_one(straight, tmp_path
     t.model.loss = loss_then_interrupt
     with pytest.raises(KeyboardInterrupt):
         t.fit()
-    saved = ckpt.load(str(tmp_path))
-    assert saved["step"] == 3 and saved["history"] == straight.history[:3]
-    resumed = _resume(tmp_path)
-    resumed.fit()
-    assert resumed.history == straight.history
-    _assert_same_params(resumed, straight)
+    _assert_resumes_to_the_straight_run(tmp_path, straight, 3)

@@ -150,6 +150,7 @@ def results():
 @pytest.mark.parametrize("level", [pytest.param(lv, marks=pytest.mark.skipif(
     not _supported(lv), reason=f"this CPU lacks {lv} ({sorted(NEEDS[lv] - (FLAGS or set()))} missing)"))
     for lv in LEVELS])
+@pytest.mark.slow
 def test_forced_level_runs_and_matches_the_reference(results, level):
     # the child asserted the ops against the reference and the masks against philox.keep_mask
     assert results[level]["level"] == level.upper()
@@ -172,6 +173,7 @@ def test_levels_agree(results):
 
 
 @pytest.mark.skipif(not X86 or FLAGS is None, reason="needs an x86-64 CPU with /proc/cpuinfo")
+@pytest.mark.slow
 def test_a_level_the_cpu_lacks_is_never_chosen():
     code = "import torch, fastformer._ext as e; e.load_error(); print(torch.ops.fastformer.cpu_capability())"
     for level in LEVELS:

@@ -87,6 +87,14 @@ def _loss_and_grad(fn, x, upstream):
     return loss.detach(), grad
 
 
+def _kernel_loss_and_grad(backend, x, t, upstream, **kwargs):
+    """``_loss_and_grad`` of ``cross_entropy(x, t, **kwargs)`` on ``backend``."""
+    def kernel(a):
+        with fastformer.use_backend(backend):
+            return cross_entropy(a, t, **kwargs)
+    return _loss_and_grad(kernel, x, upstream)
+
+
 # ---------------------------------------------------------------- the reference against torch
 
 
@@ -130,11 +138,7 @@ def test_fp32_loss_and_gradient(backend, N, V, eps, reduction):
     up = _upstream(reduction, N, device)
     kwargs = dict(label_smoothing=eps, reduction=reduction)
 
-    def kernel(a):
-        with fastformer.use_backend(backend):
-            return cross_entropy(a, t, **kwargs)
-
-    loss, grad = _loss_and_grad(kernel, x, up)
+    loss, grad = _kernel_loss_and_grad(backend, x, t, up, **kwargs)
     ref_loss, ref_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, **kwargs), x, up)
     assert loss.dtype == torch.float32 and grad.dtype == torch.float32
     assert_close("loss", loss, ref_loss, *FP32_TOL[backend]["loss"])
@@ -150,14 +154,10 @@ def test_bf16_loss_and_gradient(backend, N, V, eps, reduction):
     up = _upstream(reduction, N, device)
     kwargs = dict(label_smoothing=eps, reduction=reduction)
 
-    def kernel(a):
-        with fastformer.use_backend(backend):
-            return cross_entropy(a, t, **kwargs)
-
     def ref(a):
         return reference.cross_entropy(a, t, **kwargs)
 
-    loss, grad = _loss_and_grad(kernel, x, up)
+    loss, grad = _kernel_loss_and_grad(backend, x, t, up, **kwargs)
     lp_loss, lp_grad = _loss_and_grad(ref, x, up)
     ref_loss, ref_grad = _loss_and_grad(ref, x.float(), up)
     assert loss.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16
@@ -178,11 +178,7 @@ def test_class_dim_layouts_match_torch(backend, shape):
         kwargs = dict(label_smoothing=0.1, reduction=reduction)
         up = torch.randn(t_shape, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
 
-        def kernel(a):
-            with fastformer.use_backend(backend):
-                return cross_entropy(a, t, **kwargs)
-
-        loss, grad = _loss_and_grad(kernel, x, up)
+        loss, grad = _kernel_loss_and_grad(backend, x, t, up, **kwargs)
         want_loss, want_grad = _loss_and_grad(lambda a: F.cross_entropy(a, t, **kwargs), x, up)
         assert loss.shape == want_loss.shape
         assert_close("loss", loss, want_loss, atol=1e-5, rtol=1e-5)
@@ -198,11 +194,7 @@ def test_ignore_index_inside_the_class_range(backend):
         kwargs = dict(label_smoothing=0.1, ignore_index=0, reduction=reduction)
         up = torch.ones(10, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
 
-        def kernel(a):
-            with fastformer.use_backend(backend):
-                return cross_entropy(a, t, **kwargs)
-
-        loss, grad = _loss_and_grad(kernel, x, up)
+        loss, grad = _kernel_loss_and_grad(backend, x, t, up, **kwargs)
         want_loss, want_grad = _loss_and_grad(lambda a: F.cross_entropy(a, t, **kwargs), x, up)
         assert_close("loss", loss, want_loss, atol=1e-5, rtol=1e-5)
         assert_close("grad", grad, want_grad, atol=1e-6, rtol=1e-4)
@@ -218,11 +210,7 @@ def test_all_rows_ignored_gives_what_torch_gives(backend):
             kwargs = dict(label_smoothing=eps, reduction=reduction)
             up = torch.ones(4, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
 
-            def kernel(a):
-                with fastformer.use_backend(backend):
-                    return cross_entropy(a, t, **kwargs)
-
-            loss, grad = _loss_and_grad(kernel, x, up)
+            loss, grad = _kernel_loss_and_grad(backend, x, t, up, **kwargs)
             want = F.cross_entropy(x, t, **kwargs)
             assert torch.equal(loss.isnan(), want.isnan()), f"{reduction}: {loss} vs torch {want}"
             assert torch.equal(loss.nan_to_num(), want.nan_to_num())
@@ -247,11 +235,7 @@ def test_non_finite_logits_propagate_as_in_the_reference(backend, eps, reduction
     up = torch.ones(6, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
     kwargs = dict(label_smoothing=eps, reduction=reduction)
 
-    def kernel(a):
-        with fastformer.use_backend(backend):
-            return cross_entropy(a, t, **kwargs)
-
-    loss, grad = _loss_and_grad(kernel, x, up)
+    loss, grad = _kernel_loss_and_grad(backend, x, t, up, **kwargs)
     want_loss, want_grad = _loss_and_grad(lambda a: reference.cross_entropy(a, t, **kwargs), x, up)
     assert want_loss.isnan().any(), "the probe must contain a NaN loss"
     torch.testing.assert_close(loss, want_loss, equal_nan=True, atol=1e-5, rtol=1e-5)

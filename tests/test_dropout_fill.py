@@ -79,6 +79,7 @@ def results():
 @pytest.mark.parametrize("level", [pytest.param(lv, marks=pytest.mark.skipif(
     not _supported(lv), reason=f"this CPU lacks {lv} ({sorted(NEEDS[lv] - (FLAGS or set()))} missing)"))
     for lv in LEVELS])
+@pytest.mark.slow
 def test_fill_gives_the_reference_multipliers(results, level):
     res = results[level]
     assert res["level"] == level.upper()

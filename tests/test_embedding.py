@@ -364,7 +364,7 @@ def test_kernel_checks_name_the_argument(backend):
 
 
 # ---------------------------------------------------------------- bad input to the functional op
-# (test_hostile_ops.py runs more of these with every backend forced)
+# (test_embedding_hostile.py runs more of these with every backend forced)
 
 
 @pytest.mark.parametrize("call, exc, match", [

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import _ext, backends, philox
 from fastformer.ops import feed_forward, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends, num_threads
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -356,13 +356,9 @@ def test_opcheck(backend, dtype):
 @pytest.mark.parametrize("backend", CPU)
 def test_cpu_any_thread_count(backend, threads):
     """Rows split over 1 or 3 threads (per-thread db1 / db2 partial sums) give the same answer."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         (out, grads), _, (ref, ref_grads) = _run_case(backend, (203, 256), 512, "gelu_dropout",
                                                       torch.float32)
-    finally:
-        torch.set_num_threads(previous)
     assert_close("out", out, ref, *FP32_TOL[backend]["out"])
     for name in ref_grads:
         assert_close(f"d{name}", grads[name], ref_grads[name], *FP32_TOL[backend]["grad"])

@@ -1,4 +1,4 @@
-"""Split-K in the Triton feed-forward GEMMs (triton_kernels/matmul.py): a GEMM whose (M, N) tiles
+"""Split-K in the Triton feed-forward GEMMs (fastformer/triton_kernels/matmul.py): a GEMM whose (M, N) tiles
 cannot fill the GPU's SMs cuts K into slices, writes one fp32 partial per slice and sums them in
 a fixed order in a second kernel that applies the epilogue. Checked here: the feed-forward's
 forward and every gradient with the split forced on every GEMM (odd shapes, biases, dropout, fp32
@@ -84,6 +84,7 @@ FORCED = [
 @pytest.mark.parametrize("N,E,F,dtype,activation,p,has_b1,has_b2", FORCED,
                          ids=[f"{n}x{e}x{f}-{str(dt)[6:]}-{a}-p{p}-b1{int(b1)}-b2{int(b2)}"
                               for n, e, f, dt, a, p, b1, b2 in FORCED])
+@pytest.mark.slow
 def test_forced_split_forward_and_every_gradient(monkeypatch, launches, N, E, F, dtype, activation, p,
                                                   has_b1, has_b2):
     """FORCE_SPLIT_K = 3 on all six GEMMs: each one with K longer than one BLOCK_K step runs 2 or 3

@@ -1,6 +1,6 @@
 """Triton-only checks of feed_forward that tests/test_feed_forward.py does not make: N, E, F off
 the tile sizes (masked tails) and across several tiles, every epilogue of the shared GEMM
-(triton_kernels/matmul.py) with transposed operands, every GPU autotune config, the bf16
+(fastformer/triton_kernels/matmul.py) with transposed operands, every GPU autotune config, the bf16
 rounding of the stores, the registered torch ops under opcheck / torch.compile, and the host
 functions' errors. Without a GPU the kernels run in Triton's interpreter on CPU tensors
 (tile 32x32x32 there, so the shapes below cross tile edges with few programs)."""

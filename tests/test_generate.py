@@ -11,6 +11,7 @@ import fastformer
 from fastformer.models import Seq2SeqTransformer, beam_search, greedy_search
 from fastformer.models.generation import IncrementalDecoder
 from fastformer.optim import NoamScheduler, make_optimizer
+from seq2seq_models import perturbed_model
 from utils import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
@@ -20,16 +21,11 @@ SRC_V, TGT_V, D, NHEAD, FF = 21, 17, 32, 4, 48
 
 
 def make_model(seed=0, tgt_vocab=TGT_V, **kwargs):
-    torch.manual_seed(seed)
+    """Every parameter off its initial value: sharper, less uniform next-token distributions."""
     args = dict(d_model=D, nhead=NHEAD, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FF,
                 dropout=0.1)
     args.update(kwargs)
-    model = Seq2SeqTransformer(SRC_V, tgt_vocab, **args)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # off the initial values: sharper, less uniform next-token distributions
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    return perturbed_model(SRC_V, tgt_vocab, seed=seed, scale=0.3, everything=True, **args).eval()
 
 
 def padded_source(lengths, S=None, seed=0):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer.models import Seq2SeqTransformer
 from fastformer.optim import NoamScheduler, make_optimizer, noam_lambda
+from seq2seq_models import perturbed_model
 from utils import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
@@ -22,17 +23,10 @@ SRC_V, TGT_V, D, NHEAD, FF = 23, 19, 32, 4, 48
 
 
 def make_model(seed=0, **kwargs):
-    torch.manual_seed(seed)
     args = dict(d_model=D, nhead=NHEAD, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FF,
                 dropout=0.0)
     args.update(kwargs)
-    model = Seq2SeqTransformer(SRC_V, TGT_V, **args)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # off the initial values: zero biases and unit norms would hide mix-ups
-        for name, p in model.named_parameters():
-            if "embed" not in name and "output_proj" not in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return perturbed_model(SRC_V, TGT_V, seed=seed, **args)
 
 
 def batch(B=3, Ss=9, St=7, seed=0, src_lengths=(9, 6, 2), tgt_lengths=(7, 4, 5)):

@@ -223,11 +223,23 @@ def test_mha_errors_name_the_argument():
 D_MODEL, NHEAD, FF = 32, 4, 48
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
-@pytest.mark.parametrize("masks", ["kpm", "causal_hint_and_kpm", "float_mask"])
+def _layer_matrix(masks):
+    """The layer tests' matrix: every backend, post- and pre-LN, ReLU and GELU, batch- and
+    sequence-first, and the given ``masks`` cases."""
+    marks = [pytest.mark.parametrize("masks", masks),
+             pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"]),
+             pytest.mark.parametrize("activation", ["relu", "gelu"]),
+             pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"]),
+             pytest.mark.parametrize("backend", BACKENDS)]
+
+    def decorate(test):
+        for mark in marks:
+            test = mark(test)
+        return test
+    return decorate
+
+
+@_layer_matrix(masks=["kpm", "causal_hint_and_kpm", "float_mask"])
 def test_encoder_layer(backend, norm_first, activation, batch_first, masks):
     ref, twin = twins(torch.nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, D_MODEL, NHEAD, FF,
                       dropout=0.0, activation=activation, batch_first=batch_first, norm_first=norm_first)
@@ -242,11 +254,7 @@ def test_encoder_layer(backend, norm_first, activation, batch_first, masks):
     check_same(ref, twin, fn, [as_layout(torch.randn(B, T, D_MODEL), batch_first)], backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
-@pytest.mark.parametrize("masks", ["causal_hint_paddings", "explicit_bool_causal", "memory_float_mask"])
+@_layer_matrix(masks=["causal_hint_paddings", "explicit_bool_causal", "memory_float_mask"])
 def test_decoder_layer(backend, norm_first, activation, batch_first, masks):
     ref, twin = twins(torch.nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, D_MODEL, NHEAD, FF,
                       dropout=0.0, activation=activation, batch_first=batch_first, norm_first=norm_first)

@@ -7,8 +7,8 @@ import torch
 
 import fastformer
 from fastformer import ops
-from fastformer.models import Seq2SeqTransformer
 from fastformer.nn.packing import Packing
+from seq2seq_models import perturbed_model
 from utils import assert_close, kernel_backends
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes
@@ -45,15 +45,8 @@ def test_bad_segment_ids_are_a_clear_error(bad):
 
 # -------------------------------------------------------------------------------- the model
 def make_model(dropout=0.0, norm_first=False):
-    torch.manual_seed(0)
-    model = Seq2SeqTransformer(23, 29, d_model=24, nhead=3, num_encoder_layers=2, num_decoder_layers=2,
-                               dim_feedforward=40, dropout=dropout, norm_first=norm_first)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # off the initial values: zero biases and unit norms would hide mix-ups
-        for name, prm in model.named_parameters():
-            if "embed" not in name and "output_proj" not in name:
-                prm.add_(0.1 * torch.randn(prm.shape, generator=g))
-    return model
+    return perturbed_model(23, 29, d_model=24, nhead=3, num_encoder_layers=2, num_decoder_layers=2,
+                           dim_feedforward=40, dropout=dropout, norm_first=norm_first)
 
 
 def pairs(n=7, seed=2):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fastformer import _ext, philox
+import hostile
 from utils import kernel_backends
 
 try:  # conftest sets TRITON_INTERPRET=1 before this import when there is no GPU
@@ -219,6 +220,17 @@ def test_cpp_philox_bits_rejects_negative_arguments(backend):
     for args, name in (((-1, 0, 0), "n"), ((4, -2, 0), "seed"), ((4, 0, -3), "offset")):
         with pytest.raises(RuntimeError, match=f"philox_bits: {name} must be >= 0"):
             torch.ops.fastformer.philox_bits(*args)
+
+
+_philox_bits = hostile.kernel_call("philox_bits", lambda: dict(n=8))
+BAD_KERNEL_ARGS = {  # the same, in a child process as every C++ op's bad arguments (tests/hostile.py)
+    "philox_bits": {
+        "n_neg": (lambda: _philox_bits(n=-1), "n must be >= 0"),
+        "seed_neg": (lambda: _philox_bits(seed=-1), "seed must be >= 0"),
+        "offset_neg": (lambda: _philox_bits(offset=-1), "offset must be >= 0"),
+    },
+}
+test_cpp_ops_reject_bad_arguments = hostile.cpp_checks_test(__name__)
 
 
 @pytest.mark.parametrize("backend", CPU)

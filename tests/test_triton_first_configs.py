@@ -1,4 +1,4 @@
-"""The switch that runs Triton's autotuned kernels at their first config (triton_kernels/utils.py::
+"""The switch that runs Triton's autotuned kernels at their first config (fastformer/triton_kernels/utils.py::
 first_configs), which ``python -m fastformer check`` uses: on a GPU path (INTERPRET off, the
 kernels replaced by recorders, so nothing is compiled) attention's and the matmul's launchers
 call the autotuner without it and the first config with it or in deterministic mode; the switch

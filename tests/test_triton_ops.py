@@ -315,6 +315,13 @@ def test_linear_cross_entropy_chunk_policy_never_builds_the_full_logits():
     assert ce._chunk_rows(3, 4, 2**25) == 1  # even one row's logits over budget: one row
 
 
+def _lce_loss_and_grads(hidden, weight, bias, target, dtype):
+    """The reference's loss (label smoothing 0.1) and its gradients, computed in ``dtype``."""
+    leaves = [t.to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+    out = reference.linear_cross_entropy(leaves[0], leaves[1], target, linear_bias=leaves[2], label_smoothing=0.1)
+    return (out.detach(),) + torch.autograd.grad(out, leaves)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_linear_cross_entropy_low_precision(monkeypatch, dtype):
     """16-bit hidden/weight, fp32 dweight accumulation across chunks, against fp32 and 16-bit references."""
@@ -324,13 +331,7 @@ def test_linear_cross_entropy_low_precision(monkeypatch, dtype):
     target = torch.randint(0, V, (N,), device=DEVICE)
     loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, bias, target, 0.1, -100, 1, True)
     assert loss.dtype == dh.dtype == dw.dtype == db.dtype == dtype
-
-    def ref(dt):
-        leaves = [t.to(dt).requires_grad_() for t in (hidden, weight, bias)]
-        out = reference.linear_cross_entropy(leaves[0], leaves[1], target, linear_bias=leaves[2], label_smoothing=0.1)
-        return (out.detach(),) + torch.autograd.grad(out, leaves)
-
-    ref32, ref_lp = ref(torch.float32), ref(dtype)
+    ref32, ref_lp = (_lce_loss_and_grads(hidden, weight, bias, target, dt) for dt in (torch.float32, dtype))
     for name, got, want, lp in zip(("loss", "dhidden", "dweight", "dbias"), (loss, dh, dw, db), ref32, ref_lp):
         assert_close_lowp(name, got.float(), want, lp.float(), factor=LOWP_FACTOR, atol=1e-3)
 
@@ -418,13 +419,7 @@ def test_gpu_linear_cross_entropy_large_vocab(dtype):
     target[::7] = -100
     assert ce._chunk_rows(N, D, V) < N
     loss, dh, dw, db = ce.linear_cross_entropy_fwd(hidden, weight, bias, target, 0.1, -100, 1, True)
-
-    def ref(dt):
-        leaves = [t.to(dt).requires_grad_() for t in (hidden, weight, bias)]
-        out = reference.linear_cross_entropy(leaves[0], leaves[1], target, linear_bias=leaves[2], label_smoothing=0.1)
-        return (out.detach(),) + torch.autograd.grad(out, leaves)
-
-    ref32, ref_lp = ref(torch.float32), ref(dtype)
+    ref32, ref_lp = (_lce_loss_and_grads(hidden, weight, bias, target, dt) for dt in (torch.float32, dtype))
     for name, got, want, lp in zip(("loss", "dhidden", "dweight", "dbias"), (loss, dh, dw, db), ref32, ref_lp):
         if dtype == torch.float32:
             assert_close(name, got, want, atol=1e-4, rtol=1e-3)

@@ -1,4 +1,9 @@
 """Helpers shared by the kernel tests: which backends to run, where, and how close is close."""
+import contextlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -16,7 +21,7 @@ def kernel_backends(*names):
     return params
 
 
-ALL_OPS = ("attention", "add_layer_norm", "feed_forward", "cross_entropy", "linear_cross_entropy")
+ALL_OPS = fastformer.op_table.NAMES  # every fused op (fastformer/op_table.py)
 
 
 def skip_without_kernels(backend: str, *ops: str) -> None:
@@ -73,3 +78,65 @@ def forward_backward(fn, inputs, upstream, names):
     grads = torch.autograd.grad([o for o, _ in used], [leaf for _, leaf in present], [g for _, g in used],
                                 allow_unused=True, materialize_grads=True)
     return [o.detach() for o in outs], {n: g for (n, _), g in zip(present, grads)}
+
+
+def backend_cases(backends, cases, triton_cases):
+    """pytest params ``(backend, case)``, ids ``<backend>-<case>``, for every case on every given
+    backend but triton, which runs only ``triton_cases`` (its interpreter is slow)."""
+    for backend in backends:
+        name = backend.values[0]
+        for case in cases:
+            if name == "triton" and case not in triton_cases:
+                continue
+            yield pytest.param(name, case, marks=backend.marks, id=f"{backend.id}-{case}")
+
+
+@contextlib.contextmanager
+def torch_setting(get, set_, value):
+    """``set_(value)`` for the block; afterwards what ``get()`` gave before."""
+    before = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def num_threads(n):
+    """torch's thread count set to ``n`` for the block."""
+    return torch_setting(torch.get_num_threads, torch.set_num_threads, n)
+
+
+# The SIMT harness's other thread schedules (FF_SIMT_SCHEDULE, tests/simt/simt.h), run from the
+# default one only: a GPU runs its own schedule.
+OUTSIDE_OTHER_SIMT_SCHEDULES = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("FF_SIMT_SCHEDULE", "") not in ("", "forward"),
+    reason="the SIMT harness's schedules (a GPU runs its own), not from within one")
+
+
+def rerun_under_simt_schedule(schedule, test_files, subset):
+    """The tests of ``test_files`` (names in tests/) matching ``subset`` (pytest -k) in a fresh
+    process on the already built harness, under FF_SIMT_SCHEDULE=schedule; asserts they ran and
+    passed, none skipped."""
+    from simt import plugin
+
+    env = dict(os.environ, FF_SIMT_SCHEDULE=schedule, FASTFORMER_CUDA_SIMT=plugin._state["path"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           *(os.path.join(here, name) for name in test_files), "-k", subset]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def other_simt_schedules_test(test_files, subsets, doc):
+    """A test ``test_other_thread_schedule[<backend>-<schedule>]`` that reruns, for each schedule of
+    ``subsets`` ({schedule: pytest -k subset}), that subset of ``test_files`` on the cuda backend
+    under that schedule of the SIMT harness (rerun_under_simt_schedule); ``doc``: what it shows."""
+    @OUTSIDE_OTHER_SIMT_SCHEDULES
+    @pytest.mark.parametrize("schedule", sorted(subsets))
+    @pytest.mark.parametrize("backend", kernel_backends("cuda"))
+    def test_other_thread_schedule(backend, schedule):
+        rerun_under_simt_schedule(schedule, test_files, subsets[schedule])
+    test_other_thread_schedule.__doc__ = doc
+    return test_other_thread_schedule
