@@ -25,9 +25,10 @@ from .declaration import _REGISTRY, OPS, Backend, Device, Kernels, Limit, OpLibr
 
 BACKENDS: Dict[str, Backend] = _REGISTRY
 NAMES = tuple(BACKENDS)
+CHOICES = ("auto",) + NAMES  # what a user may ask for: the CLI's and the training config's --backend
 AUTO_ORDER = {"cuda": ("triton", "cuda", "reference"), "cpu": ("cpu", "reference")}
 
-__all__ = ["AUTO_ORDER", "Availability", "BACKENDS", "Backend", "Device", "Kernels", "Limit", "NAMES", "OPS",
+__all__ = ["AUTO_ORDER", "Availability", "BACKENDS", "Backend", "CHOICES", "Device", "Kernels", "Limit", "NAMES", "OPS",
            "OpLibrary", "PythonModules", "Requirement", "availability", "available_backends", "explain",
            "get_backend", "resolve", "select", "set_backend", "use_backend"]
 
@@ -46,7 +47,7 @@ _state = threading.local()
 
 
 def _validate_name(name: str) -> str:
-    if name != "auto" and name not in NAMES:
+    if name not in CHOICES:
         raise ValueError(f"backend must be 'auto' or one of {NAMES}, got {name!r}")
     return name
 

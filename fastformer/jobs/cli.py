@@ -5,10 +5,9 @@ import os
 import sys
 from typing import List, Optional
 
-from ..backends import NAMES as BACKEND_NAMES
+from ..backends import CHOICES as BACKEND_CHOICES
 from .devices import THREADS_HELP
 
-BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
 S = argparse.SUPPRESS  # options left out stay out, so a resumed run can tell what the user changed
 
 

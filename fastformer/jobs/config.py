@@ -89,7 +89,7 @@ class TrainConfig:
         one_of("task", TASKS)
         one_of("tokenizer", ("auto", "char", "bpe"))
         one_of("preset", PRESETS)
-        one_of("backend", ("auto",) + backends.NAMES)
+        one_of("backend", backends.CHOICES)
         one_of("dtype", DTYPES)
         one_of("device", ("auto", "cpu", "cuda"))
         for name in ("task_train", "task_test", "batch_tokens", "warmup", "beam", "eval_batch"):
