@@ -52,11 +52,13 @@ def cpu_flags():
 
 def cpu_sources(ops=None):
     """(baseline sources, per-ISA kernel sources) of the CPU extension, paths relative to ROOT:
-    csrc/ops.cpp, csrc/cpu/isa.cpp, large_buffers.cpp, philox.cpp and each op's <op>.cpp are compiled once,
+    csrc/ops.cpp, csrc/cpu/isa.cpp, large_buffers.cpp, philox.cpp, each op's <op>.cpp and
+    csrc/autograd/<op>.cpp are compiled once,
     csrc/cpu/<op>_kernel.cpp (or an op's several <op>_kernel_<part>.cpp) once per ISA level. ops: op
     file names to take (None: all); the RNG's test ops (philox_bits, dropout_fill) come with every
     selection."""
     cpu = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    autograd = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "csrc", "autograd", "*.cpp")))
     always = {"isa.cpp", "large_buffers.cpp", "philox.cpp", "dropout_fill.cpp", "dropout_fill_kernel.cpp"}
     # linear_cross_entropy runs the cross_entropy row kernel
     wanted = None if ops is None else set(ops) | ({"cross_entropy"} if "linear_cross_entropy" in ops else set())
@@ -72,6 +74,8 @@ def cpu_sources(ops=None):
 
     base = [os.path.join("csrc", "ops.cpp")] + [os.path.join("csrc", "cpu", f) for f in cpu
                                                  if kernel_op(f) is None and take(f)]
+    # csrc/autograd/<op>.cpp: the op's eager training path with its backward in C++ (any device)
+    base += [os.path.join("csrc", "autograd", f) for f in autograd if take(f)]
     kernels = [os.path.join("csrc", "cpu", f) for f in cpu if kernel_op(f) is not None and take(f)]
     return base, kernels
 

@@ -1,9 +1,46 @@
-"""``make gpu-check``: everything that needs a GPU, in one go and in a few minutes, for whoever
+"""``make gpu-check``: everything that needs a GPU, in one go and in about nine minutes, for whoever
 first has one (``make gpu-check`` prepares the Python it runs in: tools/gpu_env.py).
 
-Steps, each logged to ``benchmarks/results/<gpu-name>/<step>.log``; every step runs even if an
-earlier one failed, within one time budget (``--budget``, default 540 s; a step that would start
-after it is recorded as skipped), and the exit status is 1 if any step failed:
+Steps, each logged to ``benchmarks/results/<gpu-name>/<step>.log``, in this order, with the time
+each is expected to take on one H100/H200 (measured on the H200 where a time is given as
+"measured", else estimated) and the most it may take (its limit):
+
+==================================== ========== ===== ================================================
+step                                 expected   limit what
+==================================== ========== ===== ================================================
+``build``                            83 s meas.  180  tools/find_nvcc.py, then ``pip install -e .``
+``error-path``                        4 s meas.   30  a CUDA glue check raises, not crashes
+``check``                            80 s meas.   80  ``python -m fastformer check``
+``graph-dropout``                    ~40 s        90  tests/test_gpu_graph_dropout.py: capture & replay
+``bench-train_step-d512``            ~40 s        90  step table, fastformer auto vs eager PyTorch
+``bench-hf_bart_step-d512``          ~40 s        90  step table, converted BART vs transformers (sdpa)
+``bench-attention-d64`` / ``-d128``  50 / 58 s   100  the attention grid, one run per head dim
+``bench-<op>`` (5 ops)               ~25 s each   40  add_layer_norm (23 s meas.), feed_forward, ...
+``bench-train_step-d1024``           ~45 s        90  as d512, the big model
+``bench-hf_bart_step-d1024``         ~45 s        90  as d512, the big model
+``bench-train_step-d512-compiled``   ~150 s      240  reduce-overhead fastformer vs torch.compile
+``bench-hf_bart_step-d512-compiled`` ~150 s      240  the same for BART (transformers + compile)
+``bench-*-d1024-compiled`` (2)       ~160 s      240  the same, the big model
+``gpu-tests``                        ~120 s      150  ``pytest -m gpu`` (all but graph-dropout)
+==================================== ========== ===== ================================================
+
+**What gives way when time is short.** The run has one time budget (``--budget``, default 540 s:
+nine minutes, which leaves a 15-minute loan the machine's start and ``tools/gpu_env.py``). The
+correctness steps (build, error-path, check, graph-dropout, gpu-tests) are *kept*: the limit of
+every kept step still to come is held back from the benchmarks, so the GPU tests run even after a
+slow build. The benchmarks share what is left, in the order above: a benchmark that cannot get
+its expected time is skipped (recorded so in ``summary.md``), and the next, shorter ones still may
+run. So the last benchmarks give way first: the compiled step tables (d1024 first, then d512),
+then the d1024 step tables, then the other ops' tables (attention_varlen first), then attention
+(D128 before D64); the d512 step tables give way last. On a cold H200 (83 s build, 80 s check)
+the nine minutes hold the correctness steps, the d512 step tables, attention at D64 and perhaps
+D128 or a couple of the other ops; run the rest in a later loan
+with ``--steps`` (e.g. ``python benchmarks/gpu_check.py --steps 'bench-*-compiled'``: build and
+error-path always run).
+
+Every step runs even if an earlier one failed (a step that would start after the budget is
+recorded as skipped; a benchmark the budget's end stops before its own limit is recorded as cut
+short, not failed), and the exit status is 1 if any step failed. What each step does:
 
 1. ``build``: tools/find_nvcc.py picks an nvcc of torch's CUDA major (pip-installing NVIDIA's
    when the machine's is of another major; where it cannot, one line says so and the extension
@@ -16,7 +53,9 @@ after it is recorded as skipped), and the exit status is 1 if any step failed:
    it crashes, the log gets what the process loaded (which objects define libstdc++'s stream
    and locale code, which compilers built the extension);
 3. ``check``: ``python -m fastformer check`` (before the benchmarks, so that a run cut short has it);
-4. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op (attention in two
+4. ``graph-dropout``: a small model with dropout captured with ``torch.cuda.graph``: each replay
+   must draw a fresh dropout mask, the one eager code draws at that generator state;
+5. ``bench-<op>``: ``python -m fastformer bench --sweep gpu-check`` per op (attention in two
    runs, one per head dim): attention over the grid B 8, H 16, S 512/2048, D 64/128, causal or
    not, dropout 0 or 0.1, forward and backward, fastformer's cuda and triton backends against
    SDPA's flash kernel and eager PyTorch (TFLOP/s); the other ops at their quick shapes against
@@ -24,14 +63,25 @@ after it is recorded as skipped), and the exit status is 1 if any step failed:
    as its forward computes the gradients); ``results.json`` and ``results.md`` (every op's
    table) and ``attention.md`` (the grid, one row per shape and mode, one column per provider)
    in the same folder;
-5. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
+6. ``bench-train_step-<d>`` / ``bench-hf_bart_step-<d>`` (``-compiled``): the whole training step
+   (zero_grad, forward, label-smoothed loss, backward, Adam) at the GPU sizes
+   (``train_step.GPU_SHAPES``: d_model 512 and 1024, 6+6 layers, 64 sentences of up to 128
+   tokens, a quarter of them padding, bf16 autocast, dropout 0.1): tokens/s, device and host time
+   per step and peak memory of ``fastformer.models.Seq2SeqTransformer`` (``fastformer-auto``) and
+   of eager PyTorch's ``nn.Transformer`` model (``torch-eager``), then in their own run (the
+   compilations take most of it) the fastformer model under ``torch.compile(mode="reduce-overhead")``
+   and the torch model under ``torch.compile``; for BART, transformers (sdpa) and the converted
+   model, then transformers under ``torch.compile`` and the converted model under reduce-overhead;
+7. ``gpu-tests``: ``pytest -m gpu`` (test files importing a package that is not installed are
    left out, and the log's first line says which), without the SIMT harness.
 
-``summary.md`` there lists each step's status and time. Without a CUDA GPU it says why in one
-line and exits 1 at once: it never passes by running nothing.
+``summary.md`` there lists each step's status and time, and ``results.md`` every table (the
+speed-ups over eager and compiled PyTorch taken across the step tables' two runs). Without a CUDA
+GPU it says why in one line and exits 1 at once: it never passes by running nothing.
 """
 import argparse
 import ast
+import fnmatch
 import glob
 import importlib.util
 import json
@@ -59,10 +109,29 @@ BENCH_PROVIDERS = ["torch-eager", "fastformer-cuda", "fastformer-triton", "sdpa-
 # linear_cross_entropy's forward computes the gradients too (chunk by chunk, never the (N, V)
 # logits), so its backward alone only scales them: it is timed as one forward + backward
 BENCH_MODES = {"linear_cross_entropy": ["fwd_bwd"]}
+# the training-step tables: per model, the providers of its first run and of its compiled run
+STEP_BENCHES = {"train_step": (["fastformer-auto", "torch-eager"],
+                               ["fastformer-auto-reduce-overhead", "torch-compile"]),
+                "hf_bart_step": (["transformers-fastformer", "transformers"],
+                                 ["transformers-fastformer-reduce-overhead", "transformers-compile"])}
+STEP_SHAPES = ["d512", "d1024"]  # a word of each train_step.GPU_SHAPES label (--shapes)
+STEP_DTYPES = ["bf16"]  # bf16 autocast
+GRAPH_TEST = os.path.join("tests", "test_gpu_graph_dropout.py")
 # (step, seconds it may take at most): the budget caps each further
 STEP_LIMITS = {"build": 180, "error-path": 30, "bench-attention-d64": 100, "bench-attention-d128": 100,
-               "gpu-tests": 150, "check": 80}
+               "gpu-tests": 150, "check": 80, "graph-dropout": 90}
 BENCH_LIMIT = 40  # each other op's bench
+STEP_BENCH_LIMIT, COMPILED_STEP_LIMIT = 90, 240  # a step table's run; its compiled run
+# (step name pattern, seconds it is expected to take): a benchmark is skipped when the budget
+# cannot give it this much (measured on the H200 where known, see the docstring)
+EXPECTED = [("bench-attention-d64", 50), ("bench-attention-d128", 58), ("bench-*-compiled", 150),
+            ("bench-train_step-*", 40), ("bench-hf_bart_step-*", 40), ("bench-*", 25)]
+KEPT = ("build", "error-path", "check", "graph-dropout", "gpu-tests")  # their time is held back from the benchmarks
+
+
+def expected_seconds(name: str) -> float:
+    """How long a step is expected to take (0: not a benchmark; kept steps run with what is left)."""
+    return next((t for pattern, t in EXPECTED if fnmatch.fnmatch(name, pattern)), 0.0)
 
 
 @dataclass
@@ -121,6 +190,42 @@ def bench_step(op: str, out: str, python: str, plots: bool, shapes: Sequence[str
                 STEP_LIMITS.get(name, BENCH_LIMIT))
 
 
+def step_bench(op: str, shape: str, out: str, python: str, plots: bool, compiled: bool) -> Step:
+    """One `fastformer bench` run of a training step (``op``: train_step or hf_bart_step) at one of
+    the GPU sizes (``shape``: d512 or d1024), its eager providers or (``compiled``) its compiled ones."""
+    providers = STEP_BENCHES[op][1 if compiled else 0]
+    cmd = [python, "-m", "fastformer", "bench", "--device", "cuda", "--sweep", "gpu-check", "--ops", op,
+           "--dtypes", *STEP_DTYPES, "--providers", *providers, "--shapes", shape, "--out", out]
+    name = f"bench-{op}-{shape}" + ("-compiled" if compiled else "")
+    return Step(name, cmd + ([] if plots else ["--no-plots"]), COMPILED_STEP_LIMIT if compiled else STEP_BENCH_LIMIT)
+
+
+def time_for(steps: Sequence[Step], index: int, left: float) -> Tuple[float, Optional[str]]:
+    """Seconds step ``index`` may run when ``left`` seconds of the budget remain, or why it is
+    skipped: a kept step gets what is left; a benchmark gets what is left after the limits of the
+    kept steps still to come, and is skipped when that is under its expected time."""
+    step = steps[index]
+    if step.name in KEPT:
+        return (min(step.limit, left), None) if left >= 5 else (0.0, "out of the budget")
+    kept = [s for s in steps[index + 1:] if s.name in KEPT and s.skip is None]
+    held = sum(s.limit for s in kept)
+    share = left - held
+    if share < max(5.0, expected_seconds(step.name)):
+        return 0.0, "out of the budget" + (f" ({max(share, 0):.0f}s left, {held:.0f}s kept for "
+                                           f"{', '.join(s.name for s in kept)})" if kept else "")
+    return min(step.limit, share), None
+
+
+def select(steps: Sequence[Step], patterns: Optional[Sequence[str]]) -> None:
+    """``--steps``: leave out (as skipped) the steps no pattern names; build and error-path always run."""
+    if not patterns:
+        return
+    for step in steps:
+        if step.skip is None and step.name not in ("build", "error-path") and \
+                not any(fnmatch.fnmatch(step.name, p) for p in patterns):
+            step.skip = "not selected (--steps)"
+
+
 def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = None,
           nvcc_note: str = "", missing: Sequence[str] = ()) -> List[Step]:
     """The steps, in order. ``cuda_home``: the toolkit to build the CUDA kernels with (None: build
@@ -138,16 +243,32 @@ def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = Non
                    skip=None if cuda_home else "the CUDA kernels are not built (no nvcc of torch's CUDA)")]
     # the quick correctness check first, so that a run cut short by its budget still has it
     result.append(Step("check", [python, "-m", "fastformer", "check"], STEP_LIMITS["check"]))
+    tests = [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+    no_pytest = "pytest is not installed" if "pytest" in missing else None
+    # capture and replay with dropout: a correctness check, before the benchmarks
+    result.append(Step("graph-dropout", tests + [GRAPH_TEST], STEP_LIMITS["graph-dropout"],
+                       {"FASTFORMER_CUDA_SIMT": "off"}, skip=no_pytest))
     from fastformer.jobs.bench.ops import GPU_CHECK_ATTENTION
 
     plots = "matplotlib" not in missing
-    # attention in two runs, one per head dim (each compiles its own Triton kernels), so that a run
-    # cut short by its limit loses half the grid, not all of it
+    # the training steps at the base size first (the figure a user reads), then attention in two
+    # runs, one per head dim (each compiles its own Triton kernels, so that a run cut short by its
+    # limit loses half the grid, not all of it), the other ops, the big size, then the compiled
+    # steps (minutes of compilation): what comes last gives way first
+    first = len(result)
+    result += [step_bench(op, STEP_SHAPES[0], out, python, plots, False) for op in STEP_BENCHES]
     result += [bench_step("attention", out, python, plots, shapes=[f"D{d}"]) for d in GPU_CHECK_ATTENTION["D"]]
     result += [bench_step(op, out, python, plots) for op in BENCH_OPS if op != "attention"]
-    tests = [python, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+    result += [step_bench(op, shape, out, python, plots, False) for shape in STEP_SHAPES[1:] for op in STEP_BENCHES]
+    result += [step_bench(op, shape, out, python, plots, True) for shape in STEP_SHAPES for op in STEP_BENCHES]
+    if "transformers" in missing:
+        for step in result[first:]:
+            if step.name.startswith("bench-hf_bart_step"):
+                step.skip = "transformers is not installed"
     left_out = unimportable_tests(os.path.join(ROOT, "tests"), missing)
     tests += [f"--ignore={path}" for path in left_out]
+    if os.path.join(ROOT, GRAPH_TEST) not in left_out:
+        tests.append(f"--ignore={os.path.join(ROOT, GRAPH_TEST)}")  # run on its own above
     note = ""
     if left_out:
         note = (f"left out {len(left_out)} test files that import what is not installed "
@@ -156,7 +277,7 @@ def steps(out: str, python: str = sys.executable, cuda_home: Optional[str] = Non
     # FASTFORMER_CUDA_SIMT=off: the CPU harness of the CUDA kernels (tests/simt) is not what a GPU
     # checks, and building it took the step's time
     result.append(Step("gpu-tests", tests + ["tests"], STEP_LIMITS["gpu-tests"], {"FASTFORMER_CUDA_SIMT": "off"},
-                       note=note, skip="pytest is not installed" if "pytest" in missing else None))
+                       note=note, skip=no_pytest))
     return result
 
 
@@ -328,6 +449,8 @@ def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> 
     if records:
         from fastformer.jobs.bench import report
 
+        # the speed-ups again over all records: a step's eager and compiled providers ran apart
+        report.add_speedups(records)
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(f"fastformer bench (gpu-check) on {gpu}\n\n" + report.markdown(records))
 
@@ -335,6 +458,9 @@ def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="make gpu-check: build, GPU tests, check and benchmarks")
     p.add_argument("--budget", type=float, default=540.0, help="seconds for all steps together (default 540)")
+    p.add_argument("--steps", nargs="+", default=None, metavar="PATTERN",
+                   help="run only the steps these glob patterns name (build and error-path always run), "
+                        "e.g. 'bench-*-compiled' gpu-tests")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--abi-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -365,16 +491,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
     # no nvcc of torch's CUDA: everything else still runs, but the run fails, saying why
     results = [] if nvcc.cuda_home else [("nvcc", f"FAILED: {nvcc.message}", 0.0)]
-    for step in steps(out, cuda_home=nvcc.cuda_home, nvcc_note=note, missing=missing):
+    planned = steps(out, cuda_home=nvcc.cuda_home, nvcc_note=note, missing=missing)
+    select(planned, args.steps)
+    for index, step in enumerate(planned):
         left = args.budget - (time.perf_counter() - started)
-        if step.skip is None and left < 5:
-            step.skip = f"out of the {args.budget:.0f}s budget"
+        allowed, why = time_for(planned, index, left)
+        if step.skip is None and why:
+            step.skip = why.replace("the budget", f"the {args.budget:.0f}s budget", 1)
         if step.skip:
             status, seconds = status_of(None, skip=step.skip), 0.0
         else:
             log_path = os.path.join(out, f"{step.name}.log")
-            code, seconds, timed_out = run_step(step, log_path, min(step.limit, left))
+            code, seconds, timed_out = run_step(step, log_path, allowed)
             status = status_of(code, timed_out)
+            if timed_out and step.name not in KEPT and allowed < step.limit:
+                # a benchmark stopped by the budget's end, not by its own limit: no failure, no result
+                status = f"cut short: the budget left it {allowed:.0f}s of its {step.limit:.0f}s"
             if step.name == "error-path" and code is not None and code < 0:
                 # the crash itself printed nothing useful: what the process had loaded, in its log
                 report = subprocess.run([sys.executable, __file__, "--abi-report"], cwd=ROOT, capture_output=True,

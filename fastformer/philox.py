@@ -17,16 +17,24 @@ produce the same bits, so the reference ops here regenerate the very mask a kern
 backward passes regenerate it instead of storing it. ``seed`` and ``offset`` come from torch's
 default generator (:func:`next_seed`), so ``torch.manual_seed`` makes a run repeatable.
 
-The ops take the pair as ONE int64 CPU tensor ``philox = (seed, offset)`` of shape ``(2,)``
-(:func:`pack`), drawn by the custom op ``torch.ops.fastformer.next_seed()`` (:func:`draw`):
-an opaque op tagged ``nondeterministic_seeded``, so ``torch.compile`` keeps every draw, in
-order, inside one graph (no ``.item()``, no graph break) and inductor never swaps in its own
-RNG. It draws exactly what :func:`next_seed` draws, so eager and compiled runs with the same
-``torch.manual_seed`` drop the same elements. The kernels read the two values on the host (the
-tensor lives on the CPU: no device sync).
+The ops take the pair as ONE int64 tensor ``philox = (seed, offset)`` of shape ``(2,)``
+(:func:`pack`), drawn by :func:`draw` from torch's own generator of the op's device
+(:func:`_draw_on`). On a CPU it is a CPU tensor ``(seed, 0)``, read on the host by the kernels. On a GPU it is a GPU tensor that the kernels read by pointer: drawing it
+is one kernel of torch's graph-safe RNG on the op's stream, so a captured CUDA graph (or
+``torch.compile(mode="reduce-overhead")``) draws a fresh pair on every replay, each the pair eager
+would draw at that generator state, and the generator's state (``torch.cuda.get_rng_state``,
+``torch.manual_seed``, activation checkpointing's save and restore) covers dropout as it covers
+torch's own. A ``philox`` packed on the CPU (:func:`pack`) is taken by every backend.
+
+Traced (``torch.compile``, ``make_fx``), the draw is the custom op
+``torch.ops.fastformer.next_seed(device)``: an opaque op tagged ``nondeterministic_seeded``, so
+``torch.compile`` keeps every draw, in order, inside one graph (no ``.item()``, no graph break)
+and inductor never swaps in its own RNG. Eager and traced calls draw through :func:`_draw_on`, so
+eager and compiled runs with the same ``torch.manual_seed`` drop the same elements. A call
+without dropout draws nothing and allocates nothing (:data:`NO_DROPOUT`).
 """
 import math
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -108,11 +116,27 @@ def dropout(x: torch.Tensor, p: float, seed, offset) -> torch.Tensor:
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
+_CPU = torch.device("cpu")
+
+
+def _draw_on(device: torch.device) -> torch.Tensor:
+    """The one place a pair is drawn: int64 ``(2,)`` on ``device`` from torch's default generator
+    of that device. On the CPU ``(seed, 0)``: the seed is ``torch.randint(0, 2**62, ())``'s draw, as
+    it always was (the same masks for the same ``torch.manual_seed``). Elsewhere both values in
+    ``[0, 2**62)`` from one ``random_``: one kernel on a GPU, captured by a CUDA graph as torch's
+    own RNG ops are."""
+    if device.type == "cpu":
+        pair = torch.zeros(2, dtype=torch.int64)
+        pair[:1].random_(0, 2**62)  # one 64-bit draw, as random_ on a 0-d tensor
+        return pair
+    return torch.empty(2, dtype=torch.int64, device=device).random_(0, 2**62)
+
+
 def next_seed() -> Tuple[int, int]:
-    """A fresh ``(seed, offset)`` pair drawn from torch's default CPU generator."""
-    # torch.randint(0, 2**62, ())'s draw (randint is random_ on an empty tensor), without its
-    # argument parsing: this runs once per dropout call
-    return int(torch.empty((), dtype=torch.int64).random_(0, 2**62)), 0
+    """A fresh ``(seed, offset)`` pair drawn from torch's default CPU generator: the very pair
+    :func:`draw` would give a CPU op at this generator state."""
+    seed, offset = _draw_on(_CPU).tolist()
+    return seed, offset
 
 
 # ------------------------------------------------------------------ the (2,) philox tensor
@@ -127,12 +151,18 @@ def pack(seed: int, offset: int) -> torch.Tensor:
 
 
 def no_dropout() -> torch.Tensor:
-    """The ``philox`` argument of a call without dropout: (0, 0), drawing nothing."""
+    """The ``philox`` argument of a call without dropout: (0, 0), drawing nothing (a new tensor;
+    eager op calls pass the shared :data:`NO_DROPOUT` instead)."""
     return torch.zeros(2, dtype=torch.int64, device="cpu")
 
 
-def _next_seed_impl() -> torch.Tensor:
-    return torch.tensor(next_seed(), dtype=torch.int64, device="cpu")  # (2,): the very draw of next_seed()
+# What an eager call without dropout passes: one read-only (0, 0) for every call (no kernel reads
+# it when dropout_p == 0), so such a call allocates nothing.
+NO_DROPOUT = no_dropout()
+
+
+def _next_seed_impl(device: torch.device) -> torch.Tensor:
+    return _draw_on(device)
 
 
 def _keep_every_draw() -> None:
@@ -155,26 +185,26 @@ def _keep_every_draw() -> None:
         rand_ops.append(packet)
 
 
-def _next_seed_fake() -> torch.Tensor:
+def _next_seed_fake(device: torch.device) -> torch.Tensor:
     _keep_every_draw()
-    return torch.empty(2, dtype=torch.int64, device="cpu")
+    return torch.empty(2, dtype=torch.int64, device=device)
 
 
 # A Python-defined op beside the C++ ones (csrc/ops.cpp): it needs no extension, so every
 # backend (the reference included) draws through it.
 _next_seed_op = torch.library.custom_op("fastformer::next_seed", _next_seed_impl, mutates_args=(),
-                                        schema="() -> Tensor",
+                                        schema="(Device device) -> Tensor",
                                         tags=(torch.Tag.nondeterministic_seeded,))
 _next_seed_op.register_fake(_next_seed_fake)
 
 
-def draw(dropout_p: float) -> torch.Tensor:
-    """The ``philox`` tensor for an op call with dropout probability ``dropout_p``: a fresh
-    (seed, offset) from ``torch.ops.fastformer.next_seed()`` if ``dropout_p > 0``, else
-    :func:`no_dropout` (the generator is not touched, as before)."""
-    if dropout_p == 0.0:
-        return no_dropout()
+def draw(dropout_p: float, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The ``philox`` tensor for an op call with dropout probability ``dropout_p`` on ``device``
+    (default the CPU): a fresh (seed, offset) from that device's generator if ``dropout_p > 0``
+    (on that device), else (0, 0) on the CPU, drawing nothing."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return torch.ops.fastformer.next_seed()  # traced (compile, make_fx, fake): the op, one draw per call
-    return _next_seed_impl()  # eager: the op's own implementation, without its dispatch (tens of us)
-
+        # traced (compile, make_fx, fake): the op, one draw per call; a fresh (0, 0) of the mode
+        return no_dropout() if dropout_p == 0.0 else torch.ops.fastformer.next_seed(device or _CPU)
+    if dropout_p == 0.0:
+        return NO_DROPOUT
+    return _draw_on(device or _CPU)  # eager: the op's own implementation, without its dispatch

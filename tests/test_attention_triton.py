@@ -264,10 +264,10 @@ def test_registered_ops_opcheck():
     """Schema, fake (meta) implementation and dispatch of the registered ops."""
     q, k, v, kpm, am, dout = _inputs(1, 2, 9, 11, 16, kpm_frac=0.2, mask="broadcast")
     fwd_args = (q, k, v, kpm, am, True, 0.25, 0.2, philox.pack(5, 3))
-    torch.library.opcheck(A.attention_fwd, fwd_args)
+    torch.library.opcheck(A.attention_fwd.op, fwd_args)
     out, lse = A.attention_fwd(*fwd_args)
-    torch.library.opcheck(A.attention_bwd, (dout, q, k, v, out, lse, kpm, am, True, 0.25, 0.2, philox.pack(5, 3)))
-    torch.library.opcheck(A.attention_fwd, (q, k, v, None, None, False, 0.25, 0.0, philox.pack(0, 0)))
+    torch.library.opcheck(A.attention_bwd.op, (dout, q, k, v, out, lse, kpm, am, True, 0.25, 0.2, philox.pack(5, 3)))
+    torch.library.opcheck(A.attention_fwd.op, (q, k, v, None, None, False, 0.25, 0.0, philox.pack(0, 0)))
 
 
 def test_torch_compile_traces_without_graph_break():

@@ -29,15 +29,15 @@ def _first_choice_tiles(dtype, D, heavy):
 @pytest.mark.parametrize("D", [20, 40, 100, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_first_choice_tiles_against_reference(monkeypatch, dtype, D, heavy):
-    """The interpreter runs each kernel's first-choice GPU config (attention._configs(...)[0]) on
+    """The interpreter runs each kernel's first-choice GPU config (attention._first_config: _configs(...)[0]) on
     odd lengths: causal with a padding mask ("light"), plus an additive mask and dropout
     ("heavy"). Sq < Sk and lengths that end mid-tile for every tile shape in use."""
     if not A.INTERPRET:
         pytest.skip("the interpreter alone runs a fixed config; a GPU autotunes")
     monkeypatch.setattr(A, "INTERPRET_FIRST_CHOICE", True)
     used = []
-    configs = A._configs
-    monkeypatch.setattr(A, "_configs", lambda kind, *a: used.append(kind) or configs(kind, *a))
+    first = A._first_config  # the launch keywords of _configs(...)[0], cached per configuration
+    monkeypatch.setattr(A, "_first_config", lambda kind, *a: used.append(kind) or first(kind, *a))
     B, H, Sq, Sk = 1, 1, 37, 53
     q, k, v, kpm, am, dout = _inputs(B, H, Sq, Sk, D, dtype=dtype, kpm_frac=0.2,
                                      mask="full" if heavy else None, seed=D)
@@ -137,7 +137,8 @@ def test_every_triton_host_function_guards_the_cuda_device():
 
 def test_device_guard_enters_the_first_tensors_cuda_device(monkeypatch):
     """The guard enters torch.cuda.device(t.device) for a CUDA tensor (stood in for here by an
-    object with a CUDA device) and is a no-op for CPU tensors."""
+    object with a CUDA device) off the current device; on the current device, and for CPU
+    tensors, it calls the host function directly (no context manager on the hot path)."""
     from fastformer.triton_kernels.utils import on_device_of_first_tensor
     entered = []
 
@@ -147,8 +148,10 @@ def test_device_guard_enters_the_first_tensors_cuda_device(monkeypatch):
         yield
 
     monkeypatch.setattr(torch.cuda, "device", fake_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     host = on_device_of_first_tensor(lambda t, x: (list(entered), x))
     assert host(types.SimpleNamespace(device=torch.device("cuda", 1)), 5) == ([torch.device("cuda", 1)], 5)
     entered.clear()
+    assert host(types.SimpleNamespace(device=torch.device("cuda", 0)), 4) == ([], 4)
     assert host(torch.zeros(1), 3) == ([], 3)
     assert entered == []

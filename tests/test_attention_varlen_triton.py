@@ -237,9 +237,9 @@ def test_registered_ops_opcheck():
     q, k, v, dout = _inputs(2, 16, lq, lk)
     for causal, p in ((False, 0.0), (True, 0.2)):
         args = (q, k, v, _cu(lq), _cu(lk), 7, 7, causal, 0.25, p, philox.pack(5, 3))
-        torch.library.opcheck(V.attention_varlen_fwd, args)
+        torch.library.opcheck(V.attention_varlen_fwd.op, args)
         out, lse = V.attention_varlen_fwd(*args)
-        torch.library.opcheck(V.attention_varlen_bwd, (dout, q, k, v, out, lse, *args[3:]))
+        torch.library.opcheck(V.attention_varlen_bwd.op, (dout, q, k, v, out, lse, *args[3:]))
 
 
 def test_torch_compile_traces_without_graph_break():

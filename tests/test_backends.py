@@ -45,10 +45,14 @@ def test_forcing_cuda_without_gpu_names_why(monkeypatch):
 
 def test_forcing_triton_on_cpu_without_interpreter_names_why(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    backends.clear_cache()  # the environment is read once per decision, and decisions are kept
     x = torch.randn(4, 8)
-    with fastformer.use_backend("triton"):
-        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1|not installed"):
-            fastformer.ops.add_layer_norm(x, None, None, None)
+    try:
+        with fastformer.use_backend("triton"):
+            with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1|not installed"):
+                fastformer.ops.add_layer_norm(x, None, None, None)
+    finally:
+        backends.clear_cache()
 
 
 def test_triton_reported_missing_when_it_cannot_be_imported():

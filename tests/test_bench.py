@@ -372,17 +372,38 @@ def test_attention_providers_run_the_shapes_causal_setting(causal):
 
 
 def test_device_timed_callables_report_their_own_time():
-    """On CUDA, synchronized() keeps each call's GPU time (CUDA events) as device_seconds; the
-    timers take that over the wall clock, which includes the host's synchronisation."""
-    from fastformer.jobs.bench.timing import measure_interleaved
+    """On CUDA, synchronized() gives the timers the raw call and the device's clock: a sample is the
+    device time per call (events around back-to-back calls), not the wall time, which includes the
+    host and the synchronisation (tests/test_bench_timing.py times a fake device in detail)."""
+    from fastformer.jobs.bench.timing import measure_interleaved, synchronized
+
+    calls = [0]
+
+    class Event:  # each call is 250 ms of "device" time between two events
+        def record(self):
+            self.calls = calls[0]
+
+        def elapsed_time(self, end):
+            return 250.0 * (end.calls - self.calls)
+
+    class Clock:
+        def synchronize(self):
+            pass
+
+        def busy(self, seconds):
+            pass
+
+        def event(self):
+            return Event()
 
     def gpu_like():
+        calls[0] += 1
         time.sleep(0.001)
-    gpu_like.device_seconds = 0.25
-    t = measure_interleaved({"gpu": gpu_like}, warmup=0, min_reps=3, max_reps=3)["gpu"]
-    assert t.median_ms == t.min_ms == 250.0 and t.reps == 3
-    t = measure(gpu_like, warmup=0, min_reps=3, max_reps=3, min_time=0.0)
-    assert t.median_ms == 250.0
+    fn = synchronized(gpu_like, torch.device("cpu"), clock=Clock())
+    t = measure_interleaved({"gpu": fn}, warmup=0, min_reps=3, max_reps=3)["gpu"]
+    assert t.median_ms == t.min_ms == 250.0 and t.reps == 3 and t.host_median_ms >= 1.0
+    t = measure(fn, warmup=0, min_reps=3, max_reps=3, min_time=0.0)
+    assert t.median_ms == 250.0 and t.timer == "cuda-events"
 
 
 def test_a_run_of_some_shapes_replaces_only_their_records(tmp_path):

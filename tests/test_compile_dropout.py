@@ -115,22 +115,23 @@ def _model_and_batch():
 
 def _model_step(loss_fn, model, src, tgt, seed):
     """The loss and the gradient of every parameter after ``torch.manual_seed(seed)``, and the
-    seeds the fused ops drew (recorded by wrapping philox.next_seed, which next_seed() calls)."""
+    seeds the fused ops drew (recorded by wrapping philox._draw_on, through which eager calls and
+    the traced op ``next_seed(device)`` both draw)."""
     drawn = []
-    next_seed = fastformer.philox.next_seed
+    draw_on = fastformer.philox._draw_on
 
-    def recording():
-        pair = next_seed()
-        drawn.append(pair)
+    def recording(device):
+        pair = draw_on(device)
+        drawn.append(tuple(pair.tolist()))
         return pair
 
-    fastformer.philox.next_seed = recording
+    fastformer.philox._draw_on = recording
     try:
         torch.manual_seed(seed)
         loss = loss_fn(src, tgt)
         grads = torch.autograd.grad(loss, list(model.parameters()))
     finally:
-        fastformer.philox.next_seed = next_seed
+        fastformer.philox._draw_on = draw_on
     return loss.detach(), grads, drawn
 
 

@@ -357,19 +357,19 @@ def test_opcheck_registered_ops():
     """Schemas, fake implementations and the dispatcher path of every registered triton op."""
     x, r, w, b = _rand(5, 37), _rand(5, 37), _rand(37), _rand(37)
     for residual, p in ((r, 0.2), (None, 0.0)):
-        torch.library.opcheck(aln.add_layer_norm_fwd, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
+        torch.library.opcheck(aln.add_layer_norm_fwd.op, (x, residual, w, b, 1e-5, p, philox.pack(7, 3)))
         _, h, mean, rstd = aln.add_layer_norm_fwd(x, residual, w, b, 1e-5, p, philox.pack(7, 3))
-        torch.library.opcheck(aln.add_layer_norm_bwd,
+        torch.library.opcheck(aln.add_layer_norm_bwd.op,
                               (_rand(5, 37), _rand(5, 37), h, w, mean, rstd, p, philox.pack(7, 3),
                                residual is not None))
     logits, target = _rand(4, 21), torch.tensor([0, 5, -100, 20], device=DEVICE)
     for reduction, grad in ((0, True), (1, True), (2, False)):
-        torch.library.opcheck(ce.cross_entropy_fwd, (logits, target, 0.1, -100, reduction, grad))
+        torch.library.opcheck(ce.cross_entropy_fwd.op, (logits, target, 0.1, -100, reduction, grad))
     hidden, weight, bias = _rand(4, 6), _rand(21, 6), _rand(21)
     for b_, reduction, grad in ((bias, 1, True), (None, 0, False)):
-        torch.library.opcheck(ce.linear_cross_entropy_fwd,
+        torch.library.opcheck(ce.linear_cross_entropy_fwd.op,
                               (hidden, weight, b_, target, 0.1, -100, reduction, grad))
-    torch.library.opcheck(ce.linear_cross_entropy_bwd,
+    torch.library.opcheck(ce.linear_cross_entropy_bwd.op,
                           (_rand(4), hidden, weight, bias, target, 0.1, -100))
 
 

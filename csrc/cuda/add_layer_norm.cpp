@@ -22,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cu
   constexpr const char* op = "add_layer_norm_fwd";
   const bool has_res =
       checks::check_add_layer_norm_fwd(kFfBackend, op, x, residual, weight, bias, eps, dropout_p);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, x, dropout_p);
   c10::DeviceGuard guard(x.device());
   const int64_t N = x.size(0), C = x.size(1);
   at::Tensor y = at::empty_like(x), h = at::empty_like(x);
@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cu
       x.const_data_ptr(), has_res ? residual->const_data_ptr() : nullptr, weight.const_data_ptr(),
       bias.const_data_ptr(), y.data_ptr(), h.data_ptr(), mean.data_ptr<float>(),
       rstd.data_ptr<float>(), N, C, ff_dtype_code(x, "x", op), eps, dropout_p, rng.seed,
-      rng.offset, ff_stream(x)));
+      rng.offset, rng.ptr, ff_stream(x)));
   return {y, h, mean, rstd};
 }
 
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cu
   constexpr const char* op = "add_layer_norm_bwd";
   const bool has_dh =
       checks::check_add_layer_norm_bwd(kFfBackend, op, dy, dh, h, weight, mean, rstd, dropout_p);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, h, dropout_p);
   c10::DeviceGuard guard(h.device());
   const int64_t N = h.size(0), C = h.size(1);
   // dresidual = dh_total differs from dx only under dropout; otherwise it is returned empty
@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cu
       weight.const_data_ptr(), mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
       dx.data_ptr(), separate_dres ? dres.data_ptr() : nullptr, dweight.data_ptr(),
       dbias.data_ptr(), partial.data_ptr<float>(), parts, N, C, ff_dtype_code(h, "h", op),
-      dropout_p, rng.seed, rng.offset, ff_stream(h)));
+      dropout_p, rng.seed, rng.offset, rng.ptr, ff_stream(h)));
   return {dx, dres, dweight, dbias};
 }
 

@@ -135,8 +135,10 @@ __global__ void add_layer_norm_fwd_kernel(const T* __restrict__ x,         // (N
                                           bool drop,           // dropout_p > 0
                                           uint32_t threshold,  // Philox v2 T (0: keep all)
                                           float scale,         // 1 / (1 - p)
-                                          uint64_t seed, uint64_t offset) {
+                                          uint64_t seed, uint64_t offset,
+                                          const int64_t* __restrict__ philox) {  // device (seed, offset) or null
   __shared__ float red[kFfWarpSize];
+  if (drop) ff_philox_resolve(philox, seed, offset);
   const RowSplit s = row_split<kWarpRow>();
   const int64_t G = ff_dropout_groups(C);
   const float inv_c = 1.0f / static_cast<float>(C);
@@ -233,8 +235,10 @@ __global__ void __launch_bounds__(kWarpRow ? kWarpRowThreads : 512, kWarpRow ? 3
                                           T* __restrict__ dresidual,     // (N, C) out or null
                                           float* __restrict__ partial,   // (gridDim.x, 2, C) out
                                           int64_t N, int64_t C, bool drop, uint32_t threshold,
-                                          float scale, uint64_t seed, uint64_t offset) {
+                                          float scale, uint64_t seed, uint64_t offset,
+                                          const int64_t* __restrict__ philox) {  // device (seed, offset) or null
   __shared__ float red[kFfWarpSize];
+  if (drop) ff_philox_resolve(philox, seed, offset);
   const RowSplit s = row_split<kWarpRow>();
   const int64_t G = ff_dropout_groups(C);
   const float inv_c = 1.0f / static_cast<float>(C);
@@ -393,26 +397,26 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <typename T, bool kVec, bool kWarpRow>
 void fwd(const void* x, const void* res, const void* w, const void* b, void* y, void* h,
          float* mean, float* rstd, int64_t N, int64_t C, float eps, uint32_t threshold,
-         float scale, uint64_t seed, uint64_t offset, void* stream) {
+         float scale, uint64_t seed, uint64_t offset, const int64_t* philox, void* stream) {
   auto* kernel = &add_layer_norm_fwd_kernel<T, kVec, kWarpRow>;
   const bool drop = scale != 1.0f || threshold != 0u;
   FF_LAUNCH(kernel, dim3(ff_grid_blocks(N, rows_per_block(C))), dim3(row_threads(C)), 0, stream,
             static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w),
             static_cast<const T*>(b), static_cast<T*>(y), static_cast<T*>(h), mean, rstd, N, C,
-            eps, drop, threshold, scale, seed, offset);
+            eps, drop, threshold, scale, seed, offset, philox);
 }
 
 template <typename T, bool kVec, bool kWarpRow>
 void bwd(const void* dy, const void* dh, const void* h, const void* w, const float* mean,
          const float* rstd, void* dx, void* dres, float* partial, int64_t parts, int64_t N,
          int64_t C, uint32_t threshold, float scale, uint64_t seed, uint64_t offset,
-         void* stream) {
+         const int64_t* philox, void* stream) {
   auto* kernel = &add_layer_norm_bwd_kernel<T, kVec, kWarpRow>;
   const bool drop = scale != 1.0f || threshold != 0u;
   FF_LAUNCH(kernel, dim3(static_cast<unsigned>(parts)), dim3(row_threads(C)),
             0, stream, static_cast<const T*>(dy), static_cast<const T*>(dh),
             static_cast<const T*>(h), static_cast<const T*>(w), mean, rstd, static_cast<T*>(dx),
-            static_cast<T*>(dres), partial, N, C, drop, threshold, scale, seed, offset);
+            static_cast<T*>(dres), partial, N, C, drop, threshold, scale, seed, offset, philox);
 }
 
 }  // namespace
@@ -421,7 +425,7 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
                                       const void* bias, void* y, void* h, float* mean, float* rstd,
                                       int64_t N, int64_t C, int dtype, double eps,
                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                      void* stream) {
+                                      const int64_t* philox, void* stream) {
   if (N <= 0 || C <= 0) return nullptr;
   const uint32_t threshold = ff_dropout_threshold(dropout_p);
   const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
@@ -430,13 +434,13 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
   const float e = static_cast<float>(eps);
   FF_DISPATCH_DTYPE(dtype, T, {
     if (vec && warp_rows(C)) {
-      fwd<T, true, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+      fwd<T, true, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
     } else if (vec) {
-      fwd<T, true, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+      fwd<T, true, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
     } else if (warp_rows(C)) {
-      fwd<T, false, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+      fwd<T, false, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
     } else {
-      fwd<T, false, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, stream);
+      fwd<T, false, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
     }
   });
   return ff_last_error();
@@ -469,7 +473,7 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                                       void* dx, void* dresidual, void* dweight, void* dbias,
                                       float* partial, int64_t parts, int64_t N, int64_t C,
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
-                                      void* stream) {
+                                      const int64_t* philox, void* stream) {
   if (C <= 0) return nullptr;
   if (parts != add_layer_norm_bwd_parts(N, C)) {
     return "launch_add_layer_norm_bwd: parts must be add_layer_norm_bwd_parts(N, C)";
@@ -480,13 +484,13 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                    aligned16(weight) && aligned16(dx) && aligned16(dresidual) && aligned16(partial);
   FF_DISPATCH_DTYPE(dtype, T, {
     if (vec && warp_rows(C)) {
-      bwd<T, true, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+      bwd<T, true, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
     } else if (vec) {
-      bwd<T, true, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+      bwd<T, true, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
     } else if (warp_rows(C)) {
-      bwd<T, false, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+      bwd<T, false, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
     } else {
-      bwd<T, false, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, stream);
+      bwd<T, false, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
     }
     if (const char* err = ff_last_error()) return err;
     auto* sum = &add_layer_norm_partial_sum_kernel<T>;

@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   const char* op = "attention_fwd";
   const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const auto [B, H, Sq, Sk, D] = dims;
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   checks::check_attention_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
   const auto [B, H, Sq, Sk, D] = dims;
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
   if (B * H * Sq == 0 || Sk == 0) {  // nothing flows: every gradient is 0

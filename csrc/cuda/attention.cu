@@ -96,6 +96,7 @@ struct Params {
   float scale, keep_scale;
   uint32_t threshold;
   uint64_t seed, offset;
+  const int64_t* philox;  // device (seed, offset), read by fill_keep instead, or null
 };
 
 // A sequence's rows: [start, start + len).
@@ -168,7 +169,7 @@ FF_DEVICE void load_tile(float* dst, const T* base, int64_t stride, int64_t firs
 template <int kRowsQ, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int64_t q0,
                          int64_t q_len, int64_t k0, int64_t k_len) {
-  ff_dropout_keep_tile<kRowsQ, kCols, kThreads>(keep, p.seed, p.offset, p.threshold, b, h, p.H, p.max_q,
+  ff_dropout_keep_tile<kRowsQ, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.max_q,
                                                 p.max_k, q0, q_len, k0, k_len);
 }
 
@@ -526,6 +527,7 @@ Params make_params(const FfAttentionArgs& a) {
   p.threshold = ff_dropout_threshold(a.dropout_p);
   p.seed = a.seed;
   p.offset = a.offset;
+  p.philox = p.dropout ? a.philox : nullptr;
   return p;
 }
 

@@ -89,5 +89,6 @@ struct FfAttentionCall {
     a.dropout_p = dropout_p;
     a.seed = rng.seed;
     a.offset = rng.offset;
+    a.philox = rng.ptr;
   }
 };

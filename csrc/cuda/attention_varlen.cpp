@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   const char* op = "attention_varlen_fwd";
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
   const auto f32 = q.options().dtype(at::kFloat);
@@ -69,7 +69,7 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
   checks::check_varlen_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
   if (dims.total_q * dims.H == 0 || dims.total_k == 0 || dims.max_seqlen_k == 0 ||

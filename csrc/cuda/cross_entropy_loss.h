@@ -10,18 +10,21 @@
 #include "launchers.h"
 
 struct FfCrossEntropyLoss {
-  at::Tensor count;                     // () int64: rows not ignored
+  at::Tensor count;                     // () int64: rows not ignored (reduction mean only)
   at::Tensor loss_rows;                 // (n,) fp32, written by launch_cross_entropy_fwd
   const int64_t* mean_count = nullptr;  // count for reduction mean (1), else null
 
   // `like`: a tensor of the call (its device).
+  // The count is launched for the mean alone (reduction 1): none and sum never read it, so their
+  // call is one launch shorter (csrc/cuda/LAUNCHES.md); `count` is then an empty tensor.
   FfCrossEntropyLoss(const at::Tensor& target, int64_t n, int64_t ignore_index, int64_t reduction,
                      const at::Tensor& like, void* stream)
-      : count(at::empty({}, target.options())),
+      : count(reduction == 1 ? at::empty({}, target.options()) : at::empty({0}, target.options())),
         loss_rows(at::empty({n}, like.options().dtype(at::kFloat))) {
+    if (reduction != 1) return;
     FF_CHECK_LAUNCH(launch_cross_entropy_count_valid(target.const_data_ptr<int64_t>(), n, ignore_index,
                                                      count.data_ptr<int64_t>(), stream));
-    if (reduction == 1) mean_count = count.const_data_ptr<int64_t>();
+    mean_count = count.const_data_ptr<int64_t>();
   }
 
   // The loss in `like`'s dtype (dtype: its launcher code): the rows (reduction 0), else their sum

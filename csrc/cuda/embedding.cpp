@@ -23,7 +23,7 @@ at::Tensor embedding_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
   constexpr const char* op = "embedding_fwd";
   const bool has_pos =
       checks::check_embedding_fwd(kFfBackend, op, input, weight, positional, positions, scale, dropout_p);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, weight, dropout_p);
   c10::DeviceGuard guard(weight.device());
   const int64_t N = input.size(0), D = weight.size(1);
   at::Tensor out = at::empty({N, D}, weight.options());
@@ -31,7 +31,7 @@ at::Tensor embedding_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
   FF_CHECK_LAUNCH(launch_embedding_fwd(
       input.const_data_ptr<int64_t>(), weight.const_data_ptr(),
       has_pos ? positions->const_data_ptr<int64_t>() : nullptr, has_pos ? positional->const_data_ptr() : nullptr,
-      out.data_ptr(), N, D, ff_dtype_code(weight, "weight", op), scale, dropout_p, rng.seed, rng.offset,
+      out.data_ptr(), N, D, ff_dtype_code(weight, "weight", op), scale, dropout_p, rng.seed, rng.offset, rng.ptr,
       ff_stream(weight)));
   return out;
 }
@@ -47,7 +47,7 @@ at::Tensor table_grad(const char* op, const at::Tensor& grad, const at::Tensor& 
   FF_CHECK_LAUNCH(launch_embedding_bwd(
       grad.const_data_ptr(), sorted.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
       ends.const_data_ptr<int64_t>(), table.data_ptr(), N, D, skip_row, ff_dtype_code(grad, "grad", op), scale,
-      dropout_p, rng.seed, rng.offset, ff_stream(grad)));
+      dropout_p, rng.seed, rng.offset, rng.ptr, ff_stream(grad)));
   return table;
 }
 
@@ -58,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd_cuda(
   constexpr const char* op = "embedding_bwd";
   checks::check_embedding_bwd(kFfBackend, op, grad, input, positions, num_weights, num_positions, positional_grad,
                               padding_idx, scale, dropout_p);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, grad, dropout_p);
   c10::DeviceGuard guard(grad.device());
   at::Tensor dweight = weight_grad ? table_grad(op, grad, input, num_weights, padding_idx, scale, dropout_p, rng)
                                    : at::empty({0}, grad.options());

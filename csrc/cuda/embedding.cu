@@ -23,10 +23,12 @@ template <typename T>
 __global__ void embedding_fwd_kernel(const int64_t* __restrict__ ids, const T* __restrict__ weight,
                                      const int64_t* __restrict__ positions, const T* __restrict__ positional,
                                      T* __restrict__ out, int64_t N, int64_t D, float scale,
-                                     uint32_t threshold, float drop_scale, uint64_t seed, uint64_t offset) {
+                                     uint32_t threshold, float drop_scale, uint64_t seed, uint64_t offset,
+                                     const int64_t* __restrict__ philox) {  // device (seed, offset) or null
   const int lane = threadIdx.x % kFfWarpSize;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / kFfWarpSize) + threadIdx.x / kFfWarpSize;
   if (row >= N) return;
+  ff_philox_resolve(philox, seed, offset);
   const T* wr = weight + ids[row] * D;
   const T* pr = positional != nullptr ? positional + positions[row] * D : nullptr;
   T* o = out + row * D;
@@ -51,13 +53,15 @@ template <typename T>
 __global__ void embedding_bwd_kernel(const T* __restrict__ grad, const int64_t* __restrict__ keys,
                                      const int64_t* __restrict__ order, const int64_t* __restrict__ ends,
                                      T* __restrict__ table, int64_t N, int64_t D, int64_t skip_row, float scale,
-                                     uint32_t threshold, float drop_scale, uint64_t seed, uint64_t offset) {
+                                     uint32_t threshold, float drop_scale, uint64_t seed, uint64_t offset,
+                                     const int64_t* __restrict__ philox) {  // device (seed, offset) or null
   const int lane = threadIdx.x % kFfWarpSize;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (kThreads / kFfWarpSize) + threadIdx.x / kFfWarpSize;
   if (r >= N) return;
   const int64_t key = keys[r];
   if ((r > 0 && keys[r - 1] == key) || key == skip_row) return;  // not a segment's start, or padding
   const int64_t end = ends[r];
+  ff_philox_resolve(philox, seed, offset);
   const int64_t units = ff_dropout_groups(D);
   for (int64_t u = lane; u < units; u += kFfWarpSize) {
     float acc[kUnit];
@@ -90,7 +94,8 @@ unsigned blocks_for(int64_t rows) {
 
 const char* launch_embedding_fwd(const int64_t* ids, const void* weight, const int64_t* positions,
                                  const void* positional, void* out, int64_t N, int64_t D, int dtype,
-                                 double scale, double dropout_p, uint64_t seed, uint64_t offset, void* stream) {
+                                 double scale, double dropout_p, uint64_t seed, uint64_t offset,
+                                 const int64_t* philox, void* stream) {
   if (N <= 0 || D <= 0) return nullptr;
   const uint32_t threshold = ff_dropout_threshold(dropout_p);
   const float drop_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
@@ -99,7 +104,7 @@ const char* launch_embedding_fwd(const int64_t* ids, const void* weight, const i
     auto* kernel = &embedding_fwd_kernel<T>;
     FF_LAUNCH(kernel, dim3(blocks_for(N)), dim3(kThreads), 0, stream, ids, static_cast<const T*>(weight),
               positions, static_cast<const T*>(positional), static_cast<T*>(out), N, D, s, threshold,
-              drop_scale, seed, offset);
+              drop_scale, seed, offset, philox);
   });
   return ff_last_error();
 }
@@ -107,7 +112,7 @@ const char* launch_embedding_fwd(const int64_t* ids, const void* weight, const i
 const char* launch_embedding_bwd(const void* grad, const int64_t* sorted_keys, const int64_t* order,
                                  const int64_t* ends, void* table, int64_t N, int64_t D, int64_t skip_row,
                                  int dtype, double scale, double dropout_p, uint64_t seed, uint64_t offset,
-                                 void* stream) {
+                                 const int64_t* philox, void* stream) {
   if (N <= 0 || D <= 0) return nullptr;
   const uint32_t threshold = ff_dropout_threshold(dropout_p);
   const float drop_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
@@ -115,7 +120,7 @@ const char* launch_embedding_bwd(const void* grad, const int64_t* sorted_keys, c
   FF_DISPATCH_DTYPE(dtype, T, {
     auto* kernel = &embedding_bwd_kernel<T>;
     FF_LAUNCH(kernel, dim3(blocks_for(N)), dim3(kThreads), 0, stream, static_cast<const T*>(grad), sorted_keys,
-              order, ends, static_cast<T*>(table), N, D, skip_row, s, threshold, drop_scale, seed, offset);
+              order, ends, static_cast<T*>(table), N, D, skip_row, s, threshold, drop_scale, seed, offset, philox);
   });
   return ff_last_error();
 }

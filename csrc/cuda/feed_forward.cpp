@@ -21,17 +21,18 @@
 namespace fastformer {
 namespace {
 
-// The column sums of t (rows, cols) in t's dtype, through the deterministic two-stage kernel.
+// The column sums of t (rows, cols) in t's dtype, through the deterministic two-stage kernel
+// (fp32 sums, rounded once to the dtype by its second stage: no cast launch).
 at::Tensor column_sums(const at::Tensor& t) {
   const int64_t rows = t.size(0), cols = t.size(1);
   const auto f32 = t.options().dtype(at::kFloat);
   const int64_t parts = colsum_num_parts(rows);
+  const int code = ff_dtype_code(t, "dout");
   at::Tensor partial = at::empty({rows > 0 ? parts : 0, cols}, f32);  // (parts, cols)
-  at::Tensor out = at::empty({cols}, f32);
-  FF_CHECK_LAUNCH(launch_colsum(t.const_data_ptr(), rows, cols, ff_dtype_code(t, "dout"),
-                                partial.data_ptr<float>(), rows > 0 ? parts : 0,
-                                out.data_ptr<float>(), 0, ff_stream(t)));
-  return out.to(t.scalar_type());
+  at::Tensor out = at::empty({cols}, t.options());
+  FF_CHECK_LAUNCH(launch_colsum(t.const_data_ptr(), rows, cols, code, partial.data_ptr<float>(),
+                                rows > 0 ? parts : 0, out.data_ptr(), code, 0, ff_stream(t)));
+  return out;
 }
 
 }  // namespace
@@ -45,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
       checks::check_feed_forward_fwd(kFfBackend, op, x, w1, b1, w2, b2, activation, dropout_p));
   const int64_t N = x.size(0), F = w1.size(0);
   const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, x, dropout_p);
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
 
@@ -61,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cuda(
   at::Tensor a = at::empty_like(pre);               // (N, F)
   FF_CHECK_LAUNCH(launch_feed_forward_act_fwd(pre.data_ptr(), has_b1 ? b1->const_data_ptr() : nullptr,
                                               a.data_ptr(), N, F, ff_dtype_code(x, "x", op), act,
-                                              dropout_p, rng.seed, rng.offset, ff_stream(x)));
+                                              dropout_p, rng.seed, rng.offset, rng.ptr, ff_stream(x)));
   at::Tensor out = has_b2 ? at::addmm(*b2, a, w2.t()) : at::mm(a, w2.t());  // (N, E)
   return {out, pre};
 }
@@ -74,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   const int act = static_cast<int>(checks::check_feed_forward_bwd(kFfBackend, op, dout, x, w1, w2,
                                                                   pre, activation, dropout_p));
   const int64_t N = x.size(0), F = w1.size(0);
-  const FfPhiloxArgs rng = ff_philox_args(philox, op);
+  const FfPhiloxArgs rng = ff_philox_args(philox, op, x, dropout_p);
   c10::DeviceGuard guard(x.device());
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 
@@ -83,12 +84,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forw
   const auto f32 = x.options().dtype(at::kFloat);
   const int64_t parts = colsum_num_parts(N);
   at::Tensor db1_partial = at::empty({has_b1 && N > 0 ? parts : 0, F}, f32);  // (parts, F)
-  at::Tensor db1_f32 = at::empty({has_b1 ? F : 0}, f32);                     // (F,)
+  // (F,) in the dtype, written by the kernel's second stage (fp32 sums rounded once)
+  at::Tensor db1 = has_b1 ? at::empty({F}, x.options()) : at::empty({0}, w1.options());
   FF_CHECK_LAUNCH(launch_feed_forward_act_bwd(
       pre.const_data_ptr(), dpre.data_ptr(), a.data_ptr(), db1_partial.data_ptr<float>(), parts,
-      has_b1 ? db1_f32.data_ptr<float>() : nullptr, N, F, ff_dtype_code(x, "x", op), act,
-      dropout_p, rng.seed, rng.offset, ff_stream(x)));
-  at::Tensor db1 = has_b1 ? db1_f32.to(x.scalar_type()) : at::empty({0}, w1.options());  // (F,)
+      has_b1 ? db1.data_ptr() : nullptr, N, F, ff_dtype_code(x, "x", op), act,
+      dropout_p, rng.seed, rng.offset, rng.ptr, ff_stream(x)));
   at::Tensor db2 = has_b2 ? column_sums(dout) : at::empty({0}, w2.options());             // (E,)
   at::Tensor dw2 = at::mm(dout.t(), a);  // (E, F)
   a.reset();

@@ -102,6 +102,7 @@ struct ActDropout {
   float scale;         // 1 / (1 - p)
   uint64_t seed;       // Philox key
   uint64_t offset;     // first Philox counter
+  const int64_t* philox;  // device (seed, offset) read by the kernels instead, or null
   bool vec;            // 8-element vector access
 };
 
@@ -122,6 +123,8 @@ _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
   const int64_t c0 = g * kFfDropoutGroup;
   if (c0 >= F) return;  // no barrier in this kernel
+  uint64_t seed = ad.seed, offset = ad.offset;
+  ff_philox_resolve(ad.philox, seed, offset);
   const int cnt = static_cast<int>(F - c0 < 8 ? F - c0 : 8);
   float bias[8];
   if (b1 != nullptr) {
@@ -137,7 +140,7 @@ _feed_forward_act_fwd(T* __restrict__ pre,        // (N, F) in: x w1^T, out: + b
       for (int j = 0; j < 8; ++j) v[j] = ff_to_float(ff_from_float<T>(v[j] + bias[j]));
       store8(pre + at, cnt, vec, v);
     }
-    dropout_factors(ad.seed, ad.offset, r, F, g, ad.threshold, ad.scale, f);
+    dropout_factors(seed, offset, r, F, g, ad.threshold, ad.scale, f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = activate(v[j], act) * f[j];
     store8(a + at, cnt, vec, v);
@@ -169,12 +172,14 @@ _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activatio
   const int64_t r1 = r0 + rows_per_part < N ? r0 + rows_per_part : N;
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (cnt > 0) {
+    uint64_t seed = ad.seed, offset = ad.offset;
+    ff_philox_resolve(ad.philox, seed, offset);
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kTileRows) {
       const int64_t at = r * F + c0;
       float p[8], d[8], f[8], out[8];
       load8(pre + at, cnt, vec, p);
       load8(dpre + at, cnt, vec, d);
-      dropout_factors(ad.seed, ad.offset, r, F, g, ad.threshold, ad.scale, f);
+      dropout_factors(seed, offset, r, F, g, ad.threshold, ad.scale, f);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         out[j] = activate(p[j], act) * f[j];
@@ -230,17 +235,19 @@ __global__ void _colsum_partial(const T* __restrict__ x,        // (rows, cols)
   }
 }
 
-// Stage 2: out[c] (+)= sum over parts of partial[part, c], parts in order.
+// Stage 2: out[c] (+)= sum over parts of partial[part, c], parts in order, in fp32, rounded once
+// to out's type To (the cast to the dtype folded in here: no separate .to() launch).
+template <typename To>
 __global__ void _colsum_final(const float* __restrict__ partial,  // (parts, cols)
                               int64_t parts,                      // number of partial rows
                               int64_t cols,                       // columns
-                              float* __restrict__ out,            // (cols,) fp32
+                              To* __restrict__ out,               // (cols,)
                               int accumulate) {                   // 1: add into out
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float s = 0.0f;
   for (int64_t p = 0; p < parts; ++p) s += partial[p * cols + c];
-  out[c] = accumulate ? out[c] + s : s;
+  out[c] = ff_from_float<To>(accumulate ? ff_to_float(out[c]) + s : s);
 }
 
 // Vector access: F a multiple of 8 and every pointer aligned to 8 elements.
@@ -255,9 +262,10 @@ unsigned tiles_for(int64_t F) {
 }
 
 // The kernels' ActDropout for these arguments (vec: set per dtype, vector_ok).
-ActDropout act_dropout(int activation, double dropout_p, uint64_t seed, uint64_t offset) {
+ActDropout act_dropout(int activation, double dropout_p, uint64_t seed, uint64_t offset,
+                       const int64_t* philox) {
   return {activation, ff_dropout_threshold(dropout_p), static_cast<float>(1.0 / (1.0 - dropout_p)), seed,
-          offset, false};
+          offset, philox, false};
 }
 
 // Rows per part of the backward / colsum stage 1 for `parts` parts.
@@ -271,9 +279,9 @@ int64_t colsum_num_parts(int64_t rows) {
 
 const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
-                                        uint64_t offset, void* stream) {
+                                        uint64_t offset, const int64_t* philox, void* stream) {
   if (N == 0 || F == 0) return nullptr;
-  ActDropout ad = act_dropout(activation, dropout_p, seed, offset);
+  ActDropout ad = act_dropout(activation, dropout_p, seed, offset, philox);
   const int64_t row_blocks = std::min<int64_t>((N + kTileRows - 1) / kTileRows, 65535);
   const dim3 grid(tiles_for(F), static_cast<unsigned>(row_blocks)), block(kTileGroups, kTileRows);
   FF_DISPATCH_DTYPE(dtype, T, {
@@ -285,12 +293,12 @@ const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int6
 }
 
 const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, float* db1_partial,
-                                        int64_t parts, float* db1, int64_t N, int64_t F,
+                                        int64_t parts, void* db1, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
-                                        uint64_t offset, void* stream) {
+                                        uint64_t offset, const int64_t* philox, void* stream) {
   if (F == 0) return nullptr;
   if (N > 0) {
-    ActDropout ad = act_dropout(activation, dropout_p, seed, offset);
+    ActDropout ad = act_dropout(activation, dropout_p, seed, offset, philox);
     const dim3 grid(tiles_for(F), static_cast<unsigned>(parts)), block(kTileGroups, kTileRows);
     FF_DISPATCH_DTYPE(dtype, T, {
       ad.vec = vector_ok(F, sizeof(T), pre, dpre, a);
@@ -300,14 +308,16 @@ const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, fl
     });
   }
   if (db1 != nullptr) {  // N == 0: zero parts, stage 2 alone writes zeros
-    FF_LAUNCH(_colsum_final, dim3(ff_grid_blocks(F, kFinalThreads)), dim3(kFinalThreads), 0, stream,
-              static_cast<const float*>(db1_partial), N > 0 ? parts : int64_t{0}, F, db1, 0);
+    FF_DISPATCH_DTYPE(dtype, T, {
+      FF_LAUNCH(_colsum_final<T>, dim3(ff_grid_blocks(F, kFinalThreads)), dim3(kFinalThreads), 0, stream,
+                static_cast<const float*>(db1_partial), N > 0 ? parts : int64_t{0}, F, static_cast<T*>(db1), 0);
+    });
   }
   return ff_last_error();
 }
 
 const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, float* partial,
-                          int64_t parts, float* out, int accumulate, void* stream) {
+                          int64_t parts, void* out, int out_dtype, int accumulate, void* stream) {
   if (cols == 0) return nullptr;
   if (rows == 0 || parts <= 0) {
     if (accumulate) return nullptr;
@@ -319,7 +329,9 @@ const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, 
                 cols, rows_per_part(rows, parts), partial);
     });
   }
-  FF_LAUNCH(_colsum_final, dim3(ff_grid_blocks(cols, kFinalThreads)), dim3(kFinalThreads), 0, stream,
-            static_cast<const float*>(partial), parts, cols, out, accumulate);
+  FF_DISPATCH_DTYPE(out_dtype, To, {
+    FF_LAUNCH(_colsum_final<To>, dim3(ff_grid_blocks(cols, kFinalThreads)), dim3(kFinalThreads), 0, stream,
+              static_cast<const float*>(partial), parts, cols, static_cast<To*>(out), accumulate);
+  });
   return ff_last_error();
 }

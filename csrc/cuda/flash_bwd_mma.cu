@@ -103,6 +103,7 @@ struct Params {
   int64_t am_sb, am_sh, am_sq;  // the key stride is 1
   uint32_t threshold;
   uint64_t seed, offset;
+  const int64_t* philox;  // device (seed, offset), read by fill_keep instead, or null
   const float* lse;  // the forward's, (b, h, i) at b lse_sb + h lse_sh + i (rows contiguous)
   float* delta;      // laid out as lse
   int64_t lse_sb, lse_sh;
@@ -123,7 +124,7 @@ struct Params {
 template <int kRows, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0,
                          int Sq, int Sk) {
-  ff_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.threshold, b, h, p.H, p.Sq, p.Sk,
+  ff_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.Sq, p.Sk,
                                                q0, Sq, k0, Sk);
 }
 
@@ -670,6 +671,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.am_sb = f.am_sb, p.am_sh = f.am_sh, p.am_sq = f.am_sq;
   p.seed = f.seed;
   p.offset = f.offset;
+  p.philox = f.dropout_p > 0.0 ? f.philox : nullptr;
   p.lse = a.lse;
   p.delta = a.delta;
   // lse / delta strides: the forward's given ones (varlen: (H, total_q)), or (all 0) the padded

@@ -121,6 +121,7 @@ struct Params {
   int64_t am_sb, am_sh, am_sq;  // the key stride is 1
   uint32_t threshold;
   uint64_t seed, offset;
+  const int64_t* philox;  // device (seed, offset), read per Philox call below instead, or null
   void* out;
   float* lse;
   int64_t out_sb, out_sh, out_ss, lse_sb, lse_sh, lse_ss;
@@ -339,7 +340,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
         for (int r = 0; r < 2; ++r) {
           if (j < kNT && row_i[r] < Sq && key < Sk) {
             const uint64_t row = static_cast<uint64_t>((b * p.H + h) * p.Sq + row_i[r]);
-            bits |= ff_dropout_keep8(p.seed, p.offset + row * G + static_cast<uint64_t>(key / 8),
+            // a device philox is read right here, per Philox call (two volatile loads, L1 hits):
+            // the unrolled calls then keep no shared round keys live, as with p.seed, which
+            // ptxas rematerialises from parameter space (read once before the loop: +39 registers
+            // on sm_80 for D <= 64, and spills on sm_90)
+            uint64_t rng_seed = p.seed, rng_offset = p.offset;
+            ff_philox_resolve(p.philox, rng_seed, rng_offset);
+            bits |= ff_dropout_keep8(rng_seed, rng_offset + row * G + static_cast<uint64_t>(key / 8),
                                      p.threshold) << (8 * r);
           }
         }
@@ -617,6 +624,7 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.am_sq = a.am_sq;
   p.seed = a.seed;
   p.offset = a.offset;
+  p.philox = a.dropout_p > 0.0 ? a.philox : nullptr;
   p.out = out;
   p.lse = lse;
   const int64_t blocks = m_tiles * a.B * a.H;

@@ -44,6 +44,7 @@ struct FfFlashFwdArgs {
   int64_t am_sb, am_sh, am_sq, am_sk;
   double dropout_p;
   uint64_t seed, offset;
+  const int64_t* philox;  // the device (seed, offset) the kernels read instead, or null
   const int32_t* cu_seqlens_q;  // varlen, or null
   const int32_t* cu_seqlens_k;
   int64_t total_q, total_k;  // varlen: the rows of q and of k / v
@@ -76,7 +77,7 @@ inline FfFlashFwdArgs ff_flash_fwd_args(const FfAttentionArgs& a, FfRows out_s, 
   f.am = a.attn_mask;
   f.am_sb = a.am_sb, f.am_sh = a.am_sh, f.am_sq = a.am_sq, f.am_sk = a.am_sk;
   f.dropout_p = a.dropout_p;
-  f.seed = a.seed, f.offset = a.offset;
+  f.seed = a.seed, f.offset = a.offset, f.philox = a.philox;
   f.cu_seqlens_q = a.cu_seqlens_q, f.cu_seqlens_k = a.cu_seqlens_k;
   f.total_q = a.total_q, f.total_k = a.total_k;
   f.out_sb = out_s.batch, f.out_sh = out_s.head, f.out_ss = out_s.row;

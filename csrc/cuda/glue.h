@@ -11,7 +11,8 @@
 //   ff_dtype_code(t, "name"[, op])           0 float32, 1 float16, 2 bfloat16, else TORCH_CHECK
 //   ff_stream(t)                             the current stream of t's device as void*
 //   FF_CHECK_LAUNCH(launch_xxx(...))         TORCH_CHECK on a launcher's returned error string
-//   ff_philox_args(philox, op)               the (seed, offset) the launchers take, from `Tensor philox`
+//   ff_philox_args(philox, op, like, p)      the (seed, offset) the launchers take, from `Tensor philox`
+//                                            (a CPU tensor read here, or a device pointer)
 //   ff_check_aligned(t, "name", bytes, op)   the data pointer is a multiple of bytes
 //   ff_device_free_bytes(t)                  memory t's device has to spare (-1: unknown)
 #pragma once
@@ -78,16 +79,57 @@ inline void* ff_stream(const at::Tensor& t) {
 #endif
 }
 
-// The dropout RNG state the launchers take, read from the op's `Tensor philox` ((2,) int64 CPU
-// tensor = (seed, offset), checked by fastformer::read_philox): the one place the glue reads it.
+// The dropout RNG state the launchers take, from the op's `Tensor philox` = (seed, offset), int64
+// of shape (2,), in one of two forms:
+//   * on the CPU: read here on the host (fastformer::read_philox, its checks and messages) and
+//     passed by value; ptr is null;
+//   * on the op's device (drawn there by torch's CUDA generator, which a captured CUDA graph
+//     replays with new values): checked (dtype, shape, contiguity, device) but never read on the
+//     host; the kernels read seed = ptr[0], offset = ptr[1] on the device (ff_philox_resolve,
+//     philox.cuh). Its values must be >= 0, as a CPU philox's; they cannot be checked here.
+// With dropout_p == 0 the kernels read nothing: ptr is null whatever the form (a CPU philox is
+// still checked and read, as before).
+// Under the SIMT harness the "device" is the CPU too: a CPU philox takes the device form while
+// ff_simt_philox_on_device() is set (fastformer_simt_selftest::set_philox_on_device), so the
+// tests run the pointer path on the CPU.
 struct FfPhiloxArgs {
   uint64_t seed;
   uint64_t offset;
+  const int64_t* ptr;  // the device (seed, offset) the kernels read instead of seed / offset, or null
 };
 
-inline FfPhiloxArgs ff_philox_args(const at::Tensor& philox, const char* op) {
-  const auto [seed, offset] = fastformer::read_philox(op, philox);
-  return {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset)};
+#ifdef FF_SIMT
+inline bool& ff_simt_philox_on_device() {
+  static bool on = false;
+  return on;
+}
+#endif
+
+// Whether `philox` takes the host form (read on the CPU).
+inline bool ff_philox_on_host(const at::Tensor& philox) {
+#ifdef FF_SIMT
+  return philox.device().is_cpu() && !ff_simt_philox_on_device();
+#else
+  return philox.device().is_cpu();
+#endif
+}
+
+// `like`: a tensor of the op on its device (the device a device philox must be on).
+inline FfPhiloxArgs ff_philox_args(const at::Tensor& philox, const char* op, const at::Tensor& like,
+                                   double dropout_p) {
+  if (!philox.defined() || ff_philox_on_host(philox)) {
+    const auto [seed, offset] = fastformer::read_philox(op, philox);
+    return {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), nullptr};
+  }
+  TORCH_CHECK(philox.device() == like.device(), op, ": philox must be an int64 CPU tensor or on the op's "
+              "device ", like.device(), " (shape (2,) = (seed, offset)), got a philox on device ",
+              philox.device(), " for tensors on ", like.device());
+  TORCH_CHECK(philox.scalar_type() == at::kLong, op, ": philox must be int64 (shape (2,) = (seed, offset)), got ",
+              philox.scalar_type());
+  TORCH_CHECK(philox.dim() == 1 && philox.size(0) == 2, op,
+              ": philox must have shape (2,) = (seed, offset), got ", philox.sizes());
+  TORCH_CHECK(philox.is_contiguous(), op, ": philox must be contiguous, got strides ", philox.strides());
+  return {0, 0, dropout_p > 0.0 ? philox.const_data_ptr<int64_t>() : nullptr};
 }
 
 inline void ff_check_aligned(const at::Tensor& t, const char* name, int64_t bytes, const char* op) {

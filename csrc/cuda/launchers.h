@@ -1,4 +1,7 @@
 // Plain C++ declarations of every CUDA launcher (no CUDA headers), included by the glue .cpp files.
+// Dropout launchers take (seed, offset) by value and `philox`: null, or a device pointer to the
+// (2,) int64 (seed, offset) that the kernels then read on the device (ff_philox_resolve,
+// philox.cuh) in place of the values, so a captured CUDA graph draws a new mask per replay.
 // Each returns nullptr on success, else the CUDA error string. dtype codes: 0 float32,
 // 1 float16, 2 bfloat16. Pointers to element data are void*, sizes int64_t, stream a cudaStream_t.
 #pragma once
@@ -9,22 +12,24 @@
 // rows of C = F columns. activation: 0 relu, 1 gelu (exact erf), 2 silu (x sigmoid(x)).
 const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
-                                        uint64_t offset, void* stream);
+                                        uint64_t offset, const int64_t* philox, void* stream);
 // a (N, F) = dropout(act(pre)); dpre (N, F) holds da on entry and dpre = da * keep * scale *
-// act'(pre) on return (the same mask as the forward's). With db1 (F,) fp32 not null, also
+// act'(pre) on return (the same mask as the forward's). With db1 (F,) in dtype not null, also
 // db1 = the column sums of dpre, in the same pass per part of rows into db1_partial (parts, F)
-// fp32 (parts = colsum_num_parts(N)), then the parts added in a fixed order (no atomics).
+// fp32 (parts = colsum_num_parts(N)), then the parts added in a fixed order (no atomics), in
+// fp32, rounded once to the dtype.
 const char* launch_feed_forward_act_bwd(const void* pre, void* dpre, void* a, float* db1_partial,
-                                        int64_t parts, float* db1, int64_t N, int64_t F,
+                                        int64_t parts, void* db1, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
-                                        uint64_t offset, void* stream);
+                                        uint64_t offset, const int64_t* philox, void* stream);
 // The number of row parts of launch_colsum's first stage for `rows` rows (its workspace is
 // (parts, cols) fp32).
 int64_t colsum_num_parts(int64_t rows);
-// out (cols,) fp32 = (accumulate ? out : 0) + the column sums of x (rows, cols), two stages
-// through partial (parts, cols) fp32, fixed order: deterministic, no atomics.
+// out (cols,) in out_dtype = (accumulate ? out : 0) + the column sums of x (rows, cols), two
+// stages through partial (parts, cols) fp32, fixed order: deterministic, no atomics; the sum is
+// fp32, rounded once to out_dtype (accumulate is meant for an fp32 out).
 const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, float* partial,
-                          int64_t parts, float* out, int accumulate, void* stream);
+                          int64_t parts, void* out, int out_dtype, int accumulate, void* stream);
 
 // ---- cross_entropy (csrc/cuda/cross_entropy.cu), also used by linear_cross_entropy.cpp
 // *count (int64) = the number of target values that are not ignore_index.
@@ -54,7 +59,7 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
                                       const void* bias, void* y, void* h, float* mean, float* rstd,
                                       int64_t N, int64_t C, int dtype, double eps,
                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                      void* stream);
+                                      const int64_t* philox, void* stream);
 // The backward's blocks for N rows of C on the current device (sized from its SM count), one
 // partial dweight / dbias row each: the workspace is (parts, 2, C) fp32.
 int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C);
@@ -69,7 +74,7 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                                       void* dx, void* dresidual, void* dweight, void* dbias,
                                       float* partial, int64_t parts, int64_t N, int64_t C,
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
-                                      void* stream);
+                                      const int64_t* philox, void* stream);
 
 // ---- embedding (csrc/cuda/embedding.cu)
 // out (N, D) = (weight[ids] * scale + positional[positions]) * keep / (1 - p), Philox v2 over rows
@@ -77,14 +82,15 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
 // none; ids and positions (N,) int64 in range (the glue's caller checks).
 const char* launch_embedding_fwd(const int64_t* ids, const void* weight, const int64_t* positions,
                                  const void* positional, void* out, int64_t N, int64_t D, int dtype,
-                                 double scale, double dropout_p, uint64_t seed, uint64_t offset, void* stream);
+                                 double scale, double dropout_p, uint64_t seed, uint64_t offset,
+                                 const int64_t* philox, void* stream);
 // table (K, D), zero on entry: row k = scale * the sum of the rows i of grad * keep / (1 - p) with
 // key k, in increasing i, except row skip_row (-1: none). sorted_keys (N,) the keys sorted stably,
 // order (N,) each sorted key's row i, ends (N,) the end of each sorted position's run of equal keys.
 const char* launch_embedding_bwd(const void* grad, const int64_t* sorted_keys, const int64_t* order,
                                  const int64_t* ends, void* table, int64_t N, int64_t D, int64_t skip_row,
                                  int dtype, double scale, double dropout_p, uint64_t seed, uint64_t offset,
-                                 void* stream);
+                                 const int64_t* philox, void* stream);
 
 // ---- attention and attention_varlen (csrc/cuda/attention.cu)
 // Fused flash-style kernels (FlashAttention-2's algorithm, fp32 accumulation, no Sq x Sk buffer),
@@ -118,6 +124,7 @@ struct FfAttentionArgs {
   bool causal;
   double scale, dropout_p;
   uint64_t seed, offset;
+  const int64_t* philox;  // the device (seed, offset) the kernels read instead, or null
 };
 // out in dtype and lse fp32 through their rows (lse +inf for a row with no visible key, whose out
 // is 0). Rows of a varlen q that no sequence owns are not written.

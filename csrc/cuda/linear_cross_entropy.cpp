@@ -38,16 +38,19 @@ bool has_fp32_out_gemm() {
 
 // acc (M, N) fp32 += a (M, K) @ b (K, N), a and b of one dtype: the products accumulate in fp32
 // inside the GEMM and land in acc in place, so a 16-bit dweight is rounded once, at the end, and
-// no (V, D) 16-bit partial product is written and re-read per chunk.
-void addmm_f32_(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b) {
+// no (V, D) 16-bit partial product is written and re-read per chunk. first: acc = a @ b (beta 0:
+// acc's old contents, uninitialised memory, are never read, NaN included), which folds the zero
+// fill of acc into the first chunk's GEMM (csrc/cuda/LAUNCHES.md).
+void addmm_f32_(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
+  const int beta = first ? 0 : 1;
   if (a.scalar_type() == at::kFloat) {
-    acc.addmm_(a, b);
+    acc.addmm_(a, b, beta);
   } else if (has_fp32_out_gemm()) {
-    at::addmm_out(acc, acc, a, b, at::kFloat);  // beta = alpha = 1
+    at::addmm_out(acc, acc, a, b, at::kFloat, beta);  // alpha = 1
   } else {
     // CPU ATen has no such GEMM: the same arithmetic from fp32 copies (16-bit values and their
     // products are exact in fp32; the sum accumulates in fp32). Only the harness comes here.
-    acc.addmm_(a.to(at::kFloat), b.to(at::kFloat));
+    acc.addmm_(a.to(at::kFloat), b.to(at::kFloat), beta);
   }
 }
 
@@ -81,9 +84,10 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   at::Tensor dweight_acc, dbias_acc, partial;
   if (compute_grad) {
     out.dhidden = at::empty({n, D}, hidden.options());
-    dweight_acc = at::zeros({V, D}, f32);
+    // written (not accumulated into) by the first chunk; zero-filled only when no chunk runs
+    dweight_acc = n > 0 ? at::empty({V, D}, f32) : at::zeros({V, D}, f32);
     if (has_bias) {
-      dbias_acc = at::zeros({V}, f32);
+      dbias_acc = n > 0 ? at::empty({V}, f32) : at::zeros({V}, f32);
       partial = at::empty({colsum_num_parts(rows_per_chunk), V}, f32);  // (parts, V)
     }
   }
@@ -107,10 +111,11 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
     // logits now holds dlogits (rows, V).
     at::Tensor dh = out.dhidden.narrow(0, c0, rows);
     at::mm_out(dh, logits, weight);  // (rows, V) @ (V, D)
-    addmm_f32_(dweight_acc, logits.t(), h);  // (V, rows) @ (rows, D), fp32 accumulation
+    addmm_f32_(dweight_acc, logits.t(), h, c0 == 0);  // (V, rows) @ (rows, D), fp32 accumulation
     if (has_bias) {
       FF_CHECK_LAUNCH(launch_colsum(logits.const_data_ptr(), rows, V, code, partial.data_ptr<float>(),
-                                    colsum_num_parts(rows), dbias_acc.data_ptr<float>(), 1, stream));
+                                    colsum_num_parts(rows), dbias_acc.data_ptr<float>(), 0,
+                                    c0 == 0 ? 0 : 1, stream));
     }
   }
 

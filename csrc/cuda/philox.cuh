@@ -14,6 +14,7 @@
 //   uint32_t T = ff_dropout_threshold(p);              host side, once per launch
 //   uint64_t n = ff_dropout_counter(offset, r, C, g);  the counter of group g of row r
 //   ff_dropout_keep_tile<kRows, kCols, kThreads>(...)  a tile's keep bits, by a whole block
+//   ff_philox_resolve(philox, seed, offset);            (seed, offset) from a device philox pointer
 #pragma once
 
 #include "../philox_constants.h"
@@ -89,6 +90,32 @@ FF_HOST_DEVICE uint32_t ff_dropout_keep8(uint64_t seed, uint64_t n, uint32_t thr
   return keep;
 }
 
+// The (seed, offset) of a launch: the op's `philox` may live on the device (a (2,) int64 tensor
+// drawn there by torch's CUDA generator, so that a captured CUDA graph draws a new mask on every
+// replay), and then the launcher passes its pointer: seed = philox[0], offset = philox[1] are read
+// here. The elementwise kernels (add_layer_norm, feed_forward, embedding) call it once per thread
+// where the kernel starts, before their loops; the attention kernels, whose parameters stay in
+// parameter space (see ff_dropout_keep_tile), per tile (attention.cu, flash_bwd_mma.cu) or per
+// Philox call (flash_fwd_mma.cu): an L1-cached 16-byte read against ten Philox rounds. nullptr:
+// the values the launcher passed (a CPU philox, read on the host) stay. The glue passes nullptr
+// when p == 0, so nothing is read then.
+// On the device the two words come through volatile loads, which the compiler neither hoists out
+// of a caller's loop nor merges across unrolled Philox calls (their round keys would then stay
+// live in registers across the loop).
+FF_HOST_DEVICE void ff_philox_resolve(const int64_t* philox, uint64_t& seed, uint64_t& offset) {
+  if (philox != nullptr) {
+#if defined(__CUDA_ARCH__)
+    unsigned long long s, o;
+    asm volatile("ld.global.u64 %0, [%2];\n\tld.global.u64 %1, [%2+8];" : "=l"(s), "=l"(o) : "l"(philox));
+    seed = s;
+    offset = o;
+#else
+    seed = static_cast<uint64_t>(philox[0]);
+    offset = static_cast<uint64_t>(philox[1]);
+#endif
+  }
+}
+
 // Philox calls (groups) per row of C columns.
 FF_HOST_DEVICE int64_t ff_dropout_groups(int64_t C) {
   return (C + kFfDropoutGroup - 1) / kFfDropoutGroup;
@@ -107,19 +134,25 @@ FF_HOST_DEVICE uint64_t ff_dropout_counter(uint64_t offset, int64_t r, int64_t C
 // and every thread calls it. I: the caller's index type. The kernel parameters come by reference,
 // so they stay loads from parameter space where used: by value they were loaded at the call and
 // kept live across the kernel's loops (attention.cu on sm_80: up to +41 registers, and spills).
+// For the same reason a device `philox` (ff_philox_resolve) is read here, into registers before
+// the tile's loop, once per thread and tile (a 16-byte cached load against the tile's Philox
+// calls), not at the kernel's start.
 template <int kRows, int kCols, int kThreads, typename I>
 FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const uint64_t& offset,
-                                    const uint32_t& threshold, int64_t b, int64_t h, const int64_t& H,
-                                    const int64_t& Sq, const int64_t& Sk, I q0, I q_len, I k0, I k_len) {
+                                    const int64_t* const& philox, const uint32_t& threshold, int64_t b,
+                                    int64_t h, const int64_t& H, const int64_t& Sq, const int64_t& Sk, I q0,
+                                    I q_len, I k0, I k_len) {
   constexpr int kG = kCols / kFfDropoutGroup;
   const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(Sk));
+  uint64_t key = seed, first = offset;
+  ff_philox_resolve(philox, key, first);
   for (int e = threadIdx.x; e < kRows * kG; e += kThreads) {
     const int i = e / kG, c = e % kG;
     const I qi = q0 + i, kj = k0 + kFfDropoutGroup * c;
     uint32_t bits = 0u;
     if (qi < q_len && kj < k_len) {
       const uint64_t r = static_cast<uint64_t>((b * H + h) * Sq + qi);
-      bits = ff_dropout_keep8(seed, offset + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup), threshold);
+      bits = ff_dropout_keep8(key, first + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup), threshold);
     }
     keep[e] = static_cast<uint8_t>(bits);
   }

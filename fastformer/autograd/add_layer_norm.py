@@ -12,7 +12,7 @@ class AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, dropout_p, prenorm, kernels, x_bias):
-        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
+        rng = philox.draw(dropout_p, x.device)  # (2,) int64 (seed, offset) on the op's device; nothing drawn for p == 0
         fused = x_bias is not None and getattr(kernels, "add_layer_norm_fwd_x_bias", None) is not None
         if fused:
             y, h, mean, rstd = kernels.add_layer_norm_fwd_x_bias(x, residual, weight, bias, eps, dropout_p, rng,

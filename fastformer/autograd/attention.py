@@ -8,7 +8,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, kernels):
-        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
+        rng = philox.draw(dropout_p, q.device)  # (2,) int64 (seed, offset) on the op's device; nothing drawn for p == 0
         out, lse = kernels.attention_fwd(q, k, v, key_padding_mask, attn_mask, is_causal, scale,
                                          dropout_p, rng)  # (B, H, Sq, D), (B, H, Sq)
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, attn_mask, rng)

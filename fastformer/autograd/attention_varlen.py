@@ -32,7 +32,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
         q, k, v = split(layout, inputs)
         if cu_seqlens_k is None:  # the queries' (the same tensor twice would break torch.compile's trace)
             cu_seqlens_k = cu_seqlens_q
-        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
+        rng = philox.draw(dropout_p, x0.device)  # (2,) int64 (seed, offset) on the op's device; nothing drawn for p == 0
         out, lse = kernels.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 is_causal, scale, dropout_p, rng)  # (total_q, H, D), (H, total_q)
         ctx.save_for_backward(out, lse, cu_seqlens_q, cu_seqlens_k, rng, *inputs)

@@ -8,7 +8,7 @@ class EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, positional, positions, scale, dropout_p, padding_idx, kernels):
-        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
+        rng = philox.draw(dropout_p, weight.device)  # (2,) int64 (seed, offset) on the op's device; nothing drawn for p == 0
         out = kernels.embedding_fwd(ids, weight, positional, positions, scale, dropout_p, rng)  # (N, D)
         ctx.save_for_backward(ids, positions, rng)  # the ids, never the rows or a mask
         ctx.config = (weight.shape[0], 0 if positional is None else positional.shape[0], padding_idx, scale,

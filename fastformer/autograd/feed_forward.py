@@ -8,7 +8,7 @@ class FeedForwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p, kernels):
-        rng = philox.draw(dropout_p)  # (2,) int64 CPU (seed, offset); nothing drawn for p == 0
+        rng = philox.draw(dropout_p, x.device)  # (2,) int64 (seed, offset) on the op's device; nothing drawn for p == 0
         out, pre = kernels.feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, rng)
         ctx.save_for_backward(x, w1, w2, pre, rng)  # pre: (N, F), the only activation kept
         ctx.config = (b1 is not None, b2 is not None, activation, dropout_p)

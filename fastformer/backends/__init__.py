@@ -9,28 +9,75 @@ requirements and limits, and answers :meth:`~.declaration.Backend.why_not` from 
 ``set_backend(name)``, ``with use_backend(name):`` and the environment variable
 ``FASTFORMER_BACKEND`` choose. ``"auto"`` (the default) takes, per tensor device, the first
 backend that accepts the call: ``cuda: triton, cuda, reference`` and ``cpu: cpu, reference``.
+On CUDA it also passes over a backend measured slower than PyTorch's own composition for the
+call's class, where the next one was measured faster (``measured.py``: the table and the rule).
 A forced backend that cannot run a call raises an error that names it and the reason;
-:func:`explain` gives every backend's answer for a call.
+:func:`explain` gives every backend's answer for a call (``auto=True``: ``auto``'s answers).
+
+**The decision is made once.** :func:`select` keeps each decision, keyed by (requested backend
+name, op, device, dtype, limitation, facts), so a repeated call costs a dict lookup; an error
+(a forced backend that cannot run the call) is kept as its message and raised again, anew, on
+every call. The requested name is read on every call (``use_backend``, ``set_backend``, then
+``FASTFORMER_BACKEND``), so changing it needs nothing. A change to the declarations clears the
+cache by itself (``register``, ``Backend.add_device``, setting an attribute of a ``Backend`` or
+``Device``, ``AUTO_ORDER[...] = ...``: see ``declaration.py``). What a decision reads from the
+process, once, and does not watch: ``torch.cuda.is_available()``, ``TRITON_INTERPRET``, whether
+triton and ``fastformer._C`` import, the kernel modules' limits, the module globals
+``AUTO_ORDER`` and ``measured.TABLE`` when replaced whole. After changing one of those (tests
+monkeypatch them), call :func:`clear_cache`. Under ``torch.compile`` the cache is not used:
+dynamo evaluates :func:`_choose` once while tracing, as before.
+
+Ops call :func:`select` (the facts as keywords) or :func:`select_cached` (the same decision and
+cache entry, the facts as a tuple of names, a module constant, and a tuple of values: no keyword
+packing, which costs about a microsecond with several facts).
 """
 import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from . import builtin  # noqa: F401  (declares and registers the four backends)
-from .declaration import _REGISTRY, OPS, Backend, Device, Kernels, Limit, OpLibrary, PythonModules, Requirement
+from .declaration import (_CACHES, _REGISTRY, GENERATION, OPS, Backend, Device, Kernels, Limit, OpLibrary,
+                          PythonModules, Requirement, invalidate)
 
 BACKENDS: Dict[str, Backend] = _REGISTRY
 NAMES = tuple(BACKENDS)
 CHOICES = ("auto",) + NAMES  # what a user may ask for: the CLI's and the training config's --backend
-AUTO_ORDER = {"cuda": ("triton", "cuda", "reference"), "cpu": ("cpu", "reference")}
+
+
+class _Declared(dict):
+    """A dict whose changes clear the decisions made from it (``monkeypatch.setitem`` included)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        invalidate()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        invalidate()
+
+
+def _changes(method):
+    def changed(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            invalidate()
+    return changed
+
+
+for _method in ("update", "pop", "popitem", "clear", "setdefault", "__ior__"):
+    setattr(_Declared, _method, _changes(getattr(dict, _method)))
+
+
+AUTO_ORDER = _Declared({"cuda": ("triton", "cuda", "reference"), "cpu": ("cpu", "reference")})
 
 __all__ = ["AUTO_ORDER", "Availability", "BACKENDS", "Backend", "CHOICES", "Device", "Kernels", "Limit", "NAMES", "OPS",
-           "OpLibrary", "PythonModules", "Requirement", "availability", "available_backends", "explain",
-           "get_backend", "resolve", "select", "set_backend", "use_backend"]
+           "OpLibrary", "PythonModules", "Requirement", "availability", "available_backends", "clear_cache",
+           "explain", "get_backend", "resolve", "select", "select_cached", "set_backend", "use_backend"]
 
 
 @dataclass(frozen=True)
@@ -52,12 +99,37 @@ def _validate_name(name: str) -> str:
     return name
 
 
-def get_backend() -> str:
-    """The backend name in force: the innermost ``use_backend``, else ``set_backend``, else env."""
+_ENV = "FASTFORMER_BACKEND"
+if hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey"):  # CPython's os.environ
+    # its own storage and key: a dict lookup, without the KeyError os.environ.get raises (and
+    # catches) for an unset variable; os.environ's setters and monkeypatch.setenv write there
+    _env_raw, _ENV_KEY, _env_decode = os.environ._data.get, os.environ.encodekey(_ENV), os.environ.decodevalue
+else:
+    _env_raw, _ENV_KEY, _env_decode = os.environ.get, _ENV, str
+_is_compiling = torch.compiler.is_compiling
+
+
+def _requested() -> str:
+    """The name in force, unvalidated, read cheaply: the thread's own ``__dict__`` (no
+    AttributeError raised and caught when unset), then the environment variable."""
+    name = _state.__dict__.get("name")
+    if name is None:
+        raw = _env_raw(_ENV_KEY)
+        name = "auto" if raw is None else _env_decode(raw)
+    return name
+
+
+def _requested_traced() -> str:
+    """:func:`_requested` as dynamo traces it: it guards on the thread-local and the variable."""
     name = getattr(_state, "name", None)
     if name is None:
-        name = _validate_name(os.environ.get("FASTFORMER_BACKEND", "auto"))
+        name = os.environ.get(_ENV, "auto")
     return name
+
+
+def get_backend() -> str:
+    """The backend name in force: the innermost ``use_backend``, else ``set_backend``, else env."""
+    return _validate_name(_requested_traced() if _is_compiling() else _requested())
 
 
 def set_backend(name: str) -> None:
@@ -90,34 +162,121 @@ def available_backends() -> Dict[str, Availability]:
 
 
 def explain(op: str, device: torch.device, dtype: torch.dtype, limitation: Optional[str] = None,
-            **facts: int) -> Dict[str, Optional[str]]:
-    """Each backend name -> why it cannot take this call of ``op`` when forced, or None if it can."""
+            *, auto: bool = False, **facts: int) -> Dict[str, Optional[str]]:
+    """Each backend name -> why it cannot take this call of ``op`` when forced, or None if it can.
+
+    ``auto=True``: what ``auto`` does instead, in its order for the device: each backend it tried
+    -> why it passed that one over (the measured reason included: "measured slower than PyTorch's
+    composition on nvidia-h200 at ..."), and None for the one it takes (the last key); a backend
+    it never tries is left out."""
+    facts = {key: int(value) for key, value in facts.items()}
+    if auto:
+        return dict(_auto_answers(op, device.type, dtype, limitation, facts))
     return {name: backend.why_not(op, device.type, dtype, limitation, **facts) for name, backend in BACKENDS.items()}
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def _measured_skip(name: str, later: Tuple[str, ...], op: str, device_type: str, dtype: torch.dtype,
+                   limitation: Optional[str], facts: Dict[str, int]) -> Optional[str]:
+    """Why ``auto`` passes over ``name`` (which accepts the call) for speed, or None: the call is
+    in a class of :data:`measured.TABLE` where ``name`` was slower than PyTorch's composition and
+    the next backend of ``later`` that accepts the call was measured faster there."""
+    from . import measured  # here, not at import: `python -m fastformer.backends.measured` runs it as __main__
+
+    table = measured.TABLE
+    if not table:
+        return None
+    found = measured.lookup(table, op, device_type, _DTYPE_NAMES.get(dtype, str(dtype)), facts)
+    if found is None or not found.slower(name):
+        return None
+    mine = found.time(name)
+    nxt = next((n for n in later
+                if BACKENDS[n].why_not(op, device_type, dtype, limitation, auto=True, **facts) is None), None)
+    theirs = None if nxt is None else found.time(nxt)
+    if theirs is None or theirs >= mine:
+        return None
+    return (f"measured slower than PyTorch's composition on {found.machine} at {found.label} ({found.dtype}, "
+            f"forward + backward): {mine:g} ms vs {found.composition_ms:g} ms; {nxt} took {theirs:g} ms there")
+
+
+def _auto_answers(op: str, device_type: str, dtype: torch.dtype, limitation: Optional[str],
+                  facts: Dict[str, int]) -> List[Tuple[str, Optional[str]]]:
+    """``auto``'s walk: (backend, why passed over) for each backend tried, in order, up to the one it
+    takes, answered None (absent if none takes the call)."""
+    order = tuple(AUTO_ORDER.get(device_type, ("reference",)))
+    answers = []
+    for i, name in enumerate(order):
+        why = BACKENDS[name].why_not(op, device_type, dtype, limitation, auto=True, **facts)
+        if why is None:
+            why = _measured_skip(name, order[i + 1:], op, device_type, dtype, limitation, facts)
+        answers.append((name, why))
+        if why is None:
+            break
+    return answers
 
 
 def _choose(requested: str, op: str, device_type: str, dtype: torch.dtype, limitation: Optional[str],
             **facts: int) -> Tuple[str, str]:
     """(backend name, "") for the backend that takes the call, or ("", error) when none can. Pure in
-    its arguments, so torch.compile evaluates it once while tracing (and the kernels it binds stay
-    outside the graph)."""
+    its arguments (and the declarations), so torch.compile evaluates it once while tracing (and the
+    kernels it binds stay outside the graph)."""
     where = f"{op} on {device_type} {dtype}"
     if requested != "auto":
         why = BACKENDS[requested].why_not(op, device_type, dtype, limitation, **facts)
         if why is not None:
             return "", f"fastformer backend {requested!r} was forced but cannot run {op}: {why}"
         return requested, ""
-    rejected = []
-    for name in AUTO_ORDER.get(device_type, ("reference",)):
-        why = BACKENDS[name].why_not(op, device_type, dtype, limitation, auto=True, **facts)
-        if why is None:
-            return name, ""
-        rejected.append(f"{name}: {why}")
-    return "", f"no fastformer backend can run {where}: " + "; ".join(rejected)
+    answers = _auto_answers(op, device_type, dtype, limitation, facts)
+    if answers and answers[-1][1] is None:
+        return answers[-1][0], ""
+    return "", f"no fastformer backend can run {where}: " + "; ".join(f"{name}: {why}" for name, why in answers)
 
 
 # What torch.compiler.assume_constant_result(_choose) does, written out: that call would import
 # torch._dynamo (and with it triton) at `import fastformer` time.
 _choose._dynamo_marked_constant = True
+
+# The decisions: (requested name, op, device, dtype, limitation, fact names, fact values) -> the Kernels,
+# None (the reference), or the error's message (a str). Cleared by declaration.invalidate().
+_CACHE: Dict[tuple, object] = {}
+_CACHES.append(_CACHE)
+_CACHE_SIZE = 4096  # distinct calls kept; past it the cache starts over (shapes as facts can vary without end)
+
+
+def clear_cache() -> None:
+    """Forget every decision :func:`select` kept (after changing what it reads from the process:
+    see the module's docstring)."""
+    invalidate()
+
+
+def _decide(key: Optional[tuple], requested: str, op: str, device, dtype: torch.dtype, limitation: Optional[str],
+            names: Tuple[str, ...], values: Tuple[int, ...]):
+    """The decision for a call not in the cache, kept under ``key`` (None: not kept) unless the
+    declarations changed meanwhile."""
+    if len(names) != len(values):
+        raise ValueError(f"{op}: {len(names)} fact names {names} for {len(values)} values")
+    generation = GENERATION[0]
+    device_type = device if isinstance(device, str) else device.type
+    facts = {name: int(value) for name, value in zip(names, values)}
+    name, error = _choose(_validate_name(requested), op, device_type, dtype, limitation, **facts)
+    result = error or (None if name == "reference" else BACKENDS[name].kernels(device_type))
+    if key is not None and GENERATION[0] == generation:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.clear()
+        _CACHE[key] = result
+    return result
+
+
+def _select_traced(op: str, device, dtype: torch.dtype, limitation: Optional[str], names, values) -> Optional[Kernels]:
+    """:func:`select` as dynamo traces it: no cache, :func:`_choose` evaluated once as a constant."""
+    device_type = device if isinstance(device, str) else device.type
+    facts = {name: int(value) for name, value in zip(names, values)}  # a SymInt is not a constant for _choose
+    name, error = _choose(_validate_name(_requested_traced()), op, device_type, dtype, limitation, **facts)
+    if error:
+        raise RuntimeError(error)
+    return None if name == "reference" else BACKENDS[name].kernels(device_type)
 
 
 def select(op: str, device: torch.device, dtype: torch.dtype, limitation: Optional[str] = None,
@@ -126,14 +285,57 @@ def select(op: str, device: torch.device, dtype: torch.dtype, limitation: Option
 
     ``limitation``: why no kernel backend can take this particular call (e.g. a mask that requires
     grad), or None. ``facts``: the sizes the backends' declared limits bound (``head_dim=D`` for
-    attention, ``hidden_size=C`` for add_layer_norm). A forced backend that cannot take the call,
-    or no backend at all, raises ``RuntimeError`` with the reasons.
+    attention, ``hidden_size=C`` for add_layer_norm) and the ones the measured table's classes
+    name (``measured.FACTS_OF``). A forced backend that cannot take the call, or no backend at all,
+    raises ``RuntimeError`` with the reasons. Decided once per distinct call (see the module).
     """
-    facts = {key: int(value) for key, value in facts.items()}  # a SymInt is not a constant for _choose
-    name, error = _choose(get_backend(), op, device.type, dtype, limitation, **facts)
-    if error:
-        raise RuntimeError(error)
-    return None if name == "reference" else BACKENDS[name].kernels(device.type)
+    if _is_compiling():
+        return _select_traced(op, device, dtype, limitation, tuple(facts), tuple(facts.values()))
+    requested = _state.__dict__.get("name")  # _requested(), inline: this is the hot path
+    if requested is None:
+        raw = _env_raw(_ENV_KEY)
+        requested = "auto" if raw is None else _env_decode(raw)
+    key = (requested, op, device, dtype, limitation, tuple(facts), tuple(facts.values())) if facts else \
+        (requested, op, device, dtype, limitation, (), ())
+    try:
+        result = _CACHE[key]
+    except KeyError:
+        result = _decide(key, requested, op, device, dtype, limitation, key[-2], key[-1])
+    except TypeError:  # an unhashable value (a SymInt outside dynamo): decide without keeping it
+        result = _decide(None, requested, op, device, dtype, limitation, tuple(facts), tuple(facts.values()))
+    if result.__class__ is str:
+        raise RuntimeError(result)
+    return result
+
+
+def select_cached(op: str, device, dtype: torch.dtype, limitation: Optional[str] = None,
+                  names: Tuple[str, ...] = (), values: Tuple[int, ...] = ()) -> Optional[Kernels]:
+    """:func:`select` with the facts as two tuples, their names (a constant of the op's module) and
+    their values::
+
+        _FACTS = ("head_dim", "q_len", "k_len")
+        kernels = backends.select_cached("attention", q.device, q.dtype, limitation, _FACTS, (D, Sq, Sk))
+
+    The same answer and cache entry as ``select(..., head_dim=D, q_len=Sq, k_len=Sk)``, without
+    packing keywords (about a microsecond with several facts). ``device``: a ``torch.device``
+    (hashed as it is: reading ``device.type`` costs more than the lookup) or a device type string.
+    A value may be a bool (the flags: ``causal``, ``dropout``) or any int-like."""
+    if _is_compiling():
+        return _select_traced(op, device, dtype, limitation, names, values)
+    requested = _state.__dict__.get("name")  # _requested(), inline
+    if requested is None:
+        raw = _env_raw(_ENV_KEY)
+        requested = "auto" if raw is None else _env_decode(raw)
+    key = (requested, op, device, dtype, limitation, names, values)
+    try:
+        result = _CACHE[key]
+    except KeyError:
+        result = _decide(key, requested, op, device, dtype, limitation, names, values)
+    except TypeError:  # an unhashable value (a SymInt outside dynamo): decide without keeping it
+        result = _decide(None, requested, op, device, dtype, limitation, names, values)
+    if result.__class__ is str:
+        raise RuntimeError(result)
+    return result
 
 
 def resolve(op: str, device: torch.device, dtype: torch.dtype, limitation: Optional[str] = None,

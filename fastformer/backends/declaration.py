@@ -8,10 +8,15 @@ registry (``fastformer/backends/__init__.py``) walks the backends with it.
 :meth:`Backend.add_device` is the hook for test harnesses: it lets a backend run its kernels on
 another device type through an emulator (``emulated=True``). An emulated device serves a forced
 backend only: ``auto`` never takes it and ``available_backends()`` does not count it.
+
+The registry keeps each decision (``backends.select``'s cache). Whatever a decision reads from a
+declaration clears it when it changes: :func:`register`, :meth:`Backend.add_device`, and setting
+any attribute of a :class:`Backend` or :class:`Device` (``devices``, ``limits``, ``dtypes``,
+``needs``, a replaced ``_kernels``: what tests monkeypatch) call :func:`invalidate`.
 """
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -25,6 +30,18 @@ OVERLOADS = {op.name: op.overloads for op in op_table.TABLE if op.overloads}
 
 # What a kernel source finds for one op: its functions by name, or why it has none.
 Found = Union[Dict[str, Callable], str]
+
+# The caches of decisions made from the declarations (the registry's), and a count of the changes to
+# them: a decision made while the count moved is not kept.
+_CACHES: List[Dict] = []
+GENERATION = [0]
+
+
+def invalidate() -> None:
+    """Forget every decision made from the declarations (they changed)."""
+    GENERATION[0] += 1
+    for cache in _CACHES:
+        cache.clear()
 
 
 def _device_noun(device_type: str) -> str:
@@ -78,6 +95,14 @@ class OpLibrary:
         return found
 
 
+    def autograd_op(self, op: str) -> Optional[Callable]:
+        """``torch.ops.<namespace>.<op>.default``, the op with its backward in C++, or None when the
+        library has none for ``op``."""
+        if not _ext.has_kernel(op, "CompositeImplicitAutograd", self.namespace):
+            return None
+        return getattr(getattr(torch.ops, self.namespace), op).default
+
+
 class PythonModules:
     """Kernels defined as functions ``<op>_fwd`` / ``_bwd`` of Python modules ``<package>.<module>``."""
 
@@ -113,6 +138,13 @@ class Device:
     def __post_init__(self):
         self._kernels: Optional["Kernels"] = None
 
+    def __setattr__(self, name, value):
+        # binding the kernels the first time changes no decision; replacing them (a test) does
+        first_binding = name == "_kernels" and self.__dict__.get("_kernels", None) is None
+        object.__setattr__(self, name, value)
+        if not first_binding:
+            invalidate()
+
     def missing(self) -> Optional[str]:
         """Why a requirement is not met here, or None."""
         for req in self.needs:
@@ -136,6 +168,10 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, devices={[d.type for d in self.devices]})"
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        invalidate()
 
     def device(self, device_type: str) -> Optional[Device]:
         return next((d for d in self.devices if d.type == device_type), None)
@@ -217,6 +253,7 @@ def register(backend: Backend) -> Backend:
     if backend.name in _REGISTRY:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     _REGISTRY[backend.name] = backend
+    invalidate()
     return backend
 
 
@@ -224,6 +261,8 @@ class Kernels:
     """The kernel functions of one backend on one device (``attention_fwd``, ``attention_bwd``, ...),
     bound as plain attributes when constructed: reading one is an attribute load, which
     torch.compile traces without a graph break. ``missing``: each op without a kernel here, and why.
+    ``<op>`` (e.g. ``attention``): the C++ library's differentiable op for an eager call (its
+    backward in C++, no Python per call), or None (Triton, an emulated device, no such op).
 
     ``Kernels("cpu")``: the cpu kernels; ``device_type`` defaults to where the backend runs here.
     ``select`` hands out the one instance each backend keeps per device (:meth:`Backend.kernels`).
@@ -239,13 +278,42 @@ class Kernels:
             raise ValueError(declared.unavailable(device_type))
         self.name, self.device_type = backend, device_type
         self.missing: Dict[str, str] = {}
+        # the C++ library's differentiable op per op (csrc/autograd/<op>.cpp), or None: only where its
+        # kernels are the device's own (an emulated device would reach another device's kernels)
+        own = isinstance(dev.source, OpLibrary) and dev.source.dispatch_key.lower() == device_type
+        bound: Dict[str, Dict[str, Callable]] = {}
+        autograd: Dict[str, Optional[Callable]] = {}
         for op in OPS:
+            setattr(self, op, None)
             found = dev.source.find(op)
             if isinstance(found, str):
                 self.missing[op] = found
             else:
                 for fn, kernel in found.items():
                     setattr(self, fn, kernel)
+                bound[op] = dict(found)
+                autograd[op] = dev.source.autograd_op(op) if own and not dev.emulated else None
+                setattr(self, op, autograd[op])
+        self._bound, self._autograd = bound, autograd  # from here on, replacing a kernel is watched
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        self._kernel_changed(name)
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        self._kernel_changed(name)
+
+    def _kernel_changed(self, name: str) -> None:
+        """The C++ differentiable op runs the library's own kernels: while one of its op's kernel
+        attributes is replaced or removed (a test, ``check``'s wrong kernels), the op is None, so the
+        Python Function runs and calls what is bound."""
+        bound = self.__dict__.get("_bound")
+        op = next((o for o in sorted(bound or (), key=len, reverse=True) if name.startswith(o + "_")), None)
+        if op is None:
+            return
+        intact = all(self.__dict__.get(fn) is kernel for fn, kernel in bound[op].items())
+        object.__setattr__(self, op, self._autograd[op] if intact else None)
 
     def __repr__(self) -> str:
         return f"Kernels({self.name!r}, {self.device_type!r})"

@@ -5,11 +5,12 @@ their configuration and inputs, built on them."""
 import contextlib
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+T = TypeVar("T")
 
 
 def tensor(name: str, t, *, ndim: Optional[int] = None, min_ndim: Optional[int] = None,
@@ -31,12 +32,15 @@ def shape(name: str, t: torch.Tensor, want: Sequence[int], meaning: str = "") ->
 
 
 def _same(attr: str, error, message: str, tensors) -> None:
-    items = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if getattr(t, attr) != getattr(first, attr):
-            raise error(message.format(name=name, first=first_name, value=getattr(t, attr),
-                                       first_value=getattr(first, attr)))
+    first_name = first = None  # one pass, no list: this runs on every op call
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        value = getattr(t, attr)
+        if first_name is None:
+            first_name, first = name, value
+        elif value != first:
+            raise error(message.format(name=name, first=first_name, value=value, first_value=first))
 
 
 def same_device(**tensors) -> None:
@@ -99,17 +103,41 @@ def nonempty_dim(name: str, t: torch.Tensor, dim: int, what: str) -> None:
 
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype in force for ``device``'s type, or None when autocast is off."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, in a fifth of a microsecond
+        return None
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one for every call
+
+
 def autocast_off(device: torch.device):
     """The context a kernel call runs in: autocast turned off for ``device``'s type, or nothing to
     enter when it is off already (entering a disabled ``torch.autocast`` costs ~9 us a call)."""
-    if torch.is_autocast_enabled(device.type):
+    if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+    return _NO_CONTEXT
+
+
+# The backends whose kernels check index values (class targets, embedding ids) themselves, as they
+# read them (csrc/cpu): for these the Python check is not made first; it runs only to word the error.
+CHECK_VALUES = ("cpu",)
+
+
+def values_checked(kernels, check_values: Callable[[], None], call: Callable[[], T]) -> T:
+    """``call()``, with the values ``check_values`` checks checked once: by the kernels where they
+    check them (then ``check_values`` runs only after their error, to raise the op's own message),
+    else by ``check_values`` first (reading the values: a device sync on a GPU)."""
+    if kernels is None or kernels.name not in CHECK_VALUES:
+        check_values()
+        return call()
+    try:
+        return call()
+    except RuntimeError:
+        check_values()  # a bad value raises the op's ValueError; any other error is the kernel's
+        raise
 
 
 def cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:

@@ -241,7 +241,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if need_weights:
             weights = attention_probs(q, k, kpm, mask, causal, scale)  # (B, H, L, S)
             if dropout_p > 0.0:
-                rng = philox.draw(dropout_p)  # (2,) tensor: no .item(), so no graph break
+                rng = philox.draw(dropout_p, q.device)  # (2,) tensor: no .item(), so no graph break
                 weights = philox.dropout(weights, dropout_p, rng[0], rng[1])
                 out = torch.matmul(weights, v)
         if weights is None or dropout_p == 0.0:

@@ -2,11 +2,17 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .. import backends
+from .. import backends, philox
 from ..autograd import AddLayerNormFunction
 from ..internal import validation
+from ..internal.eager import eager
 from ..internal.rows import as_rows, as_shape
 from . import reference
+
+# what the backend choice reads of a call: the hidden size bounds the Triton kernels; on a GPU the
+# rest places the call in a class of the measured table (fastformer/backends/measured.py)
+_FACTS = ("hidden_size",)
+_GPU_FACTS = ("hidden_size", "rows", "dropout")
 
 
 def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
@@ -51,7 +57,11 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     x, residual = validation.cast(x, lowp), validation.cast(residual, lowp)
     validation.same_dtype(x=x, residual=residual)
 
-    kernels = backends.select("add_layer_norm", x.device, x.dtype, hidden_size=C)
+    if x.is_cuda:
+        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _GPU_FACTS,
+                                         (C, x.numel() // C, dropout_p > 0.0))
+    else:
+        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _FACTS, (C,))
     if kernels is None:
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm, x_bias=x_bias)
     shape = x.shape
@@ -62,7 +72,10 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     w, b, xb = validation.cast(w, x.dtype), validation.cast(b, x.dtype), validation.cast(x_bias, x.dtype)
     xb = xb.contiguous() if xb is not None else None
     with validation.autocast_off(x.device):
-        y, h = AddLayerNormFunction.apply(x2, r2, w, b, eps, dropout_p, bool(prenorm), kernels, xb)
+        if kernels.add_layer_norm is not None and eager():  # the backward in C++
+            y, h = kernels.add_layer_norm(x2, r2, w, b, eps, dropout_p, prenorm, philox.draw(dropout_p, x.device), xb)
+        else:
+            y, h = AddLayerNormFunction.apply(x2, r2, w, b, eps, dropout_p, bool(prenorm), kernels, xb)
     if prenorm:
         return as_shape(y, shape), as_shape(h, shape)
     return as_shape(y, shape)

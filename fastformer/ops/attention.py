@@ -3,10 +3,16 @@ from typing import Optional
 
 import torch
 
-from .. import backends
+from .. import backends, philox
 from ..autograd import AttentionFunction
 from ..internal import validation
+from ..internal.eager import eager
 from . import reference
+
+# what the backend choice reads of a call: the head dim bounds every backend; on a GPU the rest
+# places the call in a class of the measured table (fastformer/backends/measured.py)
+_FACTS = ("head_dim",)
+_GPU_FACTS = ("head_dim", "q_len", "k_len", "batch_heads", "causal", "dropout", "masked")
 
 
 def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tensor:
@@ -91,7 +97,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     limitation = None
     if attn_mask is not None and attn_mask.requires_grad:
         limitation = "attn_mask requires grad, and only the reference differentiates the mask"
-    kernels = backends.select("attention", q.device, q.dtype, limitation, head_dim=D)
+    if q.is_cuda:
+        kernels = backends.select_cached("attention", q.device, q.dtype, limitation, _GPU_FACTS,
+                                         (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0,
+                                          key_padding_mask is not None or attn_mask is not None))
+    else:
+        kernels = backends.select_cached("attention", q.device, q.dtype, limitation, _FACTS, (D,))
     if kernels is None:
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                    is_causal=is_causal, scale=scale, dropout_p=dropout_p)
@@ -100,4 +111,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     am = _attn_mask_as_additive(attn_mask, B, H, Sq, Sk) if attn_mask is not None else None
     with validation.autocast_off(q.device):
+        if kernels.attention is not None and eager():  # the backward in C++
+            return kernels.attention(q, k, v, kpm, am, is_causal, scale, dropout_p, philox.draw(dropout_p, q.device))
         return AttentionFunction.apply(q, k, v, kpm, am, bool(is_causal), float(scale), dropout_p, kernels)

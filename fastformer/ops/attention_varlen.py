@@ -3,11 +3,14 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import backends
+from .. import backends, philox
 from ..autograd import AttentionVarlenFunction
 from ..autograd.attention_varlen import split
 from ..internal import validation
+from ..internal.eager import eager
 from . import reference
+
+_FACTS = ("head_dim",)  # what the backend choice reads of a call
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str,
@@ -128,7 +131,7 @@ def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q
     validation.same_dtype(**inputs)
     tensors = tuple(inputs.values())
 
-    kernels = backends.select("attention_varlen", q.device, tensors[0].dtype, head_dim=D)
+    kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
     if kernels is None:
         return reference.attention_varlen(*split(layout, tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
@@ -137,5 +140,8 @@ def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q
     cu_seqlens_q = cu_seqlens_q.contiguous()
     cu_seqlens_k = None if same_lengths else cu_seqlens_k.contiguous()
     with validation.autocast_off(q.device):
+        if kernels.attention_varlen is not None and eager():  # the backward in C++
+            return kernels.attention_varlen(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                            float(scale), dropout_p, philox.draw(dropout_p, q.device), *tensors)
         return AttentionVarlenFunction.apply(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              is_causal, float(scale), dropout_p, kernels, *tensors)

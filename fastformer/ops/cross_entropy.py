@@ -5,6 +5,7 @@ import torch
 from .. import backends
 from ..autograd import CrossEntropyFunction, LinearCrossEntropyFunction
 from ..internal import validation
+from ..internal.eager import eager
 from ..internal.rows import as_rows
 from . import reference
 
@@ -23,14 +24,18 @@ def _check_loss_args(label_smoothing, reduction, ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
-def _check_target(target, want_shape, num_classes, ignore_index, **input_):
-    """``target`` must be int64 class indices of ``want_shape`` on the device of ``input_``
-    (one name=tensor pair), each in ``[0, num_classes)`` or equal to ``ignore_index``."""
+def _check_target(target, want_shape, **input_):
+    """``target`` must be int64 class indices of ``want_shape`` on the device of ``input_`` (one
+    name=tensor pair); their values: :func:`_check_target_values`."""
     validation.tensor("target", target)
     if target.dtype != torch.int64:
         raise TypeError(f"target must hold class indices as int64, got {target.dtype}")
     validation.shape("target", target, want_shape, "one class index per row of the input")
     validation.same_device(**input_, target=target)
+
+
+def _check_target_values(target, num_classes, ignore_index):
+    """Each target in ``[0, num_classes)`` or equal to ``ignore_index``."""
     if torch.compiler.is_compiling() or target.numel() == 0:
         return  # a value check would read the data (a graph break); the kernels check it too
     ignored = target == ignore_index
@@ -59,10 +64,16 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     _check_loss_args(label_smoothing, reduction, ignore_index)
     validation.nonempty_dim("logits", logits, 1 if logits.dim() > 1 else 0, "the classes: at least one class")
     want = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
-    _check_target(target, want, logits.shape[1] if logits.dim() > 1 else logits.shape[0], ignore_index,
-                  logits=logits)
+    _check_target(target, want, logits=logits)
+    C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
 
-    kernels = backends.select("cross_entropy", logits.device, logits.dtype)
+    kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
+    return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
+                                     lambda: _cross_entropy(kernels, logits, target, label_smoothing, ignore_index,
+                                                            reduction))
+
+
+def _cross_entropy(kernels, logits, target, label_smoothing, ignore_index, reduction):
     if kernels is None:
         return reference.cross_entropy(logits, target, label_smoothing=label_smoothing,
                                        ignore_index=ignore_index, reduction=reduction)
@@ -70,8 +81,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
     with validation.autocast_off(logits.device):
         if torch.is_grad_enabled() and logits.requires_grad:
-            loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
-                                              REDUCTION_CODE[reduction], kernels)
+            if kernels.cross_entropy is not None and eager():  # the backward in C++
+                loss = kernels.cross_entropy(logits2d, target1d, float(label_smoothing), ignore_index,
+                                             REDUCTION_CODE[reduction])
+            else:
+                loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
+                                                  REDUCTION_CODE[reduction], kernels)
         else:  # no gradient wanted (evaluation, no_grad): the kernel skips writing it
             loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
                                                 REDUCTION_CODE[reduction], False)
@@ -116,13 +131,19 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     validation.nonempty_dim("linear_weight", linear_weight, 0, "V, the classes: at least one class")
     _check_loss_args(label_smoothing, reduction, ignore_index)
     validation.same_device(input=input, linear_weight=linear_weight, linear_bias=linear_bias)
-    _check_target(target, input.shape[:-1], V, ignore_index, input=input)
+    _check_target(target, input.shape[:-1], input=input)
 
     lowp = validation.autocast_dtype(input.device)
     hidden, w, b = (validation.cast(t, lowp) for t in (input, linear_weight, linear_bias))
     validation.same_dtype(input=hidden, linear_weight=w, linear_bias=b)
 
-    kernels = backends.select("linear_cross_entropy", hidden.device, hidden.dtype)
+    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype)
+    return validation.values_checked(kernels, lambda: _check_target_values(target, V, ignore_index),
+                                     lambda: _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing,
+                                                                   ignore_index, reduction))
+
+
+def _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing, ignore_index, reduction):
     if kernels is None:
         return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, label_smoothing=label_smoothing,
                                               ignore_index=ignore_index, reduction=reduction)
@@ -131,8 +152,12 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     code = REDUCTION_CODE[reduction]
     with validation.autocast_off(hidden.device):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, w, b)):
-            loss = LinearCrossEntropyFunction.apply(hidden2d, w, b, target1d, float(label_smoothing),
-                                                    ignore_index, code, kernels)
+            if kernels.linear_cross_entropy is not None and eager():  # the backward in C++
+                loss = kernels.linear_cross_entropy(hidden2d, w, b, target1d, float(label_smoothing), ignore_index,
+                                                    code)
+            else:
+                loss = LinearCrossEntropyFunction.apply(hidden2d, w, b, target1d, float(label_smoothing),
+                                                        ignore_index, code, kernels)
         else:  # no gradient wanted: the logits chunks are reduced to the loss, nothing else is kept
             loss = kernels.linear_cross_entropy_fwd(hidden2d, w, b, target1d, float(label_smoothing),
                                                     ignore_index, code, False)[0]

@@ -1,11 +1,12 @@
 import math
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import backends
+from .. import backends, philox
 from ..autograd import EmbeddingFunction
 from ..internal import validation
+from ..internal.eager import eager
 from ..internal.rows import as_shape
 from . import reference
 
@@ -26,6 +27,25 @@ def _in_range(name: str, t: torch.Tensor, size: int, what: str) -> None:
     lo, hi = (int(v) for v in torch.aminmax(t))
     if lo < 0 or hi >= size:
         raise ValueError(f"{name} must be in [0, {size}) ({what}), got values in [{lo}, {hi}]")
+
+
+_POSITIONS: Dict[Tuple, torch.Tensor] = {}  # eager calls' default positions, per (shape, device)
+
+
+def _default_positions(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """``arange(S)`` along the last dimension of ``shape``, flattened to ``(N,)`` int64: made once per
+    (shape, device) for eager calls (a batch's shapes repeat; the kernels only read it), afresh when
+    traced."""
+    key = (shape, device)
+    pos = _POSITIONS.get(key) if eager() else None
+    if pos is None:
+        pos = (torch.arange(shape[-1], device=device).expand(shape).reshape(-1) if len(shape)
+               else torch.zeros(1, dtype=torch.int64, device=device))
+        if eager():
+            if len(_POSITIONS) >= 256:  # many shapes (generation's growing length): start over
+                _POSITIONS.clear()
+            _POSITIONS[key] = pos
+    return pos
 
 
 def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
@@ -75,30 +95,40 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
         if not -V <= padding_idx < V:
             raise ValueError(f"padding_idx must be in [-{V}, {V}) (weight has {V} rows), got {padding_idx}")
         padding_idx = padding_idx + V if padding_idx < 0 else padding_idx
-    _in_range("input", input, V, "rows of weight")
-    if positional is not None:
-        P = positional.shape[0]
-        if positions is None:
-            S = input.shape[-1] if input.dim() else 1
-            if input.numel() and S > P:
-                raise ValueError(f"positional has {P} rows but input's last dimension needs positions 0 .. {S - 1} "
-                                 f"(S = {S}); pass a longer table")
-        else:
-            _in_range("positions", positions, P, "rows of positional")
+    if positional is not None and positions is None:
+        P, S = positional.shape[0], input.shape[-1] if input.dim() else 1
+        if input.numel() and S > P:
+            raise ValueError(f"positional has {P} rows but input's last dimension needs positions 0 .. {S - 1} "
+                             f"(S = {S}); pass a longer table")
 
-    kernels = backends.select("embedding", weight.device, weight.dtype)
+    def check_values():
+        _in_range("input", input, V, "rows of weight")
+        if positions is not None:
+            _in_range("positions", positions, positional.shape[0], "rows of positional")
+
+    kernels = backends.select_cached("embedding", weight.device, weight.dtype)
+    return validation.values_checked(kernels, check_values, lambda: _embedding(
+        kernels, input, weight, scale, positional, positions, dropout_p, padding_idx, D))
+
+
+def _embedding(kernels, input, weight, scale, positional, positions, dropout_p, padding_idx, D):
     if kernels is None:
         return reference.embedding(input, weight, scale=scale, positional=positional, positions=positions,
                                    dropout_p=dropout_p, padding_idx=padding_idx)
     ids = input.reshape(-1).long().contiguous()  # (N,)
     pos = None
     if positional is not None:
-        if positions is None:  # arange(S) along the last dimension
-            positions = (torch.arange(input.shape[-1], device=input.device).expand(input.shape) if input.dim()
-                         else torch.zeros((), dtype=torch.int64, device=input.device))
-        pos = positions.reshape(-1).long().contiguous()  # (N,)
+        if positions is None:
+            pos = _default_positions(input.shape, input.device)  # (N,)
+        else:
+            pos = positions.reshape(-1).long().contiguous()  # (N,)
         positional = positional.contiguous()
+    padding_idx = -1 if padding_idx is None else padding_idx
     with validation.autocast_off(weight.device):
-        out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p,
-                                      -1 if padding_idx is None else padding_idx, kernels)
+        if kernels.embedding is not None and eager():  # the backward in C++
+            out = kernels.embedding(ids, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
+                                    philox.draw(dropout_p, weight.device))
+        else:
+            out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
+                                          kernels)
     return as_shape(out, (*input.shape, D))

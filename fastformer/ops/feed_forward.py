@@ -2,9 +2,10 @@ from typing import Optional
 
 import torch
 
-from .. import backends
+from .. import backends, philox
 from ..autograd import FeedForwardFunction
 from ..internal import validation
+from ..internal.eager import eager
 from ..internal.rows import as_rows, as_shape
 from . import reference
 
@@ -51,12 +52,16 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     x, w1, b1, w2, b2 = (validation.cast(t, lowp) for t in (x, w1, b1, w2, b2))
     validation.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
 
-    kernels = backends.select("feed_forward", x.device, x.dtype)
+    kernels = backends.select_cached("feed_forward", x.device, x.dtype)
     if kernels is None:
         return reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
     shape = x.shape
     x2 = as_rows(x, E)  # (N, E)
     with validation.autocast_off(x.device):
-        out = FeedForwardFunction.apply(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation,
-                                        dropout_p, kernels)
+        if kernels.feed_forward is not None and eager():  # the backward in C++
+            out = kernels.feed_forward(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p,
+                                       philox.draw(dropout_p, x.device))
+        else:
+            out = FeedForwardFunction.apply(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation,
+                                            dropout_p, kernels)
     return as_shape(out, shape)

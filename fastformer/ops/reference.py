@@ -23,11 +23,11 @@ from .. import philox
 _REDUCTIONS = ("none", "mean", "sum")
 
 
-def _rng(dropout_p: float, rng: Union[None, Tuple[int, int], torch.Tensor]):
+def _rng(dropout_p: float, rng: Union[None, Tuple[int, int], torch.Tensor], device: torch.device):
     """(seed, offset) for :func:`philox.dropout`: the given ints, or the two 0-d halves of a
     philox tensor (given, or drawn here when ``rng`` is None and ``dropout_p > 0``)."""
     if rng is None:
-        rng = philox.draw(dropout_p)
+        rng = philox.draw(dropout_p, device)
     if isinstance(rng, torch.Tensor):
         return rng[0], rng[1]
     return rng
@@ -67,7 +67,7 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
             s = s + attn_mask.masked_fill(minus_inf, 0.0).to(stat_dtype)
     keep = None
     if dropout_p > 0.0:
-        seed, offset = _rng(dropout_p, rng)
+        seed, offset = _rng(dropout_p, rng, q.device)
         keep = philox.keep_mask(s.shape, dropout_p, seed, offset, device=s.device)
     return _masked_softmax_v(s, hidden, v, dropout_p, keep)
 
@@ -108,7 +108,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     G = philox.groups_per_row(max_seqlen_k)
     if dropout_p > 0.0:
-        seed, offset = _rng(dropout_p, rng)
+        seed, offset = _rng(dropout_p, rng, q.device)
     pieces = []  # each sequence's (Lq, H, D) rows, in order: together the (total_q, H, D) output
     for b in range(len(cq) - 1):
         Lq, Lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
@@ -142,7 +142,7 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenor
     """
     h = x if x_bias is None else x + x_bias
     if dropout_p > 0.0:
-        seed, offset = _rng(dropout_p, rng)
+        seed, offset = _rng(dropout_p, rng, x.device)
         h = philox.dropout(h, dropout_p, seed, offset)
     if residual is not None:
         h = h + residual
@@ -178,7 +178,7 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, rng=Non
         pre = pre + b1
     a = _activation(pre, activation)
     if dropout_p > 0.0:
-        seed, offset = _rng(dropout_p, rng)
+        seed, offset = _rng(dropout_p, rng, x.device)
         a = philox.dropout(a, dropout_p, seed, offset)
     out = torch.matmul(a, w2.t())  # (..., E)
     if b2 is not None:
@@ -271,6 +271,6 @@ def embedding(input, weight, *, scale=1.0, positional=None, positions=None, drop
                          else torch.zeros((), dtype=torch.int64, device=input.device))
         x = x + positional.to(acc)[positions]
     if dropout_p > 0.0:
-        seed, offset = _rng(dropout_p, rng)
+        seed, offset = _rng(dropout_p, rng, x.device)
         x = philox.dropout(x, dropout_p, seed, offset)
     return x.to(weight.dtype)

@@ -12,7 +12,8 @@ twice (the row sums, then dx chunk by chunk) and ``_add_layer_norm_bwd_part`` (o
 column block and block of rows) fills the same partials buffer from dy, h and the row statistics.
 Dropout is fastformer/philox.py's with rows of ``C`` columns: element ``(row, col)`` takes its 16 bits
 from the Philox call on counter ``offset + row * ceil(C / 8) + col // 8``; the backward regenerates the
-forward's mask from ``(seed, offset)``, read on the host from the ops' ``philox`` tensor.
+forward's mask from ``(seed, offset)``: the ops' ``philox`` tensor, loaded by each program where it
+lies on the op's device, else read on the host and passed as scalars (utils.philox_args).
 """
 import functools
 from typing import List, Optional, Tuple
@@ -21,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .registration import register_op
-from .utils import (check_float, check_tensor, dropout_args, dropout_keep_tile, next_power_of_2,
-                    on_device_of_first_tensor, read_philox)
+from .registration import kernel, register_op
+from .utils import (cdiv, check_float, check_tensor, dropout_args, dropout_keep_tile, load_philox, next_power_of_2,
+                    on_device_of_first_tensor, philox_args, reload_philox)
 
 MAX_C = 16384  # the widest row one program keeps in registers
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -51,8 +52,9 @@ def _row_block(g, rows_per_program, N):
 
 
 @triton.jit
-def _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, c0, drop_threshold, drop_scale,
-                 HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, BLOCK_C: tl.constexpr):
+def _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, Philox, seed, offset, row, C, c0, drop_threshold, drop_scale,
+                 HAS_DH: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DRES: tl.constexpr, BLOCK_C: tl.constexpr,
+                 RELOAD_PHILOX: tl.constexpr):
     """The tail both row backwards share, on columns ``c0 + arange(BLOCK_C)`` of ``row`` (elements
     ``idx``): the gradient of h (``dh`` from the LayerNorm, plus DHIn) to DRes, dropout's backward
     of it to DX."""
@@ -62,6 +64,8 @@ def _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, c0, drop_t
         tl.store(DRes + idx, dh.to(DRes.dtype.element_ty), mask=mask)
     dx = dh
     if HAS_DROPOUT:
+        if RELOAD_PHILOX:  # (seed, offset) loaded here, at its use: not held in registers across the row loop
+            seed, offset = reload_philox(Philox, seed, offset)
         keep = _row_keep(seed, offset, row, C, c0, drop_threshold, BLOCK_C)
         dx = tl.where(keep, dh * drop_scale, 0.0)
     tl.store(DX + idx, dx.to(DX.dtype.element_ty), mask=mask)
@@ -75,7 +79,7 @@ def _store_partials(DWPart, DBPart, g, C, cols, mask, dw_acc, db_acc):
     tl.store(DBPart + part, db_acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _add_layer_norm_fwd(
     X,  # (N, C) input, dropped out before the add
     R,  # (N, C) residual (not read without HAS_RESIDUAL)
@@ -87,14 +91,16 @@ def _add_layer_norm_fwd(
     Rstd,  # (N,) fp32 output: 1 / sqrt(var + eps) of each row of h
     C,  # hidden size (= row stride, rows are contiguous)
     eps,  # added to the variance
-    seed,  # Philox key of the dropout mask
-    offset,  # Philox counter of element (0, 0)
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # Philox key of the dropout mask (without Philox)
+    offset,  # Philox counter of element (0, 0) (without Philox)
     drop_threshold,  # round(dropout_p * 2**16): keep iff the element's 16 Philox bits >= drop_threshold
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_RESIDUAL: tl.constexpr,  # add R
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
     BLOCK_C: tl.constexpr,  # next power of two >= max(C, 8)
 ):
+    seed, offset = load_philox(Philox, seed, offset)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
     mask = cols < C
@@ -120,7 +126,7 @@ def _add_layer_norm_fwd(
     tl.store(Rstd + row, rstd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _add_layer_norm_bwd(
     DY,  # (N, C) gradient of y
     DHIn,  # (N, C) extra gradient of h (prenorm's second output); not read without HAS_DH
@@ -135,8 +141,9 @@ def _add_layer_norm_bwd(
     N,  # number of rows
     C,  # hidden size (= row stride)
     rows_per_program,  # rows [pid * rows_per_program, (pid + 1) * rows_per_program) are ours
-    seed,  # Philox key of the dropout mask
-    offset,  # Philox counter of element (0, 0)
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # Philox key of the dropout mask (without Philox)
+    offset,  # Philox counter of element (0, 0) (without Philox)
     drop_threshold,  # round(dropout_p * 2**16)
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_DH: tl.constexpr,  # add DHIn to the gradient of h
@@ -144,6 +151,9 @@ def _add_layer_norm_bwd(
     STORE_DRES: tl.constexpr,  # write the gradient of h to DRes
     BLOCK_C: tl.constexpr,  # next power of two >= max(C, 8)
 ):
+    RELOAD: tl.constexpr = BLOCK_C == 4096  # loaded once it spills 4 B at 16 warps on sm_80 (reloaded: 36 B at 8192)
+    if not RELOAD:
+        seed, offset = load_philox(Philox, seed, offset)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
     mask = cols < C
@@ -162,14 +172,14 @@ def _add_layer_norm_bwd(
         c1 = tl.sum(xhat * wdy, axis=0) / C
         c2 = tl.sum(wdy, axis=0) / C
         dh = (wdy - (xhat * c1 + c2)) * rstd
-        _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, 0, drop_threshold, drop_scale,
-                     HAS_DH, HAS_DROPOUT, STORE_DRES, BLOCK_C)
+        _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, Philox, seed, offset, row, C, 0, drop_threshold, drop_scale,
+                     HAS_DH, HAS_DROPOUT, STORE_DRES, BLOCK_C, RELOAD)
         dw_acc += dy * xhat
         db_acc += dy
     _store_partials(DWPart, DBPart, pid, C, cols, mask, dw_acc, db_acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _add_layer_norm_bwd_chunked(
     DY,  # (N, C) gradient of y
     DHIn,  # (N, C) extra gradient of h (prenorm's second output); not read without HAS_DH
@@ -182,8 +192,9 @@ def _add_layer_norm_bwd_chunked(
     N,  # number of rows
     C,  # hidden size (= row stride)
     rows_per_program,  # rows [pid * rows_per_program, (pid + 1) * rows_per_program) are ours
-    seed,  # Philox key of the dropout mask
-    offset,  # Philox counter of element (0, 0)
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # Philox key of the dropout mask (without Philox)
+    offset,  # Philox counter of element (0, 0) (without Philox)
     drop_threshold,  # round(dropout_p * 2**16)
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_DH: tl.constexpr,  # add DHIn to the gradient of h
@@ -222,8 +233,8 @@ def _add_layer_norm_bwd_chunked(
                    * tl.load(DY + idx, mask=mask, other=0.0).to(tl.float32))
             xhat = tl.where(mask, (h - mean) * rstd, 0.0)
             dh = (wdy - (xhat * c1 + c2)) * rstd
-            _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, seed, offset, row, C, c0, drop_threshold, drop_scale,
-                         HAS_DH, HAS_DROPOUT, STORE_DRES, CHUNK_C)
+            _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, Philox, seed, offset, row, C, c0, drop_threshold,
+                         drop_scale, HAS_DH, HAS_DROPOUT, STORE_DRES, CHUNK_C, True)
 
 
 @triton.jit
@@ -300,8 +311,8 @@ def _partial_rows(n: int, device: torch.device) -> Tuple[int, int]:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         target = 4 * _sm_count(index)
-    rows_per_program = triton.cdiv(n, min(n, target))
-    return rows_per_program, triton.cdiv(n, rows_per_program)
+    rows_per_program = cdiv(n, min(n, target))
+    return rows_per_program, cdiv(n, rows_per_program)
 
 
 def _check_x(x: torch.Tensor, name: str = "x") -> Tuple[int, int]:
@@ -318,7 +329,8 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
                              bias: torch.Tensor, eps: float, dropout_p: float,
                              philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(x)
-    seed, offset = read_philox(philox, "add_layer_norm_fwd")
+    has_dropout, threshold, scale = dropout_args(dropout_p)
+    rng = philox_args(philox, x.device, "add_layer_norm_fwd", has_dropout)
     if residual is not None:
         check_tensor("residual", residual, (N, C), x.dtype)
     check_tensor("weight", weight, (C,))
@@ -329,11 +341,10 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     rstd = torch.empty(N, dtype=torch.float32, device=x.device)
     if N == 0:
         return y, h, mean, rstd
-    has_dropout, threshold, scale = dropout_args(dropout_p)
     block_c = next_power_of_2(max(C, 8))  # whole Philox groups of 8 columns
-    torch.library.wrap_triton(_add_layer_norm_fwd)[(N,)](
+    kernel(_add_layer_norm_fwd)[(N,)](
         x, residual if residual is not None else x, weight, bias, y, h, mean, rstd,
-        C, eps, seed, offset, threshold, scale,
+        C, eps, *rng, threshold, scale,
         HAS_RESIDUAL=residual is not None, HAS_DROPOUT=has_dropout, BLOCK_C=block_c,
         num_warps=_num_warps(block_c), num_stages=1)
     return y, h, mean, rstd
@@ -345,14 +356,14 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
                              dropout_p: float, philox: torch.Tensor,
                              has_residual: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(h, "h")
-    seed, offset = read_philox(philox, "add_layer_norm_bwd")
+    has_dropout, threshold, scale = dropout_args(dropout_p)
+    rng = philox_args(philox, h.device, "add_layer_norm_bwd", has_dropout)
     check_tensor("dy", dy, (N, C), h.dtype)
     if dh is not None:
         check_tensor("dh", dh, (N, C), h.dtype)
     check_tensor("weight", weight, (C,))
     check_tensor("mean", mean, (N,), torch.float32)
     check_tensor("rstd", rstd, (N,), torch.float32)
-    has_dropout, threshold, scale = dropout_args(dropout_p)
     store_dres = has_residual and has_dropout
     dx = torch.empty_like(h)  # (N, C)
     dres = torch.empty_like(h) if store_dres else h.new_empty(0)  # empty: the residual's grad is dx
@@ -367,18 +378,18 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     dh_in, dres_out = dh if dh is not None else dy, dres if store_dres else dx
     flags = dict(HAS_DH=dh is not None, HAS_DROPOUT=has_dropout, STORE_DRES=store_dres)
     if block_c < SPLIT_BLOCK_C:
-        torch.library.wrap_triton(_add_layer_norm_bwd)[(G,)](
+        kernel(_add_layer_norm_bwd)[(G,)](
             dy, dh_in, h, weight, mean, rstd, dx, dres_out, dw_part, db_part, N, C, rows_per_program,
-            seed, offset, threshold, scale, **flags, BLOCK_C=block_c, num_warps=_num_warps(block_c),
+            *rng, threshold, scale, **flags, BLOCK_C=block_c, num_warps=_num_warps(block_c),
             num_stages=1)
     else:  # wide rows: column chunks, and the dweight/dbias partials in their own kernel
-        torch.library.wrap_triton(_add_layer_norm_bwd_chunked)[(G,)](
-            dy, dh_in, h, weight, mean, rstd, dx, dres_out, N, C, rows_per_program, seed, offset,
+        kernel(_add_layer_norm_bwd_chunked)[(G,)](
+            dy, dh_in, h, weight, mean, rstd, dx, dres_out, N, C, rows_per_program, *rng,
             threshold, scale, **flags, CHUNK_C=_CHUNK_C, num_warps=_CHUNK_WARPS, num_stages=1)
-        torch.library.wrap_triton(_add_layer_norm_bwd_part)[(triton.cdiv(C, _PART_BLOCK_N), G)](
+        kernel(_add_layer_norm_bwd_part)[(cdiv(C, _PART_BLOCK_N), G)](
             dy, h, mean, rstd, dw_part, db_part, N, C, rows_per_program, BLOCK_N=_PART_BLOCK_N,
             num_warps=4, num_stages=1)
-    torch.library.wrap_triton(_add_layer_norm_bwd_dwdb)[(triton.cdiv(C, _DWDB_BLOCK_N),)](
+    kernel(_add_layer_norm_bwd_dwdb)[(cdiv(C, _DWDB_BLOCK_N),)](
         dw_part, db_part, dweight, dbias, G, C, BLOCK_G=_DWDB_BLOCK_G, BLOCK_N=_DWDB_BLOCK_N,
         num_warps=4, num_stages=1)
     return dx, dres, dweight, dbias
@@ -405,11 +416,11 @@ def aot_specs() -> List[dict]:
                 name=f"_add_layer_norm_fwd_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_fwd,
                 signature={"X": f"*{t}", "R": f"*{t}", "W": f"*{t}", "B": f"*{t}", "Y": f"*{t}",
                            "H": f"*{t}", "Mean": "*fp32", "Rstd": "*fp32", "C": "i32", "eps": "fp32",
-                           "seed": "i64", "offset": "i64", "drop_threshold": "i32",
+                           "Philox": "*i64", "seed": "i64", "offset": "i64", "drop_threshold": "i32",
                            "drop_scale": "fp32", "HAS_RESIDUAL": "constexpr",
                            "HAS_DROPOUT": "constexpr", "BLOCK_C": "constexpr"},
                 constexprs={"HAS_RESIDUAL": True, "HAS_DROPOUT": True, "BLOCK_C": block_c},
-                divisible_by_16=("X", "R", "W", "B", "Y", "H", "Mean", "Rstd", "C"),
+                divisible_by_16=("X", "R", "W", "B", "Y", "H", "Mean", "Rstd", "Philox", "C"),
                 num_warps=warps, num_stages=1))
             if block_c >= SPLIT_BLOCK_C:
                 continue  # the backward of wide rows: the chunked kernels below
@@ -418,23 +429,23 @@ def aot_specs() -> List[dict]:
                 signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
                            "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
                            "DWPart": "*fp32", "DBPart": "*fp32", "N": "i32", "C": "i32",
-                           "rows_per_program": "i32", "seed": "i64", "offset": "i64",
+                           "rows_per_program": "i32", "Philox": "*i64", "seed": "i64", "offset": "i64",
                            "drop_threshold": "i32", "drop_scale": "fp32", "HAS_DH": "constexpr",
                            "HAS_DROPOUT": "constexpr", "STORE_DRES": "constexpr",
                            "BLOCK_C": "constexpr"},
                 constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True,
                             "BLOCK_C": block_c},
                 divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "DWPart",
-                                 "DBPart", "C"),
+                                 "DBPart", "Philox", "C"),
                 num_warps=warps, num_stages=1))
         specs.append(dict(
             name=f"_add_layer_norm_bwd_chunked_{t}_K{_CHUNK_C}_w{_CHUNK_WARPS}", fn=_add_layer_norm_bwd_chunked,
             signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
                        "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
-                       "N": "i32", "C": "i32", "rows_per_program": "i32", "seed": "i64",
+                       "N": "i32", "C": "i32", "rows_per_program": "i32", "Philox": "*i64", "seed": "i64",
                        "offset": "i64", "drop_threshold": "i32", "drop_scale": "fp32"},
             constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True, "CHUNK_C": _CHUNK_C},
-            divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "C"),
+            divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "Philox", "C"),
             num_warps=_CHUNK_WARPS, num_stages=1))
         specs.append(dict(
             name=f"_add_layer_norm_bwd_part_{t}", fn=_add_layer_norm_bwd_part,

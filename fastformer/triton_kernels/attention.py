@@ -19,6 +19,7 @@ each grid entry b is then a packed sequence whose rows and lengths come from ``c
 (a :class:`Layout` says which); ``forward`` / ``backward`` are the launch code both ops' host
 functions share.
 """
+import functools
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -29,9 +30,9 @@ from . import attention_backward as kernels
 from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
                               key_tile_scores, load_rows, program_sequence, stats_row, store_rows)
 from .matmul import input_precision
-from .registration import register_op
-from .utils import (INTERPRET, dropout_threshold, first_config_only, next_power_of_2, on_device_of_first_tensor,
-                    read_philox)
+from .registration import kernel, register_op
+from .utils import (INTERPRET, cdiv, dropout_threshold, first_config_only, load_philox, next_power_of_2,
+                    on_device_of_first_tensor, philox_args)
 
 MAX_HEAD_DIM = 256
 
@@ -69,10 +70,10 @@ def _attention_fwd(
     Q,  # (B, H, Sq, D) queries, last dim contiguous; VARLEN: (total_q, H, D) packed sequences
     K,  # (B, H, Sk, D) keys, last dim contiguous; VARLEN: (total_k, H, D)
     V,  # (B, H, Sk, D) values, last dim contiguous; VARLEN: (total_k, H, D)
-    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
-    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
-    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (a dummy otherwise)
-    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (a dummy otherwise)
+    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
+    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
+    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
+    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
     Out,  # (B, H, Sq, D) output; VARLEN: (total_q, H, D)
     Lse,  # fp32 natural log-sum-exp, +inf for rows with no visible key: (B, H, Sq); VARLEN: (H, total_q)
     stride_qb,  # q batch stride (0 with VARLEN)
@@ -100,8 +101,9 @@ def _attention_fwd(
     total_k,  # VARLEN: rows of k and v; unused otherwise
     D,  # head dim (<= BLOCK_D)
     scale,  # fp32 score scale
-    seed,  # i64 dropout Philox seed
-    rng_offset,  # i64 dropout Philox counter of element 0
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # i64 dropout Philox seed (without Philox)
+    rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
     drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
@@ -129,6 +131,7 @@ def _attention_fwd(
 
     q = load_rows(head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm), offs_m, stride_qm, offs_d, Lq, D,
                   EVEN_D, LARGE_OFFSETS)
+    seed, rng_offset = load_philox(Philox, seed, rng_offset)
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_kpm_b, stride_am_b, stride_am_h)
@@ -202,7 +205,7 @@ _CONFIGS_LOWP = {
 }
 _CONFIGS_FP32 = {
     "fwd": {32: (64, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
-    "dkdv": {32: (16, 16, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 16, 8, 2)},
+    "dkdv": {32: (16, 16, 8, 3), 64: (16, 32, 8, 3), 128: (16, 16, 8, 2), 256: (16, 16, 8, 2)},
     "dq": {32: (16, 32, 4, 3), 64: (32, 32, 4, 2), 128: (16, 32, 8, 2), 256: (16, 16, 4, 2)},
 }
 
@@ -210,10 +213,16 @@ _CONFIGS_FP32 = {
 # Packed sequences (VARLEN) hold each sequence's first rows and lengths in registers (loaded from
 # cu_seqlens, where the padded kernels read kernel parameters): where that makes the padded op's
 # first choice spill, the varlen kernels lead with their own (kind, BLOCK_D, element size, heavy).
+# The Philox pointer argument (load_philox) costs the heavy kernels a few registers more: so do
+# the heavy fp16 / bf16 dK/dV at d256 (the padded (32, 16, 8, 2) spilled on sm_90; 16x16 tiles spill
+# on sm_80 with 8 warps, on sm_90 with 4), the fp32 dK/dV at d32 (3 stages spilled on sm_80) and
+# the fp32 dQ at d64 (32x32 spilled with tf32 dots on sm_90).
 _CONFIGS_VARLEN = {
     ("fwd", 128, 2, False): [(128, 32, 8, 3), (64, 64, 4, 3)],
-    ("dq", 64, 4, True): [(32, 32, 8, 3)],
+    ("dq", 64, 4, True): [(32, 16, 8, 3)],
+    ("dkdv", 32, 4, True): [(16, 16, 8, 2)],
     ("dkdv", 128, 4, True): [(16, 16, 8, 2)],
+    ("dkdv", 256, 2, True): [(32, 16, 8, 1)],
     ("dkdv", 256, 4, True): [(16, 16, 8, 1)],
 }
 
@@ -236,7 +245,8 @@ def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: 
     return max(stages - 1, 1) * (streamed + mask) + kept + staging + 1024
 
 
-def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False) -> List[triton.Config]:
+@functools.lru_cache(maxsize=None)
+def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False) -> Tuple[triton.Config, ...]:
     """Autotune configs for one kernel, BLOCK_D bucket, element size, feature class (heavy =
     dropout or an additive mask) and layout, pruned to fit sm_80's shared memory: a config that
     would not fit loses pipeline stages first, and is dropped if even one stage is too much."""
@@ -254,7 +264,7 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
             keep.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
     if not keep:  # the smallest tile fits everything
         keep.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
-    return keep
+    return tuple(keep)
 
 
 _TUNERS = {}
@@ -265,7 +275,7 @@ def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = Fa
     layout), keyed on the sequence-length buckets and the head dim."""
     key = (kind, block_d, elt, heavy, varlen)
     if key not in _TUNERS:
-        _TUNERS[key] = triton.autotune(configs=_configs(kind, block_d, elt, heavy, varlen),
+        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen)),
                                        key=["TUNE_SQ", "TUNE_SK", "D"])(fn)
     return _TUNERS[key]
 
@@ -309,20 +319,19 @@ def _check_inputs(q, k, v, key_padding_mask, attn_mask):
         raise TypeError(f"attention: attn_mask must be an fp32 additive mask, got {attn_mask.dtype}")
 
 
-def _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk):
-    """(kpm tensor, its 2 strides, am tensor, its 4 strides): real masks or 1-element dummies."""
+def _mask_args(key_padding_mask, attn_mask, B, H, Sq, Sk):
+    """(kpm tensor, its 2 strides, am tensor, its 4 strides): the masks, or None (the kernels'
+    constexpr None: nothing allocated, nothing read) and zero strides."""
     if key_padding_mask is not None:
         kpm = key_padding_mask.view(torch.uint8)  # (B, Sk)
-        kpm_strides = (kpm.stride(0), kpm.stride(1))
+        kpm_strides = kpm.stride()
     else:
-        kpm = torch.empty(1, dtype=torch.uint8, device=q.device)
-        kpm_strides = (0, 0)
+        kpm, kpm_strides = None, (0, 0)
     if attn_mask is not None:
         am = attn_mask.expand(B, H, Sq, Sk)  # a view: broadcast dims get stride 0
-        am_strides = tuple(am.stride())
+        am_strides = am.stride()
     else:
-        am = torch.empty(1, dtype=torch.float32, device=q.device)
-        am_strides = (0, 0, 0, 0)
+        am, am_strides = None, (0, 0, 0, 0)
     return kpm, kpm_strides, am, am_strides
 
 
@@ -344,22 +353,28 @@ def _dropout_args(dropout_p: float):
     return True, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0)
 
 
+@functools.lru_cache(maxsize=None)
+def _first_config(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool) -> dict:
+    """The launch keywords (tiles, warps, stages) of a kernel's first-choice config, built once."""
+    cfg = _configs(kind, block_d, elt, heavy, varlen)[0]
+    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _launch(kind, fn, grid_of, block_d, elt, args, meta):
-    """Launch ``fn`` through ``wrap_triton`` so torch.compile captures the kernel inside the
-    registered op: autotuned on a GPU (its first config where ``utils.first_config_only()``), the
-    fixed interpreter blocks on CPU."""
-    wrap = torch.library.wrap_triton
+    """Launch ``fn`` through ``wrap_triton`` (inside a traced op torch.compile captures the kernel;
+    on the eager path it is the kernel itself): autotuned on a GPU (its first config where
+    ``utils.first_config_only()``), the fixed interpreter blocks on CPU. ``grid_of(launch keywords)``:
+    the grid of a config."""
     if INTERPRET and not INTERPRET_FIRST_CHOICE:
-        blocks = dict(INTERPRET_BLOCKS)
-        wrap(fn)[grid_of(blocks)](*args, **meta, **blocks)
+        kernel(fn)[grid_of(INTERPRET_BLOCKS)](*args, **meta, **INTERPRET_BLOCKS)
     else:
         heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
+        varlen = meta.get("VARLEN", False)
         if INTERPRET or first_config_only():  # the first (best-guess) config, no autotuning
-            cfg = _configs(kind, block_d, elt, heavy, meta.get("VARLEN", False))[0]
-            wrap(fn)[grid_of(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps,
-                                          num_stages=cfg.num_stages)
+            launch = _first_config(kind, block_d, elt, heavy, varlen)
+            kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
-            wrap(_tuned(kind, fn, block_d, elt, heavy, meta.get("VARLEN", False)))[grid_of](*args, **meta)
+            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
@@ -380,8 +395,8 @@ class Layout(NamedTuple):
     D: int
     total_q: int  # rows of q: B * Sq when padded
     total_k: int  # rows of k and v: B * Sk when padded
-    cu_q: torch.Tensor  # (B + 1,) int32 with VARLEN, else a 1-element dummy
-    cu_k: torch.Tensor
+    cu_q: Optional[torch.Tensor]  # (B + 1,) int32 with VARLEN, else None
+    cu_k: Optional[torch.Tensor]
     varlen: bool
 
     def strides(self, t: torch.Tensor) -> Tuple[int, int, int]:
@@ -396,8 +411,7 @@ class Layout(NamedTuple):
 def padded_layout(q: torch.Tensor, k: torch.Tensor) -> Layout:
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
-    dummy = torch.empty(1, dtype=torch.int32, device=q.device)
-    return Layout(B, H, Sq, Sk, D, B * Sq, B * Sk, dummy, dummy, False)
+    return Layout(B, H, Sq, Sk, D, B * Sq, B * Sk, None, None, False)
 
 
 def _meta(q, layout: Layout, block_d: int, key_padding_mask, attn_mask, is_causal: bool, has_dropout: bool,
@@ -410,33 +424,37 @@ def _meta(q, layout: Layout, block_d: int, key_padding_mask, attn_mask, is_causa
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
             key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], is_causal: bool,
-            scale: float, dropout_p: float, seed: int, offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Checked inputs in ``layout`` -> out (q's shape, contiguous) and lse (``layout.lse_shape()``)."""
+            scale: float, dropout_p: float, philox: torch.Tensor, op: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Checked inputs in ``layout`` -> out (q's shape, contiguous) and lse (``layout.lse_shape()``);
+    ``philox`` the op's (``op`` names it in errors), see utils.philox_args."""
     B, H, Sq, Sk, D = layout.B, layout.H, layout.Sq, layout.Sk, layout.D
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
     if B * H * Sq * D == 0 or out.numel() == 0:  # nothing to launch (packed: no sequence has a query)
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
+    kpm, kpm_strides, am, am_strides = _mask_args(key_padding_mask, attn_mask, B, H, Sq, Sk)
     has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    rng = philox_args(philox, q.device, op, has_dropout)
     block_d = _block_d(D)
     qs, ks, vs, outs = (layout.strides(t) for t in (q, k, v, out))
     args = (q, k, v, kpm, am, layout.cu_q, layout.cu_k, out, lse, *qs, *ks, *vs, *outs,
-            *kpm_strides, *am_strides, H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), seed, offset,
+            *kpm_strides, *am_strides, H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng,
             threshold, drop_scale, _tune_bucket(Sq), _tune_bucket(Sk))
     large = _large_offsets(Sq, Sk, (qs[2], outs[2]), (ks[2], vs[2]), am_strides, kpm_strides)
     meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large)
-    _launch("fwd", _attention_fwd, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
+    _launch("fwd", _attention_fwd, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
             q.element_size(), args, meta)
     return out, lse
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, layout: Layout, key_padding_mask: Optional[torch.Tensor],
-             attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, dropout_p: float, seed: int,
-             offset: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, dropout_p: float,
+             philox: torch.Tensor, op: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checked inputs in ``layout`` -> dq, dk, dv laid out like ``empty_like(q / k / v)``."""
+    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    rng = philox_args(philox, q.device, op, has_dropout)
     B, H, Sq, Sk, D = layout.B, layout.H, layout.Sq, layout.Sk, layout.D
     # laid out like empty_like(q / k / v), as every backend's kernels and the shared fake promise
     # (a transposed (B, S, H, D) input gets a gradient of that layout); the kernel writes dk and dv
@@ -448,8 +466,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return dq, dk, dv_out
     if Sq == 0 or layout.total_q == 0:  # no query: every key gets zero gradient
         return dq, dk.zero_(), dv_out.zero_()
-    kpm, kpm_strides, am, am_strides = _mask_args(q, key_padding_mask, attn_mask, B, H, Sq, Sk)
-    has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
+    kpm, kpm_strides, am, am_strides = _mask_args(key_padding_mask, attn_mask, B, H, Sq, Sk)
     block_d = _block_d(D)
     qs, ks, vs, dos, outs, dqs, dks = (layout.strides(t) for t in (q, k, v, dout, out, dq, dk))
     delta = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
@@ -458,20 +475,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     pre_b, pre_rows = (1, layout.total_q) if layout.varlen else (B, Sq)
     pre_large = large or _large_offsets(pre_rows, 1, (outs[2], dos[2]), (), (0, 0, 0, 0), (0, 0))
     pre_block = INTERPRET_BLOCKS["BLOCK_M"] if INTERPRET else PREPROCESS_BLOCK_M
-    torch.library.wrap_triton(kernels._attention_bwd_preprocess)[(triton.cdiv(pre_rows, pre_block), H, pre_b)](
+    kernel(kernels._attention_bwd_preprocess)[(cdiv(pre_rows, pre_block), H, pre_b)](
         out, dout, delta, *outs, *dos, H, pre_rows, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=D == block_d,
         LARGE_OFFSETS=pre_large)
 
     common = (q, k, v, dout, lse, delta, kpm, am, layout.cu_q, layout.cu_k)
     strides = (*qs, *ks, *vs, *dos, *kpm_strides, *am_strides)
-    scalars = (H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), seed, offset, threshold, drop_scale,
+    scalars = (H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng, threshold, drop_scale,
                _tune_bucket(Sq), _tune_bucket(Sk))
     meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large)
     elt = q.element_size()
     if Sk > 0:
-        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (triton.cdiv(Sk, META["BLOCK_N"]), H, B),
+        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (cdiv(Sk, META["BLOCK_N"]), H, B),
                 block_d, elt, (*common, dk, dv, *strides, *dks, *scalars), meta)
-    _launch("dq", kernels._attention_bwd_dq, lambda META: (triton.cdiv(Sq, META["BLOCK_M"]), H, B),
+    _launch("dq", kernels._attention_bwd_dq, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B),
             block_d, elt, (*common, dq, *strides, *dqs, *scalars), meta)
     if dv is not dv_out:
         dv_out.copy_(dv)
@@ -484,9 +501,8 @@ def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         is_causal: bool, scale: float, dropout_p: float,
                         philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
-    seed, offset = read_philox(philox, "attention_fwd")
-    return forward(q, k, v, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale, dropout_p, seed,
-                   offset)
+    return forward(q, k, v, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox,
+                   "attention_fwd")
 
 
 @on_device_of_first_tensor
@@ -496,7 +512,6 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         dropout_p: float,
                         philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
-    seed, offset = read_philox(philox, "attention_bwd")
     B, H, Sq, D = q.shape
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
         raise ValueError(f"attention_bwd: dout and out must have q's shape {tuple(q.shape)} and lse "
@@ -506,7 +521,7 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("attention_bwd: lse must be a contiguous fp32 (B, H, Sq) tensor")
     return backward(dout, q, k, v, out, lse, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale,
-                    dropout_p, seed, offset)
+                    dropout_p, philox, "attention_bwd")
 
 
 # q, k, v (B, H, S, D) -> out (B, H, Sq, D), lse (B, H, Sq) fp32
@@ -552,7 +567,10 @@ def _spec(name: str, fn, types: dict, constexprs: dict, num_warps: int, num_stag
 def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]:
     """Specs of the forward, dK/dV and dQ kernels: each dtype, each BLOCK_D bucket, each feature
     class ``{name: (heavy, constexprs)}`` (its features all on: its largest code and register
-    footprint) with each of its autotune configs."""
+    footprint) with each of its autotune configs. The pointers of absent features (a mask, the
+    cu_seqlens of the padded layout, the philox of a launch without dropout) are launched as None:
+    constexprs here too. With dropout ``Philox`` is a pointer: the device form of the argument,
+    which loads (seed, offset); the CPU form (scalars) only drops those two loads."""
     specs = []
     kinds = {"fwd": _attention_fwd, "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():
@@ -563,7 +581,7 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
             for block_d in BLOCK_D_BUCKETS:
                 for cls, (heavy, features) in classes.items():
                     features = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION=precision, LARGE_OFFSETS=False,
-                                    **features)
+                                    **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
                         for cfg in _configs(kind, block_d, elt, heavy, varlen):
                             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -574,10 +592,25 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
     return specs
 
 
+def _absent_pointers(features: dict) -> dict:
+    """The pointer arguments a launch with these feature flags passes as None (constexprs)."""
+    absent = {}
+    if not features["HAS_KPM"]:
+        absent["KPM"] = None
+    if not features["HAS_MASK"]:
+        absent["AM"] = None
+    if not features["VARLEN"]:
+        absent.update(CuSeqlensQ=None, CuSeqlensK=None)
+    if not features["HAS_DROPOUT"]:
+        absent["Philox"] = None
+    return absent
+
+
 def _types(ptr: str) -> dict:
     types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
     types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32", "KPM": "*u8",
-                  "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32"})
+                  "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
+                  "Philox": "*i64"})
     return types
 
 

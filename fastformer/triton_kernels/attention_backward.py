@@ -20,6 +20,7 @@ import triton.language as tl
 from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
                               key_tile_scores, load_rows, mask_bases, masked_scores, program_sequence, stats_row,
                               store_rows)
+from .utils import load_philox
 
 
 @triton.jit
@@ -103,10 +104,10 @@ def _attention_bwd_dkdv(
     DO,  # (B, H, Sq, D) gradient of the output; VARLEN: (total_q, H, D)
     Lse,  # fp32 forward log-sum-exp: (B, H, Sq); VARLEN: (H, total_q)
     Delta,  # fp32 rowsum(dO * O), laid out as Lse
-    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
-    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
-    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (a dummy otherwise)
-    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (a dummy otherwise)
+    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
+    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
+    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
+    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
     DK,  # (B, H, Sk, D) gradient of k; VARLEN: (total_k, H, D)
     DV,  # (B, H, Sk, D) gradient of v; VARLEN: (total_k, H, D)
     stride_qb,  # q batch stride (0 with VARLEN)
@@ -137,8 +138,9 @@ def _attention_bwd_dkdv(
     total_k,  # VARLEN: rows of k and v; unused otherwise
     D,  # head dim (<= BLOCK_D)
     scale,  # fp32 score scale
-    seed,  # i64 dropout Philox seed
-    rng_offset,  # i64 dropout Philox counter of element 0
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # i64 dropout Philox seed (without Philox)
+    rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
     drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
@@ -173,6 +175,7 @@ def _attention_bwd_dkdv(
     do_base = head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom)
     lse_row = stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN)
     delta_row = stats_row(Delta, b64, h, H, Sq, q0, total_q, VARLEN)
+    seed, rng_offset = load_philox(Philox, seed, rng_offset)
     kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
                                              stride_am_b, stride_am_h)
     qk_scale = scale * LOG2E
@@ -237,10 +240,10 @@ def _attention_bwd_dq(
     DO,  # (B, H, Sq, D) gradient of the output; VARLEN: (total_q, H, D)
     Lse,  # fp32 forward log-sum-exp: (B, H, Sq); VARLEN: (H, total_q)
     Delta,  # fp32 rowsum(dO * O), laid out as Lse
-    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (a dummy without HAS_KPM)
-    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (a dummy without HAS_MASK)
-    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (a dummy otherwise)
-    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (a dummy otherwise)
+    KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
+    AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
+    CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
+    CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
     DQ,  # (B, H, Sq, D) gradient of q; VARLEN: (total_q, H, D)
     stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
@@ -270,8 +273,9 @@ def _attention_bwd_dq(
     total_k,  # VARLEN: rows of k and v; unused otherwise
     D,  # head dim (<= BLOCK_D)
     scale,  # fp32 score scale
-    seed,  # i64 dropout Philox seed
-    rng_offset,  # i64 dropout Philox counter of element 0
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # i64 dropout Philox seed (without Philox)
+    rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
     drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
@@ -303,6 +307,7 @@ def _attention_bwd_dq(
                    D, EVEN_D, LARGE_OFFSETS)
     lse2, delta = _load_row_stats(stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN),
                                   stats_row(Delta, b64, h, H, Sq, q0, total_q, VARLEN), offs_m, Lq)
+    seed, rng_offset = load_philox(Philox, seed, rng_offset)
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_kpm_b, stride_am_b, stride_am_h)

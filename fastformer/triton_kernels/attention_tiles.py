@@ -209,9 +209,16 @@ def stats_row(X, b64, h, H, Sq, q0, total_q, VARLEN: tl.constexpr):
 @triton.jit
 def mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b, stride_am_b, stride_am_h):
     """(key padding mask row, additive mask of head (b, h), Philox counter of its first group).
-    ``Sq``, ``Sk``: the dropout rows' shape (the longest sequence's with VARLEN)."""
-    return (KPM + b64 * stride_kpm_b, head_base(AM, b64, h64, stride_am_b, stride_am_h, 0, 0),
-            dropout_rng_base(rng_offset, b64, H, h, Sq, Sk))
+    ``Sq``, ``Sk``: the dropout rows' shape (the longest sequence's with VARLEN). An absent mask
+    (launched as None) gets ``b64`` in its place, never read (HAS_KPM / HAS_MASK are off): a None
+    cannot be passed on to the tile functions."""
+    kpm_base = b64
+    if KPM is not None:
+        kpm_base = KPM + b64 * stride_kpm_b
+    am_base = b64
+    if AM is not None:
+        am_base = head_base(AM, b64, h64, stride_am_b, stride_am_h, 0, 0)
+    return kpm_base, am_base, dropout_rng_base(rng_offset, b64, H, h, Sq, Sk)
 
 
 @triton.jit

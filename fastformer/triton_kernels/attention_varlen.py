@@ -25,7 +25,7 @@ import torch
 from . import attention
 from .attention import MAX_HEAD_DIM, Layout
 from .registration import register_op
-from .utils import on_device_of_first_tensor, read_philox
+from .utils import on_device_of_first_tensor
 
 
 def _check_last_dim(op: str, name: str, t: torch.Tensor) -> None:
@@ -73,8 +73,7 @@ def _attention_varlen_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float, dropout_p: float,
                                philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     layout = _check_inputs("attention_varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seed, offset = read_philox(philox, "attention_varlen_fwd")
-    return attention.forward(q, k, v, layout, None, None, is_causal, scale, dropout_p, seed, offset)
+    return attention.forward(q, k, v, layout, None, None, is_causal, scale, dropout_p, philox, "attention_varlen_fwd")
 
 
 @on_device_of_first_tensor
@@ -85,7 +84,6 @@ def _attention_varlen_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "attention_varlen_bwd"
     layout = _check_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    seed, offset = read_philox(philox, op)
     if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != layout.lse_shape():
         raise ValueError(f"{op}: dout and out must have q's shape {tuple(q.shape)} and lse (H, total_q) = "
                          f"{layout.lse_shape()}; got {tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
@@ -95,8 +93,7 @@ def _attention_varlen_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
     _check_last_dim(op, "out", out)
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be a contiguous fp32 (H, total_q) tensor")
-    return attention.backward(dout, q, k, v, out, lse, layout, None, None, is_causal, scale, dropout_p, seed,
-                              offset)
+    return attention.backward(dout, q, k, v, out, lse, layout, None, None, is_causal, scale, dropout_p, philox, op)
 
 
 # q (total_q, H, D), k / v (total_k, H, D) -> out (total_q, H, D), lse (H, total_q) fp32

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .registration import register_op
+from .registration import kernel, register_op
 from .utils import check_float, check_tensor, next_power_of_2, on_device_of_first_tensor
 
 MAX_BLOCK_V = 4096  # classes per step of the row loops
@@ -98,7 +98,7 @@ def _launch(logits, target, loss_rows, grad, grad_scale, ignore_index, label_smo
     if n == 0:
         return
     block_v, warps = _launch_config(V)
-    torch.library.wrap_triton(_cross_entropy_fwd)[(n,)](
+    kernel(_cross_entropy_fwd)[(n,)](
         logits, target, loss_rows, grad, grad_scale, V, ignore_index, label_smoothing,
         COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=scale_per_row, BLOCK_V=block_v,
         num_warps=warps, num_stages=1)

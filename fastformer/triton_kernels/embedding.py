@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .registration import register_op
-from .utils import (check_float, check_tensor, dropout_args, dropout_keep_tile, next_power_of_2,
-                    on_device_of_first_tensor, read_philox)
+from .registration import kernel, register_op
+from .utils import (cdiv, check_float, check_tensor, dropout_args, dropout_keep_tile, load_philox, next_power_of_2,
+                    on_device_of_first_tensor, philox_args)
 
 _TL_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FWD_ROWS = 8  # ids a forward program ...
@@ -28,7 +28,7 @@ _FWD_MAX_BLOCK_D = 256  # ... and its columns a step: 8 x 1024 fp32 spilled regi
 _BWD_MAX_BLOCK_D = 1024  # columns a backward program (one row of them)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _embedding_fwd(
     Ids,  # (N,) int64 rows of W
     W,  # (V, D) table
@@ -38,8 +38,9 @@ def _embedding_fwd(
     N,  # number of ids
     D,  # row width (= row stride of W, PT and Out)
     scale,  # multiplies the rows of W
-    seed,  # Philox key of the dropout mask
-    offset,  # Philox counter of element (0, 0)
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # Philox key of the dropout mask (without Philox)
+    offset,  # Philox counter of element (0, 0) (without Philox)
     drop_threshold,  # round(dropout_p * 2**16): keep iff the element's 16 Philox bits >= drop_threshold
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_POS: tl.constexpr,  # add PT[Pos]
@@ -47,6 +48,7 @@ def _embedding_fwd(
     BLOCK_R: tl.constexpr,  # ids a program
     BLOCK_D: tl.constexpr,  # columns a step, a power of two >= 8 (whole Philox groups)
 ):
+    seed, offset = load_philox(Philox, seed, offset)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (R,)
     rmask = rows < N
     ids = tl.load(Ids + rows, mask=rmask, other=0)
@@ -65,7 +67,7 @@ def _embedding_fwd(
         tl.store(Out + rows.to(tl.int64)[:, None] * D + cols[None, :], x.to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _embedding_bwd(
     Grad,  # (N, D) upstream gradient
     Keys,  # (N,) int64 sorted keys (stable)
@@ -76,13 +78,15 @@ def _embedding_bwd(
     D,  # row width
     skip_row,  # the key whose row stays zero (padding_idx), -1: none
     scale,  # multiplies the sums (the forward's scale for the weight, 1 for the positional table)
-    seed,  # Philox key of the dropout mask
-    offset,  # Philox counter of element (0, 0)
+    Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
+    seed,  # Philox key of the dropout mask (without Philox)
+    offset,  # Philox counter of element (0, 0) (without Philox)
     drop_threshold,  # round(dropout_p * 2**16)
     drop_scale,  # 1 / (1 - dropout_p)
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
     BLOCK_D: tl.constexpr,  # columns a program, a power of two >= 8 (whole Philox groups)
 ):
+    seed, offset = load_philox(Philox, seed, offset)
     r = tl.program_id(0)
     c0 = tl.program_id(1) * BLOCK_D
     key = tl.load(Keys + r)
@@ -126,7 +130,8 @@ def _embedding_fwd_impl(input: torch.Tensor, weight: torch.Tensor, positional: O
                         philox: torch.Tensor) -> torch.Tensor:
     N = _check_ids("input", input)
     V, D = _check_rows("weight", weight)
-    seed, offset = read_philox(philox, "embedding_fwd")
+    has_dropout, threshold, drop_scale = dropout_args(dropout_p)
+    rng = philox_args(philox, weight.device, "embedding_fwd", has_dropout)
     if (positional is None) != (positions is None):
         raise ValueError("embedding_fwd: positional and positions must be given together")
     if positional is not None:
@@ -135,16 +140,15 @@ def _embedding_fwd_impl(input: torch.Tensor, weight: torch.Tensor, positional: O
     out = torch.empty((N, D), dtype=weight.dtype, device=weight.device)
     if N == 0 or D == 0:
         return out
-    has_dropout, threshold, drop_scale = dropout_args(dropout_p)
     has_pos = positional is not None
-    torch.library.wrap_triton(_embedding_fwd)[(triton.cdiv(N, _FWD_ROWS),)](
+    kernel(_embedding_fwd)[(cdiv(N, _FWD_ROWS),)](
         input, weight, positions if has_pos else input, positional if has_pos else weight, out, N, D, scale,
-        seed, offset, threshold, drop_scale, HAS_POS=has_pos, HAS_DROPOUT=has_dropout, BLOCK_R=_FWD_ROWS,
+        *rng, threshold, drop_scale, HAS_POS=has_pos, HAS_DROPOUT=has_dropout, BLOCK_R=_FWD_ROWS,
         BLOCK_D=_block_d(D, _FWD_MAX_BLOCK_D), num_warps=4, num_stages=1)
     return out
 
 
-def _table_grad(grad, keys, K, skip_row, scale, seed, offset, dropout_p):
+def _table_grad(grad, keys, K, skip_row, scale, rng, dropout_p):
     N, D = grad.shape
     table = torch.zeros((K, D), dtype=grad.dtype, device=grad.device)
     if N == 0 or D == 0 or K == 0:
@@ -153,8 +157,8 @@ def _table_grad(grad, keys, K, skip_row, scale, seed, offset, dropout_p):
     ends = torch.searchsorted(sorted_keys, sorted_keys, right=True)
     has_dropout, threshold, drop_scale = dropout_args(dropout_p)
     block_d = _block_d(D, _BWD_MAX_BLOCK_D)
-    torch.library.wrap_triton(_embedding_bwd)[(N, triton.cdiv(D, block_d))](
-        grad, sorted_keys, order, ends, table, N, D, skip_row, scale, seed, offset, threshold, drop_scale,
+    kernel(_embedding_bwd)[(N, cdiv(D, block_d))](
+        grad, sorted_keys, order, ends, table, N, D, skip_row, scale, *rng, threshold, drop_scale,
         HAS_DROPOUT=has_dropout, BLOCK_D=block_d, num_warps=4, num_stages=1)
     return table
 
@@ -168,14 +172,14 @@ def _embedding_bwd_impl(grad: torch.Tensor, input: torch.Tensor, positions: Opti
     _check_rows("grad", grad)
     if grad.shape[0] != N:
         raise ValueError(f"embedding_bwd: grad must have shape ({N}, D), got {tuple(grad.shape)}")
-    seed, offset = read_philox(philox, "embedding_bwd")
+    rng = philox_args(philox, grad.device, "embedding_bwd", dropout_args(dropout_p)[0])
     if positions is not None:
         _check_ids("positions", positions, N)
     if positional_grad and positions is None:
         raise ValueError("embedding_bwd: positional_grad needs positions")
-    dweight = (_table_grad(grad, input, num_weights, padding_idx, scale, seed, offset, dropout_p) if weight_grad
+    dweight = (_table_grad(grad, input, num_weights, padding_idx, scale, rng, dropout_p) if weight_grad
                else grad.new_empty(0))
-    dpositional = (_table_grad(grad, positions, num_positions, -1, 1.0, seed, offset, dropout_p) if positional_grad
+    dpositional = (_table_grad(grad, positions, num_positions, -1, 1.0, rng, dropout_p) if positional_grad
                    else grad.new_empty(0))
     return dweight, dpositional
 
@@ -198,18 +202,18 @@ def aot_specs() -> List[dict]:
             specs.append(dict(
                 name=f"_embedding_fwd_{t}_D{block_d}", fn=_embedding_fwd,
                 signature={"Ids": "*i64", "W": f"*{t}", "Pos": "*i64", "PT": f"*{t}", "Out": f"*{t}", "N": "i32",
-                           "D": "i32", "scale": "fp32", "seed": "i64", "offset": "i64", "drop_threshold": "i32",
-                           "drop_scale": "fp32", "HAS_POS": "constexpr", "HAS_DROPOUT": "constexpr",
+                           "D": "i32", "scale": "fp32", "Philox": "*i64", "seed": "i64", "offset": "i64",
+                           "drop_threshold": "i32", "drop_scale": "fp32", "HAS_POS": "constexpr", "HAS_DROPOUT": "constexpr",
                            "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"},
                 constexprs={"HAS_POS": True, "HAS_DROPOUT": True, "BLOCK_R": _FWD_ROWS, "BLOCK_D": block_d},
-                divisible_by_16=("Ids", "W", "Pos", "PT", "Out", "D"), num_warps=4, num_stages=1))
+                divisible_by_16=("Ids", "W", "Pos", "PT", "Out", "Philox", "D"), num_warps=4, num_stages=1))
         for block_d in (256, _BWD_MAX_BLOCK_D):
             specs.append(dict(
                 name=f"_embedding_bwd_{t}_D{block_d}", fn=_embedding_bwd,
                 signature={"Grad": f"*{t}", "Keys": "*i64", "Order": "*i64", "Ends": "*i64", "Table": f"*{t}",
-                           "N": "i32", "D": "i32", "skip_row": "i64", "scale": "fp32", "seed": "i64",
-                           "offset": "i64", "drop_threshold": "i32", "drop_scale": "fp32",
+                           "N": "i32", "D": "i32", "skip_row": "i64", "scale": "fp32", "Philox": "*i64",
+                           "seed": "i64", "offset": "i64", "drop_threshold": "i32", "drop_scale": "fp32",
                            "HAS_DROPOUT": "constexpr", "BLOCK_D": "constexpr"},
                 constexprs={"HAS_DROPOUT": True, "BLOCK_D": block_d},
-                divisible_by_16=("Grad", "Keys", "Order", "Ends", "Table", "D"), num_warps=4, num_stages=1))
+                divisible_by_16=("Grad", "Keys", "Order", "Ends", "Table", "Philox", "D"), num_warps=4, num_stages=1))
     return specs

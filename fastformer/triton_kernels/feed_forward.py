@@ -32,14 +32,17 @@ import torch
 
 from . import matmul
 from .registration import launcher, register_op
-from .utils import read_philox
+from .utils import philox_args
 
 ACTIVATIONS = ("relu", "gelu", "silu")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """torch.cuda.device of a CUDA tensor that is not on the current device, else no guard."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p):
@@ -69,7 +72,7 @@ def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p):
 
 def _feed_forward_fwd(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                       b2: Optional[torch.Tensor], activation: str, dropout_p: float, seed: int,
-                      offset: int, wrap=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      offset: int, wrap=None, philox=None) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(x, w1, b1, w2, b2, activation, dropout_p)
     N, E = x.shape
     F = w1.shape[0]
@@ -80,14 +83,14 @@ def _feed_forward_fwd(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tens
     out = x.new_empty((N, E))
     with _device_guard(x):
         matmul.launch(x, w1.t(), pre, d=a, bias=b1, epilogue="act_fwd", activation=activation,
-                      dropout_p=dropout_p, seed=seed, offset=offset, wrap=wrap)
+                      dropout_p=dropout_p, seed=seed, offset=offset, philox=philox, wrap=wrap)
         matmul.launch(a, w2.t(), out, bias=b2, wrap=wrap)
     return out, pre
 
 
 def _feed_forward_bwd(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                       pre: torch.Tensor, has_b1: bool, has_b2: bool, activation: str, dropout_p: float,
-                      seed: int, offset: int, wrap=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                      seed: int, offset: int, wrap=None, philox=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor, torch.Tensor]:
     _check_inputs(x, w1, None, w2, None, activation, dropout_p)
     N, E = x.shape
@@ -108,7 +111,7 @@ def _feed_forward_bwd(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2:
     db2 = w2.new_empty((E,) if has_b2 else (0,))
     with _device_guard(x):
         matmul.launch(dout, w2, dpre, d=a, pre=pre, epilogue="act_bwd", activation=activation,
-                      dropout_p=dropout_p, seed=seed, offset=offset, wrap=wrap)
+                      dropout_p=dropout_p, seed=seed, offset=offset, philox=philox, wrap=wrap)
         matmul.launch(dout.t(), a, dw2, rowsum=db2 if has_b2 else None, wrap=wrap)
         matmul.launch(dpre.t(), x, dw1, rowsum=db1 if has_b1 else None, wrap=wrap)
         matmul.launch(dpre, w1, dx, wrap=wrap)
@@ -121,18 +124,16 @@ def _feed_forward_bwd(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2:
 def _fwd_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
             b2: Optional[torch.Tensor], activation: str, dropout_p: float,
             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    wrap = launcher()
-    seed, offset = read_philox(philox, "feed_forward_fwd")
-    return _feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, offset, wrap=wrap)
+    ptr, seed, offset = philox_args(philox, x.device, "feed_forward_fwd", dropout_p > 0.0)
+    return _feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, seed, offset, wrap=launcher(), philox=ptr)
 
 
 def _bwd_op(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor,
             has_b1: bool, has_b2: bool, activation: str, dropout_p: float,
             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    wrap = launcher()
-    seed, offset = read_philox(philox, "feed_forward_bwd")
+    ptr, seed, offset = philox_args(philox, x.device, "feed_forward_bwd", dropout_p > 0.0)
     return _feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, seed, offset,
-                             wrap=wrap)
+                             wrap=launcher(), philox=ptr)
 
 
 feed_forward_fwd = register_op("feed_forward_fwd", _fwd_op)

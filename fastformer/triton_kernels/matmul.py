@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import dropout_keep_tile, dropout_threshold, first_config_only
+from .utils import cdiv, dropout_keep_tile, dropout_threshold, first_config_only, load_philox, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -193,7 +193,7 @@ def _act_tail(c, pre, rows, c0, N, seed, offset, threshold, scale, EPILOGUE: tl.
     return c, d
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _matmul(
     a_ptr,  # (M, K) operand A, element (m, k) at m * stride_am + k * stride_ak
     b_ptr,  # (K, N) operand B, element (k, n) at k * stride_bk + n * stride_bn
@@ -212,8 +212,9 @@ def _matmul(
     stride_bk,  # B row stride
     stride_bn,  # B column stride
     stride_cm,  # row stride of C, D and pre
-    seed,  # dropout Philox key
-    offset,  # dropout Philox counter of element (0, 0)
+    philox_ptr,  # int64 (2,) = (seed, offset) on the device, loaded by the epilogue; None: the scalars below
+    seed,  # dropout Philox key (without philox_ptr)
+    offset,  # dropout Philox counter of element (0, 0) (without philox_ptr)
     threshold,  # dropout: keep iff the element's 16 Philox bits >= threshold = round(p * 2**16)
     scale,  # dropout: 1 / (1 - p), applied to kept elements
     EPILOGUE: tl.constexpr,  # "none" | "act_fwd" | "act_bwd"
@@ -249,6 +250,7 @@ def _matmul(
         # tile just stored, EPILOGUE_ROWS rows per loop step, rereading it from L1/L2: on the whole
         # register tile at once the compiler interleaves every element's chain and spills.
         tl.debug_barrier()  # this program's stores are visible to all of its threads
+        seed, offset = load_philox(philox_ptr, seed, offset)  # here: not live across the K loop
         rows_here = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M)
         for i in range(0, rows_here, EPILOGUE_ROWS):
             r = pid_m * BLOCK_M + i + tl.arange(0, EPILOGUE_ROWS)  # (EPILOGUE_ROWS,)
@@ -314,7 +316,7 @@ def _matmul_split_k(
             tl.store(ws_rowsum_ptr + pid_s.to(tl.int64) * M + rm, row_sum, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _split_k_reduce(
     ws_ptr,  # (S, M, N) fp32 partial tiles from _matmul_split_k
     ws_rowsum_ptr,  # (S, M) fp32 partial row sums (ROW_SUM_A only)
@@ -323,7 +325,7 @@ def _split_k_reduce(
     SPLITS,  # S, the number of slices
     stride_ws,  # M * N
     stride_cm,  # row stride of C, D and pre
-    seed, offset, threshold, scale,  # dropout, as in _matmul
+    philox_ptr, seed, offset, threshold, scale,  # dropout, as in _matmul
     EPILOGUE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     ROW_SUM_A: tl.constexpr, EMULATE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program
@@ -355,6 +357,7 @@ def _split_k_reduce(
             pre = tl.load(pre_ptr + c_offs, mask=mask, other=0.0).to(tl.float32)
         else:
             pre = c32
+        seed, offset = load_philox(philox_ptr, seed, offset)
         c32, d = _act_tail(c32, pre, rm, pid_n * BLOCK_N, N, seed, offset, threshold, scale, EPILOGUE,
                            ACTIVATION, DROPOUT, BLOCK_N)
         tl.store(d_ptr + c_offs, _cast(d, d_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
@@ -426,8 +429,8 @@ def sm_count(device: torch.device) -> int:
 def split_k_slices(K: int, splits: int, block_k: int):
     """``(S, K_SLICE)``: ``splits`` cut to slices of whole BLOCK_K steps with none empty
     (S <= splits, S * K_SLICE >= K > (S - 1) * K_SLICE)."""
-    k_slice = triton.cdiv(triton.cdiv(K, max(splits, 1)), block_k) * block_k
-    return triton.cdiv(K, k_slice), k_slice
+    k_slice = cdiv(cdiv(K, max(splits, 1)), block_k) * block_k
+    return cdiv(K, k_slice), k_slice
 
 
 def choose_split_k(M: int, N: int, K: int, sms: int, block_m: int, block_n: int, block_k: int) -> int:
@@ -441,17 +444,17 @@ def choose_split_k(M: int, N: int, K: int, sms: int, block_m: int, block_n: int,
     is below tiles x S >= sms, the bound (every program then runs in the first wave). S counts
     slices of whole BLOCK_K steps (:func:`split_k_slices`).
     """
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
     if tiles >= sms:
         return 1
     most = min(K // MIN_K_PER_SPLIT, SPLIT_K_WORKSPACE_BYTES // (4 * (M * N + M)))
     if most < 2:
         return 1
     best, best_fill = 1, 0.0
-    for wanted in range(triton.cdiv(sms, tiles), most + 1):
+    for wanted in range(cdiv(sms, tiles), most + 1):
         splits = split_k_slices(K, wanted, block_k)[0]
         programs = tiles * splits
-        fill = programs / (triton.cdiv(programs, sms) * sms)  # busy share of the waves' SM time
+        fill = programs / (cdiv(programs, sms) * sms)  # busy share of the waves' SM time
         if programs >= sms and fill >= WAVE_FILL:
             return splits
         if fill > best_fill:
@@ -462,11 +465,13 @@ def choose_split_k(M: int, N: int, K: int, sms: int, block_m: int, block_n: int,
 
 
 def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none", activation="relu",
-           dropout_p=0.0, seed=0, offset=0, wrap=None, config=None, split_k=None):
+           dropout_p=0.0, seed=0, offset=0, philox=None, wrap=None, config=None, split_k=None):
     """``c = A @ B`` with the chosen epilogue; ``a`` (M, K) and ``b`` (K, N) may be transposed
     views, ``c`` (and ``d``, ``pre``) must be (M, N) with unit column stride. Returns the number
     of K slices it ran (1: one kernel, no split).
 
+    ``philox``: an int64 (2,) = (seed, offset) tensor on the device, which the dropout epilogue loads
+    (``seed`` and ``offset`` are then unused); None: ``seed`` and ``offset`` as scalars.
     ``wrap``: ``torch.library.wrap_triton`` when called from a ``triton_op`` (so torch.compile
     sees the kernel), else None. ``config``: a ``triton.Config`` to run instead of autotuning
     (tests and benchmarks of single configs); where ``utils.first_config_only()`` (deterministic
@@ -504,7 +509,7 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
     splits, k_slice = split_k_slices(K, split_k, kw["BLOCK_K"]) if K > 0 else (1, 0)
     if splits > 1:
         _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, split_config, args,
-                        seed, offset, threshold, scale, wrap)
+                        (philox if dropout else None, seed, offset), threshold, scale, wrap)
         return splits
 
     if config is None and not INTERPRET and first_config_only():  # the first listed config
@@ -514,13 +519,13 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
         kernel = wrap(kernel)
     explicit = {} if config is None else dict(config.kwargs, num_warps=config.num_warps,
                                               num_stages=config.num_stages)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
         a, b, c, d, pre, bias, rowsum,  # absent ones are None: constexpr, never touched
         M, N, K,
-        triton.next_power_of_2(max(M, 1)), triton.next_power_of_2(max(K, 1)),
+        next_power_of_2(max(M, 1)), next_power_of_2(max(K, 1)),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
-        seed, offset, threshold, scale,
+        philox if dropout else None, seed, offset, threshold, scale,
         INPUT_PRECISION=input_precision(a.dtype),
         **args,
         **explicit,
@@ -528,8 +533,8 @@ def launch(a, b, c, *, d=None, pre=None, bias=None, rowsum=None, epilogue="none"
     return 1
 
 
-def _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, config, args, seed, offset,
-                    threshold, scale, wrap):
+def _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, config, args, rng, threshold, scale,
+                    wrap):
     """The two split-K passes: fp32 partials of each K slice into a workspace, then their sum in
     slice order with the epilogue."""
     M, K = a.shape
@@ -540,7 +545,7 @@ def _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, config, args
     if wrap is not None:
         partial, reduce = wrap(partial), wrap(reduce)
     kw = config.kwargs
-    grid = (triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"]), splits)
+    grid = (cdiv(M, kw["BLOCK_M"]) * cdiv(N, kw["BLOCK_N"]), splits)
     partial[grid](
         a, b, ws, ws_rowsum,
         M, N, K, k_slice, M * N,
@@ -550,11 +555,11 @@ def _launch_split_k(a, b, c, d, pre, bias, rowsum, splits, k_slice, config, args
         num_warps=config.num_warps, num_stages=config.num_stages, **kw,
     )
     red = REDUCE_CONFIG_INTERPRET if INTERPRET else REDUCE_CONFIG
-    grid = (triton.cdiv(M, red.kwargs["BLOCK_M"]), triton.cdiv(N, red.kwargs["BLOCK_N"]))
+    grid = (cdiv(M, red.kwargs["BLOCK_M"]), cdiv(N, red.kwargs["BLOCK_N"]))
     reduce[grid](
         ws, ws_rowsum, c, d, pre, bias, rowsum,
         M, N, splits, M * N, c.stride(0),
-        seed, offset, threshold, scale,
+        *rng, threshold, scale,
         num_warps=red.num_warps, num_stages=red.num_stages, **red.kwargs, **args,
     )
 
@@ -602,9 +607,11 @@ def aot_spec(name, dtype, layout, config, *, epilogue="none", activation="relu",
     for arg in ("M", "N", "K", "CACHE_KEY_M", "CACHE_KEY_K", "stride_am", "stride_ak", "stride_bk",
                 "stride_bn", "stride_cm"):
         signature[arg] = "constexpr" if arg in unit else "i32"
-    signature.update(seed="i64", offset="i64", threshold="i32", scale="fp32")
+    signature.update(philox_ptr="*i64", seed="i64", offset="i64", threshold="i32", scale="fp32")
     constexprs = {arg: 1 for arg in unit}
     constexprs.update({arg: None for arg, on in used.items() if not on})  # launched as None
+    if not dropout:
+        constexprs["philox_ptr"] = None
     constexprs.update(EPILOGUE=epilogue, ACTIVATION=activation, HAS_BIAS=has_bias, DROPOUT=dropout,
                       ROW_SUM_A=row_sum_a, EMULATE_BF16=False, INPUT_PRECISION=input_precision(dtype))
     constexprs.update(config.kwargs)
@@ -646,9 +653,11 @@ def aot_spec_split_k_reduce(name, dtype, *, epilogue="none", activation="relu", 
     used = {"ws_ptr": True, "ws_rowsum_ptr": row_sum_a, "c_ptr": True, "d_ptr": epilogue != "none",
             "pre_ptr": epilogue == "act_bwd", "bias_ptr": has_bias, "rowsum_ptr": row_sum_a}
     signature = {arg: "*fp32" if arg.startswith("ws") else "*" + dt for arg, on in used.items() if on}
-    signature.update(M="i32", N="i32", SPLITS="i32", stride_ws="i32", stride_cm="i32", seed="i64",
-                     offset="i64", threshold="i32", scale="fp32")
+    signature.update(M="i32", N="i32", SPLITS="i32", stride_ws="i32", stride_cm="i32", philox_ptr="*i64",
+                     seed="i64", offset="i64", threshold="i32", scale="fp32")
     constexprs = {arg: None for arg, on in used.items() if not on}
+    if not dropout:
+        constexprs["philox_ptr"] = None
     constexprs.update(EPILOGUE=epilogue, ACTIVATION=activation, HAS_BIAS=has_bias, DROPOUT=dropout,
                       ROW_SUM_A=row_sum_a, EMULATE_BF16=False)
     constexprs.update(config.kwargs)

@@ -1,6 +1,6 @@
 """Pieces every Triton kernel shares: the dropout keep-mask on the shared Philox stream, the
-host-side read of the ops' ``philox`` argument, the CUDA device guard of the host functions, and
-the switch that runs autotuned kernels at their first config."""
+ops' ``philox`` argument (by pointer on the op's device, read on the host from the CPU), the CUDA
+device guard of the host functions, and the switch that runs autotuned kernels at their first config."""
 import contextlib
 import functools
 import os
@@ -107,26 +107,77 @@ def dropout_args(dropout_p: float) -> Tuple[bool, int, float]:
     return has_dropout, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if has_dropout else 1.0)
 
 
+# Host-side integer helpers in plain Python: triton.cdiv and triton.next_power_of_2 are
+# ConstexprFunctions, ~2 us a call on the host (matmul.launch made 23 calls of them per GEMM).
+def cdiv(a, b):
+    """ceil(a / b) of non-negative ints (SymInts too)."""
+    return (a + b - 1) // b
+
+
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two >= max(n, 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def read_philox(philox: torch.Tensor, op: str) -> Tuple[int, int]:
-    """``(seed, offset)`` of an op's ``philox`` argument, an int64 CPU tensor of shape (2,)
-    (csrc/ops.cpp), read on the host: it lives on the CPU, so no device sync. Traced inside a
-    ``triton_op`` by torch.compile the two reads become unbacked SymInts, so the range checks
-    are ``torch._check_value`` (a ``ValueError`` in eager) rather than Python ``if``s."""
+# Tests only: read a philox tensor on the host even where the kernels could load it (under the
+# interpreter the op's device is the CPU, so both forms of the argument are CPU tensors there).
+HOST_PHILOX = False
+
+_PHILOX_WANT = "an int64 CPU tensor of shape (2,) = (seed, offset), or one on the op's device"
+
+
+def philox_args(philox: torch.Tensor, device: torch.device, op: str, dropout: bool):
+    """The kernels' ``(Philox, seed, offset)`` arguments of an op's ``philox`` tensor (int64, (2,)
+    = (seed, offset), contiguous), for kernels on ``device``.
+
+    * ``dropout`` False: ``(None, 0, 0)``; nothing is read or checked.
+    * ``philox`` on ``device``: ``(philox, 0, 0)``: each program loads the pair (:func:`load_philox`),
+      so nothing is read on the host (no sync) and a CUDA graph replays a pair drawn on the device
+      anew. On a GPU its values are not checked (that would synchronise).
+    * ``philox`` on the CPU (the op on a GPU): ``(None, seed, offset)``, read on the host (no sync)
+      and passed as scalars: cheaper than a host-to-device copy and an allocation per call.
+
+    A CPU tensor's values are checked either way (``torch._check_value``: traced inside a
+    ``triton_op`` by torch.compile the reads are unbacked SymInts, a ``ValueError`` in eager)."""
+    if not dropout:
+        return None, 0, 0
     if not isinstance(philox, torch.Tensor):
-        raise TypeError(f"{op}: philox must be an int64 CPU tensor of shape (2,) = (seed, offset), "
-                        f"got {type(philox).__name__}")
-    if philox.dtype != torch.int64 or philox.device.type != "cpu":
-        raise TypeError(f"{op}: philox must be an int64 CPU tensor of shape (2,) = (seed, offset), "
-                        f"got {philox.dtype} on {philox.device}")
-    if tuple(philox.shape) != (2,):
-        raise ValueError(f"{op}: philox must have shape (2,) = (seed, offset), got {tuple(philox.shape)}")
-    seed, offset = philox.tolist()
-    torch._check_value(seed >= 0, lambda: f"{op}: the philox seed philox[0] must be >= 0, got {seed}")
-    torch._check_value(offset >= 0, lambda: f"{op}: the philox offset philox[1] must be >= 0, got {offset}")
+        raise TypeError(f"{op}: philox must be {_PHILOX_WANT}, got {type(philox).__name__}")
+    on_device = philox.device == device
+    if philox.dtype != torch.int64 or not (on_device or philox.device.type == "cpu"):
+        raise TypeError(f"{op}: philox must be {_PHILOX_WANT} ({device}), got {philox.dtype} on {philox.device}")
+    if philox.shape != (2,):
+        raise ValueError(f"{op}: philox must have shape (2,) = (seed, offset), got {list(philox.shape)}")
+    if not philox.is_contiguous():
+        raise ValueError(f"{op}: philox must be contiguous, got strides {philox.stride()}")
+    if philox.device.type == "cpu":
+        seed, offset = philox.tolist()
+        if type(seed) is not int or type(offset) is not int or seed < 0 or offset < 0:  # else: valid ints, eager
+            torch._check_value(seed >= 0, lambda: f"{op}: the philox seed philox[0] must be >= 0, got {seed}")
+            torch._check_value(offset >= 0, lambda: f"{op}: the philox offset philox[1] must be >= 0, got {offset}")
+        if not on_device or HOST_PHILOX:
+            return None, seed, offset
+    return philox, 0, 0
+
+
+@triton.jit
+def load_philox(Philox, seed, offset):
+    """The dropout stream's ``(seed, offset)``: loaded from ``Philox`` (int64 (2,)) when it is
+    given, else the scalars. Called once per program, before its loops."""
+    if Philox is not None:
+        seed = tl.load(Philox)
+        offset = tl.load(Philox + 1)
+    return seed, offset
+
+
+@triton.jit
+def reload_philox(Philox, seed, offset):
+    """:func:`load_philox` at the point of use inside a loop that stores (the row loops of
+    add_layer_norm's backward): the loads stay in the loop (an L1 hit each), so no register holds
+    the pair across it; loading it once per program spilled there (sm_80, 16 warps)."""
+    if Philox is not None:
+        seed = tl.load(Philox)
+        offset = tl.load(Philox + 1)
     return seed, offset
 
 
@@ -142,10 +193,15 @@ def device_guard(t):
 
 def on_device_of_first_tensor(fn):
     """Decorator for a Triton host function: runs it under :func:`device_guard` of its first
-    argument (a tensor every other tensor argument shares a device with)."""
+    argument (a tensor every other tensor argument shares a device with) where that is a CUDA
+    device other than the current one; otherwise calls it directly (no context manager)."""
     @functools.wraps(fn)
     def guarded(*args, **kwargs):
-        with device_guard(args[0] if args else next(iter(kwargs.values()), None)):
-            return fn(*args, **kwargs)
+        device = getattr(args[0] if args else next(iter(kwargs.values()), None), "device", None)
+        if (isinstance(device, torch.device) and device.type == "cuda"
+                and device.index is not None and device.index != torch.cuda.current_device()):
+            with torch.cuda.device(device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     guarded.device_guarded = True
     return guarded

@@ -228,6 +228,35 @@ int64_t set_free_memory(int64_t bytes) {
   return previous;
 }
 
+// From now on (on = true) a CPU `philox` takes the CUDA glue's device form (ff_philox_args, glue.h):
+// checked but not read on the host, the kernels read (seed, offset) through its pointer
+// (ff_philox_resolve). The flash_fwd_mma / flash_bwd_mma test ops below then pass their seed and
+// offset through a (2,) tensor too. Returns the previous setting.
+bool set_philox_on_device(bool on) {
+  const bool previous = ff_simt_philox_on_device();
+  ff_simt_philox_on_device() = on;
+  return previous;
+}
+
+// The CUDA glue's reading of an op's `philox` (ff_philox_args, glue.h), for its tests on any
+// device pair (a meta philox stands for one on another device): (seed, offset, whether the
+// kernels get the pointer).
+std::vector<int64_t> philox_args(const at::Tensor& philox, const at::Tensor& like, double dropout_p) {
+  const FfPhiloxArgs rng = ff_philox_args(philox, "philox_args", like, dropout_p);
+  return {static_cast<int64_t>(rng.seed), static_cast<int64_t>(rng.offset), rng.ptr != nullptr ? 1 : 0};
+}
+
+// The test ops' (seed, offset): by value, or (set_philox_on_device) through `holder`, a (2,)
+// int64 tensor the kernels read, with wrong values by value so that only the pointer can be right.
+FfPhiloxArgs test_rng(int64_t seed, int64_t offset, at::Tensor& holder) {
+  if (!ff_simt_philox_on_device()) return {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), nullptr};
+  holder = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  holder.data_ptr<int64_t>()[0] = seed;
+  holder.data_ptr<int64_t>()[1] = offset;
+  return {static_cast<uint64_t>(seed) ^ 0x9E3779B97F4A7C15ull, static_cast<uint64_t>(offset) + 12345u,
+          holder.const_data_ptr<int64_t>()};
+}
+
 // linear_cross_entropy's rows per chunk on a GPU (csrc/checks/cross_entropy.h), for its tests.
 int64_t lce_device_chunk_rows(int64_t n, int64_t V, int64_t elem_size, int64_t free_bytes) {
   return fastformer::checks::linear_cross_entropy_device_chunk_rows(n, V, elem_size, free_bytes);
@@ -292,8 +321,9 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_mma(const at::Tensor& q, const at::
   const auto dims = flash_dims(op, q, k, v);
   const auto masks = flash_masks(op, dims, key_padding_mask, attn_mask);
   const auto [B, H, Sq, Sk, D] = dims;
+  at::Tensor holder;
   const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p,
-                             {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset)}, dtype);
+                             test_rng(seed, offset, holder), dtype);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
   at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
   FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash_args(call), out.data_ptr(), lse.data_ptr<float>(), nullptr));
@@ -315,8 +345,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
                   lse_in.size(1) == H && lse_in.size(2) == Sq, op, ": lse must be (B, H, Sq) fp32");
   const at::Tensor lse = lse_in.contiguous();
   const auto masks = flash_masks(op, dims, key_padding_mask, attn_mask);
+  at::Tensor holder;
   const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p,
-                             {static_cast<uint64_t>(seed), static_cast<uint64_t>(offset)}, dtype);
+                             test_rng(seed, offset, holder), dtype);
   at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
   at::Tensor dk = at::empty_like(k, at::MemoryFormat::Contiguous);
   at::Tensor dv = at::empty_like(v, at::MemoryFormat::Contiguous);
@@ -351,6 +382,8 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("mma_broken(int mode) -> ()");
   m.def("set_sm_count(int n) -> int");
   m.def("set_free_memory(int bytes) -> int");
+  m.def("set_philox_on_device(bool on) -> bool");
+  m.def("philox_args(Tensor philox, Tensor like, float dropout_p) -> int[]");
   m.def("lce_device_chunk_rows(int n, int V, int elem_size, int free_bytes) -> int");
   m.def("flash_fwd_mma(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_mask, "
         "bool is_causal, float scale, float dropout_p, int seed, int offset) -> (Tensor, Tensor)");
@@ -386,5 +419,7 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CompositeExplicitAutograd, m) {
   m.impl("mma_broken", &mma_broken);
   m.impl("set_sm_count", &set_sm_count);
   m.impl("set_free_memory", &set_free_memory);
+  m.impl("set_philox_on_device", &set_philox_on_device);
+  m.impl("philox_args", &philox_args);
   m.impl("lce_device_chunk_rows", &lce_device_chunk_rows);
 }

@@ -30,13 +30,13 @@ import torch
 
 from ...internal.validation import positive_int
 from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
-from . import hf_step, report, train_step
+from . import hf_step, overhead, report, train_step
 from .ops import MODES, OPS
 from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
 from .records import TIMING, emit, error_status, new_record, relate, set_timed, time_all, time_steps, with_reps
 from .timing import peak_memory_bytes
 
-ALL_OPS = list(OPS) + ["train_step", hf_step.OP]
+ALL_OPS = list(OPS) + ["train_step", hf_step.OP, overhead.OP]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -147,24 +147,29 @@ YARDSTICKS = {GEMMS: ("gemm_share", False), GEMMS_REAL: ("gemm_share_real_tokens
 
 
 def bench_train_step(device: torch.device, size: str, providers: Optional[List[str]], log=None,
-                     dtypes: Optional[List[str]] = None, reps: Optional[int] = None) -> List[Dict]:
+                     dtypes: Optional[List[str]] = None, reps: Optional[int] = None,
+                     shapes: Optional[List[str]] = None) -> List[Dict]:
     """Records of the training step for each provider and dtype (fp32, bf16 autocast; ``dtypes``
     keeps a subset), the providers timed interleaved within each repetition, beside the time of
     the step's matrix products alone (``torch-gemms-alone``) measured in the same interleaved run,
     and those over the real tokens only (``torch-gemms-real-tokens-alone``: fastformer's model
-    skips padding in the position-wise layers, so its step can take less than the first)."""
+    skips padding in the position-wise layers, so its step can take less than the first).
+    A provider named in ``providers`` that cannot run here gets a record saying why; ``shapes``:
+    only the shapes whose label has every one of these words (e.g. ``d512``)."""
     names = providers or train_step.providers_for(device)
     if providers is None and size in ("quick", "smoke"):
         names = [n for n in names if n not in train_step.COMPILED + ("fastformer-reference",)]
-    names = [n for n in names if n in train_step.providers_for(device)]
+    names = [n for n in names if n in train_step.PROVIDERS]
     records = []
     for shape in train_step.sweep(device.type, size):
         label = train_step.label(shape)
+        if not shape_wanted(label, shapes):
+            continue
         src, tgt = train_step.make_batch(shape, device)
         flops = train_step.step_gemm_flops(train_step.step_gemms(shape, src, tgt))
         for dtype in [d for d in train_step.DTYPES if dtypes is None or d in dtypes]:
-            builders = {p: (lambda p=p: train_step.build_step(p, shape, device, dtype))
-                        for p in names if train_step.why_not(p, device) is None}
+            builders = {p: train_step.why_not(p, device) or (lambda p=p: train_step.build_step(p, shape, device, dtype))
+                        for p in names}
             for yardstick, (_, real) in YARDSTICKS.items():
                 builders[yardstick] = lambda real=real: train_step.build_gemms(shape, device, dtype, real_tokens=real)
             recs = time_steps("train_step", shape, label, dtype, size, device, builders, flops,
@@ -205,7 +210,8 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         log(warning)
     load_before = machine["load_average"]
     quiet, verdict = (report.quiet_verdict(load_before, os.cpu_count() or 1) if dev.type == "cpu"
-                      else (True, "README-grade: GPU timings (device time, synchronised)"))
+                      else (True, "README-grade: GPU timings (device time per call from CUDA events around back-to-back "
+                            "calls; the host's time per call beside it)"))
     if log:
         log(verdict)
     started = time.perf_counter()
@@ -214,9 +220,11 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         if log:
             log(f"bench {op} ({size} sweep on {dev})")
         if op == "train_step":
-            records += bench_train_step(dev, size, providers, log, dtypes=dtypes, reps=reps)
+            records += bench_train_step(dev, size, providers, log, dtypes=dtypes, reps=reps, shapes=shapes)
         elif op == hf_step.OP:
-            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes, reps=reps)
+            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes, reps=reps, shapes=shapes)
+        elif op == overhead.OP:
+            records += overhead.bench(dev, reps=reps, log=log)
         else:
             records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log, shapes=shapes, reps=reps)
     report.add_speedups(records)
@@ -240,6 +248,12 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
               f"load average {load_before} before the run, "
               f"{settings['load_average_after']} after\n\n**{verdict}**\n\n"
               + (f"{warning}\n\n" if warning else ""))
+    if any(r["op"] == overhead.OP and r["status"] == "ok" for r in records):
+        # the host cost a call: its own table, and where the microseconds go (cProfile)
+        table += "\n### host cost a call (forward + backward, tiny shapes, 1 thread)\n\n" + overhead.markdown(records)
+        with open(os.path.join(out, "overhead_profile.md"), "w") as f:
+            f.write(f"# Where an op call's host time goes ({machine['cpu']})\n\n")
+            f.write("".join(overhead.profile(c) for c in overhead.cases() if c.p > 0 or c.op.endswith("entropy")))
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(header + table)
     if plots:

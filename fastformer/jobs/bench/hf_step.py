@@ -14,7 +14,9 @@ is downloaded), for
   (fused layers and attention; the LM head and loss as one fused ``linear_cross_entropy``, the
   logits never materialised), its loss ``model(..., labels=labels).loss``;
 * ``transformers-fastformer-compile``: that loss under ``torch.compile(fullgraph=True,
-  dynamic=False)`` with ``capture_dynamic_output_shape_ops`` (the layers still skip the padding).
+  dynamic=False)`` with ``capture_dynamic_output_shape_ops`` (the layers still skip the padding);
+* ``transformers-fastformer-reduce-overhead``: that loss under ``torch.compile(mode="reduce-overhead")``
+  (inductor plus CUDA graphs; CUDA only: on a CPU its record says so).
 
 All start from the same initial weights, run on the same batch (the decoder inputs shifted
 from the labels, as the model itself does), with ``use_cache=False`` (what the model's forward sets
@@ -26,7 +28,8 @@ The default shape is the issue's measurement: d_model 256, 4 heads, 3+3 layers, 
 vocabulary 8000, batch 32 x 64 tokens with a quarter of them padding (row lengths spread evenly
 from 32 to 64, on both sides), dropout 0.1 (on the residual branches, the attention weights and the
 FFN activations, as ``torch.nn.Transformer``'s dropout of the ``train_step`` benchmark), label
-smoothing 0.1.
+smoothing 0.1. The ``gpu-check`` sweep (``make gpu-check``, bf16 autocast there) is the training
+step's GPU sizes (``train_step.GPU_SHAPES``: d_model 512 and 1024, 6+6 layers, 64 x 128 tokens).
 
 transformers is optional: without it, :func:`why_not` says so for every provider and the bench
 records that reason instead of a time.
@@ -41,10 +44,12 @@ from .records import emit, time_steps
 from .timing import synchronized
 
 OP = "hf_bart_step"
-PROVIDERS = ["transformers", "transformers-compile", "transformers-fastformer", "transformers-fastformer-compile"]
-EAGER, COMPILE, FASTFORMER, FASTFORMER_COMPILE = PROVIDERS
-COMPILED = (COMPILE, FASTFORMER_COMPILE)  # those that compile first (left out of short runs)
-CONVERTED = (FASTFORMER, FASTFORMER_COMPILE)  # those that run the model after fastformer.convert
+PROVIDERS = ["transformers", "transformers-compile", "transformers-fastformer", "transformers-fastformer-compile",
+             "transformers-fastformer-reduce-overhead"]
+EAGER, COMPILE, FASTFORMER, FASTFORMER_COMPILE, FASTFORMER_GRAPHS = PROVIDERS
+COMPILED = (COMPILE, FASTFORMER_COMPILE, FASTFORMER_GRAPHS)  # those that compile first (left out of short runs)
+CONVERTED = (FASTFORMER, FASTFORMER_COMPILE, FASTFORMER_GRAPHS)  # those that run the model after fastformer.convert
+NEEDS_CUDA = {FASTFORMER_GRAPHS: train_step.NEEDS_CUDA[train_step.AUTO_GRAPHS]}
 DTYPES = ("fp32", "bf16")
 DEFAULT_DTYPES = ("fp32",)
 IGNORE = -100
@@ -110,6 +115,8 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"transformers is not installed (pip install transformers): {type(e).__name__}: {detail}"
+    if provider in NEEDS_CUDA and device.type != "cuda":
+        return f"{NEEDS_CUDA[provider]} (here: {device.type})"
     if provider in COMPILED:
         try:
             import torch._inductor  # noqa: F401
@@ -162,6 +169,8 @@ def loss_fn(provider: str, model, shape: Dict, batch: Dict[str, torch.Tensor]):
         return torch.compile(fn, dynamic=False)
     if provider == FASTFORMER_COMPILE:
         return train_step.compiled_packed(fn)
+    if provider == FASTFORMER_GRAPHS:
+        return train_step.compiled_packed(fn, mode="reduce-overhead")
     return fn
 
 
@@ -182,7 +191,11 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str = "f
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
+    graphs = provider == FASTFORMER_GRAPHS
+
     def step():
+        if graphs:  # a new training step for CUDA graph trees: the last step's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         optimizer.zero_grad(set_to_none=True)
         with amp:
             loss = compute()
@@ -194,10 +207,12 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str = "f
 
 
 def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]], log=None,
-                  dtypes: Optional[List[str]] = None, reps: Optional[int] = None) -> List[Dict]:
+                  dtypes: Optional[List[str]] = None, reps: Optional[int] = None,
+                  shapes: Optional[List[str]] = None) -> List[Dict]:
     """Records of the BART step for each provider (``providers``: those of them named there) and
     dtype (fp32; ``dtypes`` may name bf16 too), timed interleaved within each repetition; a
-    provider that cannot run here gets a record saying why."""
+    provider that cannot run here gets a record saying why. ``shapes``: only the shapes whose
+    label has every one of these words (e.g. ``d512``)."""
     names = [p for p in (providers or PROVIDERS) if p in PROVIDERS]
     if providers is None and size in ("quick", "smoke"):  # no compilation (a minute on CPU) in short runs
         names = [p for p in names if p not in COMPILED]
@@ -207,6 +222,8 @@ def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]
     records: List[Dict] = []
     for shape in sweep(device.type, size):
         shape_label = label(shape)
+        if shapes is not None and not set(shapes) <= set(shape_label.split()):
+            continue
         flops = gemm_flops(shape, make_batch(shape, device))
         for dtype in chosen:
             builders = {p: why_not(p, device) or (lambda p=p: build_step(p, shape, device, dtype)) for p in names}

@@ -12,9 +12,9 @@ from .timing import Timing, measure_interleaved, peak_memory_bytes
 # gpu-check: `make gpu-check` on a borrowed GPU, the whole sweep in a couple of minutes (a GPU's
 # device-timed calls vary little, so 10 samples after 3 warm-up calls give a stable minimum)
 TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (0, 3, 50, 0.05), "gpu-check": (3, 10, 10, 0.0),
-          "full": (3, 10, 200, 0.5)}
+          "full": (3, 10, 200, 0.5), "small": (3, 10, 200, 0.5)}
 STEP_TIMING = {"smoke": (0, 1, 1, 0.0), "quick": (1, 3, 5, 0.0), "gpu-check": (1, 3, 5, 0.0),
-               "full": (2, 10, 30, 2.0)}
+               "full": (2, 10, 30, 2.0), "small": (3, 20, 60, 2.0)}
 
 
 def with_reps(timing: Tuple[int, int, int, float], reps: Optional[int]) -> Tuple[int, int, int, float]:
@@ -29,7 +29,10 @@ def new_record(op: str, provider: str, shape: Dict, label: str, mode: str, dtype
     return {"op": op, "provider": provider, "shape": shape, "label": label, "mode": mode, "dtype": dtype,
             "status": status, "median_ms": None, "min_ms": None, "q25_ms": None, "q75_ms": None, "iqr_ms": None, "reps": 0,
             "first_call_ms": None, "throughput": None, "unit": OPS[op].unit if op in OPS else None,
-            "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None}
+            "tokens_per_s": None, "peak_mem_mb": None, "setup_ms": None,
+            # CUDA: the times above are device time per call (CUDA events around ``calls_per_sample``
+            # back-to-back calls), these the host's wall time of one call alone; None on a CPU
+            "host_median_ms": None, "host_min_ms": None, "calls_per_sample": None, "timer": None}
 
 
 def error_status(e: BaseException) -> str:
@@ -52,7 +55,9 @@ def time_all(calls: Dict[str, Callable[[], object]], recs: Dict[str, Dict],
 
 def set_timed(rec: Dict, t: Timing, **more) -> None:
     rec.update(status="ok", median_ms=t.median_ms, min_ms=t.min_ms, q25_ms=t.q25_ms, q75_ms=t.q75_ms,
-               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, samples_ms=list(t.samples_ms), **more)
+               iqr_ms=t.iqr_ms, reps=t.reps, first_call_ms=t.first_call_ms, samples_ms=list(t.samples_ms),
+               host_median_ms=t.host_median_ms, host_min_ms=t.host_min_ms, calls_per_sample=t.calls_per_sample,
+               timer=t.timer, **more)
 
 
 def relate(recs: Dict[str, Dict], yardstick: str, key: str, skip=()) -> None:
@@ -77,8 +82,15 @@ def emit(records: List[Dict], recs: Dict[str, Dict], log, what: str, digits: int
         records.append(rec)
         if log:
             log(f"  {what} {rec['provider']}: "
-                + (f"median {rec['median_ms']:.{digits}f} ms, min {rec['min_ms']:.{digits}f} ms"
-                   if rec["status"] == "ok" else rec["status"]))
+                + (_times(rec, digits) if rec["status"] == "ok" else rec["status"]))
+
+
+def _times(rec: Dict, digits: int) -> str:
+    """The log's times of one record: device and host per call on CUDA, wall time on a CPU."""
+    times = f"median {rec['median_ms']:.{digits}f} ms, min {rec['min_ms']:.{digits}f} ms"
+    if rec.get("host_median_ms") is None:
+        return times
+    return f"device {times}; host median {rec['host_median_ms']:.{digits}f} ms per call"
 
 
 def time_steps(op: str, shape: Dict, label: str, dtype: str, size: str, device: torch.device,

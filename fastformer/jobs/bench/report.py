@@ -125,7 +125,11 @@ def markdown(records: List[Dict]) -> str:
     real tokens only, the products left when padding is skipped: best over best, and the median of
     the repetitions' own ratios), and a
     memory-bound op the fraction of the machine's copy bandwidth it reaches (``torch-copy-alone``:
-    a copy of the same bytes, same run)."""
+    a copy of the same bytes, same run).
+
+    On CUDA the times are device time per call, and a ``host median ms`` column gives the host's
+    wall time of one call alone (see :mod:`fastformer.jobs.bench.timing`); tokens/s and
+    throughput come from the device time. On a CPU the times are wall time, as before."""
     lines: List[str] = []
     for op in dict.fromkeys(r["op"] for r in records):
         rows = [r for r in records if r["op"] == op]
@@ -134,8 +138,12 @@ def markdown(records: List[Dict]) -> str:
         share_real = any(r.get("gemm_share_real_tokens") is not None for r in rows)
         paired = any(r.get("gemm_share_real_tokens_paired") is not None for r in rows)
         of_copy = any(r.get("copy_fraction") is not None for r in rows)
+        # CUDA: device time per call (CUDA events) and, beside it, the host's time per call
+        host = any(r.get("host_median_ms") is not None for r in rows)
         lines.append(f"\n### {op}\n")
-        head = ["shape", "dtype", "mode", "provider", "median ms", "min ms", "IQR ms"]
+        head = ["shape", "dtype", "mode", "provider"]
+        head += (["device median ms", "device min ms", "IQR ms", "host median ms"] if host
+                 else ["median ms", "min ms", "IQR ms"])
         head += [unit] if unit else []
         head += ["tokens/s", "peak MB", "vs eager", "vs compile"] + (["GEMM share"] if share else []) \
             + (["GEMM share, real tokens"] if share_real else []) \
@@ -149,6 +157,7 @@ def markdown(records: List[Dict]) -> str:
             else:
                 cells = [r["label"], r["dtype"], r["mode"], r["provider"], _fmt(r["median_ms"]),
                          _fmt(r.get("min_ms")), _fmt(r["iqr_ms"], 2)]
+                cells += [_fmt(r.get("host_median_ms"))] if host else []
                 cells += [_fmt(r["throughput"])] if unit else []
                 cells += [_fmt(r["tokens_per_s"]), _fmt(r["peak_mem_mb"])]
                 cells += [f"{x:.2f}x" if x is not None else "-"
@@ -189,9 +198,10 @@ def add_speedups(records: List[Dict]) -> None:
 # -- files ----------------------------------------------------------------------------------------
 def write_json(path: str, machine: Dict, settings: Dict, records: List[Dict], per_shape: bool = False) -> Dict:
     """Write (atomically) the run's records, keeping earlier records of ops not run this time
-    (``per_shape``: of the (op, shape) pairs not run this time, for a run of some shapes only)."""
+    (``per_shape``: of the (op, shape, provider) triples not run this time, for a run of some
+    shapes only: gpu-check times a step's eager and its compiled providers in two runs)."""
     def key(r: Dict):
-        return (r.get("op"), r.get("label")) if per_shape else r.get("op")
+        return (r.get("op"), r.get("label"), r.get("provider")) if per_shape else r.get("op")
 
     now = {key(r) for r in records}
     kept: List[Dict] = []

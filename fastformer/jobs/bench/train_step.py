@@ -3,6 +3,10 @@
 One step = zero_grad, forward, label-smoothed loss, backward, Adam update, for
 
 * ``fastformer-<backend>``: ``fastformer.models.Seq2SeqTransformer`` with that backend forced;
+* ``fastformer-auto``: that model with the backend fastformer picks itself (``auto``: triton, then
+  cuda, on a GPU; the cpu backend on a CPU, where the ``fastformer-cpu`` row is the same step);
+* ``fastformer-auto-reduce-overhead``: that model's loss under ``torch.compile(mode="reduce-overhead")``
+  (inductor plus CUDA graphs: CUDA only; on a CPU its record says so);
 * ``torch-eager``: the same architecture from ``torch.nn.Transformer`` + embeddings (scaled by
   sqrt(d_model)) + sinusoidal positions + tied output projection + ``nn.CrossEntropyLoss``;
 * ``torch-compile``: that torch model's forward + loss under ``torch.compile``;
@@ -14,6 +18,12 @@ the device has it), as ``python -m fastformer train`` does; the torch providers 
 ``torch.optim.Adam``'s defaults, as a torch user writes them. Each in fp32 and under ``torch.autocast(<device>, torch.bfloat16)``. The default shape is the
 base benchmark: d_model 256, 4 heads, 3+3 layers, FFN 1024, vocabulary 8000, batch 32 x 64
 tokens with padding, dropout 0.1, label smoothing 0.1.
+
+The ``gpu-check`` sweep (``make gpu-check``, bf16 autocast there) is two GPU-sized models,
+:data:`GPU_SHAPES`: d_model 512 (8 heads, FFN 2048) and 1024 (16 heads, FFN 4096), 6+6 layers,
+vocabulary 32000, 64 sentences of up to 128 tokens, each padded after a length drawn uniformly
+from [64, 128] (a quarter of the positions padding, as in an unsorted batch), dropout 0.1, label
+smoothing 0.1. The ``smoke`` and ``quick`` sweeps are tiny and small: they run on a CPU in seconds.
 """
 import contextlib
 import math
@@ -32,8 +42,14 @@ from .timing import synchronized
 PAD, BOS, EOS = 0, 1, 2
 DTYPES = ("fp32", "bf16")
 FASTFORMER_COMPILE, EAGER, COMPILE = "fastformer-cpu-compile", "torch-eager", "torch-compile"
-PROVIDERS = ["fastformer-" + name for name in backends.NAMES] + [FASTFORMER_COMPILE, EAGER, COMPILE]
-COMPILED = (FASTFORMER_COMPILE, COMPILE)  # those that compile first (left out of short runs)
+AUTO, AUTO_GRAPHS = "fastformer-auto", "fastformer-auto-reduce-overhead"
+PROVIDERS = (["fastformer-" + name for name in backends.NAMES]
+             + [AUTO, FASTFORMER_COMPILE, AUTO_GRAPHS, EAGER, COMPILE])
+COMPILED = (FASTFORMER_COMPILE, AUTO_GRAPHS, COMPILE)  # those that compile first (left out of short runs)
+NEEDS_CUDA = {AUTO_GRAPHS: 'torch.compile(mode="reduce-overhead") captures CUDA graphs: it needs a CUDA device'}
+# make gpu-check's step sizes (the `gpu-check` sweep): a base and a big model, a realistic batch
+GPU_BASE = dict(layers=6, vocab=32000, B=64, S=128, dropout=0.1, smoothing=0.1)
+GPU_SHAPES = [dict(GPU_BASE, d_model=512, heads=8, ffn=2048), dict(GPU_BASE, d_model=1024, heads=16, ffn=4096)]
 STEP_OPS = ("embedding", "attention", "add_layer_norm", "feed_forward", "linear_cross_entropy")  # what the model's step runs
 
 
@@ -41,6 +57,10 @@ def sweep(device: str, size: str) -> List[Dict]:
     base = dict(d_model=256, heads=4, layers=3, ffn=1024, vocab=8000, dropout=0.1, smoothing=0.1)
     if size == "smoke":
         return [dict(base, d_model=32, heads=2, layers=1, ffn=64, vocab=100, B=2, S=8)]
+    if size == "gpu-check":  # the GPU sizes, whatever the device (a CPU takes minutes per step)
+        return [dict(shape) for shape in GPU_SHAPES]
+    if size == "small":  # a small model on short sentences (6-12 tokens): where host time per op call shows
+        return [dict(base, d_model=128, heads=4, layers=2, ffn=512, B=32, S=12)]
     if size == "quick" and device != "cuda":
         return [dict(base, B=8, S=32)]
     return [dict(base, B=32, S=64)]
@@ -112,7 +132,9 @@ def providers_for(device: torch.device) -> List[str]:
     """The training-step providers that are timing providers on ``device`` (the cpu backend on a
     CPU, triton and cuda on a GPU, the others on both)."""
     only = {"fastformer-cpu": "cpu", FASTFORMER_COMPILE: "cpu",
-            "fastformer-triton": "cuda", "fastformer-cuda": "cuda"}
+            "fastformer-triton": "cuda", "fastformer-cuda": "cuda",
+            # on a CPU auto is the cpu backend (its row is fastformer-cpu's); graphs are CUDA's
+            AUTO: "cuda", AUTO_GRAPHS: "cuda"}
     return [p for p in PROVIDERS if only.get(p, device.type) == device.type]
 
 
@@ -122,22 +144,32 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
         return None
     if provider not in PROVIDERS:
         return f"unknown training-step provider {provider!r} (known: {PROVIDERS})"
+    if provider in NEEDS_CUDA and device.type != "cuda":
+        return f"{NEEDS_CUDA[provider]} (here: {device.type})"
     try:
         import fastformer.models  # noqa: F401
     except ImportError as e:
         return f"fastformer.models is not importable: {e}"
-    return backend_why_not(_backend(provider), STEP_OPS, device, torch.float32)
+    backend = _backend(provider)
+    return None if backend is None else backend_why_not(backend, STEP_OPS, device, torch.float32)
 
 
-def _backend(provider: str) -> str:
-    """The backend a fastformer provider forces."""
+def _backend(provider: str) -> Optional[str]:
+    """The backend a fastformer provider forces (None: fastformer's own choice, ``auto``)."""
+    if provider in (AUTO, AUTO_GRAPHS):
+        return None
     return provider[len("fastformer-"):].removesuffix("-compile")
 
 
-def compiled_packed(loss_fn: Callable) -> Callable:
+def compiled_packed(loss_fn: Callable, mode: Optional[str] = None) -> Callable:
     """``loss_fn`` under torch.compile, with dynamo allowed to trace the number of real tokens as a
-    data-dependent size: the compiled model runs on the packed rows, as eager code does."""
-    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False)
+    data-dependent size: the compiled model runs on the packed rows, as eager code does.
+    ``mode="reduce-overhead"`` adds CUDA graphs (inductor leaves out, and logs, a graph it cannot
+    capture); it compiles without ``fullgraph``, so a graph break costs a graph, not the run."""
+    if mode is not None:
+        compiled = torch.compile(loss_fn, dynamic=False, mode=mode)
+    else:
+        compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False)
 
     def call(*args):
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
@@ -170,7 +202,11 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
     torch.manual_seed(0)
     kw = dict(d_model=shape["d_model"], heads=shape["heads"], layers=shape["layers"], ffn=shape["ffn"],
               dropout=shape["dropout"])
-    if provider.startswith("fastformer-"):
+    fused = provider.startswith("fastformer-")
+    if fused:
+        reason = why_not(provider, device)
+        if reason is not None:
+            raise RuntimeError(reason)
         model = fastformer_model(shape, device)
         backend = _backend(provider)
 
@@ -178,6 +214,8 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
             return model.loss(src, tgt, label_smoothing=shape["smoothing"])
         if provider == FASTFORMER_COMPILE:
             loss_fn = compiled_packed(loss_fn)
+        elif provider == AUTO_GRAPHS:
+            loss_fn = compiled_packed(loss_fn, mode="reduce-overhead")
     else:
         backend = None
         model = TorchSeq2Seq(shape["vocab"], smoothing=shape["smoothing"], **kw).to(device)
@@ -185,7 +223,7 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
         if provider == COMPILE:
             loss_fn = torch.compile(model.loss, dynamic=False)
     model.train()
-    if backend:  # what `python -m fastformer train` runs: fastformer.optim (torch's fused Adam here)
+    if fused:  # what `python -m fastformer train` runs: fastformer.optim (torch's fused Adam here)
         from fastformer.optim import make_optimizer
 
         optimizer = make_optimizer(model, lr=1e-4)
@@ -195,8 +233,12 @@ def build_step(provider: str, shape: Dict, device: torch.device, dtype: str) -> 
     tokens = int((src != PAD).sum() + (tgt != PAD).sum())
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
+    graphs = provider == AUTO_GRAPHS
+
     def step() -> float:
         ctx = fastformer.use_backend(backend) if backend else contextlib.nullcontext()
+        if graphs:  # a new training step for CUDA graph trees: the last step's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with ctx:
             optimizer.zero_grad(set_to_none=True)
             with amp:

@@ -1,0 +1,170 @@
+// fastformer::add_layer_norm: the eager training path of add_layer_norm with its autograd in C++.
+// One differentiable op, registered for CompositeImplicitAutograd (so it runs under no_grad and
+// inference_mode too, and on any device): its forward calls add_layer_norm_fwd (or .x_bias)
+// through the dispatcher, its backward node (a torch::autograd::Function) add_layer_norm_bwd (or
+// .x_bias). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
+// the same kernels, saved tensors and special cases, with the caller drawing `philox` (the Python
+// Function's philox.draw(dropout_p)) and passing it in.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorOptions.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "kernel.h"
+
+#include <atomic>
+#include <optional>
+#include <tuple>
+
+namespace fastformer {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using Fwd = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using Bwd4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using Bwd5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using OptTensor = std::optional<Tensor>;
+
+// The kernels, looked up once.
+using FwdSig = Fwd(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, double, double, const Tensor&);
+using FwdXBiasSig = Fwd(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, double, double, const Tensor&,
+                        const Tensor&);
+using Bwd4Sig = Bwd4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                     double, const Tensor&, bool);
+using Bwd5Sig = Bwd5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                     double, const Tensor&, bool);
+FF_KERNEL(fwd_op, FwdSig, "fastformer::add_layer_norm_fwd", "")
+FF_KERNEL(fwd_x_bias_op, FwdXBiasSig, "fastformer::add_layer_norm_fwd", "x_bias")
+FF_KERNEL(bwd_op, Bwd4Sig, "fastformer::add_layer_norm_bwd", "")
+FF_KERNEL(bwd_x_bias_op, Bwd5Sig, "fastformer::add_layer_norm_bwd", "x_bias")
+
+// Whether x's device has the .x_bias kernels (the Python: the backend's kernels have
+// add_layer_norm_fwd_x_bias, i.e. add_layer_norm_fwd.x_bias has a kernel for its dispatch key: the
+// CPU library does, the CUDA one does not). Asked once per device type: every kernel of the
+// library is registered when it loads, before any call.
+bool has_x_bias_kernels(const Tensor& x) {
+  static std::atomic<int8_t> known[static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)];
+  const auto type = static_cast<int>(x.device().type());
+  int8_t v = known[type].load(std::memory_order_relaxed);
+  if (v == 0) {
+    const c10::DispatchKey key = c10::computeDispatchKey(std::nullopt, x.layout(), x.device());
+    v = fwd_x_bias_op().hasKernelForDispatchKey(key) ? 1 : -1;
+    known[type].store(v, std::memory_order_relaxed);
+  }
+  return v > 0;
+}
+
+// The forward kernel: add_layer_norm_fwd.x_bias when x_bias is given and x's device has it, else
+// add_layer_norm_fwd of x + x_bias (or x). *fused: whether the .x_bias overload ran.
+Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
+                double eps, double dropout_p, const Tensor& philox, const OptTensor& x_bias,
+                bool* fused) {
+  const bool has_x_bias = x_bias.has_value() && x_bias->defined();
+  *fused = has_x_bias && has_x_bias_kernels(x);
+  if (*fused) return fwd_x_bias_op().call(x, residual, weight, bias, eps, dropout_p, philox, *x_bias);
+  return fwd_op().call(has_x_bias ? at::add(x, *x_bias) : x, residual, weight, bias, eps, dropout_p,
+                       philox);
+}
+
+bool requires_grad(const OptTensor& t) { return t.has_value() && t->defined() && t->requires_grad(); }
+
+// ctx->saved_data keys
+constexpr const char* kP = "p";         // dropout_p
+constexpr const char* kFlags = "flags"; // kResidual | kXBias | kFused | kPrenorm
+constexpr int64_t kResidual = 1, kXBias = 2, kFused = 4, kPrenorm = 8;
+
+struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual,
+                               const Tensor& weight, const Tensor& bias, double eps,
+                               double dropout_p, bool prenorm, const Tensor& philox,
+                               const OptTensor& x_bias) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
+    const bool has_residual = residual.has_value() && residual->defined();
+    const bool has_x_bias = x_bias.has_value() && x_bias->defined();
+    bool fused;
+    Fwd out = run_forward(x, residual, weight, bias, eps, dropout_p, philox, x_bias, &fused);
+    Tensor& y = std::get<0>(out);
+    Tensor& h = std::get<1>(out);
+    ctx->save_for_backward({h, weight, std::get<2>(out), std::get<3>(out), philox});
+    ctx->saved_data[kP] = dropout_p;
+    ctx->saved_data[kFlags] = (has_residual ? kResidual : 0) | (has_x_bias ? kXBias : 0) |
+                              (fused ? kFused : 0) | (prenorm ? kPrenorm : 0);
+    ctx->set_materialize_grads(false);  // an unused output's gradient comes undefined, not zeros
+    if (!prenorm) ctx->mark_non_differentiable({h});
+    return {std::move(y), std::move(h)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
+    // records the graph, where the kernels' calls go through it as the Python Function's do
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor& h = saved[0];
+    const Tensor& weight = saved[1];
+    const Tensor& mean = saved[2];
+    const Tensor& rstd = saved[3];
+    const Tensor& philox = saved[4];
+    const double dropout_p = ctx->saved_data[kP].toDouble();
+    const int64_t flags = ctx->saved_data[kFlags].toInt();
+    const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias;
+    Tensor dy = std::move(grads[0]);
+    if (!dy.defined()) dy = at::zeros_like(h);  // prenorm with only h used
+    OptTensor dh;
+    if ((flags & kPrenorm) && grads[1].defined()) dh = grads[1].contiguous();
+    Tensor dx, dres, dweight, dbias, dx_bias;
+    if (flags & kFused) {
+      std::tie(dx, dres, dweight, dbias, dx_bias) = bwd_x_bias_op().call(
+          dy.contiguous(), dh, h, weight, mean, rstd, dropout_p, philox, has_residual);
+    } else {
+      std::tie(dx, dres, dweight, dbias) =
+          bwd_op().call(dy.contiguous(), dh, h, weight, mean, rstd, dropout_p, philox, has_residual);
+      if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
+    }
+    if (!has_residual) {
+      dres = Tensor();
+    } else if (dropout_p == 0.0) {  // the kernels return dres empty then
+      dres = dx;
+    }
+    // x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias
+    return {dx, dres, dweight, dbias, Tensor(), Tensor(), Tensor(), Tensor(), dx_bias};
+  }
+};
+
+std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
+                                          const Tensor& weight, const Tensor& bias, double eps,
+                                          double dropout_p, bool prenorm, const Tensor& philox,
+                                          const OptTensor& x_bias) {
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || requires_grad(residual) ||
+                                       weight.requires_grad() || bias.requires_grad() ||
+                                       requires_grad(x_bias))) {
+    // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone,
+    // what the Function's forward returns then, without its node
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    bool fused;
+    Fwd out = run_forward(x, residual, weight, bias, eps, dropout_p, philox, x_bias, &fused);
+    return {std::move(std::get<0>(out)), std::move(std::get<1>(out))};
+  }
+  variable_list out = AddLayerNormFunction::apply(x, residual, weight, bias, eps, dropout_p, prenorm,
+                                                  philox, x_bias);
+  return {std::move(out[0]), std::move(out[1])};
+}
+
+}  // namespace
+}  // namespace fastformer
+
+TORCH_LIBRARY_FRAGMENT(fastformer, m) {
+  // y = LayerNorm(residual + dropout(x + x_bias)) on (N, C) rows, and h = residual + dropout(...),
+  // differentiable for prenorm (else h is returned non-differentiable). The caller draws philox.
+  m.def(
+      "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps, "
+      "float dropout_p, bool prenorm, Tensor philox, Tensor? x_bias) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastformer, CompositeImplicitAutograd, m) {
+  m.impl("add_layer_norm", &fastformer::add_layer_norm);
+}

@@ -1,0 +1,101 @@
+// fastformer::feed_forward: the eager training path of feed_forward with its autograd in C++.
+// One differentiable op, registered for CompositeImplicitAutograd (so it runs under no_grad and
+// inference_mode too, and on any device): its forward calls feed_forward_fwd through the
+// dispatcher, its backward node (a torch::autograd::Function) feed_forward_bwd. It is
+// fastformer/autograd/feed_forward.py's FeedForwardFunction, step for step, with the caller
+// drawing `philox` (the Python Function's philox.draw(dropout_p)) and passing it in.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "kernel.h"
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace fastformer {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<Tensor>;
+
+using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&,
+                                          const Tensor&, const OptTensor&, c10::string_view,
+                                          double, const Tensor&);
+using BwdSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, bool,
+    c10::string_view, double, const Tensor&);
+
+// The kernels, looked up once.
+FF_KERNEL(fwd_op, FwdSig, "fastformer::feed_forward_fwd", "")
+FF_KERNEL(bwd_op, BwdSig, "fastformer::feed_forward_bwd", "")
+
+bool requires_grad(const OptTensor& t) { return t.has_value() && t->defined() && t->requires_grad(); }
+
+// ctx->saved_data keys
+constexpr const char* kFlags = "flags";  // kB1 | kB2
+constexpr const char* kActivation = "activation";
+constexpr const char* kP = "p";
+constexpr int64_t kB1 = 1, kB2 = 2;
+
+struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
+                        const Tensor& w2, const OptTensor& b2, c10::string_view activation,
+                        double dropout_p, const Tensor& philox) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
+    auto [out, pre] = fwd_op().call(x, w1, b1, w2, b2, activation, dropout_p, philox);
+    ctx->save_for_backward({x, w1, w2, pre, philox});  // pre: (N, F), the only activation kept
+    const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
+    ctx->saved_data[kFlags] = (has_b1 ? kB1 : 0) | (has_b2 ? kB2 : 0);
+    ctx->saved_data[kActivation] = std::string(activation);
+    ctx->saved_data[kP] = dropout_p;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
+    // records the graph, where the kernels' calls go through it as the Python Function's do
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t flags = ctx->saved_data[kFlags].toInt();
+    const bool has_b1 = flags & kB1, has_b2 = flags & kB2;
+    auto [dx, dw1, db1, dw2, db2] = bwd_op().call(
+        grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], has_b1, has_b2,
+        ctx->saved_data[kActivation].toStringRef(), ctx->saved_data[kP].toDouble(), saved[4]);
+    // x, w1, b1, w2, b2, activation, dropout_p, philox
+    return {dx, dw1, has_b1 ? db1 : Tensor(), dw2, has_b2 ? db2 : Tensor(), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+Tensor feed_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
+                    const OptTensor& b2, c10::string_view activation, double dropout_p,
+                    const Tensor& philox) {
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || w1.requires_grad() || requires_grad(b1) ||
+                                       w2.requires_grad() || requires_grad(b2))) {
+    // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone,
+    // what the Function's forward returns then, without its node
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return std::get<0>(fwd_op().call(x, w1, b1, w2, b2, activation, dropout_p, philox));
+  }
+  return FeedForwardFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, philox);
+}
+
+}  // namespace
+}  // namespace fastformer
+
+TORCH_LIBRARY_FRAGMENT(fastformer, m) {
+  // linear(dropout(act(linear(x, w1, b1))), w2, b2) on (N, E) rows. The caller draws philox.
+  m.def(
+      "feed_forward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
+      "float dropout_p, Tensor philox) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastformer, CompositeImplicitAutograd, m) {
+  m.impl("feed_forward", &fastformer::feed_forward);
+}
