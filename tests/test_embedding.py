@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import _ext, backends, philox
 from fastformer.ops import embedding, reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends, skip_without_kernels
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -395,3 +395,18 @@ def test_kernel_checks_name_the_argument(backend):
 def test_bad_input_raises_naming_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 5), (3, 2, 1), (6,), ()])
+def test_default_positions_at_every_shape(shape):
+    """The default positions (arange(S) along the last dimension, kept per shape for eager calls)
+    for every kind of shape, a length-1 S included (its expansion has stride 0), twice (the kept
+    tensor is reused)."""
+    skip_without_kernels("cpu", "embedding")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 7, shape, generator=g)
+    w, table = torch.randn(7, 5, generator=g), torch.randn(6, 5, generator=g)
+    want = reference.embedding(ids, w, scale=2.0, positional=table)
+    with fastformer.use_backend("cpu"):
+        for _ in range(2):
+            torch.testing.assert_close(embedding(ids, w, scale=2.0, positional=table), want)

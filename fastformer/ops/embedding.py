@@ -39,8 +39,8 @@ def _default_positions(shape: torch.Size, device: torch.device) -> torch.Tensor:
     key = (shape, device)
     pos = _POSITIONS.get(key) if eager() else None
     if pos is None:
-        pos = (torch.arange(shape[-1], device=device).expand(shape).reshape(-1) if len(shape)
-               else torch.zeros(1, dtype=torch.int64, device=device))
+        pos = (torch.arange(shape[-1], device=device).expand(shape).reshape(-1).contiguous() if len(shape)
+               else torch.zeros(1, dtype=torch.int64, device=device))  # (a length-1 S expands to stride 0)
         if eager():
             if len(_POSITIONS) >= 256:  # many shapes (generation's growing length): start over
                 _POSITIONS.clear()
