@@ -127,7 +127,7 @@ def _draw_on(device: torch.device) -> torch.Tensor:
     own RNG ops are."""
     if device.type == "cpu":
         pair = torch.zeros(2, dtype=torch.int64)
-        pair[:1].random_(0, 2**62)  # one 64-bit draw, as random_ on a 0-d tensor
+        pair[0].random_(0, 2**62)  # one 64-bit draw, as random_ on a 0-d tensor (pair[0] is one)
         return pair
     return torch.empty(2, dtype=torch.int64, device=device).random_(0, 2**62)
 

@@ -51,3 +51,15 @@ def test_the_cli_offers_it():
 def test_a_gpu_gets_a_reason_not_a_table():
     rec, = overhead.bench(torch.device("meta"))
     assert rec["status"].startswith("skipped: the host-overhead table runs on a CPU")
+
+
+def test_the_command_writes_its_table_and_no_plot_of_it(tmp_path, monkeypatch):
+    # `python -m fastformer bench --ops overhead` with plots on (the default): the overhead rows have no
+    # sweep to plot, so the run writes its table and profile and no overhead.png (it used to fail there)
+    one = [c for c in overhead.cases(["add_layer_norm"]) if c.p > 0]
+    monkeypatch.setattr(overhead, "cases", lambda ops=None: one)
+    bench.run(ops=[overhead.OP], out=str(tmp_path), plots=True, verbose=False, reps=2)
+    results = (tmp_path / "results.md").read_text()
+    assert "| add_layer_norm | 0.1 |" in results
+    assert "## add_layer_norm, dropout 0.1" in (tmp_path / "overhead_profile.md").read_text()
+    assert not (tmp_path / "overhead.png").exists()

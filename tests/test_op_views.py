@@ -39,7 +39,8 @@ def test_residual_gradients_accumulate_in_place(backend):
 
 
 @pytest.mark.parametrize("backend", kernel_backends("cpu"))
-def test_two_dimensional_rows_get_no_view(backend):
+def test_inputs_of_any_rank_get_no_view(backend):
+    # 2-D rows need none; (B, S, C) inputs are taken to rows inside the C++ op, below autograd
     skip_without_kernels(backend, "add_layer_norm", "feed_forward", "embedding")
     x, r = torch.randn(5, 8, requires_grad=True), torch.randn(5, 8)
     w1, w2 = torch.randn(12, 8, requires_grad=True), torch.randn(8, 12, requires_grad=True)
@@ -48,6 +49,9 @@ def test_two_dimensional_rows_get_no_view(backend):
         outs = {"add_layer_norm": ops.add_layer_norm(x, r, None, None),
                 "feed_forward": ops.feed_forward(x, w1, None, w2, None),
                 "embedding": ops.embedding(torch.tensor([1, 4, 2]), table),
-                "add_layer_norm 3-D": ops.add_layer_norm(x[None], r[None], None, None)}
+                "add_layer_norm 3-D": ops.add_layer_norm(x[None], r[None], None, None),
+                "add_layer_norm 3-D affine": ops.add_layer_norm(x[None], r[None], torch.ones(8), torch.zeros(8)),
+                "feed_forward 3-D": ops.feed_forward(x[None], w1, None, w2, None),
+                "embedding 2-D ids": ops.embedding(torch.tensor([[1, 4, 2]]), table, positional=torch.randn(3, 8))}
     for name, out in outs.items():
-        assert (out.grad_fn.name() == "ViewBackward0") == name.endswith("3-D"), (name, out.grad_fn.name())
+        assert "View" not in out.grad_fn.name() and "Reshape" not in out.grad_fn.name(), (name, out.grad_fn.name())

@@ -49,6 +49,8 @@ def test_draws_come_from_the_generator_and_advance_it():
     assert all(0 <= s < 2**62 and o == 0 for s, o in a), "on the CPU: (seed, 0), as the seeds always were"
     torch.manual_seed(5)
     assert philox.next_seed() == a[0], "next_seed() is the pair draw() gives at the same generator state"
+    torch.manual_seed(5)
+    assert a[0][0] == torch.randint(0, 2**62, ()).item(), "the seed is torch.randint(0, 2**62, ())'s draw"
 
 
 def test_no_dropout_draws_nothing_and_allocates_nothing():

@@ -70,6 +70,18 @@ Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight
                        philox);
 }
 
+// x or residual (..., C) as the kernels' contiguous (N, C) rows: a view where it can be (below
+// autograd: no node), a copy where the layout needs one. x's checks are the kernels' (a 0-d x or
+// C = 0 is refused there, as the 2-D rows they are given would be).
+Tensor as_rows(const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "fastformer::add_layer_norm: x must have at least 1 dimension, got a 0-d tensor");
+  return ff_rows(t).contiguous();
+}
+OptTensor as_rows(const OptTensor& t) {
+  if (!t.has_value() || !t->defined()) return t;
+  return as_rows(*t);
+}
+
 bool requires_grad(const OptTensor& t) { return t.has_value() && t->defined() && t->requires_grad(); }
 
 // ctx->saved_data keys
@@ -86,9 +98,10 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
     const bool has_residual = residual.has_value() && residual->defined();
     const bool has_x_bias = x_bias.has_value() && x_bias->defined();
     bool fused;
-    Fwd out = run_forward(x, residual, weight, bias, eps, dropout_p, philox, x_bias, &fused);
-    Tensor& y = std::get<0>(out);
-    Tensor& h = std::get<1>(out);
+    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias, &fused);
+    // y and h in x's shape: views made here, below autograd, add no node to the graph
+    Tensor y = std::get<0>(out).view(x.sizes());
+    Tensor h = std::get<1>(out).view(x.sizes());
     ctx->save_for_backward({h, weight, std::get<2>(out), std::get<3>(out), philox});
     ctx->saved_data[kP] = dropout_p;
     ctx->saved_data[kFlags] = (has_residual ? kResidual : 0) | (has_x_bias ? kXBias : 0) |
@@ -112,23 +125,28 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
     const double dropout_p = ctx->saved_data[kP].toDouble();
     const int64_t flags = ctx->saved_data[kFlags].toInt();
     const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias;
+    const Tensor h_rows = ff_rows(h);  // (N, C): the kernels' rows (h is in x's shape)
     Tensor dy = std::move(grads[0]);
     if (!dy.defined()) dy = at::zeros_like(h);  // prenorm with only h used
+    dy = ff_rows(dy);
     OptTensor dh;
-    if ((flags & kPrenorm) && grads[1].defined()) dh = grads[1].contiguous();
+    if ((flags & kPrenorm) && grads[1].defined()) dh = ff_rows(grads[1]).contiguous();
     Tensor dx, dres, dweight, dbias, dx_bias;
     if (flags & kFused) {
       std::tie(dx, dres, dweight, dbias, dx_bias) = bwd_x_bias_op().call(
-          dy.contiguous(), dh, h, weight, mean, rstd, dropout_p, philox, has_residual);
+          dy.contiguous(), dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual);
     } else {
       std::tie(dx, dres, dweight, dbias) =
-          bwd_op().call(dy.contiguous(), dh, h, weight, mean, rstd, dropout_p, philox, has_residual);
+          bwd_op().call(dy.contiguous(), dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual);
       if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
     }
+    dx = dx.view(h.sizes());  // back to x's shape
     if (!has_residual) {
       dres = Tensor();
     } else if (dropout_p == 0.0) {  // the kernels return dres empty then
       dres = dx;
+    } else {
+      dres = dres.view(h.sizes());
     }
     // x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias
     return {dx, dres, dweight, dbias, Tensor(), Tensor(), Tensor(), Tensor(), dx_bias};
@@ -139,6 +157,9 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
                                           const Tensor& weight, const Tensor& bias, double eps,
                                           double dropout_p, bool prenorm, const Tensor& philox,
                                           const OptTensor& x_bias) {
+  TORCH_CHECK(!residual.has_value() || !residual->defined() || residual->sizes() == x.sizes(),
+              "fastformer::add_layer_norm: residual must have the shape of x ", x.sizes(), ", got ",
+              residual->sizes());
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || requires_grad(residual) ||
                                        weight.requires_grad() || bias.requires_grad() ||
                                        requires_grad(x_bias))) {
@@ -146,8 +167,8 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
     // what the Function's forward returns then, without its node
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     bool fused;
-    Fwd out = run_forward(x, residual, weight, bias, eps, dropout_p, philox, x_bias, &fused);
-    return {std::move(std::get<0>(out)), std::move(std::get<1>(out))};
+    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias, &fused);
+    return {std::get<0>(out).view(x.sizes()), std::get<1>(out).view(x.sizes())};
   }
   variable_list out = AddLayerNormFunction::apply(x, residual, weight, bias, eps, dropout_p, prenorm,
                                                   philox, x_bias);
@@ -158,7 +179,8 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
 }  // namespace fastformer
 
 TORCH_LIBRARY_FRAGMENT(fastformer, m) {
-  // y = LayerNorm(residual + dropout(x + x_bias)) on (N, C) rows, and h = residual + dropout(...),
+  // y = LayerNorm(residual + dropout(x + x_bias)) over the last dim of x (..., C) (residual: x's
+  // shape), and h = residual + dropout(...), both in x's shape,
   // differentiable for prenorm (else h is returned non-differentiable). The caller draws philox.
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps, "

@@ -42,18 +42,26 @@ constexpr const char* kActivation = "activation";
 constexpr const char* kP = "p";
 constexpr int64_t kB1 = 1, kB2 = 2;
 
+// x (..., E) as the kernels' contiguous (N, E) rows: a view where it can be (below autograd: no
+// node), a copy where the layout needs one; a 0-d x is refused.
+Tensor as_rows(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "fastformer::feed_forward: x must have at least 1 dimension, got a 0-d tensor");
+  return ff_rows(x).contiguous();
+}
+
 struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
                         const Tensor& w2, const OptTensor& b2, c10::string_view activation,
                         double dropout_p, const Tensor& philox) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
-    auto [out, pre] = fwd_op().call(x, w1, b1, w2, b2, activation, dropout_p, philox);
+    auto [out, pre] = fwd_op().call(as_rows(x), w1, b1, w2, b2, activation, dropout_p, philox);
+    // x itself is saved (its in-place changes are caught), its rows taken again in the backward
     ctx->save_for_backward({x, w1, w2, pre, philox});  // pre: (N, F), the only activation kept
     const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
     ctx->saved_data[kFlags] = (has_b1 ? kB1 : 0) | (has_b2 ? kB2 : 0);
     ctx->saved_data[kActivation] = std::string(activation);
     ctx->saved_data[kP] = dropout_p;
-    return out;
+    return out.view(x.sizes());  // in x's shape (a view below autograd: no node)
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -64,11 +72,12 @@ struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunctio
     const variable_list saved = ctx->get_saved_variables();
     const int64_t flags = ctx->saved_data[kFlags].toInt();
     const bool has_b1 = flags & kB1, has_b2 = flags & kB2;
+    const Tensor& x = saved[0];
     auto [dx, dw1, db1, dw2, db2] = bwd_op().call(
-        grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], has_b1, has_b2,
+        ff_rows(grads[0]).contiguous(), as_rows(x), saved[1], saved[2], saved[3], has_b1, has_b2,
         ctx->saved_data[kActivation].toStringRef(), ctx->saved_data[kP].toDouble(), saved[4]);
     // x, w1, b1, w2, b2, activation, dropout_p, philox
-    return {dx, dw1, has_b1 ? db1 : Tensor(), dw2, has_b2 ? db2 : Tensor(), Tensor(), Tensor(),
+    return {dx.view(x.sizes()), dw1, has_b1 ? db1 : Tensor(), dw2, has_b2 ? db2 : Tensor(), Tensor(), Tensor(),
             Tensor()};
   }
 };
@@ -81,7 +90,8 @@ Tensor feed_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, cons
     // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone,
     // what the Function's forward returns then, without its node
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return std::get<0>(fwd_op().call(x, w1, b1, w2, b2, activation, dropout_p, philox));
+    return std::get<0>(fwd_op().call(as_rows(x), w1, b1, w2, b2, activation, dropout_p, philox))
+        .view(x.sizes());
   }
   return FeedForwardFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, philox);
 }
@@ -90,7 +100,7 @@ Tensor feed_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, cons
 }  // namespace fastformer
 
 TORCH_LIBRARY_FRAGMENT(fastformer, m) {
-  // linear(dropout(act(linear(x, w1, b1))), w2, b2) on (N, E) rows. The caller draws philox.
+  // linear(dropout(act(linear(x, w1, b1))), w2, b2) on x (..., E), in x's shape. The caller draws philox.
   m.def(
       "feed_forward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
       "float dropout_p, Tensor philox) -> Tensor");

@@ -23,4 +23,17 @@ inline std::optional<at::Tensor> ff_optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// t (..., C) as (N, C) with N the product of its leading sizes (a view where the layout allows),
+// for ops whose kernels take rows. N is counted, not left to -1: an empty t has N = 0 either way,
+// and with C = 0 a -1 would be ambiguous. A 0-d t is one row of one. Called below autograd, so the
+// reshape records no node.
+inline at::Tensor ff_rows(const at::Tensor& t) {
+  if (t.dim() == 0) return t.reshape({1, 1});
+  if (t.dim() == 2) return t;
+  const int64_t C = t.size(-1);
+  int64_t N = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) N *= t.size(d);
+  return t.reshape({N, C});
+}
+
 }  // namespace fastformer

@@ -4,7 +4,7 @@ import torch
 
 from .. import backends, philox
 from ..autograd import AddLayerNormFunction
-from ..internal import validation
+from ..internal import fast, validation
 from ..internal.eager import eager
 from ..internal.rows import as_rows, as_shape
 from . import reference
@@ -38,6 +38,40 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     Statistics are computed in fp32 for every input dtype; under ``torch.autocast`` the
     inputs are cast to the autocast dtype.
     """
+    if (weight is not None and bias is not None and fast.plain(x, residual, weight, bias, x_bias)
+            and fast.number(eps) and fast.number(dropout_p) and prenorm.__class__ is bool and fast.ready()):
+        try:
+            out = _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
+        except RuntimeError:
+            out = None  # the C++ op rejected the call: the checked path words why
+        if out is not None:
+            return out
+    return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
+
+
+def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
+    """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
+    None where the call is the checked path's."""
+    shape, dt = x.shape, x.dtype
+    C = shape[-1] if shape else 0
+    if (not C or weight.dtype is not dt or bias.dtype is not dt
+            or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(x.device, residual, weight, bias, x_bias)):
+        return None  # (the checked path casts parameters to x's dtype)
+    if x.is_cuda:
+        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _GPU_FACTS,
+                                         (C, x.numel() // C, dropout_p > 0.0))
+    else:
+        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _FACTS, (C,))
+    op = kernels.add_layer_norm if kernels is not None else None
+    if op is None:
+        return None
+    # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node
+    y, h = op(x, residual, weight, bias, eps, dropout_p, prenorm, philox.draw(dropout_p, x.device),
+              x_bias.contiguous() if x_bias is not None else None)
+    return (y, h) if prenorm else y
+
+
+def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
     validation.tensor("x", x, min_ndim=1, floating=True)
     validation.nonempty_dim("x", x, -1, "the hidden size C normalised over")
     C = x.shape[-1]
@@ -65,17 +99,17 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     if kernels is None:
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm, x_bias=x_bias)
     shape = x.shape
-    x2 = as_rows(x, C)  # (N, C)
-    r2 = as_rows(residual, C) if residual is not None else None
     w = weight if weight is not None else torch.ones(C, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(C, dtype=x.dtype, device=x.device)
     w, b, xb = validation.cast(w, x.dtype), validation.cast(b, x.dtype), validation.cast(x_bias, x.dtype)
     xb = xb.contiguous() if xb is not None else None
     with validation.autocast_off(x.device):
-        if kernels.add_layer_norm is not None and eager():  # the backward in C++
-            y, h = kernels.add_layer_norm(x2, r2, w, b, eps, dropout_p, prenorm, philox.draw(dropout_p, x.device), xb)
-        else:
-            y, h = AddLayerNormFunction.apply(x2, r2, w, b, eps, dropout_p, bool(prenorm), kernels, xb)
+        if kernels.add_layer_norm is not None and eager():  # the backward in C++; it takes x's rows itself
+            y, h = kernels.add_layer_norm(x, residual, w, b, eps, dropout_p, prenorm,
+                                          philox.draw(dropout_p, x.device), xb)
+        else:  # on (N, C) rows
+            y, h = AddLayerNormFunction.apply(as_rows(x, C), as_rows(residual, C) if residual is not None else None,
+                                              w, b, eps, dropout_p, bool(prenorm), kernels, xb)
     if prenorm:
         return as_shape(y, shape), as_shape(h, shape)
     return as_shape(y, shape)

@@ -5,7 +5,7 @@ import torch
 
 from .. import backends, philox
 from ..autograd import AttentionFunction
-from ..internal import validation
+from ..internal import fast, validation
 from ..internal.eager import eager
 from . import reference
 
@@ -61,6 +61,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     another head, batch entry or column, nor a row with no visible key (zeros, as above). Where
     it is left open for the output, it is for the gradients too.
     """
+    if (attn_mask is None and fast.plain(q, k, v, key_padding_mask) and is_causal.__class__ is bool
+            and fast.number(dropout_p) and (scale is None or (fast.number(scale) and 0.0 < scale < math.inf))
+            and fast.ready()):
+        try:
+            out = _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p)
+        except (RuntimeError, IndexError):
+            out = None  # the C++ op rejected the call (or k is no 4-D tensor): the checked path words why
+        if out is not None:
+            return out
+    return _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
+
+
+def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
+    """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
+    None where the call is the checked path's (an attn_mask to convert is)."""
+    shape = q.shape
+    if len(shape) != 4 or not shape[3] or not fast.on(q.device, k, v, key_padding_mask):
+        return None
+    B, H, Sq, D = shape
+    if q.is_cuda:
+        kernels = backends.select_cached("attention", q.device, q.dtype, None, _GPU_FACTS,
+                                         (D, Sq, k.shape[2], B * H, is_causal, dropout_p > 0.0,
+                                          key_padding_mask is not None))
+    else:
+        kernels = backends.select_cached("attention", q.device, q.dtype, None, _FACTS, (D,))
+    op = kernels.attention if kernels is not None else None
+    if op is None:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
+    return op(q, k, v, kpm, None, is_causal, 1.0 / math.sqrt(D) if scale is None else scale, dropout_p,
+              philox.draw(dropout_p, q.device))
+
+
+def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     validation.tensor("q", q, ndim=4, floating=True)
     validation.tensor("k", k, ndim=4, floating=True)
     validation.tensor("v", v, ndim=4, floating=True)

@@ -5,7 +5,7 @@ import torch
 
 from .. import backends, philox
 from ..autograd import EmbeddingFunction
-from ..internal import validation
+from ..internal import fast, validation
 from ..internal.eager import eager
 from ..internal.rows import as_shape
 from . import reference
@@ -71,6 +71,36 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
     the dropout mask and scatter-adds into ``weight``'s gradient (and ``positional``'s) without
     atomics, deterministically. Dropout views the output as rows of D columns, one per id.
     """
+    if (fast.plain(input, weight, positional, positions) and fast.number(scale) and fast.number(dropout_p)
+            and (padding_idx is None or padding_idx.__class__ is int) and fast.ready()):
+        try:
+            out = _fast(input, weight, scale, positional, positions, dropout_p, padding_idx)
+        except RuntimeError:
+            out = None  # the C++ op rejected the call (a bad id among them): the checked path words why
+        if out is not None:
+            return out
+    return _checked(input, weight, scale, positional, positions, dropout_p, padding_idx)
+
+
+def _fast(input, weight, scale, positional, positions, dropout_p, padding_idx):
+    """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
+    None where the call is the checked path's (a backend that does not check id values is)."""
+    if (input.dtype not in ID_DTYPES or weight.dim() != 2 or not math.isfinite(scale)
+            or not fast.on(weight.device, input, positional, positions)):
+        return None
+    V, D = weight.shape
+    if padding_idx is not None and not 0 <= padding_idx < V:
+        return None  # (a negative one counts from the end: the checked path's)
+    if positions is not None and (positional is None or positions.dtype not in ID_DTYPES
+                                  or positions.shape != input.shape):
+        return None
+    kernels = backends.select_cached("embedding", weight.device, weight.dtype)
+    if kernels is None or kernels.embedding is None or kernels.name not in validation.CHECK_VALUES:
+        return None
+    return _embedding(kernels, input, weight, float(scale), positional, positions, dropout_p, padding_idx, D)
+
+
+def _checked(input, weight, scale, positional, positions, dropout_p, padding_idx):
     _ids("input", input)
     validation.tensor("weight", weight, ndim=2, floating=True)
     V, D = weight.shape
@@ -115,20 +145,19 @@ def _embedding(kernels, input, weight, scale, positional, positions, dropout_p, 
     if kernels is None:
         return reference.embedding(input, weight, scale=scale, positional=positional, positions=positions,
                                    dropout_p=dropout_p, padding_idx=padding_idx)
-    ids = input.reshape(-1).long().contiguous()  # (N,)
     pos = None
     if positional is not None:
-        if positions is None:
-            pos = _default_positions(input.shape, input.device)  # (N,)
-        else:
-            pos = positions.reshape(-1).long().contiguous()  # (N,)
+        pos = _default_positions(input.shape, input.device) if positions is None else positions
         positional = positional.contiguous()
     padding_idx = -1 if padding_idx is None else padding_idx
     with validation.autocast_off(weight.device):
         if kernels.embedding is not None and eager():  # the backward in C++
-            out = kernels.embedding(ids, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
-                                    philox.draw(dropout_p, weight.device))
-        else:
-            out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
-                                          kernels)
+            # the ids (and positions) as they are: the C++ op takes them as (N,) int64 rows and returns
+            # input.shape + (D,) without a view node
+            return kernels.embedding(input, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
+                                     philox.draw(dropout_p, weight.device))
+        ids = input.reshape(-1).long().contiguous()  # (N,)
+        pos = pos.reshape(-1).long().contiguous() if pos is not None else None  # (N,)
+        out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
+                                      kernels)
     return as_shape(out, (*input.shape, D))

@@ -4,7 +4,7 @@ import torch
 
 from .. import backends, philox
 from ..autograd import FeedForwardFunction
-from ..internal import validation
+from ..internal import fast, validation
 from ..internal.eager import eager
 from ..internal.rows import as_rows, as_shape
 from . import reference
@@ -29,6 +29,32 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     into its epilogue (Triton); backward regenerates the dropout mask and only the
     ``(..., F)`` pre-activation is kept between forward and backward.
     """
+    if fast.plain(x, w1, b1, w2, b2) and activation.__class__ is str and fast.number(dropout_p) and fast.ready():
+        try:
+            out = _fast(x, w1, b1, w2, b2, activation, dropout_p)
+        except RuntimeError:
+            out = None  # the C++ op rejected the call: the checked path words why
+        if out is not None:
+            return out
+    return _checked(x, w1, b1, w2, b2, activation, dropout_p)
+
+
+def _fast(x, w1, b1, w2, b2, activation, dropout_p):
+    """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
+    None where the call is the checked path's."""
+    shape = x.shape
+    E = shape[-1] if shape else 0
+    if not E or not fast.on(x.device, w1, b1, w2, b2):
+        return None
+    kernels = backends.select_cached("feed_forward", x.device, x.dtype)
+    op = kernels.feed_forward if kernels is not None else None
+    if op is None:
+        return None
+    # x as it is: the C++ op takes its rows and returns x's shape without a view node
+    return op(x, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p, philox.draw(dropout_p, x.device))
+
+
+def _checked(x, w1, b1, w2, b2, activation, dropout_p):
     validation.tensor("x", x, min_ndim=1, floating=True)
     validation.tensor("w1", w1, ndim=2, floating=True)
     validation.tensor("w2", w2, ndim=2, floating=True)
@@ -56,12 +82,11 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     if kernels is None:
         return reference.feed_forward(x, w1, b1, w2, b2, activation=activation, dropout_p=dropout_p)
     shape = x.shape
-    x2 = as_rows(x, E)  # (N, E)
     with validation.autocast_off(x.device):
-        if kernels.feed_forward is not None and eager():  # the backward in C++
-            out = kernels.feed_forward(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p,
+        if kernels.feed_forward is not None and eager():  # the backward in C++; it takes x's rows itself
+            out = kernels.feed_forward(x, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p,
                                        philox.draw(dropout_p, x.device))
         else:
-            out = FeedForwardFunction.apply(x2, w1.contiguous(), b1, w2.contiguous(), b2, activation,
+            out = FeedForwardFunction.apply(as_rows(x, E), w1.contiguous(), b1, w2.contiguous(), b2, activation,
                                             dropout_p, kernels)
     return as_shape(out, shape)

@@ -256,12 +256,13 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
             f.write("".join(overhead.profile(c) for c in overhead.cases() if c.p > 0 or c.op.endswith("entropy")))
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(header + table)
+    plotted = [op for op in ops if op != overhead.OP]  # (the overhead table is its own figure: no sweep to plot)
     if plots:
-        for op in ops:
+        for op in plotted:
             report.plot_op(os.path.join(out, f"{op}.png"), op, records,
                            title_suffix=f" - {machine['gpu'] or machine['cpu']}")
     print(header + table)
-    print(f"wrote {os.path.join(out, 'results.json')}" + (f" and {len(ops)} PNG plots" if plots else "")
+    print(f"wrote {os.path.join(out, 'results.json')}" + (f" and {len(plotted)} PNG plots" if plots and plotted else "")
           + f" in {settings['seconds']:.0f}s")
     return doc
 

@@ -1,0 +1,51 @@
+"""The common eager call of an op, checked once.
+
+Each op's Python checks word its errors before any work (``internal.validation``). Most of them the
+C++ op repeats before it touches memory (csrc/checks), so for the call a model makes every step
+(plain tensors, no autocast, eager, arguments of the usual types) an op takes its C++ differentiable
+op at once, doing exactly what its checked path does with those inputs (the same reshapes, the same
+kernel, the same draw) and checking in Python only what the C++ op cannot see (a shape before the
+reshape to rows, a default it fills in). If the C++ op rejects the call, the checked path runs: it
+raises the op's own error, worded as always (the hostile-input suites read them); an error it has no
+words for is the kernel's, raised again.
+
+A call the fast path does not take (autocast, a tensor subclass, a traced call, a mask to convert,
+a Triton or reference backend) is the checked path's, unchanged.
+"""
+import torch
+
+from .eager import eager
+
+# the classes whose calls need no __torch_function__ handling (Parameter disables its own)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def plain(*tensors) -> bool:
+    """Every argument is a plain tensor or None."""
+    for t in tensors:
+        if t is not None and t.__class__ not in PLAIN:
+            return False
+    return True
+
+
+def on(device: torch.device, *tensors) -> bool:
+    """Every tensor given (None aside) is on ``device``. The one check a C++ op cannot make for
+    itself: the dispatcher picks the kernel from all its tensors' devices, so a tensor on another
+    device can send the call to that device's kernel before any check runs."""
+    for t in tensors:
+        if t is not None and t.device != device:
+            return False
+    return True
+
+
+def ready() -> bool:
+    """Whether this call may take a fast path: eager (not traced, no dispatch mode, no saved-tensor
+    hooks) with autocast off everywhere (a cast is the checked path's)."""
+    return not _any_autocast() and eager()
+
+
+def number(x) -> bool:
+    """A Python float or int (not a bool): what an op's float arguments take as they are."""
+    c = x.__class__
+    return c is float or c is int
