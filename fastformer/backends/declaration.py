@@ -96,11 +96,13 @@ class OpLibrary:
 
 
     def autograd_op(self, op: str) -> Optional[Callable]:
-        """``torch.ops.<namespace>.<op>.default``, the op with its backward in C++, or None when the
-        library has none for ``op``."""
+        """The op with its backward in C++, or None when the library has none for ``op``: the
+        callable behind ``torch.ops.<namespace>.<op>.default`` (``OpOverload._op``: the same call
+        without the overload's Python frame, on the path of every eager call)."""
         if not _ext.has_kernel(op, "CompositeImplicitAutograd", self.namespace):
             return None
-        return getattr(getattr(torch.ops, self.namespace), op).default
+        overload = getattr(getattr(torch.ops, self.namespace), op).default
+        return getattr(overload, "_op", overload)
 
 
 class PythonModules:

@@ -52,21 +52,21 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
 def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
     """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
     None where the call is the checked path's."""
-    shape, dt = x.shape, x.dtype
+    shape, dt, dev = x.shape, x.dtype, x.device
     C = shape[-1] if shape else 0
     if (not C or weight.dtype is not dt or bias.dtype is not dt
-            or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(x.device, residual, weight, bias, x_bias)):
+            or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(dev, residual, weight, bias, x_bias)):
         return None  # (the checked path casts parameters to x's dtype)
-    if x.is_cuda:
-        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _GPU_FACTS,
+    if dev.type == "cuda":
+        kernels = backends.select_cached("add_layer_norm", dev, dt, None, _GPU_FACTS,
                                          (C, x.numel() // C, dropout_p > 0.0))
     else:
-        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _FACTS, (C,))
+        kernels = backends.select_cached("add_layer_norm", dev, dt, None, _FACTS, (C,))
     op = kernels.add_layer_norm if kernels is not None else None
     if op is None:
         return None
     # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node
-    y, h = op(x, residual, weight, bias, eps, dropout_p, prenorm, philox.draw(dropout_p, x.device),
+    y, h = op(x, residual, weight, bias, eps, dropout_p, prenorm, philox.draw(dropout_p, dev),
               x_bias.contiguous() if x_bias is not None else None)
     return (y, h) if prenorm else y
 
