@@ -112,11 +112,13 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // the saved tensors first: under activation checkpointing, unpacking them recomputes the
+    // checkpointed forward, which must record its graph (and save its tensors) as the first time
+    const variable_list saved = ctx->get_saved_variables();
     // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
     // records the graph, where the kernels' calls go through it as the Python Function's do
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const variable_list saved = ctx->get_saved_variables();
     const Tensor& h = saved[0];
     const Tensor& weight = saved[1];
     const Tensor& mean = saved[2];

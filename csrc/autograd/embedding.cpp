@@ -75,11 +75,13 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     const bool has_positional = ctx->saved_data[kHasPositional].toBool();
     const bool need_w = ctx->needs_input_grad(1);
     const bool need_p = has_positional && ctx->needs_input_grad(2);
+    // the saved tensors first: under activation checkpointing, unpacking them recomputes the
+    // checkpointed forward, which must record its graph (and save its tensors) as the first time
+    const variable_list saved = ctx->get_saved_variables();
     // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
     // records the graph, where the kernels' calls go through it as the Python Function's do
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const variable_list saved = ctx->get_saved_variables();
     OptTensor positions;
     if (saved.size() > 2) positions = saved[2];
     const Tensor dout = grads[0].reshape({ctx->saved_data[kRows].toInt(), grads[0].size(-1)});  // (N, D)
