@@ -38,6 +38,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .internal.eager import eager
+
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -202,7 +204,7 @@ def draw(dropout_p: float, device: Optional[torch.device] = None) -> torch.Tenso
     """The ``philox`` tensor for an op call with dropout probability ``dropout_p`` on ``device``
     (default the CPU): a fresh (seed, offset) from that device's generator if ``dropout_p > 0``
     (on that device), else (0, 0) on the CPU, drawing nothing."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if not eager():
         # traced (compile, make_fx, fake): the op, one draw per call; a fresh (0, 0) of the mode
         return no_dropout() if dropout_p == 0.0 else torch.ops.fastformer.next_seed(device or _CPU)
     if dropout_p == 0.0:

@@ -289,23 +289,7 @@ def select(op: str, device: torch.device, dtype: torch.dtype, limitation: Option
     name (``measured.FACTS_OF``). A forced backend that cannot take the call, or no backend at all,
     raises ``RuntimeError`` with the reasons. Decided once per distinct call (see the module).
     """
-    if _is_compiling():
-        return _select_traced(op, device, dtype, limitation, tuple(facts), tuple(facts.values()))
-    requested = _state.__dict__.get("name")  # _requested(), inline: this is the hot path
-    if requested is None:
-        raw = _env_raw(_ENV_KEY)
-        requested = "auto" if raw is None else _env_decode(raw)
-    key = (requested, op, device, dtype, limitation, tuple(facts), tuple(facts.values())) if facts else \
-        (requested, op, device, dtype, limitation, (), ())
-    try:
-        result = _CACHE[key]
-    except KeyError:
-        result = _decide(key, requested, op, device, dtype, limitation, key[-2], key[-1])
-    except TypeError:  # an unhashable value (a SymInt outside dynamo): decide without keeping it
-        result = _decide(None, requested, op, device, dtype, limitation, tuple(facts), tuple(facts.values()))
-    if result.__class__ is str:
-        raise RuntimeError(result)
-    return result
+    return select_cached(op, device, dtype, limitation, tuple(facts), tuple(facts.values()))
 
 
 def select_cached(op: str, device, dtype: torch.dtype, limitation: Optional[str] = None,

@@ -45,6 +45,15 @@ def ready() -> bool:
     return not _any_autocast() and eager()
 
 
+def attempt(fast_call, *args, errors=(RuntimeError,)):
+    """``fast_call(*args)``: the op's output, or None where the call is the checked path's (the fast
+    path declined it, or the C++ op refused it with one of ``errors``: the checked path words why)."""
+    try:
+        return fast_call(*args)
+    except errors:
+        return None
+
+
 def number(x) -> bool:
     """A Python float or int (not a bool): what an op's float arguments take as they are."""
     c = x.__class__

@@ -40,13 +40,18 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     """
     if (weight is not None and bias is not None and fast.plain(x, residual, weight, bias, x_bias)
             and fast.number(eps) and fast.number(dropout_p) and prenorm.__class__ is bool and fast.ready()):
-        try:
-            out = _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
-        except RuntimeError:
-            out = None  # the C++ op rejected the call: the checked path words why
+        out = fast.attempt(_fast, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
         if out is not None:
             return out
     return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
+
+
+def _kernels(x, device, dtype, C, dropout_p):
+    """The backend's kernels for this call (both paths ask the same question)."""
+    if device.type == "cuda":
+        return backends.select_cached("add_layer_norm", device, dtype, None, _GPU_FACTS,
+                                      (C, x.numel() // C, dropout_p > 0.0))
+    return backends.select_cached("add_layer_norm", device, dtype, None, _FACTS, (C,))
 
 
 def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
@@ -57,11 +62,7 @@ def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
     if (not C or weight.dtype is not dt or bias.dtype is not dt
             or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(dev, residual, weight, bias, x_bias)):
         return None  # (the checked path casts parameters to x's dtype)
-    if dev.type == "cuda":
-        kernels = backends.select_cached("add_layer_norm", dev, dt, None, _GPU_FACTS,
-                                         (C, x.numel() // C, dropout_p > 0.0))
-    else:
-        kernels = backends.select_cached("add_layer_norm", dev, dt, None, _FACTS, (C,))
+    kernels = _kernels(x, dev, dt, C, dropout_p)
     op = kernels.add_layer_norm if kernels is not None else None
     if op is None:
         return None
@@ -91,11 +92,7 @@ def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
     x, residual = validation.cast(x, lowp), validation.cast(residual, lowp)
     validation.same_dtype(x=x, residual=residual)
 
-    if x.is_cuda:
-        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _GPU_FACTS,
-                                         (C, x.numel() // C, dropout_p > 0.0))
-    else:
-        kernels = backends.select_cached("add_layer_norm", x.device, x.dtype, None, _FACTS, (C,))
+    kernels = _kernels(x, x.device, x.dtype, C, dropout_p)
     if kernels is None:
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm, x_bias=x_bias)
     shape = x.shape

@@ -64,13 +64,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if (attn_mask is None and fast.plain(q, k, v, key_padding_mask) and is_causal.__class__ is bool
             and fast.number(dropout_p) and (scale is None or (fast.number(scale) and 0.0 < scale < math.inf))
             and fast.ready()):
-        try:
-            out = _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p)
-        except (RuntimeError, IndexError):
-            out = None  # the C++ op rejected the call (or k is no 4-D tensor): the checked path words why
+        # (an IndexError: k is no 4-D tensor)
+        out = fast.attempt(_fast, q, k, v, key_padding_mask, is_causal, scale, dropout_p,
+                           errors=(RuntimeError, IndexError))
         if out is not None:
             return out
     return _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
+
+
+def _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p, masked):
+    """The backend's kernels for this call (both paths ask the same question)."""
+    if q.is_cuda:
+        return backends.select_cached("attention", q.device, q.dtype, limitation, _GPU_FACTS,
+                                      (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked))
+    return backends.select_cached("attention", q.device, q.dtype, limitation, _FACTS, (D,))
 
 
 def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
@@ -80,12 +87,7 @@ def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
     if len(shape) != 4 or not shape[3] or not fast.on(q.device, k, v, key_padding_mask):
         return None
     B, H, Sq, D = shape
-    if q.is_cuda:
-        kernels = backends.select_cached("attention", q.device, q.dtype, None, _GPU_FACTS,
-                                         (D, Sq, k.shape[2], B * H, is_causal, dropout_p > 0.0,
-                                          key_padding_mask is not None))
-    else:
-        kernels = backends.select_cached("attention", q.device, q.dtype, None, _FACTS, (D,))
+    kernels = _kernels(q, None, B, H, Sq, k.shape[2], D, is_causal, dropout_p, key_padding_mask is not None)
     op = kernels.attention if kernels is not None else None
     if op is None:
         return None
@@ -133,12 +135,8 @@ def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     limitation = None
     if attn_mask is not None and attn_mask.requires_grad:
         limitation = "attn_mask requires grad, and only the reference differentiates the mask"
-    if q.is_cuda:
-        kernels = backends.select_cached("attention", q.device, q.dtype, limitation, _GPU_FACTS,
-                                         (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0,
-                                          key_padding_mask is not None or attn_mask is not None))
-    else:
-        kernels = backends.select_cached("attention", q.device, q.dtype, limitation, _FACTS, (D,))
+    kernels = _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p,
+                       key_padding_mask is not None or attn_mask is not None)
     if kernels is None:
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                    is_causal=is_causal, scale=scale, dropout_p=dropout_p)

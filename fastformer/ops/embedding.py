@@ -36,12 +36,12 @@ def _default_positions(shape: torch.Size, device: torch.device) -> torch.Tensor:
     """``arange(S)`` along the last dimension of ``shape``, flattened to ``(N,)`` int64: made once per
     (shape, device) for eager calls (a batch's shapes repeat; the kernels only read it), afresh when
     traced."""
-    key = (shape, device)
-    pos = _POSITIONS.get(key) if eager() else None
+    key, keep = (shape, device), eager()
+    pos = _POSITIONS.get(key) if keep else None
     if pos is None:
         pos = (torch.arange(shape[-1], device=device).expand(shape).reshape(-1).contiguous() if len(shape)
                else torch.zeros(1, dtype=torch.int64, device=device))  # (a length-1 S expands to stride 0)
-        if eager():
+        if keep:
             if len(_POSITIONS) >= 256:  # many shapes (generation's growing length): start over
                 _POSITIONS.clear()
             _POSITIONS[key] = pos
@@ -73,10 +73,7 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
     """
     if (fast.plain(input, weight, positional, positions) and fast.number(scale) and fast.number(dropout_p)
             and (padding_idx is None or padding_idx.__class__ is int) and fast.ready()):
-        try:
-            out = _fast(input, weight, scale, positional, positions, dropout_p, padding_idx)
-        except RuntimeError:
-            out = None  # the C++ op rejected the call (a bad id among them): the checked path words why
+        out = fast.attempt(_fast, input, weight, scale, positional, positions, dropout_p, padding_idx)
         if out is not None:
             return out
     return _checked(input, weight, scale, positional, positions, dropout_p, padding_idx)

@@ -30,10 +30,7 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     ``(..., F)`` pre-activation is kept between forward and backward.
     """
     if fast.plain(x, w1, b1, w2, b2) and activation.__class__ is str and fast.number(dropout_p) and fast.ready():
-        try:
-            out = _fast(x, w1, b1, w2, b2, activation, dropout_p)
-        except RuntimeError:
-            out = None  # the C++ op rejected the call: the checked path words why
+        out = fast.attempt(_fast, x, w1, b1, w2, b2, activation, dropout_p)
         if out is not None:
             return out
     return _checked(x, w1, b1, w2, b2, activation, dropout_p)
