@@ -22,6 +22,11 @@ def _empty(t, *shape, dtype=None):
     return t.new_empty(shape, dtype=dtype or t.dtype)
 
 
+def _stat_dtype(t):
+    """The per-row statistics' dtype (log-sum-exp, mean, rstd): fp32, fp64 for fp64 inputs."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 @_fake
 def philox_bits(n, seed, offset):
     return torch.empty(n, dtype=torch.int64)
@@ -30,7 +35,7 @@ def philox_bits(n, seed, offset):
 @_fake
 def attention_fwd(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox):
     B, H, Sq, D = q.shape
-    return _empty(q, B, H, Sq, D), _empty(q, B, H, Sq, dtype=torch.float32)
+    return _empty(q, B, H, Sq, D), _empty(q, B, H, Sq, dtype=_stat_dtype(q))
 
 
 @_fake
@@ -42,7 +47,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causa
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                          dropout_p, philox):
     total_q, H, D = q.shape
-    return _empty(q, total_q, H, D), _empty(q, H, total_q, dtype=torch.float32)
+    return _empty(q, total_q, H, D), _empty(q, H, total_q, dtype=_stat_dtype(q))
 
 
 @_fake
@@ -62,8 +67,8 @@ FAKES["attention_varlen_bwd.into"] = attention_varlen_bwd_into  # an overload: "
 @_fake
 def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox):
     N = x.shape[0]
-    return (torch.empty_like(x), torch.empty_like(x), _empty(x, N, dtype=torch.float32),
-            _empty(x, N, dtype=torch.float32))
+    return (torch.empty_like(x), torch.empty_like(x), _empty(x, N, dtype=_stat_dtype(x)),
+            _empty(x, N, dtype=_stat_dtype(x)))
 
 
 @_fake

@@ -38,14 +38,14 @@ inline void check_param(const Backend& be, const char* op, const char* name, con
   check_contiguous(op, name, p);
 }
 
-// mean or rstd: (N,) fp32 for the rows h.
+// mean or rstd: (N,) in stat_dtype(h) for the rows h.
 inline void check_stat(const Backend& be, const char* op, const char* name, const at::Tensor& s,
                        const at::Tensor& h) {
   check_device(be, op, name, s, &h, "h");
   TORCH_CHECK(s.dim() == 1 && s.size(0) == h.size(0), op, ": ", name, " must have shape (",
               h.size(0), ",) (N), got ", s.sizes());
-  TORCH_CHECK(s.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
-              s.scalar_type());
+  TORCH_CHECK(s.scalar_type() == stat_dtype(h), op, ": ", name, " must be ", stat_dtype_name(h),
+              ", got ", s.scalar_type());
   check_contiguous(op, name, s);
 }
 

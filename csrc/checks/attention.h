@@ -53,7 +53,7 @@ inline std::array<int64_t, 5> check_attention_qkv(const Backend& be, const char*
 }
 
 // The backward's own tensors of either op (`rank`, `layout` as check_heads_operand's): dout and
-// out like q, lse fp32 on q's device. The caller checks lse's shape.
+// out like q, lse in stat_dtype(q) on q's device. The caller checks lse's shape.
 inline void check_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
                               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
                               int64_t rank, const char* layout) {
@@ -64,10 +64,11 @@ inline void check_bwd_tensors(const Backend& be, const char* op, const at::Tenso
   TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have q's shape ", q.sizes(), ", got ",
               out.sizes());
   check_device(be, op, "lse", lse, &q, "q");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, op, ": lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == stat_dtype(q), op, ": lse must be ", stat_dtype_name(q),
+              ", got ", lse.scalar_type());
 }
 
-// attention_bwd's own tensors: dout and out like q, lse (B, H, Sq) fp32.
+// attention_bwd's own tensors: dout and out like q, lse (B, H, Sq) in stat_dtype(q).
 inline void check_attention_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
                                         const at::Tensor& out, const at::Tensor& lse,
                                         const at::Tensor& q, const std::array<int64_t, 5>& dims) {

@@ -80,7 +80,7 @@ inline void check_cu_seqlens_values(const char* op, const char* name, const at::
               c[B]);
 }
 
-// attention_varlen_bwd's own tensors: dout and out like q, lse (H, total_q) fp32.
+// attention_varlen_bwd's own tensors: dout and out like q, lse (H, total_q) in stat_dtype(q).
 inline void check_varlen_bwd_tensors(const Backend& be, const char* op, const at::Tensor& dout,
                                      const at::Tensor& out, const at::Tensor& lse,
                                      const at::Tensor& q, const VarlenDims& dims) {

@@ -45,6 +45,15 @@ inline void check_float_dtype(const Backend& be, const char* op, const char* nam
               " must be ", be.float_names, ", got ", dt);
 }
 
+// The dtype of the per-row statistics the kernels keep for backward (log-sum-exp, mean, rstd):
+// fp32, and fp64 for fp64 inputs, so that fp64 calls are fp64 end to end.
+inline at::ScalarType stat_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+inline const char* stat_dtype_name(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? "float64 (as the float64 inputs)" : "float32";
+}
+
 inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }

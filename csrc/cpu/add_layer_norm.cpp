@@ -26,8 +26,8 @@ Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& re
   std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = x.size(0), C = x.size(1);
   at::Tensor y = empty_large_like(x), h = empty_large_like(x);  // pooled when large
-  at::Tensor mean = at::empty({N}, x.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
+  at::Tensor mean = at::empty({N}, x.options().dtype(checks::stat_dtype(x)));
+  at::Tensor rstd = at::empty({N}, x.options().dtype(checks::stat_dtype(x)));
   if (N == 0 || C == 0) return {y, h, mean, rstd};
   FF_ISA(add_layer_norm_fwd_kernel)(x, has_res ? *residual : at::Tensor(), weight, bias,
                                     x_bias ? *x_bias : at::Tensor(), y, h, mean, rstd, eps,

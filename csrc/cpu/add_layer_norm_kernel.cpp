@@ -47,8 +47,8 @@ const acc_t<T>* widen_param(const T* p, int64_t C, std::unique_ptr<acc_t<T>[]>& 
 template <typename T>
 inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
                                    const acc_t<T>* keep, const acc_t<T>* w, const acc_t<T>* b,
-                                   T* hr, T* yr, int64_t C, acc_t<T> eps, float* mean,
-                                   float* rstd) {
+                                   T* hr, T* yr, int64_t C, acc_t<T> eps, acc_t<T>* mean,
+                                   acc_t<T>* rstd) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
@@ -76,13 +76,13 @@ inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
     const V xhat = (load(hr + j, n) - vmu) * vrs;
     store(yr + j, at::vec::fmadd(xhat, V::loadu(w + j, n), V::loadu(b + j, n)), n);
   });
-  *mean = static_cast<float>(mu);
-  *rstd = static_cast<float>(rs);
+  *mean = mu;
+  *rstd = rs;
 }
 
 template <typename T>
 void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T* bias,
-                             const T* x_bias, T* y, T* h, float* mean, float* rstd, int64_t N,
+                             const T* x_bias, T* y, T* h, acc_t<T>* mean, acc_t<T>* rstd, int64_t N,
                              int64_t C, double eps, double dropout_p, uint64_t seed,
                              uint64_t offset) {
   using A = acc_t<T>;
@@ -144,7 +144,7 @@ inline void add_layer_norm_bwd_row(const T* hr, const T* dyr, const T* dhr, cons
 
 template <typename T>
 void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weight,
-                             const float* mean, const float* rstd, T* dx, T* dres, T* dweight,
+                             const acc_t<T>* mean, const acc_t<T>* rstd, T* dx, T* dres, T* dweight,
                              T* dbias, T* dx_bias, int64_t N, int64_t C, double dropout_p,
                              uint64_t seed, uint64_t offset) {
   using A = acc_t<T>;
@@ -170,7 +170,7 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
       for (int64_t row = block * rows_per_block; row < row_end; ++row) {
         if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
         add_layer_norm_bwd_row<T>(h + row * C, dy + row * C, dh ? dh + row * C : nullptr, keep, w,
-                                  static_cast<A>(mean[row]), static_cast<A>(rstd[row]),
+                                  mean[row], rstd[row],
                                   dx + row * C, dres ? dres + row * C : nullptr, dw_sum,
                                   dw_sum + C, dx_bias ? dw_sum + 2 * C : nullptr, C);
       }
@@ -202,7 +202,7 @@ void add_layer_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual,
         x.data_ptr<scalar_t>(), residual.defined() ? residual.data_ptr<scalar_t>() : nullptr,
         weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
         x_bias.defined() ? x_bias.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
-        h.data_ptr<scalar_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), N, C, eps,
+        h.data_ptr<scalar_t>(), mean.data_ptr<acc_t<scalar_t>>(), rstd.data_ptr<acc_t<scalar_t>>(), N, C, eps,
         dropout_p, seed, offset);
   });
 }
@@ -216,8 +216,8 @@ void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_layer_norm_bwd", [&] {
     add_layer_norm_bwd_rows<scalar_t>(
         dy.data_ptr<scalar_t>(), dh.defined() ? dh.data_ptr<scalar_t>() : nullptr,
-        h.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), mean.data_ptr<float>(),
-        rstd.data_ptr<float>(), dx.data_ptr<scalar_t>(),
+        h.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t<scalar_t>>(),
+        rstd.data_ptr<acc_t<scalar_t>>(), dx.data_ptr<scalar_t>(),
         dres.numel() > 0 ? dres.data_ptr<scalar_t>() : nullptr, dweight.data_ptr<scalar_t>(),
         dbias.data_ptr<scalar_t>(), dx_bias.defined() ? dx_bias.data_ptr<scalar_t>() : nullptr, N,
         C, dropout_p, seed, offset);

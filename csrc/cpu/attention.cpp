@@ -91,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
                dropout_p, philox);
   const auto [B, H, Sq, Sk, D] = c.dims;
   at::Tensor out = empty_large({B, H, Sq, D}, q_in.options());  // pooled when large
-  at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(checks::stat_dtype(q_in)));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
   FF_ISA(attention_fwd_impl)(c.dims, q, k, v, c.mask, scale, dropout_p, c.seed, c.offset, out, lse);
@@ -110,8 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv};
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
   const at::Tensor dout = as_blas_rows(dout_in, 2), lse = lse_in.contiguous();
-  const at::ScalarType acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(acc_dtype));
+  at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(checks::stat_dtype(q)));
   FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
                              c.offset, delta, dq, dk, dv);
   return {dq, dk, dv};

@@ -45,7 +45,7 @@ template <typename scalar_t>
 struct BwdData {
   using acc_t = at::opmath_type<scalar_t>;
   Rows<scalar_t> dout;
-  Rows<float> lse;      // Problem::stat_rows
+  Rows<acc_t> lse;      // Problem::stat_rows (fp32, fp64 under fp64 inputs)
   Rows<acc_t> delta;    // Problem::stat_rows: rowsum(dout * out)
   Rows<scalar_t> dq, dk, dv;  // the gradients, each row written once
   Rows<scalar_t> out;         // the forward's output (for delta)
@@ -109,7 +109,7 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
                    bool accumulate = true) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), shift = p.shift(b);
-  const float* lse = g.lse.row(b, h, i0);
+  const acc_t* lse = g.lse.row(b, h, i0);
   const acc_t* delta = g.delta.row(b, h, i0);
   const bool dropout = p.dropout.drop;
   const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, static_cast<acc_t>(p.dropout.scale));
@@ -126,18 +126,18 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t i = i0 + r;
     acc_t* s = w.S.data() + r * kBlockK;
-    const float row_lse = lse[r];
-    if (row_lse == std::numeric_limits<float>::infinity()) {
+    const acc_t row_lse = lse[r];
+    if (row_lse == std::numeric_limits<acc_t>::infinity()) {
       std::fill(s, s + npad, acc_t(0));  // no visible key
     } else if (std::isnan(row_lse)) {
       poison_row(s, nk, npad);  // the forward's row was NaN: so are its gradients
     } else if (fused) {
-      const Vec<acc_t> vlse(static_cast<acc_t>(row_lse));
+      const Vec<acc_t> vlse(row_lse);
       scale_mask_map_row(p.mask, p.scale, b, i, shift, j0, nk, npad, s,
                          [&](const Vec<acc_t>& x) { return vexp(x - vlse); });
     } else {
       scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
-      exp_sub(s, npad, static_cast<acc_t>(row_lse));
+      exp_sub(s, npad, row_lse);
     }
     if (dropout) mul_into(w.PZ.data() + r * kBlockK, s, w.keep.data() + r * kBlockK, npad);
   }
@@ -391,7 +391,7 @@ void attention_bwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& do
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
-    BwdData<scalar_t> g{rows_of<scalar_t>(dout), p.stat_rows(lse.data_ptr<float>()),
+    BwdData<scalar_t> g{rows_of<scalar_t>(dout), p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()),
                         p.stat_rows(delta.data_ptr<acc_t>()), rows_of<scalar_t>(dq),
                         rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), rows_of<scalar_t>(out)};
     attention_bwd_kernel<scalar_t>(p, g);
@@ -406,7 +406,7 @@ void attention_varlen_bwd_impl(const Varlen& lens, const at::Tensor& dout, const
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
-    BwdData<scalar_t> g{packed_rows_of<scalar_t>(dout, lens.cu_q), p.stat_rows(lse.data_ptr<float>()),
+    BwdData<scalar_t> g{packed_rows_of<scalar_t>(dout, lens.cu_q), p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()),
                         p.stat_rows(delta.data_ptr<acc_t>()), packed_rows_of<scalar_t>(dq, lens.cu_q),
                         packed_rows_of<scalar_t>(dk, lens.cu_k), packed_rows_of<scalar_t>(dv, lens.cu_k),
                         packed_rows_of<scalar_t>(out, lens.cu_q)};

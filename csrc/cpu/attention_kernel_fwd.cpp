@@ -34,7 +34,8 @@ namespace {
 
 // out: rows of (b, h, i) as Rows (D each); lse: p.stat_rows.
 template <typename scalar_t>
-void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out, const Rows<float>& lse) {
+void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
+                          const Rows<at::opmath_type<scalar_t>>& lse) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D;
   const bool dropout = p.dropout.drop;
@@ -167,7 +168,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
         const acc_t* Vj = v_tile.get(p.v, b, h, j0, nk, ldv);
         attn::matmul(mq, D, nk, S.data(), kBlockK, Vj, ldv, acc.data(), D, true);
       }
-      float* lse_rows = lse.row(b, h, i0);
+      acc_t* lse_rows = lse.row(b, h, i0);  // fp64 under fp64 inputs: gradients to fp64 precision
       for (int64_t g0 = 0; g0 < mq; g0 += kGroup) {
         alignas(64) acc_t log_l[kGroup];  // a group's logs in one vector call
         Vec<acc_t>::loadu(l.data() + g0).log().store(log_l);
@@ -175,10 +176,10 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
           scalar_t* o = out.row(b, h, i0 + r);
           if (l[r] == acc_t(0)) {  // no visible key: output 0, lse +inf
             std::fill(o, o + D, scalar_t(0));
-            lse_rows[r] = std::numeric_limits<float>::infinity();
+            lse_rows[r] = std::numeric_limits<acc_t>::infinity();
           } else {
             store_scaled_row(acc.data() + r * D, keep_scale / l[r], o, D);
-            lse_rows[r] = static_cast<float>(m[r] + log_l[r - g0]);
+            lse_rows[r] = m[r] + log_l[r - g0];
           }
         }
       }
@@ -193,7 +194,7 @@ void attention_fwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& q,
                         uint64_t seed, uint64_t offset, at::Tensor& out, at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_fwd", [&] {
     const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
-    attention_fwd_kernel<scalar_t>(p, rows_of<scalar_t>(out), p.stat_rows(lse.data_ptr<float>()));
+    attention_fwd_kernel<scalar_t>(p, rows_of<scalar_t>(out), p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()));
   });
 }
 
@@ -203,7 +204,7 @@ void attention_varlen_fwd_impl(const Varlen& lens, const at::Tensor& q, const at
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_fwd", [&] {
     const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
     attention_fwd_kernel<scalar_t>(p, packed_rows_of<scalar_t>(out, lens.cu_q),
-                                   p.stat_rows(lse.data_ptr<float>()));
+                                   p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()));
   });
 }
 

@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
   const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, dropout_p, dims);
   at::Tensor out = empty_large({dims.total_q, dims.H, dims.D}, q_in.options());  // pooled when large
-  at::Tensor lse = at::empty({dims.H, dims.total_q}, q_in.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({dims.H, dims.total_q}, q_in.options().dtype(checks::stat_dtype(q_in)));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
   FF_ISA(attention_varlen_fwd_impl)(lens, q, k, v, is_causal, scale, dropout_p, static_cast<uint64_t>(seed),
@@ -64,8 +64,7 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, const 
   if (dq.numel() == 0 && dk.numel() == 0) return;  // (a sequence without queries: dk = 0)
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
   const at::Tensor dout = as_blas_rows(dout_in, 0), lse = lse_in.contiguous();
-  const at::ScalarType acc_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(acc_dtype));
+  at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(checks::stat_dtype(q)));
   FF_ISA(attention_varlen_bwd_impl)(lens, dout, q, k, v, out_in, lse, is_causal, scale, dropout_p,
                                     static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), delta, dq,
                                     dk, dv);

@@ -2,6 +2,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from .. import backends, philox
 from ..autograd import AttentionFunction
@@ -37,10 +38,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q: queries ``(B, H, Sq, D)``.
         k, v: keys and values ``(B, H, Sk, D)``; ``Sk`` may differ from ``Sq``; any ``D <= 256``.
         key_padding_mask: ``(B, Sk)`` bool, True marks a padded key that no query may see.
-        attn_mask: bool (True = masked out) or float (added to the scores), broadcastable
-            to ``(B, H, Sq, Sk)``.
+        attn_mask: bool (True = masked out, the opposite of SDPA's bool mask) or float (added
+            to the scores), broadcastable to ``(B, H, Sq, Sk)``; or one of torch's causal-bias
+            objects, ``torch.nn.attention.bias.causal_upper_left(Sq, Sk)`` /
+            ``causal_lower_right(Sq, Sk)``, which run as the fused causal mask (nothing is
+            materialized).
         is_causal: query ``i`` sees key ``j`` iff ``j <= i + Sk - Sq`` (bottom-right aligned,
-            as incremental decoding needs).
+            as incremental decoding needs, and as ``causal_lower_right``). SDPA's ``is_causal``
+            is top-left aligned (``j <= i``): the two agree when ``Sq == Sk``; for ``Sq != Sk``
+            pass ``attn_mask=causal_upper_left(Sq, Sk)`` to get SDPA's.
         scale: score scale, default ``1 / sqrt(D)``.
         dropout_p: dropout probability on the attention probabilities (pass 0 in eval).
 
@@ -98,7 +104,35 @@ def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
               philox.draw(dropout_p, q.device))
 
 
+def _causal_bias(q, k, v, key_padding_mask, bias, is_causal, scale, dropout_p):
+    """torch's CausalBias as the fused causal mask. Top-left alignment with ``Sq != Sk`` becomes
+    bottom-right on a square: with fewer queries, the first ``Sq`` keys (the only ones any query
+    sees); with more, the first ``Sk`` queries causal and the rest seeing every key."""
+    if is_causal is not False:
+        raise ValueError("attn_mask is a CausalBias, which is the causal mask itself: "
+                         "pass is_causal=False with it (as SDPA requires)")
+    validation.tensor("q", q, ndim=4, floating=True)
+    validation.tensor("k", k, ndim=4, floating=True)
+    Sq, Sk = q.shape[2], k.shape[2]
+    if (bias.seq_len_q, bias.seq_len_kv) != (Sq, Sk):
+        raise ValueError(f"attn_mask is a CausalBias for (Sq, Sk) = ({bias.seq_len_q}, {bias.seq_len_kv}), "
+                         f"but q and k have (Sq, Sk) = ({Sq}, {Sk})")
+    call = dict(scale=scale, dropout_p=dropout_p)
+    if bias.variant == CausalVariant.LOWER_RIGHT or Sq == Sk:
+        return attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=True, **call)
+    if bias.variant != CausalVariant.UPPER_LEFT:
+        raise ValueError(f"attn_mask is a CausalBias of an unknown variant {bias.variant!r}")
+    if Sq < Sk:  # (B, H, Sq, D) against the first Sq keys
+        kpm = key_padding_mask[:, :Sq] if key_padding_mask is not None else None
+        return attention(q, k[:, :, :Sq], v[:, :, :Sq], key_padding_mask=kpm, is_causal=True, **call)
+    head = attention(q[:, :, :Sk], k, v, key_padding_mask=key_padding_mask, is_causal=True, **call)
+    tail = attention(q[:, :, Sk:], k, v, key_padding_mask=key_padding_mask, **call)
+    return torch.cat([head, tail], dim=2)  # (B, H, Sq, D)
+
+
 def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
+    if isinstance(attn_mask, CausalBias):
+        return _causal_bias(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
     validation.tensor("q", q, ndim=4, floating=True)
     validation.tensor("k", k, ndim=4, floating=True)
     validation.tensor("v", v, ndim=4, floating=True)
