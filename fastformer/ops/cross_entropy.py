@@ -46,13 +46,32 @@ def _check_target_values(target, num_classes, ignore_index):
                          f"{ignore_index}; got values in [{lo}, {hi}]")
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float = 0.0,
-                  ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+def _check_class_weight(weight, num_classes, dtype, **input_):
+    """torch's per-class ``weight``: a floating ``(num_classes,)`` tensor on the device of ``input_``
+    (one name=tensor pair) that does not require grad (torch's cross_entropy does not differentiate
+    it, and refuses one that does). Returns it as the kernels take it: contiguous, in the math type
+    of ``dtype`` (fp64 for fp64, else fp32)."""
+    validation.tensor("weight", weight, floating=True)
+    validation.shape("weight", weight, (num_classes,), "one weight per class")
+    validation.same_device(**input_, weight=weight)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("weight (the class weights) must not require grad: torch's cross_entropy does not "
+                         "differentiate it; pass weight.detach()")
+    return weight.to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
+                  label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """Fused label-smoothed cross-entropy with ``F.cross_entropy`` semantics.
 
     Args:
         logits: ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)`` (class dimension 1, as torch).
         target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``.
+        weight: torch's class weights ``w``, a floating ``(C,)`` tensor (any floating dtype: the
+            kernels take it in fp32, fp64 for fp64 logits), or None. It gets no gradient and must
+            not require grad (as torch). Row ``i`` then adds ``(1 - eps) * w[t_i] * nll_i + (eps / C)
+            * sum_c w_c * (-log p_c)``, and ``mean`` divides by the non-ignored rows' sum of
+            ``w[t_i]`` (NaN when that is 0, as torch).
         label_smoothing: ``eps`` in ``(1 - eps) * nll + eps * mean_c(-log p_c)``.
         ignore_index: target value whose rows add nothing and get zero gradient.
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
@@ -66,16 +85,18 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     want = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
     _check_target(target, want, logits=logits)
     C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    if weight is not None:
+        weight = _check_class_weight(weight, C, logits.dtype, logits=logits)
 
     kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
     return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
-                                     lambda: _cross_entropy(kernels, logits, target, label_smoothing, ignore_index,
-                                                            reduction))
+                                     lambda: _cross_entropy(kernels, logits, target, weight, label_smoothing,
+                                                            ignore_index, reduction))
 
 
-def _cross_entropy(kernels, logits, target, label_smoothing, ignore_index, reduction):
+def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_index, reduction):
     if kernels is None:
-        return reference.cross_entropy(logits, target, label_smoothing=label_smoothing,
+        return reference.cross_entropy(logits, target, weight=weight, label_smoothing=label_smoothing,
                                        ignore_index=ignore_index, reduction=reduction)
     logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
     logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
@@ -83,13 +104,13 @@ def _cross_entropy(kernels, logits, target, label_smoothing, ignore_index, reduc
         if torch.is_grad_enabled() and logits.requires_grad:
             if kernels.cross_entropy is not None and eager():  # the backward in C++
                 loss = kernels.cross_entropy(logits2d, target1d, float(label_smoothing), ignore_index,
-                                             REDUCTION_CODE[reduction])
+                                             REDUCTION_CODE[reduction], weight)
             else:
                 loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
-                                                  REDUCTION_CODE[reduction], kernels)
+                                                  REDUCTION_CODE[reduction], kernels, weight)
         else:  # no gradient wanted (evaluation, no_grad): the kernel skips writing it
             loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
-                                                REDUCTION_CODE[reduction], False)
+                                                REDUCTION_CODE[reduction], False, weight)
     return loss.reshape(shape) if reduction == "none" else loss
 
 
@@ -106,16 +127,13 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         linear_weight: ``(V, D)`` output projection (``nn.Linear`` layout).
         target: int64 ``(...)``, input's leading shape.
         linear_bias: ``(V,)`` or None.
-        weight: per-class rescaling: not supported (must be None).
+        weight: torch's class weights ``(V,)`` or None, as :func:`cross_entropy`'s ``weight``.
         reduction, label_smoothing: as :func:`cross_entropy`.
         ignore_index: as :func:`cross_entropy` (default -100, as ``F.cross_entropy``); None ignores nothing.
 
     Rows are processed in chunks, so at most a chunk of the ``(N, V)`` logits exists at a
     time; the weight gradient is accumulated chunk by chunk.
     """
-    if weight is not None:
-        raise ValueError("weight (per-class rescaling of the loss) is not supported by fastformer's "
-                         "linear_cross_entropy; pass weight=None, or use torch.nn.functional.linear_cross_entropy")
     if ignore_index is None:
         ignore_index = _IGNORE_NOTHING
     validation.tensor("input", input, min_ndim=1, floating=True)
@@ -136,17 +154,20 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     lowp = validation.autocast_dtype(input.device)
     hidden, w, b = (validation.cast(t, lowp) for t in (input, linear_weight, linear_bias))
     validation.same_dtype(input=hidden, linear_weight=w, linear_bias=b)
+    if weight is not None:
+        weight = _check_class_weight(weight, V, hidden.dtype, input=input)
 
     kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype)
     return validation.values_checked(kernels, lambda: _check_target_values(target, V, ignore_index),
-                                     lambda: _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing,
-                                                                   ignore_index, reduction))
+                                     lambda: _linear_cross_entropy(kernels, hidden, w, b, target, weight, D,
+                                                                   label_smoothing, ignore_index, reduction))
 
 
-def _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing, ignore_index, reduction):
+def _linear_cross_entropy(kernels, hidden, w, b, target, weight, D, label_smoothing, ignore_index, reduction):
     if kernels is None:
-        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, label_smoothing=label_smoothing,
-                                              ignore_index=ignore_index, reduction=reduction)
+        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, weight=weight,
+                                              label_smoothing=label_smoothing, ignore_index=ignore_index,
+                                              reduction=reduction)
     hidden2d, target1d = as_rows(hidden, D), target.reshape(-1).contiguous()  # (N, D), (N,)
     w = w.contiguous()
     code = REDUCTION_CODE[reduction]
@@ -154,11 +175,11 @@ def _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing, ign
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, w, b)):
             if kernels.linear_cross_entropy is not None and eager():  # the backward in C++
                 loss = kernels.linear_cross_entropy(hidden2d, w, b, target1d, float(label_smoothing), ignore_index,
-                                                    code)
+                                                    code, weight)
             else:
                 loss = LinearCrossEntropyFunction.apply(hidden2d, w, b, target1d, float(label_smoothing),
-                                                        ignore_index, code, kernels)
+                                                        ignore_index, code, kernels, weight)
         else:  # no gradient wanted: the logits chunks are reduced to the loss, nothing else is kept
             loss = kernels.linear_cross_entropy_fwd(hidden2d, w, b, target1d, float(label_smoothing),
-                                                    ignore_index, code, False)[0]
+                                                    ignore_index, code, False, weight)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
