@@ -148,7 +148,10 @@ def _grad_scale(target: torch.Tensor, ignore_index: int, reduction: int, class_w
     if class_weight is None:
         divisor = valid.sum().to(torch.float32)
     else:
-        divisor = torch.where(valid, class_weight[torch.where(valid, target, 0)], 0.0).sum()
+        # a target outside [0, V) (the op checks the values, except under torch.compile) adds
+        # nothing and is never used as an index, as in the kernel
+        counts = valid & (target >= 0) & (target < class_weight.shape[0])
+        divisor = torch.where(counts, class_weight[torch.where(counts, target, 0)], 0.0).sum()
     if reduction == 1:
         if class_weight is None:
             return 1.0 / divisor, divisor
