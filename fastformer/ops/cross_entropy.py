@@ -14,6 +14,8 @@ REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 REDUCTIONS = tuple(REDUCTION_CODE)
 # ignore_index=None (torch's F.linear_cross_entropy: nothing is ignored) as an index no class has.
 _IGNORE_NOTHING = -(2 ** 63)
+# Why the kernel backends decline probability ("soft") targets: their kernels take class indices.
+SOFT_TARGETS = "probability targets (a floating target): the kernels take class indices; the reference computes them"
 
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
@@ -24,14 +26,24 @@ def _check_loss_args(label_smoothing, reduction, ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
-def _check_target(target, want_shape, **input_):
+def _check_target(target, want_shape, probs_shape, ignore_index, **input_):
     """``target`` must be int64 class indices of ``want_shape`` on the device of ``input_`` (one
-    name=tensor pair); their values: :func:`_check_target_values`."""
+    name=tensor pair; their values: :func:`_check_target_values`), or class probabilities: a
+    floating tensor of ``probs_shape`` (torch's soft targets, without ignore_index). Returns whether
+    it holds probabilities."""
     validation.tensor("target", target)
     if target.dtype != torch.int64:
-        raise TypeError(f"target must hold class indices as int64, got {target.dtype}")
+        if not target.is_floating_point() or target.shape != probs_shape:
+            raise TypeError(f"target must hold class indices as int64 (shape {tuple(want_shape)}) or class "
+                            f"probabilities of shape {tuple(probs_shape)}, got {target.dtype} of shape "
+                            f"{tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError(f"ignore_index is not supported for probability targets (as torch), got {ignore_index}")
+        validation.same_device(**input_, target=target)
+        return True
     validation.shape("target", target, want_shape, "one class index per row of the input")
     validation.same_device(**input_, target=target)
+    return False
 
 
 def _check_target_values(target, num_classes, ignore_index):
@@ -66,7 +78,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
 
     Args:
         logits: ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)`` (class dimension 1, as torch).
-        target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``.
+        target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``; or class
+            probabilities of the logits' shape (torch's soft targets: ``-sum_c w_c q_c log p_c`` with
+            ``q`` smoothed, no ignore_index, ``mean`` over the rows). Only the reference computes
+            those yet: ``auto`` takes it, a kernel backend chosen by name declines them.
         weight: torch's class weights ``w``, a floating ``(C,)`` tensor (any floating dtype: the
             kernels take it in fp32, fp64 for fp64 logits), or None. It gets no gradient and must
             not require grad (as torch). Row ``i`` then adds ``(1 - eps) * w[t_i] * nll_i + (eps / C)
@@ -83,12 +98,15 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
     _check_loss_args(label_smoothing, reduction, ignore_index)
     validation.nonempty_dim("logits", logits, 1 if logits.dim() > 1 else 0, "the classes: at least one class")
     want = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
-    _check_target(target, want, logits=logits)
+    soft = _check_target(target, want, logits.shape, ignore_index, logits=logits)
     C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
     if weight is not None:
         weight = _check_class_weight(weight, C, logits.dtype, logits=logits)
 
-    kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
+    kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, SOFT_TARGETS if soft else None)
+    if soft:  # the reference (the only backend that takes them)
+        return reference.cross_entropy(logits, target, weight=weight, label_smoothing=label_smoothing,
+                                       reduction=reduction)
     return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
                                      lambda: _cross_entropy(kernels, logits, target, weight, label_smoothing,
                                                             ignore_index, reduction))
@@ -125,7 +143,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     Args:
         input: ``(..., D)`` final hidden states.
         linear_weight: ``(V, D)`` output projection (``nn.Linear`` layout).
-        target: int64 ``(...)``, input's leading shape.
+        target: int64 ``(...)``, input's leading shape; or class probabilities ``(..., V)``, as
+            :func:`cross_entropy`'s (the reference computes those).
         linear_bias: ``(V,)`` or None.
         weight: torch's class weights ``(V,)`` or None, as :func:`cross_entropy`'s ``weight``.
         reduction, label_smoothing: as :func:`cross_entropy`.
@@ -149,7 +168,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     validation.nonempty_dim("linear_weight", linear_weight, 0, "V, the classes: at least one class")
     _check_loss_args(label_smoothing, reduction, ignore_index)
     validation.same_device(input=input, linear_weight=linear_weight, linear_bias=linear_bias)
-    _check_target(target, input.shape[:-1], input=input)
+    soft = _check_target(target, input.shape[:-1], input.shape[:-1] + (V,),
+                         -100 if ignore_index == _IGNORE_NOTHING else ignore_index, input=input)
 
     lowp = validation.autocast_dtype(input.device)
     hidden, w, b = (validation.cast(t, lowp) for t in (input, linear_weight, linear_bias))
@@ -157,7 +177,11 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if weight is not None:
         weight = _check_class_weight(weight, V, hidden.dtype, input=input)
 
-    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype)
+    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype,
+                                     SOFT_TARGETS if soft else None)
+    if soft:  # the reference (the only backend that takes them)
+        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, weight=weight,
+                                              label_smoothing=label_smoothing, reduction=reduction)
     return validation.values_checked(kernels, lambda: _check_target_values(target, V, ignore_index),
                                      lambda: _linear_cross_entropy(kernels, hidden, w, b, target, weight, D,
                                                                    label_smoothing, ignore_index, reduction))

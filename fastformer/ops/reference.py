@@ -214,6 +214,21 @@ def _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index, weigh
     return torch.where(valid, loss, torch.zeros_like(loss)), valid, w_t
 
 
+def _soft_cross_entropy_rows(logits2d, probs2d, label_smoothing, weight=None):
+    """Per-row loss (fp32) for class probabilities ``probs2d`` (N, C) (torch's "soft" targets):
+    ``-sum_c w_c q_c log p_c`` with ``q = (1 - eps) probs + eps / C`` (``w = 1`` without weights).
+    Every row counts 1 in the mean (torch divides by the row count, weights or not)."""
+    lf = logits2d.to(torch.promote_types(logits2d.dtype, torch.float32))
+    m = lf.amax(dim=-1, keepdim=True)
+    logp = lf - (m + torch.log(torch.exp(lf - m).sum(dim=-1, keepdim=True)))
+    q = probs2d.to(lf.dtype)
+    if label_smoothing > 0.0:
+        q = (1.0 - label_smoothing) * q + label_smoothing / lf.shape[-1]
+    if weight is not None:
+        q = q * weight.to(lf.dtype)
+    return -(q * logp).sum(dim=-1), torch.ones(lf.shape[0], dtype=lf.dtype, device=lf.device)
+
+
 def _reduce(loss_rows, w_t, reduction, shape, dtype):
     if reduction == "none":
         return loss_rows.reshape(shape).to(dtype)
@@ -238,9 +253,16 @@ def _class_last(logits, target):
 def cross_entropy(logits, target, *, weight=None, label_smoothing=0.0, ignore_index=-100, reduction="mean"):
     """``F.cross_entropy(logits, target, weight=weight, ...)`` semantics: class dim 1, class weights
     ``weight`` (C,) or None, smoothing, ignore_index; ``mean`` divides by the valid rows' sum of
-    ``weight[target]``."""
+    ``weight[target]``. A floating ``target`` of the logits' shape holds class probabilities (torch's
+    soft targets: no ignore_index, ``mean`` divides by the row count)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if target.is_floating_point():  # (N, C, d...) probabilities as the logits -> (M, C) rows
+        C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+        logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, target))
+        shape = (target.shape[0],) + tuple(target.shape[2:]) if target.dim() > 1 else ()
+        rows, w_t = _soft_cross_entropy_rows(logits2d, probs2d, label_smoothing, weight)
+        return _reduce(rows, w_t, reduction, shape, logits.dtype)
     logits2d, target1d, shape = _class_last(logits, target)
     rows, valid, w_t = _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index, weight)
     return _reduce(rows, w_t, reduction, shape, logits.dtype)
@@ -256,6 +278,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     logits2d = logits.reshape(-1, linear_weight.shape[0])
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if target.is_floating_point():  # class probabilities (..., V)
+        rows, w_t = _soft_cross_entropy_rows(logits2d, target.reshape(logits2d.shape), label_smoothing, weight)
+        return _reduce(rows, w_t, reduction, target.shape[:-1], input.dtype)
     rows, valid, w_t = _cross_entropy_rows(logits2d, target.reshape(-1), label_smoothing, ignore_index, weight)
     return _reduce(rows, w_t, reduction, target.shape, input.dtype)
 
