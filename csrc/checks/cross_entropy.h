@@ -68,8 +68,21 @@ inline at::Tensor check_class_weight(const Backend& be, const char* op,
   return w;
 }
 
-// cross_entropy_fwd: logits (N, V) with V >= 1, target (N,), the scalars, class_weight (V,) or
-// none (returned, undefined when none).
+// cross_entropy_fwd's class probabilities (torch's soft targets): target (N, V) as the logits,
+// contiguous, in their math type (fp64 for fp64, else fp32).
+inline void check_probability_target(const Backend& be, const char* op, const at::Tensor& target,
+                                     const at::Tensor& logits) {
+  check_device(be, op, "target", target, &logits, "logits");
+  const at::ScalarType want = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(target.scalar_type() == want, op, ": target (class probabilities) must be ", want,
+              " (the math type of logits' ", logits.scalar_type(), "), got ", target.scalar_type());
+  TORCH_CHECK(target.sizes() == logits.sizes(), op, ": target (class probabilities) must have the shape of logits ",
+              logits.sizes(), ", got shape ", target.sizes());
+  check_contiguous(op, "target", target);
+}
+
+// cross_entropy_fwd: logits (N, V) with V >= 1, target (N,) int64 or (N, V) class probabilities
+// (floating), the scalars, class_weight (V,) or none (returned, undefined when none).
 inline at::Tensor check_cross_entropy_fwd(const Backend& be, const char* op, const at::Tensor& logits,
                                           const at::Tensor& target, double label_smoothing,
                                           int64_t reduction,
@@ -77,7 +90,11 @@ inline at::Tensor check_cross_entropy_fwd(const Backend& be, const char* op, con
   check_float_input(be, op, "logits", logits, 2);
   TORCH_CHECK(logits.size(1) > 0, op, ": logits must have at least one class, got shape ",
               logits.sizes());
-  check_target(be, op, target, logits, "logits");
+  if (at::isFloatingType(target.scalar_type())) {
+    check_probability_target(be, op, target, logits);
+  } else {
+    check_target(be, op, target, logits, "logits");
+  }
   check_reduction(op, reduction);
   check_label_smoothing(op, label_smoothing);
   return check_class_weight(be, op, class_weight, logits, "logits", logits.size(1));

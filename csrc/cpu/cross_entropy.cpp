@@ -75,6 +75,15 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cpu(const at::Tensor& logit
   const at::Tensor cw = checks::check_cross_entropy_fwd(checks::kCpu, what, logits, target, label_smoothing,
                                                         reduction, class_weight);
   const int64_t n = logits.size(0), V = logits.size(1);
+  if (target.is_floating_point()) {  // class probabilities: every row counts 1 in the mean (torch's)
+    at::Tensor grad = compute_grad ? empty_large_like(logits) : at::empty({0}, logits.options());
+    RowScale rs;
+    rs.scale = reduction == 1 ? mean_grad_scale(static_cast<double>(n), n) : 1.0;
+    std::vector<double> loss_rows(n);
+    FF_ISA(soft_cross_entropy_rows)(logits, cw, target, label_smoothing, rs, compute_grad ? grad : at::Tensor(),
+                                    loss_rows.data());
+    return {reduce_loss_rows(loss_rows.data(), n, static_cast<double>(n), reduction, logits.scalar_type()), grad};
+  }
   const int64_t num_valid = count_valid_targets(what, target, V, ignore_index);
   const double divisor = mean_divisor(target, cw, ignore_index, num_valid);
 

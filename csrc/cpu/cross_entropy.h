@@ -37,6 +37,14 @@ FF_ISA_DECLARE(void cross_entropy_rows(const at::Tensor& logits, const at::Tenso
                                        int64_t ignore_index, RowScale scale, const at::Tensor& grad,
                                        double* loss_rows, const at::Tensor& grad_colsum))
 
+// Class probabilities as the target (torch's soft targets): probs (n, V) contiguous in the math
+// type, class_weight (V,) or undefined, w = class_weight (1 without): with q = (1 - eps) probs + eps / V
+//   loss_rows[i] = -sum_c w_c q_c log softmax(x_i)_c
+//   grad_i = ((sum_c w_c q_c) softmax(x_i) - w q) * scale_i   (when grad is defined; it may alias logits)
+FF_ISA_DECLARE(void soft_cross_entropy_rows(const at::Tensor& logits, const at::Tensor& class_weight,
+                                            const at::Tensor& probs, double label_smoothing, RowScale scale,
+                                            const at::Tensor& grad, double* loss_rows))
+
 // acc[i] += src[i] for i in [0, n) (linear_cross_entropy's bf16 dweight into its fp32 sum).
 FF_ISA_DECLARE(void accumulate_bf16(const at::BFloat16* src, int64_t n, float* acc))
 

@@ -196,7 +196,91 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, const acc_t<T>* cw,
   });
 }
 
+// Class probabilities q (n, V) in the math type as the target (torch's soft targets): with
+// q' = (1 - eps) q + eps / V and w = cw (1 without class weights), loss_rows[i] = Q lse - S with
+// Q = sum_c w_c q'_c, S = sum_c w_c q'_c x_c, and grad_i = (Q softmax - w q') * scale_i. Two sweeps
+// over the row (the max, then exp / Q / S into the row buffer) and the gradient from the buffer.
+template <typename T, bool kWeight>
+void soft_cross_entropy_rows_impl(const T* logits, const acc_t<T>* probs, const acc_t<T>* cw, T* grad,
+                                  int64_t n, int64_t V, double label_smoothing, RowScale rs,
+                                  double* loss_rows) {
+  using A = acc_t<T>;
+  using Vec = AccVec<T>;
+  constexpr int64_t kW = Vec::size();
+  const A eps = static_cast<A>(label_smoothing), on = A(1) - eps, off = eps / static_cast<A>(V);
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  const int64_t grain = std::max<int64_t>(1, 16384 / V);
+  // w q' of the classes from column k, zero past cnt
+  auto wq = [&](const A* q, int64_t k, int64_t cnt) {
+    Vec v = Vec::loadu(q + k, cnt) * Vec(on) + Vec(off);
+    if constexpr (kWeight) v = v * Vec::loadu(cw + k, cnt);
+    return cnt < kW ? Vec::set(Vec(A(0)), v, cnt) : v;
+  };
+
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<A[]> exp_buf(new A[V]);  // exp(x - max) of one row
+    A* const e = exp_buf.get();
+    for (int64_t i = begin; i < end; ++i) {
+      const T* x = logits + i * V;  // (V,)
+      const A* q = probs + i * V;   // (V,)
+      Vec vmax(neg_inf), sx(A(0));
+      vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+        const Vec v = load(x + k, cnt);  // zero-padded
+        sx = sx + v;
+        vmax = at::vec::maximum(vmax, cnt < kW ? Vec::set(Vec(neg_inf), v, cnt) : v);
+      });
+      const A m = hmax<A>(vmax), sum_x = hsum<A>(sx);
+      // a NaN or +inf logit, or only -inf logits: no finite log-sum-exp (NaN, as the reference)
+      const bool no_lse = std::isnan(sum_x) || sum_x == -neg_inf || m == neg_inf;
+      const Vec mv(m);
+      Vec se(A(0)), sq(A(0)), sqx(A(0));
+      vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+        const Vec v = load(x + k, cnt);
+        Vec ev = fast_exp(v - mv);
+        if (cnt < kW) ev = Vec::set(Vec(A(0)), ev, cnt);
+        ev.store(e + k, cnt);
+        se = se + ev;
+        const Vec w = wq(q, k, cnt);
+        sq = sq + w;
+        sqx = at::vec::fmadd(w, v, sqx);
+      });
+      const A nan = std::numeric_limits<A>::quiet_NaN();
+      const A lse = no_lse ? nan : m + std::log(hsum<A>(se));
+      const A Q = hsum<A>(sq);
+      loss_rows[i] = static_cast<double>(Q * lse - hsum<A>(sqx));
+      if (grad == nullptr) continue;
+      T* g = grad + i * V;
+      const A sc = static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale);
+      if (no_lse) {
+        std::fill(g, g + V, static_cast<T>(nan));
+        continue;
+      }
+      const Vec p_v(Q * sc / hsum<A>(se)), sc_v(sc);
+      vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+        store(g + k, at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, wq(q, k, cnt) * sc_v), cnt);
+      });
+    }
+  });
+}
+
 }  // namespace
+
+void soft_cross_entropy_rows(const at::Tensor& logits, const at::Tensor& class_weight, const at::Tensor& probs,
+                             double label_smoothing, RowScale scale, const at::Tensor& grad, double* loss_rows) {
+  const int64_t n = logits.size(0), V = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "soft_cross_entropy_rows", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* x = logits.const_data_ptr<scalar_t>();
+    const A* q = probs.const_data_ptr<A>();
+    scalar_t* g = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
+    if (class_weight.defined()) {
+      soft_cross_entropy_rows_impl<scalar_t, true>(x, q, class_weight.const_data_ptr<A>(), g, n, V, label_smoothing,
+                                                   scale, loss_rows);
+    } else {
+      soft_cross_entropy_rows_impl<scalar_t, false>(x, q, nullptr, g, n, V, label_smoothing, scale, loss_rows);
+    }
+  });
+}
 
 void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& class_weight,
                         const int64_t* target, double label_smoothing, int64_t ignore_index,

@@ -28,6 +28,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logi
   constexpr const char* op = "cross_entropy_fwd";
   const at::Tensor cw =
       checks::check_cross_entropy_fwd(kFfBackend, op, logits, target, label_smoothing, reduction, class_weight);
+  TORCH_CHECK(target.scalar_type() == at::kLong, op,
+              ": target must be int64 class indices: the CUDA kernels do not take class probabilities yet");
   c10::DeviceGuard guard(logits.device());
   const int64_t n = logits.size(0), V = logits.size(1);
   void* stream = ff_stream(logits);

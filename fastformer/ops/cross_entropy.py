@@ -14,8 +14,11 @@ REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 REDUCTIONS = tuple(REDUCTION_CODE)
 # ignore_index=None (torch's F.linear_cross_entropy: nothing is ignored) as an index no class has.
 _IGNORE_NOTHING = -(2 ** 63)
-# Why the kernel backends decline probability ("soft") targets: their kernels take class indices.
+# Why the kernel backends decline linear_cross_entropy's probability ("soft") targets: its kernels take
+# class indices. cross_entropy's are the cpu backend's too (the others declare a Limit on them).
 SOFT_TARGETS = "probability targets (a floating target): the kernels take class indices; the reference computes them"
+_SOFT_FACTS = ("probability_targets",)
+_SOFT_GRAD = "a probability target that requires grad: only the reference differentiates it"
 
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
@@ -80,8 +83,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
         logits: ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)`` (class dimension 1, as torch).
         target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``; or class
             probabilities of the logits' shape (torch's soft targets: ``-sum_c w_c q_c log p_c`` with
-            ``q`` smoothed, no ignore_index, ``mean`` over the rows). Only the reference computes
-            those yet: ``auto`` takes it, a kernel backend chosen by name declines them.
+            ``q`` smoothed, no ignore_index, ``mean`` over the rows; the kernels take them in fp32,
+            fp64 for fp64 logits). The reference and the cpu backend compute those yet; the triton
+            and cuda backends decline them (``auto`` then takes the next).
         weight: torch's class weights ``w``, a floating ``(C,)`` tensor (any floating dtype: the
             kernels take it in fp32, fp64 for fp64 logits), or None. It gets no gradient and must
             not require grad (as torch). Row ``i`` then adds ``(1 - eps) * w[t_i] * nll_i + (eps / C)
@@ -103,10 +107,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
     if weight is not None:
         weight = _check_class_weight(weight, C, logits.dtype, logits=logits)
 
-    kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, SOFT_TARGETS if soft else None)
-    if soft:  # the reference (the only backend that takes them)
-        return reference.cross_entropy(logits, target, weight=weight, label_smoothing=label_smoothing,
-                                       reduction=reduction)
+    if soft:
+        # the kernels give no gradient to the probabilities: one that requires it takes the reference
+        why = _SOFT_GRAD if target.requires_grad and torch.is_grad_enabled() else None
+        kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, why, _SOFT_FACTS, (1,))
+        return _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_index, reduction)
+    kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
     return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
                                      lambda: _cross_entropy(kernels, logits, target, weight, label_smoothing,
                                                             ignore_index, reduction))
@@ -116,7 +122,10 @@ def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_inde
     if kernels is None:
         return reference.cross_entropy(logits, target, weight=weight, label_smoothing=label_smoothing,
                                        ignore_index=ignore_index, reduction=reduction)
-    logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
+    if target.dtype == torch.int64:
+        logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
+    else:  # class probabilities (M, C) as the logits, in their math type
+        logits2d, target1d, shape = _soft_rows(logits, target)
     logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
     with validation.autocast_off(logits.device):
         if torch.is_grad_enabled() and logits.requires_grad:
@@ -130,6 +139,14 @@ def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_inde
             loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
                                                 REDUCTION_CODE[reduction], False, weight)
     return loss.reshape(shape) if reduction == "none" else loss
+
+
+def _soft_rows(logits, probs):
+    """(M, C) logits and probabilities (these in fp32, fp64 for fp64) and the per-element shape."""
+    C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    probs = probs.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, probs))
+    return logits2d, probs2d, (probs.shape[0],) + tuple(probs.shape[2:]) if probs.dim() > 1 else ()
 
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
