@@ -51,8 +51,8 @@ def _cpu_note() -> str:
 
 _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for op in ("attention", "attention_varlen")]
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
-# cross_entropy's class probabilities as the target (torch's soft targets): so far only the C++ CPU
-# kernels take them; the op passes probability_targets=1 for such a call.
+# cross_entropy's class probabilities as the target (torch's soft targets): so far the C++ CPU and
+# the Triton kernels take them; the op passes probability_targets=1 for such a call.
 _NO_SOFT_TARGETS = [Limit("cross_entropy", "probability_targets", "probability targets (a floating target):", lambda: 0)]
 
 REFERENCE = register(Backend("reference", anywhere=True))
@@ -69,7 +69,7 @@ TRITON_BACKEND = register(Backend(
     limits=[Limit(op, "head_dim", "head dim", lambda: _triton_modules.module("attention").MAX_HEAD_DIM)
             for op in ("attention", "attention_varlen")] + [
             Limit("add_layer_norm", "hidden_size", "hidden size",
-                  lambda: _triton_modules.module("add_layer_norm").MAX_C)] + _NO_SOFT_TARGETS))
+                  lambda: _triton_modules.module("add_layer_norm").MAX_C)]))
 CUDA = register(Backend(
     "cuda",
     devices=[Device("cuda", GPU_DTYPES, OpLibrary("fastformer", "CUDA", "fastformer._C"),

@@ -5,7 +5,9 @@
 the sum of the logits (for the smoothing term); a second loop writes the gradient
 ``scale * (softmax - (1 - eps) * onehot - eps / V)`` in the same kernel. With torch's class
 weights ``w`` (``HAS_WEIGHT``) the sum is ``sum_c w_c x_c`` and the gradient
-``scale * (((1 - eps) w[t] + eps sum(w) / V) softmax - (1 - eps) w[t] onehot - eps / V w)``. The gradient may be
+``scale * (((1 - eps) w[t] + eps sum(w) / V) softmax - (1 - eps) w[t] onehot - eps / V w)``. Class
+probabilities as the target (torch's soft targets) go to ``_soft_cross_entropy_fwd``, the same two
+loops with ``q = (1 - eps) probs + eps / V``. The gradient may be
 written over the logits themselves: each chunk is read before it is written.
 
 ``linear_cross_entropy_*`` never build the ``(N, V)`` logits: rows go in chunks; per chunk
@@ -107,6 +109,58 @@ def _cross_entropy_fwd(
             tl.store(grad_ptr + c, g.to(Grad.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _soft_cross_entropy_fwd(
+    Logits,  # (N, V) logits, rows contiguous
+    Probs,  # (N, V) fp32 class probabilities (torch's soft targets)
+    LossRows,  # (N,) fp32 output: each row's loss
+    Grad,  # (N, V) output: scale * d(row loss)/d(logits)
+    GradScale,  # fp32: one factor for every row
+    ClassWeight,  # (V,) fp32 class weights (read only with HAS_WEIGHT)
+    V,  # number of classes (= row stride)
+    label_smoothing,  # eps: q = (1 - eps) * probs + eps / V
+    COMPUTE_GRAD: tl.constexpr,  # write Grad
+    HAS_WEIGHT: tl.constexpr,  # class weights w
+    BLOCK_V: tl.constexpr,  # classes per loop step (power of two)
+):
+    """loss = Q lse - S with Q = sum_c w_c q_c, S = sum_c w_c q_c x_c; grad = scale (Q softmax - w q)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = Logits + row * V
+    q_ptr = Probs + row * V
+    cols = tl.arange(0, BLOCK_V)
+    off_value = label_smoothing / V
+    m = float("-inf")
+    s = 0.0
+    sum_q = 0.0
+    sum_qx = 0.0
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        x = tl.load(row_ptr + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        q = tl.load(q_ptr + start + cols, mask=mask, other=0.0) * (1.0 - label_smoothing) + off_value
+        if HAS_WEIGHT:
+            q = q * tl.load(ClassWeight + start + cols, mask=mask, other=0.0)
+        q = tl.where(mask, q, 0.0)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        sum_q += tl.sum(q, axis=0)
+        sum_qx += tl.sum(q * tl.where(mask, x, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    tl.store(LossRows + row, sum_q * lse - sum_qx)
+    if COMPUTE_GRAD:
+        scale = tl.load(GradScale).to(tl.float32)
+        grad_ptr = Grad + row * V
+        for start in range(0, V, BLOCK_V):
+            c = start + cols
+            mask = c < V
+            x = tl.load(row_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + c, mask=mask, other=0.0) * (1.0 - label_smoothing) + off_value
+            if HAS_WEIGHT:
+                q = q * tl.load(ClassWeight + c, mask=mask, other=0.0)
+            g = (tl.exp(x - lse) * sum_q - q) * scale
+            tl.store(grad_ptr + c, g.to(Grad.dtype.element_ty), mask=mask)
+
+
 def _launch_config(V: int) -> Tuple[int, int]:
     """(BLOCK_V, num_warps): up to MAX_BLOCK_V classes per step; 4 warps up to 1024, else 8."""
     block_v = min(next_power_of_2(V), MAX_BLOCK_V)
@@ -185,10 +239,22 @@ def _cross_entropy_fwd_impl(logits: torch.Tensor, target: torch.Tensor, label_sm
     _check_float("logits", logits, 2)
     _check_reduction(reduction)
     N, V = logits.shape
-    check_tensor("target", target, (N,), torch.int64)
     class_weight, weight_sum = _check_class_weight(class_weight, V, logits)
     loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)  # (N, V)
+    if target.is_floating_point():  # class probabilities: every row counts 1 in the mean (torch's)
+        check_tensor("target", target, (N, V), torch.float32)
+        n_rows = torch.full((), float(N), dtype=torch.float32, device=logits.device)
+        scale = 1.0 / n_rows if reduction == 1 else torch.ones((), dtype=torch.float32, device=logits.device)
+        if N > 0:
+            block_v, warps = _launch_config(V)
+            kernel(_soft_cross_entropy_fwd)[(N,)](
+                logits, target, loss_rows, grad if compute_grad else logits, scale,
+                class_weight if class_weight is not None else scale, V, label_smoothing,
+                COMPUTE_GRAD=compute_grad, HAS_WEIGHT=class_weight is not None, BLOCK_V=block_v,
+                num_warps=warps, num_stages=1)
+        return _reduce(loss_rows, n_rows, reduction, logits.dtype), grad
+    check_tensor("target", target, (N,), torch.int64)
     scale, n_valid = _grad_scale(target, ignore_index, reduction, class_weight)
     _launch(logits, target, loss_rows, grad if compute_grad else logits, scale, ignore_index,
             label_smoothing, compute_grad, False, class_weight, weight_sum)
@@ -332,4 +398,19 @@ def aot_specs() -> List[dict]:
                     divisible_by_16=("Logits", "LossRows", "Grad", "V") if per_row else
                     ("Logits", "Target", "LossRows", "Grad", "GradScale", "V"),
                     num_warps=warps, num_stages=1))
+    for dtype, t in _TL_DTYPE.items():  # probability targets: cross_entropy with and without the gradient
+        for block_v in (1024, MAX_BLOCK_V):
+            warps = 4 if block_v <= 1024 else 8
+            for compute_grad in (True, False):
+                for has_weight in (False, True):
+                    specs.append(dict(
+                        name=f"_soft_cross_entropy_fwd_{t}_V{block_v}_w{warps}_g{int(compute_grad)}_cw{int(has_weight)}",
+                        fn=_soft_cross_entropy_fwd,
+                        signature={"Logits": f"*{t}", "Probs": "*fp32", "LossRows": "*fp32", "Grad": f"*{t}",
+                                   "GradScale": "*fp32", "ClassWeight": "*fp32", "V": "i32",
+                                   "label_smoothing": "fp32", "COMPUTE_GRAD": "constexpr",
+                                   "HAS_WEIGHT": "constexpr", "BLOCK_V": "constexpr"},
+                        constexprs={"COMPUTE_GRAD": compute_grad, "HAS_WEIGHT": has_weight, "BLOCK_V": block_v},
+                        divisible_by_16=("Logits", "Probs", "LossRows", "Grad", "GradScale", "V"),
+                        num_warps=warps, num_stages=1))
     return specs
