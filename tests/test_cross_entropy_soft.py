@@ -1,9 +1,9 @@
 """Probability ("soft") targets in cross_entropy and linear_cross_entropy, as torch's
 ``F.cross_entropy(logits, probs)``: the reference against torch (fp64, every layout, reduction,
 smoothing, class weights, every gradient); the cpu kernels of cross_entropy against torch (fp32 by
-the 2x rule, fp64, bf16) and their argument checks, and the Triton kernels (fp32, bf16); the
-backends that do not take them (cuda; every kernel for linear_cross_entropy and for probabilities
-that require grad) decline them with the reason, and ``auto`` takes the next."""
+the 2x rule, fp64, bf16) and their argument checks, the Triton and CUDA kernels (fp32, bf16); the
+kernels that do not take them (linear_cross_entropy's, and every kernel for probabilities that
+require grad) decline them with the reason, and ``auto`` takes the reference."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,14 +65,6 @@ def test_auto_takes_the_reference():
     assert_close("lce", ops.linear_cross_entropy(h, lw, q2), F.linear_cross_entropy(h, lw, q2), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", kernel_backends("cuda"))
-def test_the_cuda_backend_declines_them(backend):
-    x, q = torch.randn(4, 7), _probs((4, 7), -1).float()
-    with fastformer.use_backend(backend):
-        with pytest.raises(RuntimeError, match="probability targets"):
-            ops.cross_entropy(x, q)
-
-
 @pytest.mark.parametrize("backend", kernel_backends("cpu", "triton", "cuda"))
 def test_linear_and_differentiated_probabilities_take_the_reference(backend):
     """linear_cross_entropy's kernels take class indices; no kernel differentiates the probabilities."""
@@ -80,15 +72,14 @@ def test_linear_and_differentiated_probabilities_take_the_reference(backend):
     with fastformer.use_backend(backend):
         with pytest.raises(RuntimeError, match="probability target"):
             ops.linear_cross_entropy(torch.randn(4, 5), torch.randn(7, 5), q)
-        # cpu, triton: the reason is the gradient; cuda takes no probabilities at all
-        with pytest.raises(RuntimeError, match="requires grad" if backend != "cuda" else "probability targets"):
+        with pytest.raises(RuntimeError, match="probability target that requires grad"):
             ops.cross_entropy(x, q.clone().requires_grad_())
 
 
-# ---------------------------------------------------------------- the cpu and triton kernels
+# ---------------------------------------------------------------- the kernels
 
 
-@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton"))
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton", "cuda"))
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("weighted", [False, True])
@@ -127,7 +118,7 @@ def test_fp32_2x_rule(backend, shape, eps, reduction, weighted):
     assert_close("fp64 grad", f64_g, truth_g, atol=1e-13, rtol=1e-10)
 
 
-@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton"))
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton", "cuda"))
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_bf16(backend, reduction):
     device = device_for(backend)
@@ -167,3 +158,17 @@ BAD_KERNEL_ARGS = {
     },
 }
 test_cpp_ops_reject_bad_probability_targets = hostile.cpp_checks_test(__name__)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("cpu", "triton", "cuda"))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_empty_input(backend, reduction):
+    """No rows: torch's NaN mean, zero sum, empty rows; an empty gradient."""
+    device = device_for(backend)
+    x, q = torch.zeros(0, 7, device=device, requires_grad=True), torch.zeros(0, 7, device=device)
+    with fastformer.use_backend(backend):
+        loss = ops.cross_entropy(x, q, reduction=reduction, label_smoothing=0.1)
+    loss.sum().backward()
+    want = F.cross_entropy(x.detach(), q, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(loss.detach(), want, equal_nan=True)
+    assert x.grad.shape == (0, 7)

@@ -28,11 +28,23 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logi
   constexpr const char* op = "cross_entropy_fwd";
   const at::Tensor cw =
       checks::check_cross_entropy_fwd(kFfBackend, op, logits, target, label_smoothing, reduction, class_weight);
-  TORCH_CHECK(target.scalar_type() == at::kLong, op,
-              ": target must be int64 class indices: the CUDA kernels do not take class probabilities yet");
   c10::DeviceGuard guard(logits.device());
   const int64_t n = logits.size(0), V = logits.size(1);
   void* stream = ff_stream(logits);
+  if (target.is_floating_point()) {  // class probabilities: every row counts 1 in the mean (torch's)
+    // the mean's 1 / n is known here: the rows are scaled by it and summed (no count kernel)
+    const double mean_scale = n > 0 ? 1.0 / static_cast<double>(n) : 0.0;
+    const FfCrossEntropyLoss rows(target, n, ignore_index, 2, logits, stream);
+    at::Tensor grad = compute_grad ? at::empty_like(logits) : at::empty({0}, logits.options());
+    const int code = ff_dtype_code(logits, "logits", op);
+    FF_CHECK_LAUNCH(launch_soft_cross_entropy_fwd(
+        logits.const_data_ptr(), target.const_data_ptr<float>(), compute_grad ? grad.data_ptr() : nullptr,
+        rows.loss_rows.data_ptr<float>(), n, V, code, label_smoothing, reduction == 1 ? mean_scale : 1.0,
+        reduction == 1 ? mean_scale : 1.0, cw.defined() ? cw.const_data_ptr<float>() : nullptr, stream));
+    at::Tensor loss = rows.reduce(reduction == 0 ? 0 : 2, logits, code, stream);
+    if (reduction == 1 && n == 0) loss.fill_(NAN);  // 0 / 0, as torch
+    return {loss, grad};
+  }
 
   const FfCrossEntropyLoss loss(target, n, ignore_index, reduction, logits, stream, cw);
   at::Tensor grad = compute_grad ? at::empty_like(logits) : at::empty({0}, logits.options());

@@ -212,6 +212,82 @@ __global__ void _cross_entropy_fwd(const T* logits,                  // (n, V)
   }
 }
 
+// v summed over the warp's 32 lanes (butterfly), in every lane.
+FF_DEVICE void warp_add(float& v) {
+#pragma unroll
+  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+}
+
+// Class probabilities probs (n, V) fp32 as the target (torch's soft targets), one row per block:
+// with q = ((1 - eps) probs + eps / V) * w (w = class_weight, 1 when null), Q = sum q and
+// S = sum q x, loss_rows[i] = (Q lse - S) * loss_scale and grad (nullptr: none) =
+// (Q softmax - q) * scale. A NaN or +inf logit, or only -inf logits: NaN, as the reference.
+template <typename T>
+__global__ void _soft_cross_entropy_fwd(const T* logits,                        // (n, V)
+                                        const float* __restrict__ probs,        // (n, V)
+                                        T* grad,                                // (n, V), nullptr, or logits
+                                        float* __restrict__ loss_rows,          // (n,) out
+                                        int64_t n, int64_t V, float eps,
+                                        float scale, float loss_scale,
+                                        const float* __restrict__ class_weight) {  // (V,) or nullptr
+  __shared__ float red_m[kMaxWarps], red_s[kMaxWarps], red_x[kMaxWarps], red_q[kMaxWarps], red_qx[kMaxWarps];
+  __shared__ float row_stats[2];  // lse, Q
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  const float off = eps / static_cast<float>(V);
+  for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    const T* x = logits + row * V;
+    const float* p = probs + row * V;
+    float m = -INFINITY, s = 0.0f, sx = 0.0f, sq = 0.0f, sqx = 0.0f;
+    for (int64_t c = tid; c < V; c += blockDim.x) {
+      const float v = ff_to_float(x[c]);
+      float q = (1.0f - eps) * p[c] + off;
+      if (class_weight != nullptr) q *= class_weight[c];
+      sx += v;
+      sq += q;
+      sqx += q * v;
+      lse_add(m, s, v);
+    }
+    warp_lse_sum(m, s, sq, sqx);
+    warp_add(sx);
+    if (lane == 0) {
+      red_m[warp] = m;
+      red_s[warp] = s;
+      red_x[warp] = sx;
+      red_q[warp] = sq;
+      red_qx[warp] = sqx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      m = lane < nwarps ? red_m[lane] : -INFINITY;
+      s = lane < nwarps ? red_s[lane] : 0.0f;
+      sx = lane < nwarps ? red_x[lane] : 0.0f;
+      sq = lane < nwarps ? red_q[lane] : 0.0f;
+      sqx = lane < nwarps ? red_qx[lane] : 0.0f;
+      warp_lse_sum(m, s, sq, sqx);
+      warp_add(sx);
+      if (lane == 0) {
+        const bool no_lse = sx != sx || sx == INFINITY || m == -INFINITY;
+        const float lse = no_lse ? NAN : m + logf(s);
+        row_stats[0] = lse;
+        row_stats[1] = sq;
+        loss_rows[row] = (sq * lse - sqx) * loss_scale;
+      }
+    }
+    __syncthreads();
+    if (grad != nullptr) {
+      const float lse = row_stats[0], Q = row_stats[1];
+      T* g = grad + row * V;
+      for (int64_t c = tid; c < V; c += blockDim.x) {
+        float q = (1.0f - eps) * p[c] + off;
+        if (class_weight != nullptr) q *= class_weight[c];
+        g[c] = ff_from_float<T>((expf(ff_to_float(x[c]) - lse) * Q - q) * scale);
+      }
+    }
+    __syncthreads();  // row_stats and red_* are reused by the next row
+  }
+}
+
 // *count = the number of rows whose target is not ignore_index (one block). With class_weight
 // (V,): weight_stats[0] = the sum of class_weight[target] over those rows, weight_stats[1] = the
 // sum of class_weight (fp64 partial sums in a fixed order: deterministic). A target outside
@@ -312,6 +388,15 @@ void fwd(const void* logits, const int64_t* target, void* grad, float* loss_rows
 }
 
 template <typename T>
+void soft_fwd(const void* logits, const float* probs, void* grad, float* loss_rows, int64_t n, int64_t V,
+              float eps, float scale, float loss_scale, const float* class_weight, void* stream) {
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 1 << 20));
+  FF_LAUNCH(_soft_cross_entropy_fwd<T>, dim3(grid), dim3(row_threads(V)), 0, stream,
+            static_cast<const T*>(logits), probs, static_cast<T*>(grad), loss_rows, n, V, eps, scale,
+            loss_scale, class_weight);
+}
+
+template <typename T>
 void reduce(const float* loss_rows, int64_t n, const int64_t* mean_count, const float* mean_weight,
             void* out, void* stream) {
   FF_LAUNCH(_cross_entropy_reduce<T>, dim3(1), dim3(kReduceThreads), 0, stream, loss_rows, n,
@@ -338,6 +423,17 @@ const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, 
   const float eps = static_cast<float>(label_smoothing), sc = static_cast<float>(scale);
   FF_DISPATCH_DTYPE(dtype, T, fwd<T>(logits, target, grad, loss_rows, n, V, eps, ignore_index,
                                      row_scale, mean_count, sc, class_weight, weight_stats, stream));
+  return ff_last_error();
+}
+
+const char* launch_soft_cross_entropy_fwd(const void* logits, const float* probs, void* grad,
+                                          float* loss_rows, int64_t n, int64_t V, int dtype,
+                                          double label_smoothing, double scale, double loss_scale,
+                                          const float* class_weight, void* stream) {
+  if (n == 0) return nullptr;
+  const float eps = static_cast<float>(label_smoothing);
+  FF_DISPATCH_DTYPE(dtype, T, soft_fwd<T>(logits, probs, grad, loss_rows, n, V, eps, static_cast<float>(scale),
+                                          static_cast<float>(loss_scale), class_weight, stream));
   return ff_last_error();
 }
 

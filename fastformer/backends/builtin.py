@@ -51,9 +51,6 @@ def _cpu_note() -> str:
 
 _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for op in ("attention", "attention_varlen")]
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
-# cross_entropy's class probabilities as the target (torch's soft targets): so far the C++ CPU and
-# the Triton kernels take them; the op passes probability_targets=1 for such a call.
-_NO_SOFT_TARGETS = [Limit("cross_entropy", "probability_targets", "probability targets (a floating target):", lambda: 0)]
 
 REFERENCE = register(Backend("reference", anywhere=True))
 CPU = register(Backend(
@@ -74,4 +71,4 @@ CUDA = register(Backend(
     "cuda",
     devices=[Device("cuda", GPU_DTYPES, OpLibrary("fastformer", "CUDA", "fastformer._C"),
                     needs=(CUDA_GPU, EXTENSION, CUDA_KERNELS))],
-    limits=_CPP_HEAD_DIM + _NO_SOFT_TARGETS))
+    limits=_CPP_HEAD_DIM))

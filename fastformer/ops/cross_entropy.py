@@ -15,9 +15,8 @@ REDUCTIONS = tuple(REDUCTION_CODE)
 # ignore_index=None (torch's F.linear_cross_entropy: nothing is ignored) as an index no class has.
 _IGNORE_NOTHING = -(2 ** 63)
 # Why the kernel backends decline linear_cross_entropy's probability ("soft") targets: its kernels take
-# class indices. cross_entropy's are the cpu and triton backends' too (cuda declares a Limit on them).
+# class indices (cross_entropy's kernels take them on every backend).
 SOFT_TARGETS = "probability targets (a floating target): the kernels take class indices; the reference computes them"
-_SOFT_FACTS = ("probability_targets",)
 _SOFT_GRAD = "a probability target that requires grad: only the reference differentiates it"
 
 
@@ -84,8 +83,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
         target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``; or class
             probabilities of the logits' shape (torch's soft targets: ``-sum_c w_c q_c log p_c`` with
             ``q`` smoothed, no ignore_index, ``mean`` over the rows; the kernels take them in fp32,
-            fp64 for fp64 logits). The reference, cpu and triton backends compute those yet; the
-            cuda backend declines them (``auto`` then takes the next).
+            fp64 for fp64 logits). Every backend computes them (only the reference differentiates
+            probabilities that require grad).
         weight: torch's class weights ``w``, a floating ``(C,)`` tensor (any floating dtype: the
             kernels take it in fp32, fp64 for fp64 logits), or None. It gets no gradient and must
             not require grad (as torch). Row ``i`` then adds ``(1 - eps) * w[t_i] * nll_i + (eps / C)
@@ -110,7 +109,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
     if soft:
         # the kernels give no gradient to the probabilities: one that requires it takes the reference
         why = _SOFT_GRAD if target.requires_grad and torch.is_grad_enabled() else None
-        kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, why, _SOFT_FACTS, (1,))
+        kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, why)
         return _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_index, reduction)
     kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
     return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
