@@ -101,22 +101,27 @@ inline void ff_define_schemas(torch::Library& m) {
 
   // logits (N, V) contiguous, target (N,) int64. loss: () for mean/sum, (N,) for none, in the
   // logits dtype. grad (N, V) = d(loss)/d(logits) for an upstream gradient of 1 (per row for
-  // reduction none), empty when compute_grad is false.
+  // reduction none), empty when compute_grad is false. class_weight: torch's per-class weights
+  // (V,) contiguous, fp32 (fp64 for fp64 logits), or None; the mean then divides by the valid
+  // rows' sum of class_weight[target] (NaN when it is 0). Last, with a default: the calls
+  // without it are unchanged.
   m.def(
       "cross_entropy_fwd(Tensor logits, Tensor target, float label_smoothing, int ignore_index, "
-      "int reduction, bool compute_grad) -> (Tensor, Tensor)");
+      "int reduction, bool compute_grad, Tensor? class_weight=None) -> (Tensor, Tensor)");
 
   // hidden (N, D), weight (V, D), bias (V,): the loss of logits = hidden weight^T + bias,
   // computed in row chunks so the (N, V) logits never exist. With compute_grad (mean / sum only)
   // also returns (dhidden, dweight, dbias) for an upstream gradient of 1; otherwise empty tensors.
+  // class_weight: the per-class weights, as cross_entropy_fwd's (weight is the linear layer's).
   m.def(
       "linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
-      "float label_smoothing, int ignore_index, int reduction, bool compute_grad) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "float label_smoothing, int ignore_index, int reduction, bool compute_grad, "
+      "Tensor? class_weight=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // The gradient for reduction none: grad_loss (N,) weights each row's loss. dbias empty without bias.
   m.def(
       "linear_cross_entropy_bwd(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor? bias, "
-      "Tensor target, float label_smoothing, int ignore_index) -> (Tensor, Tensor, Tensor)");
+      "Tensor target, float label_smoothing, int ignore_index, Tensor? class_weight=None) "
+      "-> (Tensor, Tensor, Tensor)");
 
   // The fused input embedding out = dropout(weight[input] * scale + positional[positions]).
   // input (N,) int64 ids in [0, V); weight (V, D) contiguous; positional (P, D) of weight's dtype

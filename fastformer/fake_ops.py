@@ -103,7 +103,7 @@ def feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p
 
 
 @_fake
-def cross_entropy_fwd(logits, target, label_smoothing, ignore_index, reduction, compute_grad):
+def cross_entropy_fwd(logits, target, label_smoothing, ignore_index, reduction, compute_grad, class_weight=None):
     loss = _empty(logits, logits.shape[0]) if reduction == 0 else _empty(logits)
     grad = torch.empty_like(logits) if compute_grad else _empty(logits, 0)
     return loss, grad
@@ -111,7 +111,7 @@ def cross_entropy_fwd(logits, target, label_smoothing, ignore_index, reduction, 
 
 @_fake
 def linear_cross_entropy_fwd(hidden, weight, bias, target, label_smoothing, ignore_index, reduction,
-                             compute_grad):
+                             compute_grad, class_weight=None):
     loss = _empty(hidden, hidden.shape[0]) if reduction == 0 else _empty(hidden)
     if not compute_grad:
         return loss, _empty(hidden, 0), _empty(weight, 0), _empty(weight, 0)
@@ -120,7 +120,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, target, label_smoothing, igno
 
 
 @_fake
-def linear_cross_entropy_bwd(grad_loss, hidden, weight, bias, target, label_smoothing, ignore_index):
+def linear_cross_entropy_bwd(grad_loss, hidden, weight, bias, target, label_smoothing, ignore_index,
+                             class_weight=None):
     db = _empty(weight, weight.shape[0]) if bias is not None else _empty(weight, 0)
     return torch.empty_like(hidden), torch.empty_like(weight), db
 

@@ -63,7 +63,8 @@ def bad_input_test(**tables):
 # ---------------------------------------------------------------- bad arguments to the C++ ops
 def kernel_call(name, good):
     """A caller of ``torch.ops.fastformer.<name>``: keyword arguments override those of
-    ``good()`` (fresh valid arguments) and are passed in schema order; ``seed`` and ``offset``
+    ``good()`` (fresh valid arguments) and are passed in schema order (an argument with a default
+    in the schema takes it when neither gives it); ``seed`` and ``offset``
     are 0 unless given. Where the schema takes a ``philox`` tensor, the ints ``seed`` and
     ``offset`` become ``tensor([seed, offset])`` (int64 CPU (2,)) unless ``philox`` is given."""
     def call(**over):
@@ -74,7 +75,9 @@ def kernel_call(name, good):
         if "philox" in names:
             seed, offset = kw.pop("seed"), kw.pop("offset")
             kw.setdefault("philox", torch.tensor([seed, offset], dtype=torch.int64))
-        args = [kw.pop(n) for n in names]
+        # an argument with a schema default (a later addition, e.g. class_weight) may be left out
+        args = [kw.pop(a.name) if a.name in kw or not a.has_default_value() else a.default_value
+                for a in op._schema.arguments]
         assert not kw, f"{name} has no arguments {sorted(kw)}"
         return op(*args)
     return call

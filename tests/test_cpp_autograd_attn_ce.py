@@ -424,6 +424,28 @@ def test_linear_cross_entropy_matches_reference():
         assert_close(name, x.double(), y, atol=1e-5, rtol=1e-4)
 
 
+# ------------------------------------------------------------------------------------------- class weights
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_class_weights_match_python_functions(kernels, reduction, dtype):
+    """torch's class weights (fp32, fp64 for fp64) through both C++ ops, every gradient bit-equal."""
+    code = REDUCTION_CODE[reduction]
+    w = (0.1 + torch.rand(37, generator=torch.Generator().manual_seed(3))).to(
+        torch.float64 if dtype == torch.float64 else torch.float32)
+    logits, target = ce_inputs(11, 37, dtype, -100)
+    hidden, weight, b, lce_target = lce_inputs(11, 19, 37, dtype, True, -100)
+    pairs = [
+        (lambda x: autograd.CrossEntropyFunction.apply(x, target, 0.1, -100, code, kernels, w),
+         lambda x: FF.cross_entropy(x, target, 0.1, -100, code, w), (logits,), (0,)),
+        (lambda *xs: autograd.LinearCrossEntropyFunction.apply(*xs, lce_target, 0.1, -100, code, kernels, w),
+         lambda *xs: FF.linear_cross_entropy(*xs, lce_target, 0.1, -100, code, w), (hidden, weight, b), (0, 1, 2)),
+    ]
+    upstream = (torch.randn(11, generator=torch.Generator().manual_seed(1)).to(dtype) if reduction == "none"
+                else torch.tensor(2.5, dtype=dtype))
+    for py, cpp, inputs, grad_of in pairs:
+        check_equal(py, cpp, inputs, grad_of, upstream)
+
+
 # ------------------------------------------------------------------------------------------- the schemas
 def test_schemas_take_the_functions_arguments():
     """Each op's arguments: the Function's apply arguments without kernels (philox in its place)."""
@@ -432,8 +454,9 @@ def test_schemas_take_the_functions_arguments():
                                   "philox"]
     assert names["attention_varlen"] == ["layout", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
                                          "is_causal", "scale", "dropout_p", "philox", "x0", "x1", "x2"]
-    assert names["cross_entropy"] == ["logits", "target", "label_smoothing", "ignore_index", "reduction_code"]
+    assert names["cross_entropy"] == ["logits", "target", "label_smoothing", "ignore_index", "reduction_code",
+                                      "class_weight"]
     assert names["linear_cross_entropy"] == ["hidden", "weight", "bias", "target", "label_smoothing",
-                                             "ignore_index", "reduction_code"]
+                                             "ignore_index", "reduction_code", "class_weight"]
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastformer::{op}", "CompositeImplicitAutograd")

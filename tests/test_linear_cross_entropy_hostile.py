@@ -42,7 +42,7 @@ LINEAR_CROSS_ENTROPY = {
                       "target is on meta"),
     "smoothing_big": (_lce(label_smoothing=1.01), ValueError, "label_smoothing"),
     "reduction": (_lce(reduction=None), ValueError, "reduction must be one of"),
-    "class_weight": (_lce(weight=None, class_weight=_t(9)), ValueError, "weight \\(per-class rescaling"),
+    "class_weight_shape": (_lce(class_weight=_t(8)), ValueError, "weight must have shape \\(9,\\)"),
 }
 
 BAD_INPUT = {"linear_cross_entropy": LINEAR_CROSS_ENTROPY}

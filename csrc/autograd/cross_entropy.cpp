@@ -17,6 +17,7 @@
 #include "kernel.h"
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -79,20 +80,21 @@ namespace {
 
 using torch::autograd::variable_list;
 
-using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double, int64_t, int64_t, bool);
+using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double, int64_t, int64_t, bool,
+                                          const std::optional<Tensor>&);
 
 // The kernel's handle, looked up once (the first call, when the library's ops are all registered).
 FF_KERNEL(fwd_kernel, FwdSig, "fastformer::cross_entropy_fwd", "")
 
 struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target, double label_smoothing,
-                        int64_t ignore_index, int64_t reduction_code) {
+                        int64_t ignore_index, int64_t reduction_code, const std::optional<Tensor>& class_weight) {
     Tensor loss, grad;
     {
       // Gradient mode is off here: the kernel's autograd fallback would only box the arguments.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(loss, grad) = fwd_kernel().call(logits, target, label_smoothing, ignore_index, reduction_code,
-                                               logits.requires_grad());
+                                               logits.requires_grad(), class_weight);
     }
     ctx->save_for_backward({grad});  // (N, V): d(loss)/d(logits) for an upstream gradient of 1
     return loss;                     // no factor applied yet: saved_data["g"] is None
@@ -100,13 +102,14 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
-    return {ce_scale_rows(ctx, "g", saved[0], grad_outputs[0]), Tensor(), Tensor(), Tensor(), Tensor()};
+    // class_weight gets no gradient, as in torch's cross_entropy
+    return {ce_scale_rows(ctx, "g", saved[0], grad_outputs[0]), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, int64_t ignore_index,
-                     int64_t reduction_code) {
-  return CrossEntropyFunction::apply(logits, target, label_smoothing, ignore_index, reduction_code);
+                     int64_t reduction_code, const std::optional<Tensor>& class_weight) {
+  return CrossEntropyFunction::apply(logits, target, label_smoothing, ignore_index, reduction_code, class_weight);
 }
 
 }  // namespace
@@ -116,7 +119,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
 // CrossEntropyFunction.apply's arguments without `kernels`.
 TORCH_LIBRARY_FRAGMENT(fastformer, m) {
   m.def(
-      "cross_entropy(Tensor logits, Tensor target, float label_smoothing, int ignore_index, int reduction_code) "
-      "-> Tensor",
+      "cross_entropy(Tensor logits, Tensor target, float label_smoothing, int ignore_index, int reduction_code, "
+      "Tensor? class_weight=None) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(fastformer::autograd::cross_entropy)));
 }

@@ -32,9 +32,11 @@ namespace {
 using torch::autograd::variable_list;
 
 using FwdSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                                          const Tensor&, double, int64_t, int64_t, bool);
+                                                          const Tensor&, double, int64_t, int64_t, bool,
+                                                          const std::optional<Tensor>&);
 using BwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                  const std::optional<Tensor>&, const Tensor&, double, int64_t);
+                                                  const std::optional<Tensor>&, const Tensor&, double, int64_t,
+                                                  const std::optional<Tensor>&);
 
 // The kernels' handles, looked up once (the first call, when the library's ops are all registered).
 FF_KERNEL(fwd_kernel, FwdSig, "fastformer::linear_cross_entropy_fwd", "")
@@ -43,7 +45,7 @@ FF_KERNEL(bwd_kernel, BwdSig, "fastformer::linear_cross_entropy_bwd", "")
 struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight,
                         const std::optional<Tensor>& bias, const Tensor& target, double label_smoothing,
-                        int64_t ignore_index, int64_t reduction_code) {
+                        int64_t ignore_index, int64_t reduction_code, const std::optional<Tensor>& class_weight) {
     const bool has_bias = bias.has_value() && bias->defined();
     const bool needs_grad = hidden.requires_grad() || weight.requires_grad() || (has_bias && bias->requires_grad());
     const bool in_forward = needs_grad && reduction_code != 0;  // "none": the backward recomputes per row
@@ -52,12 +54,13 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       // Gradient mode is off here: the kernel's autograd fallback would only box the arguments.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(loss, dh, dw, db) = fwd_kernel().call(hidden, weight, bias, target, label_smoothing, ignore_index,
-                                                     reduction_code, in_forward);
+                                                     reduction_code, in_forward, class_weight);
     }
     if (in_forward) {
       ctx->save_for_backward({dh, dw, has_bias ? db : Tensor()});  // no factor applied yet (saved_data None)
     } else {
-      ctx->save_for_backward({hidden, weight, has_bias ? *bias : Tensor(), target});
+      const bool has_cw = class_weight.has_value() && class_weight->defined();
+      ctx->save_for_backward({hidden, weight, has_bias ? *bias : Tensor(), target, has_cw ? *class_weight : Tensor()});
     }
     ctx->saved_data["f"] = in_forward;
     ctx->saved_data["b"] = has_bias;
@@ -76,24 +79,27 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
       if (saved[2].defined()) db = ce_scale_rows(ctx, "g2", saved[2], grad_loss);
     } else {
       const Tensor& bias = saved[2];
+      const Tensor& class_weight = saved[4];
       const Tensor g = grad_loss.reshape(-1).to(at::kFloat).contiguous();
       // Without create_graph the kernel's autograd fallback has nothing to record: skip it.
       std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
       if (!at::GradMode::is_enabled()) below_autograd.emplace();
       std::tie(dh, dw, db) = bwd_kernel().call(g, saved[0], saved[1],
                                                bias.defined() ? std::optional<Tensor>(bias) : std::nullopt, saved[3],
-                                               ctx->saved_data["s"].toDouble(), ctx->saved_data["i"].toInt());
+                                               ctx->saved_data["s"].toDouble(), ctx->saved_data["i"].toInt(),
+                                               class_weight.defined() ? std::optional<Tensor>(class_weight)
+                                                                      : std::nullopt);
       if (!ctx->saved_data["b"].toBool()) db = Tensor();
     }
-    return {dh, dw, db, Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dh, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};  // class_weight: none, as torch
   }
 };
 
 Tensor linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const std::optional<Tensor>& bias,
                             const Tensor& target, double label_smoothing, int64_t ignore_index,
-                            int64_t reduction_code) {
+                            int64_t reduction_code, const std::optional<Tensor>& class_weight) {
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, label_smoothing, ignore_index,
-                                           reduction_code);
+                                           reduction_code, class_weight);
 }
 
 }  // namespace
@@ -104,7 +110,7 @@ Tensor linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const st
 TORCH_LIBRARY_FRAGMENT(fastformer, m) {
   m.def(
       "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, float label_smoothing, "
-      "int ignore_index, int reduction_code) -> Tensor",
+      "int ignore_index, int reduction_code, Tensor? class_weight=None) -> Tensor",
       torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd,
                       TORCH_FN(fastformer::autograd::linear_cross_entropy)));
 }

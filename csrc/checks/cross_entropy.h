@@ -51,24 +51,63 @@ inline void check_target(const Backend& be, const char* op, const at::Tensor& ta
   check_contiguous(op, "target", target);
 }
 
-// cross_entropy_fwd: logits (N, V) with V >= 1, target (N,), the scalars.
-inline void check_cross_entropy_fwd(const Backend& be, const char* op, const at::Tensor& logits,
-                                    const at::Tensor& target, double label_smoothing,
-                                    int64_t reduction) {
+// class_weight, when given: (V,) contiguous on ref's device (logits or hidden), in the math type
+// of ref's dtype (fp64 for fp64, else fp32). Returns it, or an undefined tensor without one.
+inline at::Tensor check_class_weight(const Backend& be, const char* op,
+                                     const std::optional<at::Tensor>& class_weight,
+                                     const at::Tensor& ref, const char* ref_name, int64_t V) {
+  if (!class_weight.has_value() || !class_weight->defined()) return at::Tensor();
+  const at::Tensor& w = *class_weight;
+  check_device(be, op, "class_weight", w, &ref, ref_name);
+  const at::ScalarType want = ref.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(w.scalar_type() == want, op, ": class_weight must be ", want, " (the math type of ",
+              ref_name, "'s ", ref.scalar_type(), "), got ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == V, op, ": class_weight must have shape (", V,
+              ",), one weight per class, got shape ", w.sizes());
+  check_contiguous(op, "class_weight", w);
+  return w;
+}
+
+// cross_entropy_fwd's class probabilities (torch's soft targets): target (N, V) as the logits,
+// contiguous, in their math type (fp64 for fp64, else fp32).
+inline void check_probability_target(const Backend& be, const char* op, const at::Tensor& target,
+                                     const at::Tensor& logits) {
+  check_device(be, op, "target", target, &logits, "logits");
+  const at::ScalarType want = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(target.scalar_type() == want, op, ": target (class probabilities) must be ", want,
+              " (the math type of logits' ", logits.scalar_type(), "), got ", target.scalar_type());
+  TORCH_CHECK(target.sizes() == logits.sizes(), op, ": target (class probabilities) must have the shape of logits ",
+              logits.sizes(), ", got shape ", target.sizes());
+  check_contiguous(op, "target", target);
+}
+
+// cross_entropy_fwd: logits (N, V) with V >= 1, target (N,) int64 or (N, V) class probabilities
+// (floating), the scalars, class_weight (V,) or none (returned, undefined when none).
+inline at::Tensor check_cross_entropy_fwd(const Backend& be, const char* op, const at::Tensor& logits,
+                                          const at::Tensor& target, double label_smoothing,
+                                          int64_t reduction,
+                                          const std::optional<at::Tensor>& class_weight) {
   check_float_input(be, op, "logits", logits, 2);
   TORCH_CHECK(logits.size(1) > 0, op, ": logits must have at least one class, got shape ",
               logits.sizes());
-  check_target(be, op, target, logits, "logits");
+  if (at::isFloatingType(target.scalar_type())) {
+    check_probability_target(be, op, target, logits);
+  } else {
+    check_target(be, op, target, logits, "logits");
+  }
   check_reduction(op, reduction);
   check_label_smoothing(op, label_smoothing);
+  return check_class_weight(be, op, class_weight, logits, "logits", logits.size(1));
 }
 
 // What linear_cross_entropy_fwd and _bwd share: hidden (N, D), weight (V, D) with V >= 1, bias
-// (V,) or none, all of hidden's dtype; target (N,); label_smoothing.
-inline void check_linear_cross_entropy(const Backend& be, const char* op, const at::Tensor& hidden,
-                                       const at::Tensor& weight,
-                                       const std::optional<at::Tensor>& bias,
-                                       const at::Tensor& target, double label_smoothing) {
+// (V,) or none, all of hidden's dtype; target (N,); label_smoothing; class_weight (V,) or none
+// (returned, undefined when none).
+inline at::Tensor check_linear_cross_entropy(const Backend& be, const char* op, const at::Tensor& hidden,
+                                             const at::Tensor& weight,
+                                             const std::optional<at::Tensor>& bias,
+                                             const at::Tensor& target, double label_smoothing,
+                                             const std::optional<at::Tensor>& class_weight) {
   check_float_input(be, op, "hidden", hidden, 2);
   check_float_input(be, op, "weight", weight, 2, &hidden, "hidden");
   check_same_dtype(op, "weight", weight, hidden, "hidden");
@@ -84,6 +123,7 @@ inline void check_linear_cross_entropy(const Backend& be, const char* op, const 
   }
   check_target(be, op, target, hidden, "hidden");
   check_label_smoothing(op, label_smoothing);
+  return check_class_weight(be, op, class_weight, hidden, "hidden", V);
 }
 
 // linear_cross_entropy_fwd's own scalars.

@@ -26,10 +26,24 @@ struct RowScale {
 // zeroed-or-accumulating (at::get_num_threads(), V) tensor in the math type (fp32 for bf16):
 // each thread adds the gradient rows it writes into its own row (the bias gradient, unrounded).
 // grad_colsum: undefined when not wanted.
+// class_weight (V,) in the math type, when defined: torch's class weights w, i.e.
+//   loss_rows[i] = (1 - eps) w[t_i] (lse_i - x_i[t_i]) + eps / V sum_c w_c (lse_i - x_i[c])
+//   grad_i = (((1 - eps) w[t_i] + eps sum(w) / V) softmax(x_i) - (1 - eps) w[t_i] onehot(t_i)
+//             - eps / V w) * scale_i
+// (the unweighted formulas for w = 1).
 FF_ISA_DECLARE(void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias,
+                                       const at::Tensor& class_weight,
                                        const int64_t* target, double label_smoothing,
                                        int64_t ignore_index, RowScale scale, const at::Tensor& grad,
                                        double* loss_rows, const at::Tensor& grad_colsum))
+
+// Class probabilities as the target (torch's soft targets): probs (n, V) contiguous in the math
+// type, class_weight (V,) or undefined, w = class_weight (1 without): with q = (1 - eps) probs + eps / V
+//   loss_rows[i] = -sum_c w_c q_c log softmax(x_i)_c
+//   grad_i = ((sum_c w_c q_c) softmax(x_i) - w q) * scale_i   (when grad is defined; it may alias logits)
+FF_ISA_DECLARE(void soft_cross_entropy_rows(const at::Tensor& logits, const at::Tensor& class_weight,
+                                            const at::Tensor& probs, double label_smoothing, RowScale scale,
+                                            const at::Tensor& grad, double* loss_rows))
 
 // acc[i] += src[i] for i in [0, n) (linear_cross_entropy's bf16 dweight into its fp32 sum).
 FF_ISA_DECLARE(void accumulate_bf16(const at::BFloat16* src, int64_t n, float* acc))
@@ -40,9 +54,18 @@ FF_ISA_DECLARE(void accumulate_bf16(const at::BFloat16* src, int64_t n, float* a
 int64_t count_valid_targets(const char* what, const at::Tensor& target, int64_t num_classes,
                             int64_t ignore_index);
 
-// sum (reduction 2) or mean over `num_valid` rows (reduction 1) of loss_rows, summed in a
-// fixed order (deterministic); reduction 0 returns the rows. In `dtype`.
-at::Tensor reduce_loss_rows(const double* loss_rows, int64_t n, int64_t num_valid, int64_t reduction,
+// The mean's divisor: num_valid without class_weight, else the sum of class_weight[target] over
+// the rows not ignored (torch's), summed in a fixed order. Targets already checked.
+double mean_divisor(const at::Tensor& target, const at::Tensor& class_weight, int64_t ignore_index,
+                    int64_t num_valid);
+
+// The row scale of the mean's gradient: 1 / divisor; 0 when no row counts (torch's zero gradient
+// when every row is ignored), NaN when rows count but their weights sum to 0 (torch's NaN).
+double mean_grad_scale(double divisor, int64_t num_valid);
+
+// sum (reduction 2) or the mean (reduction 1: the sum over `divisor`, NaN when it is 0, as torch)
+// of loss_rows, summed in a fixed order (deterministic); reduction 0 returns the rows. In `dtype`.
+at::Tensor reduce_loss_rows(const double* loss_rows, int64_t n, double divisor, int64_t reduction,
                             at::ScalarType dtype);
 
 }  // namespace fastformer

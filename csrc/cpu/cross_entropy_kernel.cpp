@@ -12,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #include "vec_io.h"
 
@@ -53,10 +54,12 @@ struct OnlineLse {
   inline A lse() const { return m + std::log(hsum<A>(s)); }
 };
 
-template <typename T, bool kBias>
-void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* grad_colsum,
-                             int64_t n, int64_t V, const int64_t* target, double label_smoothing,
-                             int64_t ignore_index, RowScale rs, double* loss_rows) {
+// kWeight: class weights cw (V,) in the math type, w_sum their sum (see cross_entropy.h).
+template <typename T, bool kBias, bool kWeight>
+void cross_entropy_rows_impl(const T* logits, const T* bias, const acc_t<T>* cw, acc_t<T> w_sum, T* grad,
+                             acc_t<T>* grad_colsum, int64_t n, int64_t V, const int64_t* target,
+                             double label_smoothing, int64_t ignore_index, RowScale rs,
+                             double* loss_rows) {
   using A = acc_t<T>;
   using Vec = AccVec<T>;
   constexpr int64_t kW = Vec::size();
@@ -69,6 +72,11 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
   auto row = [bias](const T* x, int64_t j, int64_t count) {
     if constexpr (kBias) return load(x + j, count) + load(bias + j, count);
     return load(x + j, count);
+  };
+  // the class weights from column j, zero past count (1 without weights: never read)
+  auto wvec = [cw](int64_t j, int64_t count) {
+    if constexpr (kWeight) return Vec::loadu(cw + j, count);
+    return Vec(A(1));
   };
 
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -86,19 +94,23 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
       }
       const A x_t = static_cast<A>(x[t]) + (kBias ? static_cast<A>(bias[t]) : A(0));  // before g overwrites x
       const A sc = static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale);
+      // w[t], and the softmax's share of the gradient: (1 - eps) w[t] + eps sum(w) / V (1 unweighted)
+      const A w_t = kWeight ? cw[t] : A(1);
+      const A p_mass = kWeight ? (A(1) - eps) * w_t + eps * w_sum * inv_v : A(1);
 
       // Pass 1: the row's max and sum of logits, and (without a gradient to write) its sum of exp,
       // online over blocks of kUnroll vectors. With a gradient, pass 2 takes the exps once, after
       // the max is known, and keeps them for pass 3: one exp per element either way.
       const bool with_grad = g != nullptr && sc != A(0);
       OnlineLse<A> stats;
-      Vec vmax(neg_inf), sx(A(0));
+      Vec vmax(neg_inf), sx(A(0)), swx(A(0));  // swx: sum_c w_c x_c (with weights)
       Vec v[kUnroll];
       int64_t j = 0;
       for (; j + kUnroll * kW <= V; j += kUnroll * kW) {
         for (int u = 0; u < kUnroll; ++u) {
           v[u] = row(x, j + u * kW, kW);
           sx = sx + v[u];
+          if constexpr (kWeight) swx = at::vec::fmadd(v[u], wvec(j + u * kW, kW), swx);
           if (with_grad) vmax = at::vec::maximum(vmax, v[u]);
         }
         if (!with_grad) stats.absorb(v, kUnroll);
@@ -107,10 +119,12 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
       for (; j + kW <= V; j += kW, ++count) {
         v[count] = row(x, j, kW);
         sx = sx + v[count];
+        if constexpr (kWeight) swx = at::vec::fmadd(v[count], wvec(j, kW), swx);
       }
       if (j < V) {  // the tail: zero-padded for the sum, -inf-padded for max / exp
         const Vec tail = row(x, j, V - j);
         sx = sx + tail;
+        if constexpr (kWeight) swx = at::vec::fmadd(tail, wvec(j, V - j), swx);
         v[count++] = Vec::set(Vec(neg_inf), tail, V - j);
       }
       if (with_grad) {
@@ -136,11 +150,18 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
         stats.s = se;
       }
       const A lse = no_lse ? std::numeric_limits<A>::quiet_NaN() : stats.lse();
-      A loss = lse - (A(1) - eps) * x_t;
-      if (eps > A(0)) loss -= eps * sum_x * inv_v;
+      A loss;
+      if constexpr (kWeight) {  // (1 - eps) w[t] (lse - x_t) + eps / V (sum(w) lse - sum_c w_c x_c)
+        loss = (A(1) - eps) * w_t * (lse - x_t);
+        if (eps > A(0)) loss += eps * inv_v * (w_sum * lse - hsum<A>(swx));
+      } else {
+        loss = lse - (A(1) - eps) * x_t;
+        if (eps > A(0)) loss -= eps * sum_x * inv_v;
+      }
       loss_rows[i] = static_cast<double>(loss);
 
-      // Pass 3: grad = (softmax - (1 - eps) onehot - eps / V) * scale, from the row buffer.
+      // Pass 3: grad = (softmax - (1 - eps) onehot - eps / V) * scale, from the row buffer; with
+      // weights (p_mass softmax - (1 - eps) w[t] onehot - eps / V w) * scale.
       if (g == nullptr) continue;
       if (sc == A(0)) {  // a zero row scale: zero gradient, whatever its logits
         std::fill(g, g + V, T(0));
@@ -155,42 +176,140 @@ void cross_entropy_rows_impl(const T* logits, const T* bias, T* grad, acc_t<T>* 
         }
         continue;
       }
-      const Vec p_v(sc / hsum<A>(stats.s)), c_v(eps * inv_v * sc);  // softmax = e / sum(e)
+      const Vec p_v(p_mass * sc / hsum<A>(stats.s)), c_v(eps * inv_v * sc);  // softmax = e / sum(e)
       if (grad_colsum == nullptr) {
         vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
-          store(g + k, at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, c_v), cnt);
+          store(g + k, at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, kWeight ? c_v * wvec(k, cnt) : c_v), cnt);
         });
       } else {  // also add the row into this thread's column sums (the bias gradient)
         A* cs = grad_colsum + at::get_thread_num() * V;
         vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
-          const Vec gv = at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, c_v);
+          const Vec gv = at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, kWeight ? c_v * wvec(k, cnt) : c_v);
           store(g + k, gv, cnt);
           (Vec::loadu(cs + k, cnt) + gv).store(cs + k, cnt);
         });
-        cs[t] -= (A(1) - eps) * sc;
+        cs[t] -= (A(1) - eps) * w_t * sc;
       }
-      g[t] = static_cast<T>((std::exp(x_t - lse) - eps * inv_v - (A(1) - eps)) * sc);
+      g[t] = static_cast<T>((std::exp(x_t - lse) * p_mass - eps * inv_v * (kWeight ? cw[t] : A(1)) -
+                             (A(1) - eps) * w_t) * sc);
+    }
+  });
+}
+
+// Class probabilities q (n, V) in the math type as the target (torch's soft targets): with
+// q' = (1 - eps) q + eps / V and w = cw (1 without class weights), loss_rows[i] = Q lse - S with
+// Q = sum_c w_c q'_c, S = sum_c w_c q'_c x_c, and grad_i = (Q softmax - w q') * scale_i. Two sweeps
+// over the row (the max, then exp / Q / S into the row buffer) and the gradient from the buffer.
+template <typename T, bool kWeight>
+void soft_cross_entropy_rows_impl(const T* logits, const acc_t<T>* probs, const acc_t<T>* cw, T* grad,
+                                  int64_t n, int64_t V, double label_smoothing, RowScale rs,
+                                  double* loss_rows) {
+  using A = acc_t<T>;
+  using Vec = AccVec<T>;
+  constexpr int64_t kW = Vec::size();
+  const A eps = static_cast<A>(label_smoothing), on = A(1) - eps, off = eps / static_cast<A>(V);
+  const A neg_inf = -std::numeric_limits<A>::infinity();
+  const int64_t grain = std::max<int64_t>(1, 16384 / V);
+  // w q' of the classes from column k, zero past cnt
+  auto wq = [&](const A* q, int64_t k, int64_t cnt) {
+    Vec v = Vec::loadu(q + k, cnt) * Vec(on) + Vec(off);
+    if constexpr (kWeight) v = v * Vec::loadu(cw + k, cnt);
+    return cnt < kW ? Vec::set(Vec(A(0)), v, cnt) : v;
+  };
+
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<A[]> exp_buf(new A[V]);  // exp(x - max) of one row
+    A* const e = exp_buf.get();
+    for (int64_t i = begin; i < end; ++i) {
+      const T* x = logits + i * V;  // (V,)
+      const A* q = probs + i * V;   // (V,)
+      Vec vmax(neg_inf), sx(A(0));
+      vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+        const Vec v = load(x + k, cnt);  // zero-padded
+        sx = sx + v;
+        vmax = at::vec::maximum(vmax, cnt < kW ? Vec::set(Vec(neg_inf), v, cnt) : v);
+      });
+      const A m = hmax<A>(vmax), sum_x = hsum<A>(sx);
+      // a NaN or +inf logit, or only -inf logits: no finite log-sum-exp (NaN, as the reference)
+      const bool no_lse = std::isnan(sum_x) || sum_x == -neg_inf || m == neg_inf;
+      const Vec mv(m);
+      Vec se(A(0)), sq(A(0)), sqx(A(0));
+      vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+        const Vec v = load(x + k, cnt);
+        Vec ev = fast_exp(v - mv);
+        if (cnt < kW) ev = Vec::set(Vec(A(0)), ev, cnt);
+        ev.store(e + k, cnt);
+        se = se + ev;
+        const Vec w = wq(q, k, cnt);
+        sq = sq + w;
+        sqx = at::vec::fmadd(w, v, sqx);
+      });
+      const A nan = std::numeric_limits<A>::quiet_NaN();
+      const A lse = no_lse ? nan : m + std::log(hsum<A>(se));
+      const A Q = hsum<A>(sq);
+      loss_rows[i] = static_cast<double>(Q * lse - hsum<A>(sqx));
+      if (grad == nullptr) continue;
+      T* g = grad + i * V;
+      const A sc = static_cast<A>(rs.row_scale ? rs.row_scale[i] : rs.scale);
+      if (no_lse) {
+        std::fill(g, g + V, static_cast<T>(nan));
+        continue;
+      }
+      const Vec p_v(Q * sc / hsum<A>(se)), sc_v(sc);
+      vec_loop<kW>(V, [&](int64_t k, int64_t cnt) {
+        store(g + k, at::vec::fmsub(Vec::loadu(e + k, cnt), p_v, wq(q, k, cnt) * sc_v), cnt);
+      });
     }
   });
 }
 
 }  // namespace
 
-void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias, const int64_t* target,
-                        double label_smoothing, int64_t ignore_index, RowScale scale,
-                        const at::Tensor& grad, double* loss_rows, const at::Tensor& grad_colsum) {
+void soft_cross_entropy_rows(const at::Tensor& logits, const at::Tensor& class_weight, const at::Tensor& probs,
+                             double label_smoothing, RowScale scale, const at::Tensor& grad, double* loss_rows) {
+  const int64_t n = logits.size(0), V = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "soft_cross_entropy_rows", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* x = logits.const_data_ptr<scalar_t>();
+    const A* q = probs.const_data_ptr<A>();
+    scalar_t* g = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
+    if (class_weight.defined()) {
+      soft_cross_entropy_rows_impl<scalar_t, true>(x, q, class_weight.const_data_ptr<A>(), g, n, V, label_smoothing,
+                                                   scale, loss_rows);
+    } else {
+      soft_cross_entropy_rows_impl<scalar_t, false>(x, q, nullptr, g, n, V, label_smoothing, scale, loss_rows);
+    }
+  });
+}
+
+void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& bias, const at::Tensor& class_weight,
+                        const int64_t* target, double label_smoothing, int64_t ignore_index,
+                        RowScale scale, const at::Tensor& grad, double* loss_rows,
+                        const at::Tensor& grad_colsum) {
   const int64_t n = logits.size(0), V = logits.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "cross_entropy_rows", [&] {
+    using A = acc_t<scalar_t>;
     const scalar_t* x = logits.const_data_ptr<scalar_t>();
+    const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* g = grad.defined() ? grad.data_ptr<scalar_t>() : nullptr;
-    acc_t<scalar_t>* cs =
-        (g != nullptr && grad_colsum.defined()) ? grad_colsum.data_ptr<acc_t<scalar_t>>() : nullptr;
-    if (bias.defined()) {
-      cross_entropy_rows_impl<scalar_t, true>(x, bias.const_data_ptr<scalar_t>(), g, cs, n, V, target,
-                                              label_smoothing, ignore_index, scale, loss_rows);
+    A* cs = (g != nullptr && grad_colsum.defined()) ? grad_colsum.data_ptr<A>() : nullptr;
+    auto run = [&](auto has_bias, auto has_weight) {
+      const A* cw = has_weight ? class_weight.const_data_ptr<A>() : nullptr;
+      A w_sum = 0;
+      if (cw != nullptr) {  // summed in a fixed order: once a call (a chunk), O(V)
+        double s = 0.0;
+        for (int64_t c = 0; c < V; ++c) s += static_cast<double>(cw[c]);
+        w_sum = static_cast<A>(s);
+      }
+      cross_entropy_rows_impl<scalar_t, decltype(has_bias)::value, decltype(has_weight)::value>(
+          x, b, cw, w_sum, g, cs, n, V, target, label_smoothing, ignore_index, scale, loss_rows);
+    };
+    using True = std::true_type;
+    using False = std::false_type;
+    if (class_weight.defined()) {
+      b != nullptr ? run(True(), True()) : run(False(), True());
     } else {
-      cross_entropy_rows_impl<scalar_t, false>(x, nullptr, g, cs, n, V, target, label_smoothing,
-                                               ignore_index, scale, loss_rows);
+      b != nullptr ? run(True(), False()) : run(False(), False());
     }
   });
 }

@@ -24,8 +24,8 @@ using Grads = checks::LinearCrossEntropyGrads;
 // The chunk loop shared by the forward (loss, and grads for mean / sum) and the backward of
 // reduction none (grads with the per-row upstream gradient in scale.row_scale).
 Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& weight,
-                                  const c10::optional<at::Tensor>& bias, const int64_t* target,
-                                  double label_smoothing, int64_t ignore_index, RowScale scale,
+                                  const c10::optional<at::Tensor>& bias, const at::Tensor& class_weight,
+                                  const int64_t* target, double label_smoothing, int64_t ignore_index, RowScale scale,
                                   bool compute_grad, double* loss_rows) {
   // The GEMMs below are internal steps of this kernel: keep them out of autograd.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -55,7 +55,7 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
     at::mm_out(logits, h, weight_t);                   // the row kernel adds it as it reads
     RowScale chunk_scale = scale;
     if (scale.row_scale != nullptr) chunk_scale.row_scale = scale.row_scale + c0;
-    FF_ISA(cross_entropy_rows)(logits, has_bias ? *bias : at::Tensor(), target + c0,
+    FF_ISA(cross_entropy_rows)(logits, has_bias ? *bias : at::Tensor(), class_weight, target + c0,
                                label_smoothing, ignore_index, chunk_scale,
                                compute_grad ? logits : at::Tensor(), loss_rows + c0, dbias_partial);
     if (!compute_grad) continue;
@@ -83,36 +83,40 @@ Grads linear_cross_entropy_chunks(const at::Tensor& hidden, const at::Tensor& we
 
 }  // namespace
 
-// hidden (N, D), weight (V, D), bias (V,) or None, target (N,) -> loss (() or (N,)) and, with
-// compute_grad (mean / sum), (dhidden, dweight, dbias) for an upstream gradient of 1.
+// hidden (N, D), weight (V, D), bias (V,) or None, target (N,), class_weight (V,) or None -> loss
+// (() or (N,)) and, with compute_grad (mean / sum), (dhidden, dweight, dbias) for an upstream
+// gradient of 1.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     const at::Tensor& target, double label_smoothing, int64_t ignore_index, int64_t reduction,
-    bool compute_grad) {
+    bool compute_grad, const c10::optional<at::Tensor>& class_weight) {
   constexpr const char* what = "linear_cross_entropy_fwd";
-  checks::check_linear_cross_entropy(checks::kCpu, what, hidden, weight, bias, target, label_smoothing);
+  const at::Tensor cw = checks::check_linear_cross_entropy(checks::kCpu, what, hidden, weight, bias, target,
+                                                           label_smoothing, class_weight);
   checks::check_linear_cross_entropy_fwd(what, reduction, compute_grad);
   const int64_t n = hidden.size(0);
   const int64_t num_valid = count_valid_targets(what, target, weight.size(0), ignore_index);
+  const double divisor = mean_divisor(target, cw, ignore_index, num_valid);
 
   RowScale rs;
-  rs.scale = reduction == 1 ? (num_valid > 0 ? 1.0 / static_cast<double>(num_valid) : 0.0) : 1.0;
+  rs.scale = reduction == 1 ? mean_grad_scale(divisor, num_valid) : 1.0;
   std::vector<double> loss_rows(n);
-  Grads g = linear_cross_entropy_chunks(hidden, weight, bias, target.const_data_ptr<int64_t>(),
+  Grads g = linear_cross_entropy_chunks(hidden, weight, bias, cw, target.const_data_ptr<int64_t>(),
                                         label_smoothing, ignore_index, rs, compute_grad,
                                         loss_rows.data());
   return checks::linear_cross_entropy_fwd_returns(
-      reduce_loss_rows(loss_rows.data(), n, num_valid, reduction, hidden.scalar_type()), g,
+      reduce_loss_rows(loss_rows.data(), n, divisor, reduction, hidden.scalar_type()), g,
       compute_grad, hidden, weight);
 }
 
-// The gradient for reduction none: row i's loss weighted by grad_loss[i].
+// The gradient for reduction none: row i's loss (class-weighted by class_weight) times grad_loss[i].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
     const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
     const c10::optional<at::Tensor>& bias, const at::Tensor& target, double label_smoothing,
-    int64_t ignore_index) {
+    int64_t ignore_index, const c10::optional<at::Tensor>& class_weight) {
   constexpr const char* what = "linear_cross_entropy_bwd";
-  checks::check_linear_cross_entropy(checks::kCpu, what, hidden, weight, bias, target, label_smoothing);
+  const at::Tensor cw = checks::check_linear_cross_entropy(checks::kCpu, what, hidden, weight, bias, target,
+                                                           label_smoothing, class_weight);
   checks::check_grad_loss(checks::kCpu, what, grad_loss, hidden);
   const int64_t n = hidden.size(0);
   count_valid_targets(what, target, weight.size(0), ignore_index);
@@ -121,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
   RowScale rs;
   rs.row_scale = row_scale.const_data_ptr<double>();
   std::vector<double> loss_rows(n);
-  Grads g = linear_cross_entropy_chunks(hidden, weight, bias, target.const_data_ptr<int64_t>(),
+  Grads g = linear_cross_entropy_chunks(hidden, weight, bias, cw, target.const_data_ptr<int64_t>(),
                                         label_smoothing, ignore_index, rs, true, loss_rows.data());
   return {g.dhidden, g.dweight, g.dbias};
 }

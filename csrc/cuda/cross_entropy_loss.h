@@ -10,21 +10,32 @@
 #include "launchers.h"
 
 struct FfCrossEntropyLoss {
-  at::Tensor count;                     // () int64: rows not ignored (reduction mean only)
+  at::Tensor count;                     // () int64: rows not ignored (reduction mean or class weights)
   at::Tensor loss_rows;                 // (n,) fp32, written by launch_cross_entropy_fwd
+  at::Tensor weight_stats_;             // (2,) fp32 with class weights: (sum of w[target], sum of w)
   const int64_t* mean_count = nullptr;  // count for reduction mean (1), else null
+  const float* class_weight = nullptr;  // (V,) fp32 class weights, or null
+  const float* weight_stats = nullptr;  // weight_stats_ with class weights, else null
 
-  // `like`: a tensor of the call (its device).
-  // The count is launched for the mean alone (reduction 1): none and sum never read it, so their
-  // call is one launch shorter (csrc/cuda/LAUNCHES.md); `count` is then an empty tensor.
+  // `like`: a tensor of the call (its device); class_weight (V,) fp32 or undefined.
+  // The count is launched for the mean or class weights alone: none and sum without weights never
+  // read it, so their call is one launch shorter (csrc/cuda/LAUNCHES.md); `count` is then an empty
+  // tensor. The same launch sums the class weights (the row kernel's smoothing term reads the sum).
   FfCrossEntropyLoss(const at::Tensor& target, int64_t n, int64_t ignore_index, int64_t reduction,
-                     const at::Tensor& like, void* stream)
-      : count(reduction == 1 ? at::empty({}, target.options()) : at::empty({0}, target.options())),
+                     const at::Tensor& like, void* stream, const at::Tensor& cw = at::Tensor())
+      : count(reduction == 1 || cw.defined() ? at::empty({}, target.options())
+                                             : at::empty({0}, target.options())),
         loss_rows(at::empty({n}, like.options().dtype(at::kFloat))) {
-    if (reduction != 1) return;
-    FF_CHECK_LAUNCH(launch_cross_entropy_count_valid(target.const_data_ptr<int64_t>(), n, ignore_index,
-                                                     count.data_ptr<int64_t>(), stream));
-    mean_count = count.const_data_ptr<int64_t>();
+    if (reduction != 1 && !cw.defined()) return;
+    if (cw.defined()) {
+      weight_stats_ = at::empty({2}, like.options().dtype(at::kFloat));
+      class_weight = cw.const_data_ptr<float>();
+      weight_stats = weight_stats_.data_ptr<float>();
+    }
+    FF_CHECK_LAUNCH(launch_cross_entropy_count_valid(
+        target.const_data_ptr<int64_t>(), n, ignore_index, count.data_ptr<int64_t>(), class_weight,
+        cw.defined() ? cw.size(0) : 0, const_cast<float*>(weight_stats), stream));
+    if (reduction == 1) mean_count = count.const_data_ptr<int64_t>();
   }
 
   // The loss in `like`'s dtype (dtype: its launcher code): the rows (reduction 0), else their sum
@@ -33,7 +44,7 @@ struct FfCrossEntropyLoss {
     if (reduction == 0) return loss_rows.to(like.scalar_type());
     at::Tensor loss = at::empty({}, like.options());
     FF_CHECK_LAUNCH(launch_cross_entropy_reduce(loss_rows.const_data_ptr<float>(), loss_rows.size(0),
-                                                mean_count, loss.data_ptr(), dtype, stream));
+                                                mean_count, weight_stats, loss.data_ptr(), dtype, stream));
     return loss;
   }
 };

@@ -32,22 +32,37 @@ const char* launch_colsum(const void* x, int64_t rows, int64_t cols, int dtype, 
                           int64_t parts, void* out, int out_dtype, int accumulate, void* stream);
 
 // ---- cross_entropy (csrc/cuda/cross_entropy.cu), also used by linear_cross_entropy.cpp
-// *count (int64) = the number of target values that are not ignore_index.
+// *count (int64) = the number of target values that are not ignore_index. With class_weight (V,)
+// fp32 (else nullptr): weight_stats (2,) fp32 = (the sum of class_weight[target] over those rows,
+// the sum of class_weight).
 const char* launch_cross_entropy_count_valid(const int64_t* target, int64_t n, int64_t ignore_index,
-                                             int64_t* count, void* stream);
+                                             int64_t* count, const float* class_weight, int64_t V,
+                                             float* weight_stats, void* stream);
 // Per row of logits (n, V): loss_rows (n,) fp32 and, when grad is not null (it may alias
 // logits), grad = (softmax - (1 - eps) onehot(t) - eps / V) * scale_i, where scale_i is
 // row_scale[i] if given, else 1 / *mean_count if given (0 when it is 0), else scale; ignored
 // rows get loss 0 and gradient 0. A target outside [0, V) that is not ignore_index gives nan and
-// is never used as an address.
+// is never used as an address. class_weight (V,) fp32 with weight_stats (2,) from
+// launch_cross_entropy_count_valid, or both nullptr: torch's class weights (the mean's scale is
+// then 1 / weight_stats[0], NaN when it is 0 and a row counts).
 const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, void* grad,
                                      float* loss_rows, int64_t n, int64_t V, int dtype,
                                      double label_smoothing, int64_t ignore_index,
                                      const float* row_scale, const int64_t* mean_count,
-                                     double scale, void* stream);
-// out () in dtype = sum of loss_rows (n,) in a fixed order, / *mean_count when given.
+                                     double scale, const float* class_weight,
+                                     const float* weight_stats, void* stream);
+// Class probabilities probs (n, V) fp32 as the target (torch's soft targets): loss_rows (n,) fp32 =
+// (-sum_c w_c q_c log softmax(x)_c) * loss_scale with q = (1 - eps) probs + eps / V (w = class_weight,
+// (V,) fp32, or 1 when null) and, when grad is not null (it may alias logits), grad =
+// (sum(w q) softmax - w q) * scale.
+const char* launch_soft_cross_entropy_fwd(const void* logits, const float* probs, void* grad,
+                                          float* loss_rows, int64_t n, int64_t V, int dtype,
+                                          double label_smoothing, double scale, double loss_scale,
+                                          const float* class_weight, void* stream);
+// out () in dtype = sum of loss_rows (n,) in a fixed order, / *mean_count when given, or with
+// mean_weight (class weights) / *mean_weight (NaN when it is 0).
 const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const int64_t* mean_count,
-                                        void* out, int dtype, void* stream);
+                                        const float* mean_weight, void* out, int dtype, void* stream);
 
 // ---- add_layer_norm (csrc/cuda/add_layer_norm.cu)
 // Rows of C columns, x / residual / y / h (N, C) contiguous, weight / bias (C,), all of one dtype;

@@ -66,11 +66,13 @@ int64_t chunk_rows(const at::Tensor& hidden, int64_t V) {
 }
 
 // The chunk loop shared by the forward (loss rows; grads for mean / sum scaled by mean_count or
-// 1) and the backward of reduction none (grads with row_scale = grad_loss).
+// 1) and the backward of reduction none (grads with row_scale = grad_loss). `weights`: the class
+// weights and their sums (FfCrossEntropyLoss), or none.
 Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
              const c10::optional<at::Tensor>& bias, const at::Tensor& target,
              double label_smoothing, int64_t ignore_index, const float* row_scale,
-             const int64_t* mean_count, bool compute_grad, float* loss_rows) {
+             const int64_t* mean_count, const FfCrossEntropyLoss& weights, bool compute_grad,
+             float* loss_rows) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
   const int64_t n = hidden.size(0), D = hidden.size(1), V = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -106,7 +108,8 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
     FF_CHECK_LAUNCH(launch_cross_entropy_fwd(
         logits.const_data_ptr(), target.const_data_ptr<int64_t>() + c0,
         compute_grad ? logits.data_ptr() : nullptr, loss_rows + c0, rows, V, code, label_smoothing,
-        ignore_index, row_scale != nullptr ? row_scale + c0 : nullptr, mean_count, 1.0, stream));
+        ignore_index, row_scale != nullptr ? row_scale + c0 : nullptr, mean_count, 1.0, weights.class_weight,
+        weights.weight_stats, stream));
     if (!compute_grad) continue;
     // logits now holds dlogits (rows, V).
     at::Tensor dh = out.dhidden.narrow(0, c0, rows);
@@ -133,17 +136,18 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     const at::Tensor& target, double label_smoothing, int64_t ignore_index, int64_t reduction,
-    bool compute_grad) {
+    bool compute_grad, const c10::optional<at::Tensor>& class_weight) {
   constexpr const char* op = "linear_cross_entropy_fwd";
-  checks::check_linear_cross_entropy(kFfBackend, op, hidden, weight, bias, target, label_smoothing);
+  const at::Tensor cw = checks::check_linear_cross_entropy(kFfBackend, op, hidden, weight, bias, target,
+                                                           label_smoothing, class_weight);
   checks::check_linear_cross_entropy_fwd(op, reduction, compute_grad);
   c10::DeviceGuard guard(hidden.device());
   const int64_t n = hidden.size(0);
   void* stream = ff_stream(hidden);
 
-  const FfCrossEntropyLoss loss(target, n, ignore_index, reduction, hidden, stream);
+  const FfCrossEntropyLoss loss(target, n, ignore_index, reduction, hidden, stream, cw);
   Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index, nullptr, loss.mean_count,
-                   compute_grad, loss.loss_rows.data_ptr<float>());
+                   loss, compute_grad, loss.loss_rows.data_ptr<float>());
   return checks::linear_cross_entropy_fwd_returns(
       loss.reduce(reduction, hidden, ff_dtype_code(hidden, "hidden"), stream), g, compute_grad, hidden,
       weight);
@@ -153,17 +157,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
     const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
     const c10::optional<at::Tensor>& bias, const at::Tensor& target, double label_smoothing,
-    int64_t ignore_index) {
+    int64_t ignore_index, const c10::optional<at::Tensor>& class_weight) {
   constexpr const char* op = "linear_cross_entropy_bwd";
-  checks::check_linear_cross_entropy(kFfBackend, op, hidden, weight, bias, target, label_smoothing);
+  const at::Tensor cw = checks::check_linear_cross_entropy(kFfBackend, op, hidden, weight, bias, target,
+                                                           label_smoothing, class_weight);
   checks::check_grad_loss(kFfBackend, op, grad_loss, hidden);
   const int64_t n = hidden.size(0);
   c10::DeviceGuard guard(hidden.device());
+  void* stream = ff_stream(hidden);
 
   const at::Tensor row_scale = grad_loss.to(at::kFloat).contiguous();  // (N,)
-  at::Tensor loss_rows = at::empty({n}, hidden.options().dtype(at::kFloat));  // (N,), unused
+  // reduction none: no count; with class weights their sums (and loss rows, unused)
+  const FfCrossEntropyLoss rows(target, n, ignore_index, 0, hidden, stream, cw);
   Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index,
-                   row_scale.const_data_ptr<float>(), nullptr, true, loss_rows.data_ptr<float>());
+                   row_scale.const_data_ptr<float>(), nullptr, rows, true,
+                   const_cast<float*>(rows.loss_rows.data_ptr<float>()));
   return {g.dhidden, g.dweight, g.dbias};
 }
 

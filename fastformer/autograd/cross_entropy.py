@@ -50,9 +50,9 @@ class CrossEntropyFunction(torch.autograd.Function):
     """Fused log-softmax + label smoothing + NLL; the gradient is written in the forward pass."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction_code, kernels):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction_code, kernels, class_weight=None):
         loss, grad = kernels.cross_entropy_fwd(logits, target, label_smoothing, ignore_index,
-                                               reduction_code, logits.requires_grad)
+                                               reduction_code, logits.requires_grad, class_weight)
         ctx.save_for_backward(grad)  # (N, V): d(loss)/d(logits) for an upstream gradient of 1
         _unscaled(ctx, 1)
         return loss
@@ -60,7 +60,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        return _scale_rows(ctx, 0, grad, grad_loss), None, None, None, None, None
+        return _scale_rows(ctx, 0, grad, grad_loss), None, None, None, None, None, None  # class_weight: none
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -71,16 +71,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, reduction_code, kernels):
+    def forward(ctx, hidden, weight, bias, target, label_smoothing, ignore_index, reduction_code, kernels,
+                class_weight=None):
         needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         in_forward = needs_grad and reduction_code != 0  # "none": the backward recomputes per row
         loss, dh, dw, db = kernels.linear_cross_entropy_fwd(
-            hidden, weight, bias, target, label_smoothing, ignore_index, reduction_code, in_forward)
+            hidden, weight, bias, target, label_smoothing, ignore_index, reduction_code, in_forward, class_weight)
         if in_forward:
             ctx.save_for_backward(dh, dw, db if bias is not None else None)
             _unscaled(ctx, 3)
         else:
-            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight)
         ctx.in_forward = in_forward
         ctx.has_bias = bias is not None
         ctx.config = (label_smoothing, ignore_index)
@@ -94,8 +95,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dh, dw = _scale_rows(ctx, 0, dh, grad_loss), _scale_rows(ctx, 1, dw, grad_loss)
             db = _scale_rows(ctx, 2, db, grad_loss) if db is not None else None
         else:
-            hidden, weight, bias, target = ctx.saved_tensors
+            hidden, weight, bias, target, class_weight = ctx.saved_tensors
             dh, dw, db = ctx.kernels.linear_cross_entropy_bwd(
-                grad_loss.reshape(-1).float().contiguous(), hidden, weight, bias, target, *ctx.config)
+                grad_loss.reshape(-1).float().contiguous(), hidden, weight, bias, target, *ctx.config, class_weight)
             db = db if ctx.has_bias else None
-        return dh, dw, db, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None

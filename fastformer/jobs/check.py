@@ -85,17 +85,24 @@ def _targets(gen, N, V, ignore_index):
     return t
 
 
-def _ce_case(N, V, smoothing):
+def _class_weight(gen, V, weighted):
+    """torch's class weights in [0.1, 2) (keyword ``weight``), or nothing."""
+    return {"weight": 0.1 + 1.9 * torch.rand(V, generator=gen)} if weighted else {}
+
+
+def _ce_case(N, V, smoothing, weighted=False):
     def make(gen):
-        return [_rand(gen, N, V, scale=2.0)], {"target": _targets(gen, N, V, -100), "label_smoothing": smoothing}
-    return Case(f"{N}x{V} smoothing {smoothing} ignore -100", make)
+        return [_rand(gen, N, V, scale=2.0)], {"target": _targets(gen, N, V, -100), "label_smoothing": smoothing,
+                                               **_class_weight(gen, V, weighted)}
+    return Case(f"{N}x{V} smoothing {smoothing} ignore -100{' class weights' if weighted else ''}", make)
 
 
-def _lce_case(N, D, V, smoothing):
+def _lce_case(N, D, V, smoothing, weighted=False):
     def make(gen):
         return [_rand(gen, N, D), _rand(gen, V, D, scale=D ** -0.5), _rand(gen, V, scale=0.1)], \
-            {"target": _targets(gen, N, V, 3), "label_smoothing": smoothing, "ignore_index": 3}
-    return Case(f"{N}x{D}->{V} smoothing {smoothing} ignore 3", make)
+            {"target": _targets(gen, N, V, 3), "label_smoothing": smoothing, "ignore_index": 3,
+             **_class_weight(gen, V, weighted)}
+    return Case(f"{N}x{D}->{V} smoothing {smoothing} ignore 3{' class weights' if weighted else ''}", make)
 
 
 def _bias_as_input(fn: Callable) -> Callable:
@@ -148,11 +155,11 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
         _ff_case(5, 48, 97, "silu"),
     ]),
     "cross_entropy": (ops.cross_entropy, reference.cross_entropy, [
-        _ce_case(7, 1001, 0.1), _ce_case(16, 128, 0.0),
+        _ce_case(7, 1001, 0.1), _ce_case(16, 128, 0.0), _ce_case(9, 203, 0.1, weighted=True),
     ]),
     "linear_cross_entropy": (_bias_as_input(ops.linear_cross_entropy),
                              _bias_as_input(reference.linear_cross_entropy), [
-        _lce_case(13, 40, 1001, 0.1), _lce_case(4, 64, 97, 0.0),
+        _lce_case(13, 40, 1001, 0.1), _lce_case(4, 64, 97, 0.0), _lce_case(11, 24, 203, 0.1, weighted=True),
     ]),
     "embedding": (_tables_as_inputs(ops.embedding), _tables_as_inputs(reference.embedding), [
         _emb_case((3, 37), 101, 40, False, None), _emb_case((5,), 7, 1023, True, 0), _emb_case((2, 9), 13, 7, True, None),

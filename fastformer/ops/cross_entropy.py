@@ -14,6 +14,10 @@ REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 REDUCTIONS = tuple(REDUCTION_CODE)
 # ignore_index=None (torch's F.linear_cross_entropy: nothing is ignored) as an index no class has.
 _IGNORE_NOTHING = -(2 ** 63)
+# Why the kernel backends decline linear_cross_entropy's probability ("soft") targets: its kernels take
+# class indices (cross_entropy's kernels take them on every backend).
+SOFT_TARGETS = "probability targets (a floating target): the kernels take class indices; the reference computes them"
+_SOFT_GRAD = "a probability target that requires grad: only the reference differentiates it"
 
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
@@ -24,14 +28,24 @@ def _check_loss_args(label_smoothing, reduction, ignore_index):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
-def _check_target(target, want_shape, **input_):
+def _check_target(target, want_shape, probs_shape, ignore_index, **input_):
     """``target`` must be int64 class indices of ``want_shape`` on the device of ``input_`` (one
-    name=tensor pair); their values: :func:`_check_target_values`."""
+    name=tensor pair; their values: :func:`_check_target_values`), or class probabilities: a
+    floating tensor of ``probs_shape`` (torch's soft targets, without ignore_index). Returns whether
+    it holds probabilities."""
     validation.tensor("target", target)
     if target.dtype != torch.int64:
-        raise TypeError(f"target must hold class indices as int64, got {target.dtype}")
+        if not target.is_floating_point() or target.shape != probs_shape:
+            raise TypeError(f"target must hold class indices as int64 (shape {tuple(want_shape)}) or class "
+                            f"probabilities of shape {tuple(probs_shape)}, got {target.dtype} of shape "
+                            f"{tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError(f"ignore_index is not supported for probability targets (as torch), got {ignore_index}")
+        validation.same_device(**input_, target=target)
+        return True
     validation.shape("target", target, want_shape, "one class index per row of the input")
     validation.same_device(**input_, target=target)
+    return False
 
 
 def _check_target_values(target, num_classes, ignore_index):
@@ -46,13 +60,36 @@ def _check_target_values(target, num_classes, ignore_index):
                          f"{ignore_index}; got values in [{lo}, {hi}]")
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float = 0.0,
-                  ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+def _check_class_weight(weight, num_classes, dtype, **input_):
+    """torch's per-class ``weight``: a floating ``(num_classes,)`` tensor on the device of ``input_``
+    (one name=tensor pair) that does not require grad (torch's cross_entropy does not differentiate
+    it, and refuses one that does). Returns it as the kernels take it: contiguous, in the math type
+    of ``dtype`` (fp64 for fp64, else fp32)."""
+    validation.tensor("weight", weight, floating=True)
+    validation.shape("weight", weight, (num_classes,), "one weight per class")
+    validation.same_device(**input_, weight=weight)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("weight (the class weights) must not require grad: torch's cross_entropy does not "
+                         "differentiate it; pass weight.detach()")
+    return weight.to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
+                  label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """Fused label-smoothed cross-entropy with ``F.cross_entropy`` semantics.
 
     Args:
         logits: ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)`` (class dimension 1, as torch).
-        target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``.
+        target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``; or class
+            probabilities of the logits' shape (torch's soft targets: ``-sum_c w_c q_c log p_c`` with
+            ``q`` smoothed, no ignore_index, ``mean`` over the rows; the kernels take them in fp32,
+            fp64 for fp64 logits). Every backend computes them (only the reference differentiates
+            probabilities that require grad).
+        weight: torch's class weights ``w``, a floating ``(C,)`` tensor (any floating dtype: the
+            kernels take it in fp32, fp64 for fp64 logits), or None. It gets no gradient and must
+            not require grad (as torch). Row ``i`` then adds ``(1 - eps) * w[t_i] * nll_i + (eps / C)
+            * sum_c w_c * (-log p_c)``, and ``mean`` divides by the non-ignored rows' sum of
+            ``w[t_i]`` (NaN when that is 0, as torch).
         label_smoothing: ``eps`` in ``(1 - eps) * nll + eps * mean_c(-log p_c)``.
         ignore_index: target value whose rows add nothing and get zero gradient.
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
@@ -64,33 +101,51 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     _check_loss_args(label_smoothing, reduction, ignore_index)
     validation.nonempty_dim("logits", logits, 1 if logits.dim() > 1 else 0, "the classes: at least one class")
     want = (logits.shape[0],) + tuple(logits.shape[2:]) if logits.dim() > 1 else ()
-    _check_target(target, want, logits=logits)
+    soft = _check_target(target, want, logits.shape, ignore_index, logits=logits)
     C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    if weight is not None:
+        weight = _check_class_weight(weight, C, logits.dtype, logits=logits)
 
+    if soft:
+        # the kernels give no gradient to the probabilities: one that requires it takes the reference
+        why = _SOFT_GRAD if target.requires_grad and torch.is_grad_enabled() else None
+        kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, why)
+        return _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_index, reduction)
     kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
     return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
-                                     lambda: _cross_entropy(kernels, logits, target, label_smoothing, ignore_index,
-                                                            reduction))
+                                     lambda: _cross_entropy(kernels, logits, target, weight, label_smoothing,
+                                                            ignore_index, reduction))
 
 
-def _cross_entropy(kernels, logits, target, label_smoothing, ignore_index, reduction):
+def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_index, reduction):
     if kernels is None:
-        return reference.cross_entropy(logits, target, label_smoothing=label_smoothing,
+        return reference.cross_entropy(logits, target, weight=weight, label_smoothing=label_smoothing,
                                        ignore_index=ignore_index, reduction=reduction)
-    logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
+    if target.dtype == torch.int64:
+        logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
+    else:  # class probabilities (M, C) as the logits, in their math type
+        logits2d, target1d, shape = _soft_rows(logits, target)
     logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
     with validation.autocast_off(logits.device):
         if torch.is_grad_enabled() and logits.requires_grad:
             if kernels.cross_entropy is not None and eager():  # the backward in C++
                 loss = kernels.cross_entropy(logits2d, target1d, float(label_smoothing), ignore_index,
-                                             REDUCTION_CODE[reduction])
+                                             REDUCTION_CODE[reduction], weight)
             else:
                 loss = CrossEntropyFunction.apply(logits2d, target1d, float(label_smoothing), ignore_index,
-                                                  REDUCTION_CODE[reduction], kernels)
+                                                  REDUCTION_CODE[reduction], kernels, weight)
         else:  # no gradient wanted (evaluation, no_grad): the kernel skips writing it
             loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
-                                                REDUCTION_CODE[reduction], False)
+                                                REDUCTION_CODE[reduction], False, weight)
     return loss.reshape(shape) if reduction == "none" else loss
+
+
+def _soft_rows(logits, probs):
+    """(M, C) logits and probabilities (these in fp32, fp64 for fp64) and the per-element shape."""
+    C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    probs = probs.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, probs))
+    return logits2d, probs2d, (probs.shape[0],) + tuple(probs.shape[2:]) if probs.dim() > 1 else ()
 
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
@@ -104,18 +159,16 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     Args:
         input: ``(..., D)`` final hidden states.
         linear_weight: ``(V, D)`` output projection (``nn.Linear`` layout).
-        target: int64 ``(...)``, input's leading shape.
+        target: int64 ``(...)``, input's leading shape; or class probabilities ``(..., V)``, as
+            :func:`cross_entropy`'s (the reference computes those).
         linear_bias: ``(V,)`` or None.
-        weight: per-class rescaling: not supported (must be None).
+        weight: torch's class weights ``(V,)`` or None, as :func:`cross_entropy`'s ``weight``.
         reduction, label_smoothing: as :func:`cross_entropy`.
         ignore_index: as :func:`cross_entropy` (default -100, as ``F.cross_entropy``); None ignores nothing.
 
     Rows are processed in chunks, so at most a chunk of the ``(N, V)`` logits exists at a
     time; the weight gradient is accumulated chunk by chunk.
     """
-    if weight is not None:
-        raise ValueError("weight (per-class rescaling of the loss) is not supported by fastformer's "
-                         "linear_cross_entropy; pass weight=None, or use torch.nn.functional.linear_cross_entropy")
     if ignore_index is None:
         ignore_index = _IGNORE_NOTHING
     validation.tensor("input", input, min_ndim=1, floating=True)
@@ -131,22 +184,30 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     validation.nonempty_dim("linear_weight", linear_weight, 0, "V, the classes: at least one class")
     _check_loss_args(label_smoothing, reduction, ignore_index)
     validation.same_device(input=input, linear_weight=linear_weight, linear_bias=linear_bias)
-    _check_target(target, input.shape[:-1], input=input)
+    soft = _check_target(target, input.shape[:-1], input.shape[:-1] + (V,),
+                         -100 if ignore_index == _IGNORE_NOTHING else ignore_index, input=input)
 
     lowp = validation.autocast_dtype(input.device)
     hidden, w, b = (validation.cast(t, lowp) for t in (input, linear_weight, linear_bias))
     validation.same_dtype(input=hidden, linear_weight=w, linear_bias=b)
+    if weight is not None:
+        weight = _check_class_weight(weight, V, hidden.dtype, input=input)
 
-    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype)
+    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype,
+                                     SOFT_TARGETS if soft else None)
+    if soft:  # the reference (the only backend that takes them)
+        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, weight=weight,
+                                              label_smoothing=label_smoothing, reduction=reduction)
     return validation.values_checked(kernels, lambda: _check_target_values(target, V, ignore_index),
-                                     lambda: _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing,
-                                                                   ignore_index, reduction))
+                                     lambda: _linear_cross_entropy(kernels, hidden, w, b, target, weight, D,
+                                                                   label_smoothing, ignore_index, reduction))
 
 
-def _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing, ignore_index, reduction):
+def _linear_cross_entropy(kernels, hidden, w, b, target, weight, D, label_smoothing, ignore_index, reduction):
     if kernels is None:
-        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, label_smoothing=label_smoothing,
-                                              ignore_index=ignore_index, reduction=reduction)
+        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, weight=weight,
+                                              label_smoothing=label_smoothing, ignore_index=ignore_index,
+                                              reduction=reduction)
     hidden2d, target1d = as_rows(hidden, D), target.reshape(-1).contiguous()  # (N, D), (N,)
     w = w.contiguous()
     code = REDUCTION_CODE[reduction]
@@ -154,11 +215,11 @@ def _linear_cross_entropy(kernels, hidden, w, b, target, D, label_smoothing, ign
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, w, b)):
             if kernels.linear_cross_entropy is not None and eager():  # the backward in C++
                 loss = kernels.linear_cross_entropy(hidden2d, w, b, target1d, float(label_smoothing), ignore_index,
-                                                    code)
+                                                    code, weight)
             else:
                 loss = LinearCrossEntropyFunction.apply(hidden2d, w, b, target1d, float(label_smoothing),
-                                                        ignore_index, code, kernels)
+                                                        ignore_index, code, kernels, weight)
         else:  # no gradient wanted: the logits chunks are reduced to the loss, nothing else is kept
             loss = kernels.linear_cross_entropy_fwd(hidden2d, w, b, target1d, float(label_smoothing),
-                                                    ignore_index, code, False)[0]
+                                                    ignore_index, code, False, weight)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss

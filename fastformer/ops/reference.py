@@ -186,8 +186,12 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, rng=Non
     return out
 
 
-def _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index):
-    """Per-row smoothed loss (fp32, 0 for ignored rows) and the valid-row mask."""
+def _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index, weight=None):
+    """Per-row smoothed loss (fp32, 0 for ignored rows), the valid-row mask and the rows' share of
+    the mean's divisor (``weight[target]``, or 1, for valid rows; 0 for ignored ones).
+
+    With class weights ``w`` (torch's definition): ``(1 - eps) * w[t] * nll + (eps / C) *
+    sum_c w_c * (-log p_c)``."""
     lf = logits2d.to(torch.promote_types(logits2d.dtype, torch.float32))
     m = lf.amax(dim=-1, keepdim=True)
     lse = m + torch.log(torch.exp(lf - m).sum(dim=-1, keepdim=True))
@@ -195,19 +199,45 @@ def _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index):
     valid = target1d != ignore_index
     safe_target = torch.where(valid, target1d, torch.zeros_like(target1d))
     nll = -logp.gather(1, safe_target[:, None]).squeeze(1)
-    loss = nll
+    if weight is None:
+        w_t = valid.to(lf.dtype)
+        loss = nll
+        if label_smoothing > 0.0:
+            loss = (1.0 - label_smoothing) * nll + label_smoothing * (-logp.mean(dim=-1))
+    else:
+        w = weight.to(lf.dtype)
+        w_t = torch.where(valid, w[safe_target], torch.zeros((), dtype=lf.dtype, device=lf.device))
+        loss = w_t * nll
+        if label_smoothing > 0.0:
+            smooth = -(logp * w).sum(dim=-1) / logp.shape[-1]
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+    return torch.where(valid, loss, torch.zeros_like(loss)), valid, w_t
+
+
+def _soft_cross_entropy_rows(logits2d, probs2d, label_smoothing, weight=None):
+    """Per-row loss (fp32) for class probabilities ``probs2d`` (N, C) (torch's "soft" targets):
+    ``-sum_c w_c q_c log p_c`` with ``q = (1 - eps) probs + eps / C`` (``w = 1`` without weights).
+    Every row counts 1 in the mean (torch divides by the row count, weights or not)."""
+    lf = logits2d.to(torch.promote_types(logits2d.dtype, torch.float32))
+    m = lf.amax(dim=-1, keepdim=True)
+    logp = lf - (m + torch.log(torch.exp(lf - m).sum(dim=-1, keepdim=True)))
+    q = probs2d.to(lf.dtype)
     if label_smoothing > 0.0:
-        smooth = -logp.mean(dim=-1)
-        loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    return torch.where(valid, loss, torch.zeros_like(loss)), valid
+        q = (1.0 - label_smoothing) * q + label_smoothing / lf.shape[-1]
+    if weight is not None:
+        q = q * weight.to(lf.dtype)
+    return -(q * logp).sum(dim=-1), torch.ones(lf.shape[0], dtype=lf.dtype, device=lf.device)
 
 
-def _reduce(loss_rows, valid, reduction, shape, dtype):
+def _reduce(loss_rows, w_t, reduction, shape, dtype):
     if reduction == "none":
         return loss_rows.reshape(shape).to(dtype)
     if reduction == "sum":
         return loss_rows.sum().to(dtype)
-    return (loss_rows.sum() / valid.sum()).to(dtype)
+    # mean: over the valid rows' weights (their count without class weights); a zero divisor is
+    # NaN, as torch (0 / 0 without weights)
+    total = w_t.sum()
+    return torch.where(total != 0, loss_rows.sum() / total, torch.full_like(total, math.nan)).to(dtype)
 
 
 def _class_last(logits, target):
@@ -220,27 +250,39 @@ def _class_last(logits, target):
     return logits, target, target.shape
 
 
-def cross_entropy(logits, target, *, label_smoothing=0.0, ignore_index=-100, reduction="mean"):
-    """``F.cross_entropy(logits, target, ...)`` semantics: class dim 1, smoothing, ignore_index."""
+def cross_entropy(logits, target, *, weight=None, label_smoothing=0.0, ignore_index=-100, reduction="mean"):
+    """``F.cross_entropy(logits, target, weight=weight, ...)`` semantics: class dim 1, class weights
+    ``weight`` (C,) or None, smoothing, ignore_index; ``mean`` divides by the valid rows' sum of
+    ``weight[target]``. A floating ``target`` of the logits' shape holds class probabilities (torch's
+    soft targets: no ignore_index, ``mean`` divides by the row count)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if target.is_floating_point():  # (N, C, d...) probabilities as the logits -> (M, C) rows
+        C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+        logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, target))
+        shape = (target.shape[0],) + tuple(target.shape[2:]) if target.dim() > 1 else ()
+        rows, w_t = _soft_cross_entropy_rows(logits2d, probs2d, label_smoothing, weight)
+        return _reduce(rows, w_t, reduction, shape, logits.dtype)
     logits2d, target1d, shape = _class_last(logits, target)
-    rows, valid = _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index)
-    return _reduce(rows, valid, reduction, shape, logits.dtype)
+    rows, valid, w_t = _cross_entropy_rows(logits2d, target1d, label_smoothing, ignore_index, weight)
+    return _reduce(rows, w_t, reduction, shape, logits.dtype)
 
 
-def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, reduction="mean", ignore_index=-100,
-                         label_smoothing=0.0):
-    """``cross_entropy(linear(input, linear_weight, linear_bias), target)`` with input ``(..., D)``
-    (the arguments of torch's ``F.linear_cross_entropy``)."""
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+                         ignore_index=-100, label_smoothing=0.0):
+    """``cross_entropy(linear(input, linear_weight, linear_bias), target, weight=weight)`` with input
+    ``(..., D)`` (the arguments of torch's ``F.linear_cross_entropy``)."""
     logits = torch.matmul(input, linear_weight.t())
     if linear_bias is not None:
         logits = logits + linear_bias
     logits2d = logits.reshape(-1, linear_weight.shape[0])
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    rows, valid = _cross_entropy_rows(logits2d, target.reshape(-1), label_smoothing, ignore_index)
-    return _reduce(rows, valid, reduction, target.shape, input.dtype)
+    if target.is_floating_point():  # class probabilities (..., V)
+        rows, w_t = _soft_cross_entropy_rows(logits2d, target.reshape(logits2d.shape), label_smoothing, weight)
+        return _reduce(rows, w_t, reduction, target.shape[:-1], input.dtype)
+    rows, valid, w_t = _cross_entropy_rows(logits2d, target.reshape(-1), label_smoothing, ignore_index, weight)
+    return _reduce(rows, w_t, reduction, target.shape, input.dtype)
 
 
 def embedding(input, weight, *, scale=1.0, positional=None, positions=None, dropout_p=0.0, padding_idx=None,
