@@ -40,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
   const char* op = "attention_fwd";
   const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
+  checks::check_no_kv_group(kFfBackend, op, q, k);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const auto [B, H, Sq, Sk, D] = dims;
@@ -74,6 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& philox) {
   const char* op = "attention_bwd";
   const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
+  checks::check_no_kv_group(kFfBackend, op, q, k);
   checks::check_attention_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
   const auto [B, H, Sq, Sk, D] = dims;

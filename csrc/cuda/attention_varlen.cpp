@@ -31,6 +31,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   const char* op = "attention_varlen_fwd";
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
+  checks::check_no_kv_group(kFfBackend, op, q, k);
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
@@ -68,6 +69,7 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
                                at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
+  checks::check_no_kv_group(kFfBackend, op, q, k);
   checks::check_varlen_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
