@@ -15,7 +15,7 @@ from fastformer import backends, philox
 from fastformer.ops import attention, attention_varlen, attention_varlen_kvpacked, reference
 from utils import assert_close_lowp, device_for, kernel_backends, max_err
 
-BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends("cpu", "triton")
+BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends("cpu", "triton", "cuda")
 FP64 = ("reference", "cpu")  # the backends that take fp64
 # FlashAttention's rule for fp32: error <= FACTOR x PyTorch's fp32 error (both against fp64) + ATOL.
 FACTOR = 2.0
@@ -312,7 +312,7 @@ def test_varlen_dropout_matches_the_reference(backend):
 # ---------------------------------------------------------------- 16-bit
 
 
-LOWP = kernel_backends("cpu", "triton")
+LOWP = kernel_backends("cpu", "triton", "cuda")
 # FlashAttention's rule against the fp32 reference; Triton's interpreter rounds fp32 -> bf16 by
 # truncation (tests/test_attention.py), so it gets twice the factor there
 LOWP_FACTOR = {"cpu": 2.0, "triton": 2.0 if torch.cuda.is_available() else 4.0, "cuda": 2.0}

@@ -42,12 +42,6 @@ inline void check_kv_heads(const char* op, const at::Tensor& k, int64_t H) {
               k.sizes());
 }
 
-// For kernels that read k/v head h for query head h only: k with q's head count.
-inline void check_no_kv_group(const Backend& be, const char* op, const at::Tensor& q, const at::Tensor& k) {
-  TORCH_CHECK(k.size(1) == q.size(1), op, ": the ", be.device_name, " kernels take k and v with q's ", q.size(1),
-              " heads only (no grouped-query attention), got k with ", k.size(1));
-}
-
 // q, k, v and the scalars of both ops; returns (B, H, Sq, Sk, D) with q's H (k and v may have
 // fewer heads: check_kv_heads).
 inline std::array<int64_t, 5> check_attention_qkv(const Backend& be, const char* op,

@@ -50,10 +50,6 @@ def _cpu_note() -> str:
 
 
 _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for op in ("attention", "attention_varlen")]
-# grouped-query attention (k/v with H // kv_group heads): the cuda kernels read k/v head h for
-# query head h only, so they declare a group of 1
-_NO_GQA = [Limit(op, "kv_group", "query heads per k/v head (grouped-query attention)", lambda: 1)
-           for op in ("attention", "attention_varlen")]
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
 
 REFERENCE = register(Backend("reference", anywhere=True))
@@ -75,4 +71,4 @@ CUDA = register(Backend(
     "cuda",
     devices=[Device("cuda", GPU_DTYPES, OpLibrary("fastformer", "CUDA", "fastformer._C"),
                     needs=(CUDA_GPU, EXTENSION, CUDA_KERNELS))],
-    limits=_CPP_HEAD_DIM + _NO_GQA))
+    limits=_CPP_HEAD_DIM))

@@ -5,7 +5,9 @@ registration as ``torch.library`` ops and the ahead-of-time compile specs.
 
 Semantics (the contract, ``fastformer.ops.reference.attention`` is the definition):
 ``out = dropout(softmax(q k^T * scale + attn_mask, masked)) v`` with q ``(B, H, Sq, D)`` and
-k/v ``(B, H, Sk, D)``; key ``j`` is hidden from query ``i`` when it is padded, when
+k/v ``(B, H_kv, Sk, D)`` (H_kv divides H: query head h reads k/v head ``h // (H // H_kv)``, the
+kernels' ``KV_GROUP``; dK / dV are written per query head in fp32 and each group summed after);
+key ``j`` is hidden from query ``i`` when it is padded, when
 ``is_causal`` and ``j > i + Sk - Sq`` (bottom-right aligned), or when ``attn_mask`` is -inf.
 A query row with no visible key outputs 0, its lse is +inf and it gets zero gradient.
 Dropout is fastformer/philox.py's with rows of ``C = Sk``: element ``(b, h, i, j)`` takes its 16 bits
