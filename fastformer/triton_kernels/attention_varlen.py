@@ -4,7 +4,8 @@ attention_backward.py) with ``VARLEN``: the host functions with the schema's sem
 (csrc/schemas.h), their registration as ``torch.library`` ops and the ahead-of-time compile specs.
 
 Semantics (``fastformer.ops.reference.attention_varlen`` is the definition): q ``(total_q, H, D)``,
-k/v ``(total_k, H_kv, D)`` (H_kv divides H: query head h reads k/v head ``h // (H // H_kv)``); sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and
+k/v ``(total_k, H_kv, D)`` (H_kv divides H: query head h reads k/v head ``h // (H // H_kv)``);
+sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and
 key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, and its query i sees its key j (causal:
 iff ``j <= i + Lk - Lq``). Dropout takes the padded op's counters on
 ``(B, H, max_seqlen_q, max_seqlen_k)``: query i of head h of sequence b is dropout row
