@@ -170,7 +170,7 @@ def test_glue_checks_name_the_argument(backend):
         ((q.long(), k.long(), v.long(), None, None), "q must be float32, float16 or bfloat16"),
         ((q.double(), k.double(), v.double(), None, None), "q must be float32, float16 or bfloat16"),
         ((q, k.half(), v, None, None), "k has dtype Half but q has dtype Float"),
-        ((q, r(2, 4, 7, 8), v, None, None), r"k must have shape \(B, H, Sk, D\)"),
+        ((q, r(2, 4, 7, 8), v, None, None), r"k has 4 heads, which must divide q's 3 heads"),
         ((q, k, r(2, 3, 6, 8), None, None), "v must have k's shape"),
         ((r(2, 3, 5, 16)[..., ::2], k, v, None, None), "q must have a contiguous last dimension"),
         ((*(r(1, 1, 2, 300) for _ in range(3)), None, None), r"head dim D must be in \[1, 256\]"),

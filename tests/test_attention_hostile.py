@@ -86,7 +86,7 @@ BAD_KERNEL_ARGS = {  # group -> {case: (thunk, text the TORCH_CHECK message must
         "q_int": (lambda: attention_fwd(q=_t(2, 3, 5, 8, dtype=torch.int64)), "q must be float32, float64 or bfloat16"),
         "q_half": (lambda: attention_fwd(q=_t(2, 3, 5, 8, dtype=torch.float16)), "q must be float32"),
         "k_dtype": (lambda: attention_fwd(k=_t(2, 3, 7, 8, dtype=torch.float64)), "k has dtype Double"),
-        "k_heads": (lambda: attention_fwd(k=_t(2, 2, 7, 8)), "k must have shape (B, H, Sk, D)"),
+        "k_heads": (lambda: attention_fwd(k=_t(2, 2, 7, 8)), "k has 2 heads, which must divide q's 3 heads"),
         "k_head_dim": (lambda: attention_fwd(k=_t(2, 3, 7, 9)), "k must have shape"),
         "v_length": (lambda: attention_fwd(v=_t(2, 3, 6, 8)), "v must have k's shape"),
         "q_strided_last_dim": (lambda: attention_fwd(q=_strided(2, 3, 5, 8)), "q must have a contiguous last"),

@@ -19,7 +19,7 @@ def _varlen(**over):
 ATTENTION_VARLEN = {
     "q_4d": (_varlen(q=_t(1, 5, 2, 8)), ValueError, "q must have 3 dimensions"),
     "q_int": (_varlen(q=_t(5, 2, 8, dtype=torch.int64)), TypeError, "q must be a floating"),
-    "k_heads": (_varlen(k=_t(7, 3, 8), v=_t(7, 3, 8)), ValueError, "k must have shape"),
+    "k_heads": (_varlen(k=_t(7, 3, 8), v=_t(7, 3, 8)), ValueError, "k has 3 heads, which must divide"),
     "v_rows": (_varlen(v=_t(6, 2, 8)), ValueError, "v must have shape"),
     "head_dim_0": (_varlen(q=_t(5, 2, 0), k=_t(7, 2, 0), v=_t(7, 2, 0)), ValueError, "head dim"),
     "cu_int64": (_varlen(cu_seqlens_q=_cu(2, 3).long()), TypeError, "cu_seqlens_q must be an int32"),
@@ -54,7 +54,7 @@ ATTENTION_VARLEN_KVPACKED = {
     "kv_3d": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 8), _cu(2, 3), _cu(4, 3), 3, 4), ValueError,
               "kv must have 4 dimensions"),
     "kv_heads": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 3, 8), _cu(2, 3), _cu(4, 3), 3, 4),
-                 ValueError, "kv must have shape"),
+                 ValueError, "kv has 3 heads, which must divide"),
     "kv_dtype": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 2, 8).double(), _cu(2, 3), _cu(4, 3), 3, 4),
                  TypeError, "kv has dtype"),
     "max_too_small": (lambda: ops.attention_varlen_kvpacked(_t(5, 2, 8), _t(7, 2, 2, 8), _cu(2, 3), _cu(4, 3), 3, 3),

@@ -172,7 +172,7 @@ def test_bad_packed_input_raises_clear_errors():
         attention_varlen_qkvpacked(torch.randn(5, 2, 2, 8), c, 3)
     with pytest.raises(ValueError, match="qkv must have 4 dimensions"):
         attention_varlen_qkvpacked(torch.randn(5, 3, 8), c, 3)
-    with pytest.raises(ValueError, match="kv must have shape"):
+    with pytest.raises(ValueError, match="kv has 3 heads, which must divide q's 2 heads"):
         attention_varlen_kvpacked(torch.randn(5, 2, 8), torch.randn(5, 2, 3, 8), c, c, 3, 3)
     with pytest.raises(TypeError, match="kv has dtype"):
         attention_varlen_kvpacked(torch.randn(5, 2, 8), torch.randn(5, 2, 2, 8).double(), c, c, 3, 3)

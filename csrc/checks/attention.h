@@ -33,7 +33,17 @@ inline void check_attention_operand(const Backend& be, const char* op, const cha
   check_heads_operand(be, op, name, t, q, 4, kHeadsLayout);
 }
 
-// q, k, v and the scalars of both ops; returns (B, H, Sq, Sk, D).
+// k's heads (dimension 1 of either op's k) for q's H heads: H itself, or a divisor of H
+// (grouped-query attention: query head h reads k/v head h / (H / H_kv)).
+inline void check_kv_heads(const char* op, const at::Tensor& k, int64_t H) {
+  const int64_t H_kv = k.size(1);
+  TORCH_CHECK(H_kv == H || (H_kv >= 1 && H % H_kv == 0), op, ": k has ", H_kv,
+              " heads, which must divide q's ", H, " heads (grouped-query attention), got k of shape ",
+              k.sizes());
+}
+
+// q, k, v and the scalars of both ops; returns (B, H, Sq, Sk, D) with q's H (k and v may have
+// fewer heads: check_kv_heads).
 inline std::array<int64_t, 5> check_attention_qkv(const Backend& be, const char* op,
                                                   const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, double scale,
@@ -42,9 +52,9 @@ inline std::array<int64_t, 5> check_attention_qkv(const Backend& be, const char*
   check_attention_operand(be, op, "k", k, q);
   check_attention_operand(be, op, "v", v, q);
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, op,
-              ": k must have shape (B, H, Sk, D) = (", B, ", ", H, ", Sk, ", D, ") to match q ",
-              q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D, op, ": k must have shape (B, H_kv, Sk, D) = (", B,
+              ", H_kv, Sk, ", D, ") to match q ", q.sizes(), ", got ", k.sizes());
+  check_kv_heads(op, k, H);
   TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);

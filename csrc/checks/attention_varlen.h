@@ -11,7 +11,8 @@
 namespace fastformer {
 namespace checks {
 
-// The sizes of one varlen call: B sequences of H heads of dim D, total_q / total_k packed rows.
+// The sizes of one varlen call: B sequences of H query heads of dim D, total_q / total_k packed
+// rows (k and v may have fewer heads: check_kv_heads).
 struct VarlenDims {
   int64_t B, H, total_q, total_k, D, max_seqlen_q, max_seqlen_k;
 };
@@ -45,8 +46,9 @@ inline VarlenDims check_varlen_qkv(const Backend& be, const char* op, const at::
   check_varlen_operand(be, op, "k", k, q);
   check_varlen_operand(be, op, "v", v, q);
   const int64_t H = q.size(1), D = q.size(2);
-  TORCH_CHECK(k.size(1) == H && k.size(2) == D, op, ": k must have shape (total_k, H, D) = (total_k, ",
-              H, ", ", D, ") to match q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(k.size(2) == D, op, ": k must have shape (total_k, H_kv, D) = (total_k, H_kv, ", D,
+              ") to match q ", q.sizes(), ", got ", k.sizes());
+  check_kv_heads(op, k, H);
   TORCH_CHECK(v.sizes() == k.sizes(), op, ": v must have k's shape ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
   check_cu_seqlens(be, op, "cu_seqlens_q", cu_seqlens_q, q);

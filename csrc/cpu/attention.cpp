@@ -111,6 +111,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
   const at::Tensor dout = as_blas_rows(dout_in, 2), lse = lse_in.contiguous();
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(checks::stat_dtype(q)));
+  if (k_in.size(1) != H) {  // grouped-query: per query head, then each group summed
+    at::Tensor dk_h = kv_grad_per_query_head(k_in, H), dv_h = kv_grad_per_query_head(v_in, H);
+    FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
+                               c.offset, delta, dq, dk_h, dv_h);
+    sum_kv_groups(dk_h, dk);
+    sum_kv_groups(dv_h, dv);
+    return {dq, dk, dv};
+  }
   FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
                              c.offset, delta, dq, dk, dv);
   return {dq, dk, dv};

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "isa.h"
+#include "../kv_groups.h"
 #include "large_buffers.h"
 
 namespace fastformer {

@@ -87,12 +87,12 @@ struct BwdScratch {
         v(kBlockK, D),
         dout(kBlockQ, D) {}
 
-  // K_j, V_j (nk, D) of head (b, h) and their transposes into KT, VT.
+  // K_j, V_j (nk, D) of the k/v head query head (b, h) reads and their transposes into KT, VT.
   void load_keys(const Problem<scalar_t>& p, int64_t b, int64_t h, int64_t j0, int64_t nk,
                  const acc_t*& Kj, int64_t& ldk) {
     int64_t ldv;
-    Kj = k.get(p.k, b, h, j0, nk, ldk);
-    const acc_t* Vj = v.get(p.v, b, h, j0, nk, ldv);
+    Kj = k.get(p.k, b, p.kv_head(h), j0, nk, ldk);
+    const acc_t* Vj = v.get(p.v, b, p.kv_head(h), j0, nk, ldv);
     attn::transpose(Kj, ldk, nk, p.D, KT.data(), kBlockK);
     attn::transpose(Vj, ldv, nk, p.D, VT.data(), kBlockK);
   }

@@ -100,7 +100,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
       const auto [kbegin, kend] = p.key_span(b, i0 + mq);
       for (int64_t j0 = kbegin; j0 < kend; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, kend - j0), npad = round_up(nk, kPad);
-        const acc_t* Kj = k_tile.get(p.k, b, h, j0, nk, ldk);  // (nk, D)
+        const acc_t* Kj = k_tile.get(p.k, b, p.kv_head(h), j0, nk, ldk);  // (nk, D)
         attn::transpose(Kj, ldk, nk, D, KT.data(), kBlockK);         // (D, nk)
         // S (mq, nk) = Q_i K_j^T, computed npad wide (see kPad)
         attn::matmul(mq, npad, D, Qi, ldq, KT.data(), kBlockK, S.data(), kBlockK, false);
@@ -165,7 +165,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
           for (int64_t r = 0; r < rows; ++r) l[g0 + r] += sum[r];
         }
         // acc (mq, D) += P (mq, nk) V_j (nk, D)
-        const acc_t* Vj = v_tile.get(p.v, b, h, j0, nk, ldv);
+        const acc_t* Vj = v_tile.get(p.v, b, p.kv_head(h), j0, nk, ldv);
         attn::matmul(mq, D, nk, S.data(), kBlockK, Vj, ldv, acc.data(), D, true);
       }
       acc_t* lse_rows = lse.row(b, h, i0);  // fp64 under fp64 inputs: gradients to fp64 precision

@@ -81,11 +81,14 @@ struct Problem {
   const int32_t* cu_q = nullptr;  // packed: sequence b's query rows [cu_q[b], cu_q[b + 1])
   const int32_t* cu_k = nullptr;  //          and key rows [cu_k[b], cu_k[b + 1])
   Rows<scalar_t> q, k, v;
+  int64_t kv_group = 1;  // query heads per k/v head (grouped-query attention when > 1)
   Masks mask;
   acc_t scale;
   DropoutParams dropout;
   uint64_t seed, offset;
 
+  // The k/v head query head h reads.
+  int64_t kv_head(int64_t h) const { return h / kv_group; }
   // Sequence b's query and key counts.
   int64_t Lq(int64_t b) const { return cu_q != nullptr ? int64_t{cu_q[b + 1]} - cu_q[b] : Sq; }
   int64_t Lk(int64_t b) const { return cu_k != nullptr ? int64_t{cu_k[b + 1]} - cu_k[b] : Sk; }
@@ -171,8 +174,10 @@ template <typename scalar_t>
 Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Tensor& q,
                                const at::Tensor& k, const at::Tensor& v, const Masks& mask,
                                double scale, double dropout_p, uint64_t seed, uint64_t offset) {
-  return make_problem<scalar_t>(dims, rows_of<scalar_t>(q), rows_of<scalar_t>(k), rows_of<scalar_t>(v),
-                                mask, scale, dropout_p, seed, offset);
+  auto p = make_problem<scalar_t>(dims, rows_of<scalar_t>(q), rows_of<scalar_t>(k), rows_of<scalar_t>(v),
+                                  mask, scale, dropout_p, seed, offset);
+  p.kv_group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;  // checked: k's heads divide q's
+  return p;
 }
 
 // Packed sequences: no masks but the per-sequence causal one.
@@ -182,11 +187,13 @@ Problem<scalar_t> make_varlen_problem(const Varlen& lens, const at::Tensor& q, c
                                       double dropout_p, uint64_t seed, uint64_t offset) {
   Masks mask;
   mask.causal = causal;
-  return make_problem<scalar_t>({lens.B, lens.H, lens.max_q, lens.max_k, lens.D},
-                                packed_rows_of<scalar_t>(q, lens.cu_q),
-                                packed_rows_of<scalar_t>(k, lens.cu_k),
-                                packed_rows_of<scalar_t>(v, lens.cu_k), mask, scale, dropout_p, seed,
-                                offset);
+  auto p = make_problem<scalar_t>({lens.B, lens.H, lens.max_q, lens.max_k, lens.D},
+                                  packed_rows_of<scalar_t>(q, lens.cu_q),
+                                  packed_rows_of<scalar_t>(k, lens.cu_k),
+                                  packed_rows_of<scalar_t>(v, lens.cu_k), mask, scale, dropout_p, seed,
+                                  offset);
+  p.kv_group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;  // checked: k's heads divide q's
+  return p;
 }
 
 }  // namespace

@@ -65,9 +65,16 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, const 
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
   const at::Tensor dout = as_blas_rows(dout_in, 0), lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(checks::stat_dtype(q)));
+  const bool grouped = k_in.size(1) != dims.H;  // grouped-query: per query head, then each group summed
+  at::Tensor dk_h = grouped ? kv_grad_per_query_head(k_in, dims.H) : dk;
+  at::Tensor dv_h = grouped ? kv_grad_per_query_head(v_in, dims.H) : dv;
   FF_ISA(attention_varlen_bwd_impl)(lens, dout, q, k, v, out_in, lse, is_causal, scale, dropout_p,
                                     static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), delta, dq,
-                                    dk, dv);
+                                    dk_h, dv_h);
+  if (grouped) {
+    sum_kv_groups(dk_h, dk);
+    sum_kv_groups(dv_h, dv);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(

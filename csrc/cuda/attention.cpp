@@ -20,6 +20,7 @@
 #include "glue.h"
 #include "launchers.h"
 #include "../checks/attention.h"
+#include "../kv_groups.h"
 
 namespace fastformer {
 namespace {
@@ -87,19 +88,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));  // (B, H, Sq)
   at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
+  // grouped-query (k with fewer heads): dK / dV per query head, each group summed after
+  const bool grouped = k.size(1) != H;
+  at::Tensor dk_h = grouped ? kv_grad_per_query_head(k, H) : dk;
+  at::Tensor dv_h = grouped ? kv_grad_per_query_head(v, H) : dv;
   const FfAttentionGrads g{dout.const_data_ptr(), ff_heads_rows(dout), out.const_data_ptr(),
                            ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
-                           stat_rows(H, Sq), dq.data_ptr(), ff_heads_rows(dq), dk.data_ptr(),
-                           ff_heads_rows(dk), dv.data_ptr(), ff_heads_rows(dv)};
+                           stat_rows(H, Sq), dq.data_ptr(), ff_heads_rows(dq), dk_h.data_ptr(),
+                           ff_heads_rows(dk_h), dv_h.data_ptr(), ff_heads_rows(dv_h)};
   // 16-bit inputs on the tensor-core backward (flash_bwd_mma.cu) wherever flash_bwd_mma_why_not
   // admits the call (the forward's rule: an sm_80+ GPU, an attn_mask with a unit key stride);
   // else, and for fp32, the FMA kernels.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_bwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
-    return {dq, dk, dv};
+  } else {
+    FF_CHECK_LAUNCH(launch_attention_bwd(call.a, g, ff_stream(q)));
   }
-  FF_CHECK_LAUNCH(launch_attention_bwd(call.a, g, ff_stream(q)));
+  if (grouped) {
+    sum_kv_groups(dk_h, dk);
+    sum_kv_groups(dv_h, dv);
+  }
   return {dq, dk, dv};
 }
 

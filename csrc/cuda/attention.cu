@@ -97,6 +97,7 @@ struct Params {
   uint32_t threshold;
   uint64_t seed, offset;
   const int64_t* philox;  // device (seed, offset), read by fill_keep instead, or null
+  int64_t kv_group;  // query head h reads k/v head h / kv_group (grouped-query attention)
 };
 
 // A sequence's rows: [start, start + len).
@@ -214,8 +215,8 @@ attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ l
   const Masks mk = masks_of(p, bi.b, bi.h);
 
   const T* qp = static_cast<const T*>(p.q) + row0(p.q_s, bi.b, bi.h, sq);
-  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h, sk);
-  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h, sk);
+  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h / p.kv_group, sk);
+  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h / p.kv_group, sk);
   float qr[kSlice], acc[kSlice];
 #pragma unroll
   for (int c = 0; c < kSlice; ++c) {
@@ -327,8 +328,8 @@ attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
   const T* qp = static_cast<const T*>(p.q) + row0(p.q_s, bi.b, bi.h, sq) + qi * p.q_s.row;
   const T* dop = static_cast<const T*>(w.dout) + row0(w.dout_s, bi.b, bi.h, sq) + qi * w.dout_s.row;
   const T* op = static_cast<const T*>(w.out) + row0(w.out_s, bi.b, bi.h, sq) + qi * w.out_s.row;
-  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h, sk);
-  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h, sk);
+  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h / p.kv_group, sk);
+  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h / p.kv_group, sk);
   float qr[kSlice], dor[kSlice], dq[kSlice];
   float part = 0.0f;
 #pragma unroll
@@ -416,8 +417,8 @@ attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
   const Masks mk = masks_of(p, bi.b, bi.h);
   const bool key_open = key_valid && !key_padded(mk, kj);  // visible to some query, masks aside
 
-  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h, sk) + kj * p.k_s.row;
-  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h, sk) + kj * p.v_s.row;
+  const T* kp = static_cast<const T*>(p.k) + row0(p.k_s, bi.b, bi.h / p.kv_group, sk) + kj * p.k_s.row;
+  const T* vp = static_cast<const T*>(p.v) + row0(p.v_s, bi.b, bi.h / p.kv_group, sk) + kj * p.v_s.row;
   const T* qp = static_cast<const T*>(p.q) + row0(p.q_s, bi.b, bi.h, sq);
   const T* dop = static_cast<const T*>(w.dout) + row0(w.dout_s, bi.b, bi.h, sq);
   const float* lsep = w.lse + row0(w.stat_s, bi.b, bi.h, sq);
@@ -528,6 +529,7 @@ Params make_params(const FfAttentionArgs& a) {
   p.seed = a.seed;
   p.offset = a.offset;
   p.philox = p.dropout ? a.philox : nullptr;
+  p.kv_group = a.kv_group;
   return p;
 }
 

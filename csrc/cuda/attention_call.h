@@ -78,6 +78,7 @@ struct FfAttentionCall {
     a.v_s = rows(v);
     a.B = sizes[0];
     a.H = sizes[1];
+    a.kv_group = k.size(1) > 0 ? sizes[1] / k.size(1) : 1;  // checked: k's heads divide q's
     a.D = sizes[2];
     a.total_q = sizes[3];
     a.total_k = sizes[4];

@@ -17,6 +17,7 @@
 #include "glue.h"
 #include "launchers.h"
 #include "../checks/attention_varlen.h"
+#include "../kv_groups.h"
 
 namespace fastformer {
 namespace {
@@ -86,21 +87,29 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
   const FfAttentionArgs& a = call.a;
   // Both kernels write the rows the sequences own; rows no sequence owns (cu_seqlens ending before
   // total, or out of range: unknown to the host, which never reads them) get 0 here.
+  // Grouped-query (k with fewer heads): dK / dV per query head, each group summed after.
+  const bool grouped = k.size(1) != dims.H;
+  at::Tensor dk_h = grouped ? kv_grad_per_query_head(k, dims.H) : dk;
+  at::Tensor dv_h = grouped ? kv_grad_per_query_head(v, dims.H) : dv;
   dq.zero_();
-  dk.zero_();
-  dv.zero_();
+  dk_h.zero_();
+  dv_h.zero_();
   const FfAttentionGrads g{dout.const_data_ptr(), ff_packed_rows(dout), out.const_data_ptr(),
                            ff_packed_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
-                           stat_rows(dims.total_q), dq.data_ptr(), ff_packed_rows(dq), dk.data_ptr(),
-                           ff_packed_rows(dk), dv.data_ptr(), ff_packed_rows(dv)};
+                           stat_rows(dims.total_q), dq.data_ptr(), ff_packed_rows(dq), dk_h.data_ptr(),
+                           ff_packed_rows(dk_h), dv_h.data_ptr(), ff_packed_rows(dv_h)};
   // 16-bit inputs on the tensor-core backward wherever flash_bwd_mma_why_not admits the call (an
   // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta (H, total_q) contiguous.
   const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_bwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
-    return;
+  } else {
+    FF_CHECK_LAUNCH(launch_attention_bwd(a, g, ff_stream(q)));
   }
-  FF_CHECK_LAUNCH(launch_attention_bwd(a, g, ff_stream(q)));
+  if (grouped) {
+    sum_kv_groups(dk_h, dk);
+    sum_kv_groups(dv_h, dv);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(

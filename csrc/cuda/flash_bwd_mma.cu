@@ -95,6 +95,7 @@ struct Params {
   const void* dout;
   int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, do_sb, do_sh, do_ss;
   int64_t H, Sq, Sk, D, tiles;  // tiles: blocks a (b, h)
+  int64_t kv_group;  // query head h reads k/v head h / kv_group; dK / dV are per query head
   int causal, dropout, pairs;   // pairs: gradients stored as 32-bit pairs (4-byte aligned rows)
   float scale, scale_log2, keep_scale;
   const bool* kpm;
@@ -212,8 +213,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   const int m_tiles = i_begin < Sq ? (Sq - i_begin + BM - 1) / BM : 0;
 
   const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
-  const uint16_t* const kgl = head_row(p.k, b, h, sk.start, p.k_sb, p.k_sh, p.k_ss);
-  const uint16_t* const vg = head_row(p.v, b, h, sk.start, p.v_sb, p.v_sh, p.v_ss);
+  const uint16_t* const kgl = head_row(p.k, b, h / p.kv_group, sk.start, p.k_sb, p.k_sh, p.k_ss);
+  const uint16_t* const vg = head_row(p.v, b, h / p.kv_group, sk.start, p.v_sb, p.v_sh, p.v_ss);
   const uint16_t* const dog = head_row(p.dout, b, h, sq.start, p.do_sb, p.do_sh, p.do_ss);
   const float* const lse_g = p.lse + b * p.lse_sb + h * p.lse_sh + sq.start;
   const float* const dl_g = p.delta + b * p.lse_sb + h * p.lse_sh + sq.start;
@@ -404,8 +405,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
   const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
-  const uint16_t* const kgl = head_row(p.k, b, h, sk.start, p.k_sb, p.k_sh, p.k_ss);
-  const uint16_t* const vg = head_row(p.v, b, h, sk.start, p.v_sb, p.v_sh, p.v_ss);
+  const uint16_t* const kgl = head_row(p.k, b, h / p.kv_group, sk.start, p.k_sb, p.k_sh, p.k_ss);
+  const uint16_t* const vg = head_row(p.v, b, h / p.kv_group, sk.start, p.v_sb, p.v_sh, p.v_ss);
   const uint16_t* const dog = head_row(p.dout, b, h, sq.start, p.do_sb, p.do_sh, p.do_ss);
 
   const int row_i[2] = {m0 + 16 * qg16 + g, m0 + 16 * qg16 + g + 8};
@@ -651,6 +652,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.v_sb = f.v_sb, p.v_sh = f.v_sh, p.v_ss = f.v_ss;
   p.do_sb = a.do_sb, p.do_sh = a.do_sh, p.do_ss = a.do_ss;
   p.H = f.H;
+  p.kv_group = f.kv_group;
   p.Sq = f.Sq;
   p.Sk = f.Sk;
   p.D = f.D;

@@ -113,6 +113,7 @@ struct Params {
   const void* v;
   int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss;
   int64_t H, Sq, Sk, D, m_tiles;
+  int64_t kv_group;  // query head h reads k/v head h / kv_group (grouped-query attention)
   int causal, dropout, out_vec;  // out_vec: out rows take 16-byte stores (D % 8 == 0)
   float scale_log2, keep_scale;  // scale log2(e); 1 / (1 - p)
   const bool* kpm;
@@ -190,8 +191,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
 
   const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
-  const uint16_t* const kg = head_row(p.k, b, h, sk.start, p.k_sb, p.k_sh, p.k_ss);
-  const uint16_t* const vg = head_row(p.v, b, h, sk.start, p.v_sb, p.v_sh, p.v_ss);
+  const uint16_t* const kg = head_row(p.k, b, h / p.kv_group, sk.start, p.k_sb, p.k_sh, p.k_ss);
+  const uint16_t* const vg = head_row(p.v, b, h / p.kv_group, sk.start, p.v_sb, p.v_sh, p.v_ss);
 
   // The lane's rows: row_i[r] = the query of accumulator half r (g, g + 8).
   const int row_i[2] = {m0 + 16 * warp + g, m0 + 16 * warp + g + 8};
@@ -593,6 +594,7 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.v_sh = w * a.v_sh;
   p.v_ss = w * a.v_ss;
   p.H = a.H;
+  p.kv_group = a.kv_group;
   p.Sq = a.Sq;
   p.Sk = a.Sk;
   p.D = w * a.D;

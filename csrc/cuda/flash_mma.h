@@ -54,6 +54,7 @@ struct FfFlashFwdArgs {
   // dtype 0 (float32) runs here only with allow_tf32 (torch.backends.cuda.matmul.allow_tf32, read
   // by the glue), as mma.sync m16n8k8 .tf32 (operands rounded to 10 mantissa bits), D <= 128
   bool allow_tf32;
+  int64_t kv_group = 1;  // query head h reads k/v head h / kv_group (FfAttentionArgs::kv_group)
 };
 
 // The tensor-core kernels' description of the call that a describes to the FMA kernels: the one
@@ -83,6 +84,7 @@ inline FfFlashFwdArgs ff_flash_fwd_args(const FfAttentionArgs& a, FfRows out_s, 
   f.out_sb = out_s.batch, f.out_sh = out_s.head, f.out_ss = out_s.row;
   f.lse_sb = lse_s.batch, f.lse_sh = lse_s.head, f.lse_ss = lse_s.row;
   f.allow_tf32 = allow_tf32;
+  f.kv_group = a.kv_group;
   return f;
 }
 

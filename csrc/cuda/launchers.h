@@ -140,6 +140,9 @@ struct FfAttentionArgs {
   double scale, dropout_p;
   uint64_t seed, offset;
   const int64_t* philox;  // the device (seed, offset) the kernels read instead, or null
+  // query heads per k/v head (grouped-query attention: k / v have H / kv_group heads, query head
+  // h reads k/v head h / kv_group); the gradients dk / dv stay per query head (H heads)
+  int64_t kv_group = 1;
 };
 // out in dtype and lse fp32 through their rows (lse +inf for a row with no visible key, whose out
 // is 0). Rows of a varlen q that no sequence owns are not written.

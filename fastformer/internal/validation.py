@@ -31,6 +31,13 @@ def shape(name: str, t: torch.Tensor, want: Sequence[int], meaning: str = "") ->
         raise ValueError(f"{name} must have shape {tuple(want)}{hint}, got {tuple(t.shape)}")
 
 
+def kv_heads(name: str, H_kv: int, H: int) -> None:
+    """k/v (``name``) may have fewer heads than q when they divide q's (grouped-query attention)."""
+    if H_kv != H and (H_kv < 1 or H % H_kv):
+        raise ValueError(f"{name} has {H_kv} heads, which must divide q's {H} heads (grouped-query "
+                         f"attention: query head h reads k/v head h // (H // H_kv))")
+
+
 def _same(attr: str, error, message: str, tensors) -> None:
     first_name = first = None  # one pass, no list: this runs on every op call
     for name, t in tensors.items():

@@ -14,6 +14,10 @@ from . import reference
 # places the call in a class of the measured table (fastformer/backends/measured.py)
 _FACTS = ("head_dim",)
 _GPU_FACTS = ("head_dim", "q_len", "k_len", "batch_heads", "causal", "dropout", "masked")
+# grouped-query calls add the group size (H // H_kv), which some backends bound; other calls pass
+# the tuples above unchanged, so their cache entries and cost stay as they were
+_GQA_FACTS = _FACTS + ("kv_group",)
+_GQA_GPU_FACTS = _GPU_FACTS + ("kv_group",)
 
 
 def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tensor:
@@ -36,7 +40,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Args:
         q: queries ``(B, H, Sq, D)``.
-        k, v: keys and values ``(B, H, Sk, D)``; ``Sk`` may differ from ``Sq``; any ``D <= 256``.
+        k, v: keys and values ``(B, H_kv, Sk, D)``; ``Sk`` may differ from ``Sq``; any ``D <= 256``.
+            ``H_kv`` may be smaller than ``H`` when it divides it (grouped-query attention, or
+            multi-query with ``H_kv = 1``): query head ``h`` reads k/v head ``h // (H // H_kv)``,
+            without k and v being repeated in memory; their gradients have k's and v's shapes.
         key_padding_mask: ``(B, Sk)`` bool, True marks a padded key that no query may see.
         attn_mask: bool (True = masked out, the opposite of SDPA's bool mask) or float (added
             to the scores), broadcastable to ``(B, H, Sq, Sk)``; or one of torch's causal-bias
@@ -78,8 +85,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
 
 
-def _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p, masked):
+def _kernels(q, limitation, B, H, H_kv, Sq, Sk, D, is_causal, dropout_p, masked):
     """The backend's kernels for this call (both paths ask the same question)."""
+    if H_kv != H:
+        if q.is_cuda:
+            return backends.select_cached("attention", q.device, q.dtype, limitation, _GQA_GPU_FACTS,
+                                          (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked, H // H_kv))
+        return backends.select_cached("attention", q.device, q.dtype, limitation, _GQA_FACTS, (D, H // H_kv))
     if q.is_cuda:
         return backends.select_cached("attention", q.device, q.dtype, limitation, _GPU_FACTS,
                                       (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked))
@@ -93,7 +105,10 @@ def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
     if len(shape) != 4 or not shape[3] or not fast.on(q.device, k, v, key_padding_mask):
         return None
     B, H, Sq, D = shape
-    kernels = _kernels(q, None, B, H, Sq, k.shape[2], D, is_causal, dropout_p, key_padding_mask is not None)
+    H_kv = k.shape[1]
+    if H_kv != H and (H_kv < 1 or H % H_kv):  # the checked path's error
+        return None
+    kernels = _kernels(q, None, B, H, H_kv, Sq, k.shape[2], D, is_causal, dropout_p, key_padding_mask is not None)
     op = kernels.attention if kernels is not None else None
     if op is None:
         return None
@@ -137,9 +152,10 @@ def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     validation.tensor("k", k, ndim=4, floating=True)
     validation.tensor("v", v, ndim=4, floating=True)
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
-    validation.shape("k", k, (B, H, Sk, D), "(B, H, Sk, D) with q's B, H and D")
-    validation.shape("v", v, (B, H, Sk, D), "(B, H, Sk, D) matching k")
+    H_kv, Sk = k.shape[1], k.shape[2]
+    validation.shape("k", k, (B, H_kv, Sk, D), "(B, H_kv, Sk, D) with q's B and D")
+    validation.kv_heads("k", H_kv, H)
+    validation.shape("v", v, (B, H_kv, Sk, D), "(B, H_kv, Sk, D) matching k")
     validation.nonempty_dim("q", q, -1, "the head dim D")
     if key_padding_mask is not None:
         validation.tensor("key_padding_mask", key_padding_mask, ndim=2)
@@ -169,7 +185,7 @@ def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     limitation = None
     if attn_mask is not None and attn_mask.requires_grad:
         limitation = "attn_mask requires grad, and only the reference differentiates the mask"
-    kernels = _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p,
+    kernels = _kernels(q, limitation, B, H, H_kv, Sq, Sk, D, is_causal, dropout_p,
                        key_padding_mask is not None or attn_mask is not None)
     if kernels is None:
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,

@@ -11,6 +11,7 @@ from ..internal.eager import eager
 from . import reference
 
 _FACTS = ("head_dim",)  # what the backend choice reads of a call
+_GQA_FACTS = ("head_dim", "kv_group")  # and of a grouped-query call (fewer k/v heads)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str,
@@ -42,7 +43,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Args:
         q: queries ``(total_q, H, D)``, the rows of all sequences one after the other.
-        k, v: keys and values ``(total_k, H, D)``; any ``D <= 256``.
+        k, v: keys and values ``(total_k, H_kv, D)``; any ``D <= 256``. ``H_kv`` may be smaller
+            than ``H`` when it divides it (grouped-query attention): query head ``h`` reads k/v
+            head ``h // (H // H_kv)`` (as :func:`attention`).
         cu_seqlens_q, cu_seqlens_k: int32 ``(B + 1,)`` cumulative lengths on q's device: sequence
             ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key rows
             ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``. A sequence may be empty.
@@ -62,9 +65,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     validation.tensor("q", q, ndim=3, floating=True)
     validation.tensor("k", k, ndim=3, floating=True)
     validation.tensor("v", v, ndim=3, floating=True)
-    total_k, H, D = k.shape[0], q.shape[1], q.shape[2]
-    validation.shape("k", k, (total_k, H, D), "(total_k, H, D) with q's H and D")
-    validation.shape("v", v, (total_k, H, D), "(total_k, H, D) matching k")
+    total_k, H_kv, D = k.shape[0], k.shape[1], q.shape[2]
+    validation.shape("k", k, (total_k, H_kv, D), "(total_k, H_kv, D) with q's D")
+    validation.kv_heads("k", H_kv, q.shape[1])
+    validation.shape("v", v, (total_k, H_kv, D), "(total_k, H_kv, D) matching k")
     return _attention_varlen("q,k,v", {"q": q, "k": k, "v": v}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, is_causal, scale, dropout_p)
 
@@ -88,13 +92,14 @@ def attention_varlen_kvpacked(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: t
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                               is_causal: bool = False, scale: Optional[float] = None,
                               dropout_p: float = 0.0) -> torch.Tensor:
-    """:func:`attention_varlen` with keys and values packed as ``kv`` ``(total_k, 2, H, D)``
+    """:func:`attention_varlen` with keys and values packed as ``kv`` ``(total_k, 2, H_kv, D)``
     (cross-attention's projection of the memory; FlashAttention's ``flash_attn_varlen_kvpacked_func``).
     Same result as ``attention_varlen(q, *kv.unbind(1), ...)``; kv's gradient is one tensor.
     """
     validation.tensor("q", q, ndim=3, floating=True)
     validation.tensor("kv", kv, ndim=4, floating=True)
-    validation.shape("kv", kv, (kv.shape[0], 2, q.shape[1], q.shape[2]), "(total_k, 2, H, D) with q's H and D")
+    validation.shape("kv", kv, (kv.shape[0], 2, kv.shape[2], q.shape[2]), "(total_k, 2, H_kv, D) with q's D")
+    validation.kv_heads("kv", kv.shape[2], q.shape[1])
     return _attention_varlen("q,kv", {"q": q, "kv": kv}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              is_causal, scale, dropout_p)
 
@@ -131,7 +136,12 @@ def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q
     validation.same_dtype(**inputs)
     tensors = tuple(inputs.values())
 
-    kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
+    H_kv = k.shape[1]
+    if H_kv == H:
+        kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
+    else:
+        kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _GQA_FACTS,
+                                         (D, H // H_kv))
     if kernels is None:
         return reference.attention_varlen(*split(layout, tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, is_causal=is_causal, scale=scale, dropout_p=dropout_p)

@@ -35,7 +35,10 @@ def _rng(dropout_p: float, rng: Union[None, Tuple[int, int], torch.Tensor], devi
 
 def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False, scale=None,
               dropout_p=0.0, rng=None):
-    """``softmax(q k^T * scale + mask) v`` with q ``(B, H, Sq, D)``, k/v ``(B, H, Sk, D)``.
+    """``softmax(q k^T * scale + mask) v`` with q ``(B, H, Sq, D)``, k/v ``(B, H_kv, Sk, D)``.
+
+    ``H_kv`` divides ``H`` (grouped-query attention): query head h reads k/v head
+    ``h // (H // H_kv)``, as if k and v were repeated ``H // H_kv`` times along the heads.
 
     ``key_padding_mask`` ``(B, Sk)`` bool, True = padded key. ``attn_mask`` bool (True =
     masked out) or float (added; -inf hides the key exactly as True does), broadcastable to
@@ -48,6 +51,7 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     """
     B, H, Sq, D = q.shape
     Sk = k.shape[-2]
+    k, v = _repeat_kv(k, v, H, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     stat_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 statistics, fp64 stays fp64
     s = torch.matmul(q, k.transpose(-2, -1)).to(stat_dtype) * scale  # (B, H, Sq, Sk)
@@ -70,6 +74,16 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
         seed, offset = _rng(dropout_p, rng, q.device)
         keep = philox.keep_mask(s.shape, dropout_p, seed, offset, device=s.device)
     return _masked_softmax_v(s, hidden, v, dropout_p, keep)
+
+
+def _repeat_kv(k, v, H, dim):
+    """k and v with each of their ``H_kv`` heads (dimension ``dim``) repeated ``H // H_kv`` times
+    in a row, so head h holds k/v head ``h // (H // H_kv)``: grouped-query attention written as
+    plain attention (differentiable: the repeats' gradients sum back)."""
+    if k.shape[dim] == H:
+        return k, v
+    group = H // k.shape[dim]
+    return k.repeat_interleave(group, dim=dim), v.repeat_interleave(group, dim=dim)
 
 
 def _masked_softmax_v(s, hidden, v, dropout_p, keep):
@@ -96,13 +110,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      scale=None, dropout_p=0.0, rng=None):
     """Attention within each sequence of packed rows (FlashAttention's varlen layout).
 
-    q ``(total_q, H, D)``, k/v ``(total_k, H, D)``; sequence b owns query rows
+    q ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (``H_kv`` divides ``H``: query head h reads
+    k/v head ``h // (H // H_kv)``, as :func:`attention`); sequence b owns query rows
     ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]``
     (int32 ``(B + 1,)``). ``is_causal``: its query i sees its key j iff ``j <= i + Lk - Lq``.
     Dropout drops exactly what :func:`attention` drops on the same sequences right-padded to
     ``(B, H, max_seqlen_q, max_seqlen_k)``: sequence b's rows take the padded op's counters.
     """
     total_q, H, D = q.shape
+    k, v = _repeat_kv(k, v, H, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()

@@ -5,7 +5,9 @@ registration as ``torch.library`` ops and the ahead-of-time compile specs.
 
 Semantics (the contract, ``fastformer.ops.reference.attention`` is the definition):
 ``out = dropout(softmax(q k^T * scale + attn_mask, masked)) v`` with q ``(B, H, Sq, D)`` and
-k/v ``(B, H, Sk, D)``; key ``j`` is hidden from query ``i`` when it is padded, when
+k/v ``(B, H_kv, Sk, D)`` (H_kv divides H: query head h reads k/v head ``h // (H // H_kv)``, the
+kernels' ``KV_GROUP``; dK / dV are written per query head in fp32 and each group summed after);
+key ``j`` is hidden from query ``i`` when it is padded, when
 ``is_causal`` and ``j > i + Sk - Sq`` (bottom-right aligned), or when ``attn_mask`` is -inf.
 A query row with no visible key outputs 0, its lse is +inf and it gets zero gradient.
 Dropout is fastformer/philox.py's with rows of ``C = Sk``: element ``(b, h, i, j)`` takes its 16 bits
@@ -68,8 +70,8 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
 def _attention_fwd(
     Q,  # (B, H, Sq, D) queries, last dim contiguous; VARLEN: (total_q, H, D) packed sequences
-    K,  # (B, H, Sk, D) keys, last dim contiguous; VARLEN: (total_k, H, D)
-    V,  # (B, H, Sk, D) values, last dim contiguous; VARLEN: (total_k, H, D)
+    K,  # (B, H_kv, Sk, D) keys, last dim contiguous; VARLEN: (total_k, H_kv, D)
+    V,  # (B, H_kv, Sk, D) values, last dim contiguous; VARLEN: (total_k, H_kv, D)
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
     CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
@@ -119,6 +121,7 @@ def _attention_fwd(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
+    KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
 ):
     start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
                                                            BLOCK_M, IS_CAUSAL, VARLEN)
@@ -134,7 +137,7 @@ def _attention_fwd(
     seed, rng_offset = load_philox(Philox, seed, rng_offset)
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-        stride_vn, stride_kpm_b, stride_am_b, stride_am_h)
+        stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP)
     qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -294,15 +297,23 @@ def _block_d(D: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Host functions (the C++ schema's semantics)
 # ----------------------------------------------------------------------------------------------
+def check_kv_heads(op: str, k: torch.Tensor, H: int) -> None:
+    """k's heads (dimension 1 in either layout) divide q's H (grouped-query attention)."""
+    H_kv = k.shape[1]
+    if H_kv != H and (H_kv < 1 or H % H_kv):
+        raise ValueError(f"{op}: k has {H_kv} heads, which must divide q's {H} heads (grouped-query attention)")
+
+
 def _check_inputs(q, k, v, key_padding_mask, attn_mask):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention: q, k, v must be 4-D (B, H, S, D), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
-    if tuple(k.shape) != (B, H, Sk, D) or tuple(v.shape) != (B, H, Sk, D):
-        raise ValueError(f"attention: k and v must have shape (B, H, Sk, D) = (B, H, Sk, {D}) with q's B, H; "
+    H_kv, Sk = k.shape[1], k.shape[2]
+    if tuple(k.shape) != (B, H_kv, Sk, D) or tuple(v.shape) != (B, H_kv, Sk, D):
+        raise ValueError(f"attention: k and v must have shape (B, H_kv, Sk, D) = (B, H_kv, Sk, {D}) with q's B; "
                          f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_kv_heads("attention", k, H)
     if D > MAX_HEAD_DIM:
         raise ValueError(f"attention: head dim {D} is larger than the Triton kernels' maximum {MAX_HEAD_DIM}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -414,12 +425,19 @@ def padded_layout(q: torch.Tensor, k: torch.Tensor) -> Layout:
     return Layout(B, H, Sq, Sk, D, B * Sq, B * Sk, None, None, False)
 
 
+def kv_group(layout: Layout, k: torch.Tensor) -> int:
+    """Query heads per k/v head: 1, or H // H_kv for grouped-query attention (k's dimension 1 is
+    its heads in both layouts)."""
+    return layout.H // k.shape[1] if k.shape[1] else 1
+
+
 def _meta(q, layout: Layout, block_d: int, key_padding_mask, attn_mask, is_causal: bool, has_dropout: bool,
-          large: bool) -> dict:
+          large: bool, group: int) -> dict:
     """The constexprs every attention kernel but the preprocess takes."""
     return dict(BLOCK_D=block_d, EVEN_D=layout.D == block_d, HAS_KPM=key_padding_mask is not None,
                 HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
-                INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large, VARLEN=layout.varlen)
+                INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large, VARLEN=layout.varlen,
+                KV_GROUP=group)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
@@ -442,7 +460,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
             *kpm_strides, *am_strides, H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng,
             threshold, drop_scale, _tune_bucket(Sq), _tune_bucket(Sk))
     large = _large_offsets(Sq, Sk, (qs[2], outs[2]), (ks[2], vs[2]), am_strides, kpm_strides)
-    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large)
+    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, kv_group(layout, k))
     _launch("fwd", _attention_fwd, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
             q.element_size(), args, meta)
     return out, lse
@@ -459,13 +477,22 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # laid out like empty_like(q / k / v), as every backend's kernels and the shared fake promise
     # (a transposed (B, S, H, D) input gets a gradient of that layout); the kernel writes dk and dv
     # with one set of strides, so a dv laid out otherwise than dk is written to a copy of dk's layout
-    dq, dk = _grad_like(q), _grad_like(k)
+    dq, dk_out = _grad_like(q), _grad_like(k)
     dv_out = _grad_like(v)
-    dv = dv_out if dv_out.stride() == dk.stride() else torch.empty_like(dk)
+    group = kv_group(layout, k)
     if B * H == 0 or D == 0:
-        return dq, dk, dv_out
+        return dq, dk_out, dv_out
     if Sq == 0 or layout.total_q == 0:  # no query: every key gets zero gradient
-        return dq, dk.zero_(), dv_out.zero_()
+        return dq, dk_out.zero_(), dv_out.zero_()
+    if group > 1:
+        # grouped-query: dK / dV per query head in fp32, each group summed after (FlashAttention-2's
+        # way: deterministic, no atomics)
+        per_head = (*k.shape[:1], H, *k.shape[2:])
+        dk = torch.empty(per_head, dtype=torch.float32, device=k.device)
+        dv = torch.empty_like(dk)
+    else:
+        dk = dk_out
+        dv = dv_out if dv_out.stride() == dk.stride() else torch.empty_like(dk)
     kpm, kpm_strides, am, am_strides = _mask_args(key_padding_mask, attn_mask, B, H, Sq, Sk)
     block_d = _block_d(D)
     qs, ks, vs, dos, outs, dqs, dks = (layout.strides(t) for t in (q, k, v, dout, out, dq, dk))
@@ -483,16 +510,21 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     strides = (*qs, *ks, *vs, *dos, *kpm_strides, *am_strides)
     scalars = (H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng, threshold, drop_scale,
                _tune_bucket(Sq), _tune_bucket(Sk))
-    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large)
+    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, group)
     elt = q.element_size()
     if Sk > 0:
         _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (cdiv(Sk, META["BLOCK_N"]), H, B),
                 block_d, elt, (*common, dk, dv, *strides, *dks, *scalars), meta)
     _launch("dq", kernels._attention_bwd_dq, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B),
             block_d, elt, (*common, dq, *strides, *dqs, *scalars), meta)
-    if dv is not dv_out:
+    if group > 1:
+        groups = (*k.shape[:1], k.shape[1], group, *k.shape[2:])  # (.., H_kv, G, ..)
+        if Sk > 0:
+            dk_out.copy_(dk.view(groups).sum(2))
+            dv_out.copy_(dv.view(groups).sum(2))
+    elif dv is not dv_out:
         dv_out.copy_(dv)
-    return dq, dk, dv_out
+    return dq, dk_out, dv_out
 
 
 @on_device_of_first_tensor
@@ -581,6 +613,7 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
             for block_d in BLOCK_D_BUCKETS:
                 for cls, (heavy, features) in classes.items():
                     features = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION=precision, LARGE_OFFSETS=False,
+                                    KV_GROUP=1,
                                     **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
                         for cfg in _configs(kind, block_d, elt, heavy, varlen):

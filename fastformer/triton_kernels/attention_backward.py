@@ -108,8 +108,8 @@ def _attention_bwd_dkdv(
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
     CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
     CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
-    DK,  # (B, H, Sk, D) gradient of k; VARLEN: (total_k, H, D)
-    DV,  # (B, H, Sk, D) gradient of v; VARLEN: (total_k, H, D)
+    DK,  # (B, H, Sk, D) gradient of k per query head; VARLEN: (total_k, H, D) (a group's summed after)
+    DV,  # (B, H, Sk, D) gradient of v per query head; VARLEN: (total_k, H, D)
     stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
     stride_qm,  # q row stride
@@ -156,6 +156,7 @@ def _attention_bwd_dkdv(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
+    KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
 ):
     start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
                                                            BLOCK_N, False, VARLEN)
@@ -167,10 +168,10 @@ def _attention_bwd_dkdv(
     offs_d = tl.arange(0, BLOCK_D)
 
     # not key_bases: the mask bases come after the loads here, and moving them changes the code
-    k = load_rows(head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn, offs_d, Lk, D,
-                  EVEN_D, LARGE_OFFSETS)
-    v = load_rows(head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn), offs_n, stride_vn, offs_d, Lk, D,
-                  EVEN_D, LARGE_OFFSETS)
+    k = load_rows(head_base(K, b64, h64 // KV_GROUP, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn, offs_d,
+                  Lk, D, EVEN_D, LARGE_OFFSETS)
+    v = load_rows(head_base(V, b64, h64 // KV_GROUP, stride_vb, stride_vh, k0, stride_vn), offs_n, stride_vn, offs_d,
+                  Lk, D, EVEN_D, LARGE_OFFSETS)
     q_base = head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm)
     do_base = head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom)
     lse_row = stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN)
@@ -291,6 +292,7 @@ def _attention_bwd_dq(
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
+    KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
 ):
     start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
                                                            BLOCK_M, IS_CAUSAL, VARLEN)
@@ -310,7 +312,7 @@ def _attention_bwd_dq(
     seed, rng_offset = load_philox(Philox, seed, rng_offset)
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-        stride_vn, stride_kpm_b, stride_am_b, stride_am_h)
+        stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP)
     qk_scale = scale * LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

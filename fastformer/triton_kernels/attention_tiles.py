@@ -223,11 +223,12 @@ def mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b, stride
 
 @triton.jit
 def key_bases(K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb,
-              stride_vh, stride_vn, stride_kpm_b, stride_am_b, stride_am_h):
-    """The key side of head (b, h), which every kernel reads: (k rows, v rows, key padding mask row,
-    additive mask, Philox counter), as head_base and mask_bases give them."""
-    k_base = head_base(K, b64, h64, stride_kb, stride_kh, k0, stride_kn)
-    v_base = head_base(V, b64, h64, stride_vb, stride_vh, k0, stride_vn)
+              stride_vh, stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP: tl.constexpr):
+    """The key side of query head (b, h), which every kernel reads: (k rows, v rows, key padding
+    mask row, additive mask, Philox counter), as head_base and mask_bases give them; k and v of
+    the k/v head h // KV_GROUP (grouped-query attention), masks and counters of query head h."""
+    k_base = head_base(K, b64, h64 // KV_GROUP, stride_kb, stride_kh, k0, stride_kn)
+    v_base = head_base(V, b64, h64 // KV_GROUP, stride_vb, stride_vh, k0, stride_vn)
     kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
                                              stride_am_b, stride_am_h)
     return k_base, v_base, kpm_base, am_base, rng_base

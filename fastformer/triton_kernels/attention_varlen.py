@@ -4,7 +4,8 @@ attention_backward.py) with ``VARLEN``: the host functions with the schema's sem
 (csrc/schemas.h), their registration as ``torch.library`` ops and the ahead-of-time compile specs.
 
 Semantics (``fastformer.ops.reference.attention_varlen`` is the definition): q ``(total_q, H, D)``,
-k/v ``(total_k, H, D)``; sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and
+k/v ``(total_k, H_kv, D)`` (H_kv divides H: query head h reads k/v head ``h // (H // H_kv)``);
+sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and
 key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, and its query i sees its key j (causal:
 iff ``j <= i + Lk - Lq``). Dropout takes the padded op's counters on
 ``(B, H, max_seqlen_q, max_seqlen_k)``: query i of head h of sequence b is dropout row
@@ -41,9 +42,10 @@ def _check_inputs(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{op}: {name} must be 3-D (total, H, D), got shape {tuple(t.shape)}")
     total_q, H, D = q.shape
     total_k = k.shape[0]
-    if tuple(k.shape) != (total_k, H, D) or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{op}: k and v must have shape (total_k, H, D) = (total_k, {H}, {D}) with q's H and D; "
+    if tuple(k.shape) != (total_k, k.shape[1], D) or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"{op}: k and v must have shape (total_k, H_kv, D) = (total_k, H_kv, {D}) with q's D; "
                          f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    attention.check_kv_heads(op, k, H)
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"{op}: head dim D must be in [1, {MAX_HEAD_DIM}] (the Triton kernels' maximum), got {D}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
