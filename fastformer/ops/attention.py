@@ -1,8 +1,8 @@
 import math
+import sys
 from typing import Optional
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from .. import backends, philox
 from ..autograd import AttentionFunction
@@ -119,6 +119,12 @@ def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
               philox.draw(dropout_p, q.device))
 
 
+def _causal_bias_module():
+    """torch.nn.attention.bias if imported: a CausalBias exists only then, and importing it here
+    would import triton (``import fastformer`` never does)."""
+    return sys.modules.get("torch.nn.attention.bias")
+
+
 def _causal_bias(q, k, v, key_padding_mask, bias, is_causal, scale, dropout_p):
     """torch's CausalBias as the fused causal mask. Top-left alignment with ``Sq != Sk`` becomes
     bottom-right on a square: with fewer queries, the first ``Sq`` keys (the only ones any query
@@ -133,9 +139,10 @@ def _causal_bias(q, k, v, key_padding_mask, bias, is_causal, scale, dropout_p):
         raise ValueError(f"attn_mask is a CausalBias for (Sq, Sk) = ({bias.seq_len_q}, {bias.seq_len_kv}), "
                          f"but q and k have (Sq, Sk) = ({Sq}, {Sk})")
     call = dict(scale=scale, dropout_p=dropout_p)
-    if bias.variant == CausalVariant.LOWER_RIGHT or Sq == Sk:
+    variants = _causal_bias_module().CausalVariant
+    if bias.variant == variants.LOWER_RIGHT or Sq == Sk:
         return attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=True, **call)
-    if bias.variant != CausalVariant.UPPER_LEFT:
+    if bias.variant != variants.UPPER_LEFT:
         raise ValueError(f"attn_mask is a CausalBias of an unknown variant {bias.variant!r}")
     if Sq < Sk:  # (B, H, Sq, D) against the first Sq keys
         kpm = key_padding_mask[:, :Sq] if key_padding_mask is not None else None
@@ -146,7 +153,8 @@ def _causal_bias(q, k, v, key_padding_mask, bias, is_causal, scale, dropout_p):
 
 
 def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
-    if isinstance(attn_mask, CausalBias):
+    bias_module = _causal_bias_module() if attn_mask is not None else None
+    if bias_module is not None and isinstance(attn_mask, bias_module.CausalBias):
         return _causal_bias(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
     validation.tensor("q", q, ndim=4, floating=True)
     validation.tensor("k", k, ndim=4, floating=True)
