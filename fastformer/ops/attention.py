@@ -14,10 +14,6 @@ from . import reference
 # places the call in a class of the measured table (fastformer/backends/measured.py)
 _FACTS = ("head_dim",)
 _GPU_FACTS = ("head_dim", "q_len", "k_len", "batch_heads", "causal", "dropout", "masked")
-# grouped-query calls add the group size (H // H_kv), which some backends bound; other calls pass
-# the tuples above unchanged, so their cache entries and cost stay as they were
-_GQA_FACTS = _FACTS + ("kv_group",)
-_GQA_GPU_FACTS = _GPU_FACTS + ("kv_group",)
 
 
 def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tensor:
@@ -85,13 +81,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
 
 
-def _kernels(q, limitation, B, H, H_kv, Sq, Sk, D, is_causal, dropout_p, masked):
-    """The backend's kernels for this call (both paths ask the same question)."""
-    if H_kv != H:
-        if q.is_cuda:
-            return backends.select_cached("attention", q.device, q.dtype, limitation, _GQA_GPU_FACTS,
-                                          (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked, H // H_kv))
-        return backends.select_cached("attention", q.device, q.dtype, limitation, _GQA_FACTS, (D, H // H_kv))
+def _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p, masked):
+    """The backend's kernels for this call (both paths ask the same question; every backend takes
+    grouped k/v heads, so the group size is no fact of the choice)."""
     if q.is_cuda:
         return backends.select_cached("attention", q.device, q.dtype, limitation, _GPU_FACTS,
                                       (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked))
@@ -106,9 +98,9 @@ def _fast(q, k, v, key_padding_mask, is_causal, scale, dropout_p):
         return None
     B, H, Sq, D = shape
     H_kv = k.shape[1]
-    if H_kv != H and (H_kv < 1 or H % H_kv):  # the checked path's error
+    if H_kv != H and (H_kv < 1 or H % H_kv):  # the checked path's error (validation.kv_heads)
         return None
-    kernels = _kernels(q, None, B, H, H_kv, Sq, k.shape[2], D, is_causal, dropout_p, key_padding_mask is not None)
+    kernels = _kernels(q, None, B, H, Sq, k.shape[2], D, is_causal, dropout_p, key_padding_mask is not None)
     op = kernels.attention if kernels is not None else None
     if op is None:
         return None
@@ -193,7 +185,7 @@ def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     limitation = None
     if attn_mask is not None and attn_mask.requires_grad:
         limitation = "attn_mask requires grad, and only the reference differentiates the mask"
-    kernels = _kernels(q, limitation, B, H, H_kv, Sq, Sk, D, is_causal, dropout_p,
+    kernels = _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p,
                        key_padding_mask is not None or attn_mask is not None)
     if kernels is None:
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,

@@ -11,7 +11,6 @@ from ..internal.eager import eager
 from . import reference
 
 _FACTS = ("head_dim",)  # what the backend choice reads of a call
-_GQA_FACTS = ("head_dim", "kv_group")  # and of a grouped-query call (fewer k/v heads)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str,
@@ -136,12 +135,7 @@ def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q
     validation.same_dtype(**inputs)
     tensors = tuple(inputs.values())
 
-    H_kv = k.shape[1]
-    if H_kv == H:
-        kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
-    else:
-        kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _GQA_FACTS,
-                                         (D, H // H_kv))
+    kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
     if kernels is None:
         return reference.attention_varlen(*split(layout, tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, is_causal=is_causal, scale=scale, dropout_p=dropout_p)

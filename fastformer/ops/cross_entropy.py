@@ -60,6 +60,11 @@ def _check_target_values(target, num_classes, ignore_index):
                          f"{ignore_index}; got values in [{lo}, {hi}]")
 
 
+def _math_dtype(dtype):
+    """The dtype the kernels take class weights and probabilities in: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _check_class_weight(weight, num_classes, dtype, **input_):
     """torch's per-class ``weight``: a floating ``(num_classes,)`` tensor on the device of ``input_``
     (one name=tensor pair) that does not require grad (torch's cross_entropy does not differentiate
@@ -71,7 +76,7 @@ def _check_class_weight(weight, num_classes, dtype, **input_):
     if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("weight (the class weights) must not require grad: torch's cross_entropy does not "
                          "differentiate it; pass weight.detach()")
-    return weight.to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
+    return weight.to(_math_dtype(dtype)).contiguous()
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optional[torch.Tensor] = None,
@@ -143,7 +148,7 @@ def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_inde
 def _soft_rows(logits, probs):
     """(M, C) logits and probabilities (these in fp32, fp64 for fp64) and the per-element shape."""
     C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
-    probs = probs.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    probs = probs.to(_math_dtype(logits.dtype))
     logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, probs))
     return logits2d, probs2d, (probs.shape[0],) + tuple(probs.shape[2:]) if probs.dim() > 1 else ()
 
