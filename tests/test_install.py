@@ -6,6 +6,7 @@ Each check runs a fresh interpreter next to a stand-in for the Triton project's
 ``triton_kernels`` package; the first from the repository root, as a contributor's shell would.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -76,8 +77,11 @@ def test_the_transformers_version_is_written_once():
     make = subprocess.run(["make", "-pn", "setup"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     deps = next(line for line in make.stdout.splitlines() if line.startswith("DEPS :="))
     assert f"transformers=={_version.TESTED}" in deps.split()
-    major, minor = (int(p) for p in _version.TESTED.split(".")[:2])
-    assert ff_setup._transformers_requirement() == f"transformers>={major}.{minor},<{major}.{minor + 1}"
+    req = ff_setup._transformers_requirement()
+    assert req == _version.requirement()
+    lo, hi = re.fullmatch(r"transformers>=(\d+\.\d+),<(\d+\.\d+)", req).groups()
+    tested = tuple(int(p) for p in _version.TESTED.split(".")[:2])
+    assert tuple(map(int, lo.split("."))) <= tested < tuple(map(int, hi.split(".")))
     for path in ("Makefile", "setup.py"):
         with open(os.path.join(ROOT, path)) as f:
             assert _version.TESTED not in f.read(), f"{path} writes the transformers version itself"

@@ -1,32 +1,20 @@
-"""The transformers version fastformer's Hugging Face integration is tested with: written here
-once. ``make setup`` installs ``TESTED`` (the Makefile reads it from this file), setup.py's ``hf``
-extra asks for ``requirement()``, and ``convert()`` refuses a version outside the range."""
-import re
+"""Which transformers fastformer's Hugging Face integration takes, written here once.
 
-# The release the tests run on. The fused layer forwards mirror that release's layer code, so a
-# minor version outside (major, minor) of it is refused rather than risk a silently different model.
+``TESTED`` is the release the tests run on (``make setup`` installs it; the Makefile reads it from
+this file). ``MINORS`` are the minor releases whose mirrored code has the fingerprints of a release
+the suite passed on (``tools/hf_fingerprints.py`` finds them): setup.py's ``hf`` extra asks for
+``requirement()``. At ``convert()`` the version number decides nothing: ``fingerprint.check`` compares the
+code, so a release outside these minors whose code is unchanged is taken too, and one
+whose code changed is refused by name."""
+
+# The release the tests run on.
 TESTED = "5.24.0"
-MIN_VERSION = MAX_VERSION = tuple(int(part) for part in TESTED.split(".")[:2])
+# The minor releases found equal to a recorded one (5.25's watched code is 5.24's).
+MINORS = ((5, 24), (5, 25))
 
 
 def requirement() -> str:
-    """The pip requirement of the supported range, e.g. ``transformers>=5.24,<5.25``."""
-    lo, hi = MIN_VERSION, MAX_VERSION
-    return f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"
+    """The pip requirement of the minors above, e.g. ``transformers>=5.24,<5.26``."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = MINORS[0], MINORS[-1]
+    return f"transformers>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"
 
-
-def supported_range() -> str:
-    lo, hi = MIN_VERSION, MAX_VERSION
-    return f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
-
-
-def check_version(version: str) -> None:
-    """Raise ``RuntimeError`` naming ``version`` and the supported range when it is outside it."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    mm = (int(m.group(1)), int(m.group(2))) if m else None
-    if mm is None or not (MIN_VERSION <= mm <= MAX_VERSION):
-        raise RuntimeError(
-            f"fastformer.convert(): transformers {version} is not supported; fastformer's Hugging Face "
-            f"integration supports transformers {supported_range()}.x (the fused layers mirror that "
-            f"version's layer code). Install a supported version: pip install 'transformers=="
-            f"{MAX_VERSION[0]}.{MAX_VERSION[1]}.*'")

@@ -147,12 +147,11 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ._version import check_version
-    check_version(transformers.__version__)
+    from .fingerprint import check
+    check()  # the mask and attention code the interface relies on
     AttentionInterface.register(NAME, fastformer_attention_forward)
     AttentionMaskInterface.register(NAME, fastformer_mask)
     _registered = True

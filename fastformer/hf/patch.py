@@ -116,10 +116,9 @@ def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float]
     """Fuse a transformers BART / Marian / mBART / M2M100 / Whisper model in place (see fastformer.convert)."""
     import transformers
 
-    from ._version import check_version
+    from .fingerprint import check
     from .attention import NAME, register
 
-    check_version(transformers.__version__)
     if not isinstance(copy, bool):
         raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
     if label_smoothing is not None:
@@ -130,6 +129,7 @@ def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float]
     if spec is None:
         raise TypeError(f"fastformer.convert(): transformers model {type(model).__name__} (model type "
                         f"{model_type!r}) is not supported; fastformer fuses {names}")
+    check(model_type)  # the code the fused forwards mirror is code they were tested against
     mod = importlib.import_module(spec.module)
     lm_classes = tuple(getattr(mod, n) for n in spec.lm_models)
     base_classes = tuple(getattr(mod, n) for n in spec.base_models)

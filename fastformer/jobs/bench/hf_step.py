@@ -110,7 +110,6 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
     if provider not in PROVIDERS:
         return f"unknown {OP} provider {provider!r} (known: {PROVIDERS})"
     try:
-        import transformers
         from transformers import BartConfig, BartForConditionalGeneration  # noqa: F401
     except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -124,11 +123,11 @@ def why_not(provider: str, device: torch.device) -> Optional[str]:
             return f"torch.compile unavailable: {e}"
     if provider in CONVERTED:
         try:
-            from fastformer.hf._version import check_version
+            from fastformer.hf.fingerprint import check
         except ImportError as e:
             return f"fastformer's Hugging Face integration (fastformer.hf) is not importable: {e}"
         try:
-            check_version(transformers.__version__)
+            check("bart")
         except RuntimeError as e:
             return str(e)
     return None
