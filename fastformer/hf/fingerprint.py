@@ -27,6 +27,13 @@ SHARED = (
     "transformers.masking_utils:causal_mask_function",         # the masks it recognises as causal ...
     "transformers.masking_utils:bidirectional_mask_function",  # ... or as padding only
     "transformers.integrations.sdpa_attention:sdpa_attention_forward",  # the contract the interface keeps
+    # the activations convert() maps to feed_forward's (patch.activation_name)
+    "transformers.activations:GELUActivation.__init__",
+    "transformers.activations:GELUActivation.forward",
+    "transformers.activations:GELUTanh.__init__",
+    "transformers.activations:GELUTanh.forward",
+    "transformers.activations:NewGELUActivation.forward",
+    "transformers.activations:SiLUActivation.forward",
 )
 
 
