@@ -98,6 +98,11 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
 Tensor linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const std::optional<Tensor>& bias,
                             const Tensor& target, double label_smoothing, int64_t ignore_index,
                             int64_t reduction_code, const std::optional<Tensor>& class_weight) {
+  // Class probabilities that require grad: this Function gives them none (the Python Function,
+  // which ops/cross_entropy.py takes for them, does); refuse rather than drop their gradient.
+  TORCH_CHECK(!(target.requires_grad() && at::GradMode::is_enabled()),
+              "fastformer::linear_cross_entropy: target (class probabilities) requires grad, which this op does not ",
+              "differentiate: call fastformer.ops.linear_cross_entropy (its autograd Function does)");
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, label_smoothing, ignore_index,
                                            reduction_code, class_weight);
 }
