@@ -80,7 +80,9 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     } else {
       const Tensor& bias = saved[2];
       const Tensor& class_weight = saved[4];
-      const Tensor g = grad_loss.reshape(-1).to(at::kFloat).contiguous();
+      // in the math type: fp64 keeps fp64 (the cpu kernel scales in fp64)
+      const Tensor g =
+          grad_loss.reshape(-1).to(saved[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
       // Without create_graph the kernel's autograd fallback has nothing to record: skip it.
       std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
       if (!at::GradMode::is_enabled()) below_autograd.emplace();

@@ -142,9 +142,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             inputs = (hidden, weight, bias, class_weight)
             dh = dw = db = None
             if any(ctx.needs_input_grad[:3]):  # not only the probabilities
-                dh, dw, db = ctx.kernels.linear_cross_entropy_bwd(
-                    grad_loss.reshape(-1).float().contiguous(), hidden, weight, bias, target, *ctx.config,
-                    class_weight)
+                # the upstream gradient in the math type: fp64 keeps fp64 (the cpu kernel scales in fp64)
+                up = grad_loss.reshape(-1).to(_math_dtype(hidden.dtype)).contiguous()
+                dh, dw, db = ctx.kernels.linear_cross_entropy_bwd(up, hidden, weight, bias, target, *ctx.config,
+                                                                  class_weight)
                 db = db if ctx.has_bias else None
         dtarget = _linear_probability_grad(*inputs, ctx.config[0], ctx.reduction_code, grad_loss) \
             if ctx.needs_input_grad[3] else None
