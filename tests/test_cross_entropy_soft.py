@@ -22,6 +22,22 @@ def _probs(shape, dim):
     return torch.softmax(2.0 * torch.randn(shape, dtype=torch.float64), dim=dim)
 
 
+def assert_2x_rule(results):
+    """Each (name, out, truth, torch's): out's error against the fp64 truth at most ~2x that of
+    PyTorch's own result in the same precision."""
+    for name, out, t, ref in results:
+        assert out.shape == t.shape, f"{name}: shape {tuple(out.shape)} != {tuple(t.shape)}"
+        err, torch_err = max_err(out, t), max_err(ref, t)
+        assert err <= 2.0 * torch_err + 1e-6 * max(1.0, t.abs().max().item()), f"{name}: {err:.3e} vs {torch_err:.3e}"
+
+
+def _kernel_ce(backend):
+    def fn(a, b, **k):
+        with fastformer.use_backend(backend):
+            return ops.cross_entropy(a, b, **k)
+    return fn
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("weighted", [False, True])
@@ -87,19 +103,13 @@ def test_probability_gradient(backend, reduction, logits_grad):
         (loss,), g = forward_backward(call, [xd, qd] if logits_grad else [qd], [up.to(dtype)], names)
         return loss, g
 
-    def kernel(a, b, **k):
-        with fastformer.use_backend(backend):
-            return ops.cross_entropy(a, b, **k)
-
     truth, truth_g = run(F.cross_entropy, torch.float64)
     torch_loss, torch_g = run(F.cross_entropy, torch.float32)
-    loss, g = run(kernel, torch.float32)
-    for name, out, t, ref in [("loss", loss, truth, torch_loss)] + [(n, g[n], truth_g[n], torch_g[n]) for n in names]:
-        err, torch_err = max_err(out, t), max_err(ref, t)
-        assert err <= 2.0 * torch_err + 1e-6 * max(1.0, t.abs().max().item()), f"{name}: {err:.3e} vs {torch_err:.3e}"
+    loss, g = run(_kernel_ce(backend), torch.float32)
+    assert_2x_rule([("loss", loss, truth, torch_loss)] + [(n, g[n], truth_g[n], torch_g[n]) for n in names])
     if backend not in ("cpu", "reference"):
         return  # fp64: the cpu backend's alone
-    loss, g = run(kernel, torch.float64)
+    loss, g = run(_kernel_ce(backend), torch.float64)
     assert_close("fp64 loss", loss, truth, atol=1e-12, rtol=1e-10)
     for n in names:
         assert_close(f"fp64 d{n}", g[n], truth_g[n], atol=1e-12, rtol=1e-10)
@@ -130,19 +140,13 @@ def test_fp32_2x_rule(backend, shape, eps, reduction, weighted):
                                       ["logits"])
         return loss, g["logits"]
 
-    def kernel(a, b, **k):
-        with fastformer.use_backend(backend):
-            return ops.cross_entropy(a, b, **k)
-
     truth, truth_g = run(F.cross_entropy, torch.float64)
     torch_loss, torch_g = run(F.cross_entropy, torch.float32)
-    loss, g = run(kernel, torch.float32)
-    for name, out, t, ref in (("loss", loss, truth, torch_loss), ("grad", g, truth_g, torch_g)):
-        err, torch_err = max_err(out, t), max_err(ref, t)
-        assert err <= 2.0 * torch_err + 1e-6 * max(1.0, t.abs().max().item()), f"{name}: {err:.3e} vs {torch_err:.3e}"
+    loss, g = run(_kernel_ce(backend), torch.float32)
+    assert_2x_rule((("loss", loss, truth, torch_loss), ("grad", g, truth_g, torch_g)))
     if backend != "cpu":
         return  # fp64: the cpu backend's alone
-    f64_loss, f64_g = run(kernel, torch.float64)
+    f64_loss, f64_g = run(_kernel_ce(backend), torch.float64)
     assert_close("fp64 loss", f64_loss, truth, atol=1e-12, rtol=1e-12)
     assert_close("fp64 grad", f64_g, truth_g, atol=1e-13, rtol=1e-10)
 
@@ -160,11 +164,7 @@ def test_bf16(backend, reduction):
         (loss,), g = forward_backward(lambda t: fn(t, q, **kw), [a], [u], ["logits"])
         return loss, g["logits"]
 
-    def kernel(a, b, **k):
-        with fastformer.use_backend(backend):
-            return ops.cross_entropy(a, b, **k)
-
-    loss, g = run(kernel, x, up.bfloat16())
+    loss, g = run(_kernel_ce(backend), x, up.bfloat16())
     lp, lp_g = run(reference.cross_entropy, x, up.bfloat16())
     ref, ref_g = run(reference.cross_entropy, x.float(), up)
     assert loss.dtype == torch.bfloat16

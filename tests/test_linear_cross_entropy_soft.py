@@ -13,8 +13,9 @@ from fastformer.autograd import cross_entropy as ce_autograd
 from fastformer.ops import reference
 import hostile
 from hostile import tensor as _t
+from test_cross_entropy_soft import assert_2x_rule
 from test_cross_entropy_weight import _lowp_factor
-from utils import assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends, max_err
+from utils import assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 REDUCTIONS = ("none", "mean", "sum")
@@ -106,10 +107,7 @@ def test_fp32_2x_rule_and_fp64(backend, shape, eps, reduction, weighted, has_bia
     torch_loss, torch_g = _run(_torch_lce, inputs, up, torch.float32, target_grad, **kw)
     loss, g = _run(_kernel_lce(backend), inputs, up, torch.float32, target_grad, **kw)
     assert set(g) == set(truth_g)
-    for name, out, t, ref in [("loss", loss, truth, torch_loss)] + [(n, g[n], truth_g[n], torch_g[n]) for n in g]:
-        assert out.shape == t.shape, f"{name}: shape {tuple(out.shape)} != {tuple(t.shape)}"
-        err, torch_err = max_err(out, t), max_err(ref, t)
-        assert err <= 2.0 * torch_err + 1e-6 * max(1.0, t.abs().max().item()), f"{name}: {err:.3e} vs {torch_err:.3e}"
+    assert_2x_rule([("loss", loss, truth, torch_loss)] + [(n, g[n], truth_g[n], torch_g[n]) for n in g])
     if backend != "cpu":
         return  # fp64: the cpu backend's alone
     loss, g = _run(_kernel_lce(backend), inputs, up, torch.float64, target_grad, **kw)
