@@ -239,6 +239,12 @@ def test_target_gradient_in_chunks(backend, monkeypatch):
         _, want = _run(_torch_lce, inputs, up, torch.float64, True, **kw)
         _, g = _run(_kernel_lce(backend), inputs, up, torch.float64, True, **kw)
         assert_close(f"{reduction} dtarget", g["target"], want["target"], atol=1e-12, rtol=1e-10)
+        # the probabilities alone require grad (the linear layer frozen)
+        h, w, b, q, cw = inputs
+        q = q.clone().requires_grad_()
+        loss = _kernel_lce(backend)(h, w, q, linear_bias=b, weight=cw, **kw)
+        (dq,) = torch.autograd.grad(loss, q, up)
+        assert_close(f"{reduction} dtarget alone", dq, want["target"], atol=1e-12, rtol=1e-10)
 
 
 # ---------------------------------------------------------------- bad input
