@@ -460,3 +460,21 @@ def test_schemas_take_the_functions_arguments():
                                              "ignore_index", "reduction_code", "class_weight"]
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastformer::{op}", "CompositeImplicitAutograd")
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_probability_targets_match_python_function(kernels, reduction):
+    """Class probabilities (not requiring grad) as the target of both C++ ops, with class weights:
+    bit-equal to the Functions (those that require grad take the Functions: test_*_soft.py)."""
+    hidden, weight, b, _ = lce_inputs(11, 19, 37, torch.float32, True, -100)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.softmax(torch.randn(11, 37, generator=gen), -1)
+    cw = torch.rand(37, generator=gen) + 0.5
+    code = REDUCTION_CODE[reduction]
+    up = torch.randn(11, generator=gen) if reduction == "none" else torch.tensor(2.5)
+    check_equal(lambda h, w, bb: autograd.LinearCrossEntropyFunction.apply(h, w, bb, q, 0.1, -100, code, kernels, cw),
+                lambda h, w, bb: FF.linear_cross_entropy(h, w, bb, q, 0.1, -100, code, cw), (hidden, weight, b),
+                (0, 1, 2), up)
+    logits = hidden @ weight.t()
+    check_equal(lambda x: autograd.CrossEntropyFunction.apply(x, q, 0.1, -100, code, kernels, cw),
+                lambda x: FF.cross_entropy(x, q, 0.1, -100, code, cw), (logits,), (0,), up)

@@ -109,6 +109,11 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, int64_t ignore_index,
                      int64_t reduction_code, const std::optional<Tensor>& class_weight) {
+  // Class probabilities that require grad: this Function gives them none (the Python Function,
+  // which ops/cross_entropy.py takes for them, does); refuse rather than drop their gradient.
+  TORCH_CHECK(!(target.requires_grad() && at::GradMode::is_enabled()),
+              "fastformer::cross_entropy: target (class probabilities) requires grad, which this op does not ",
+              "differentiate: call fastformer.ops.cross_entropy (its autograd Function does)");
   return CrossEntropyFunction::apply(logits, target, label_smoothing, ignore_index, reduction_code, class_weight);
 }
 

@@ -80,7 +80,9 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
     } else {
       const Tensor& bias = saved[2];
       const Tensor& class_weight = saved[4];
-      const Tensor g = grad_loss.reshape(-1).to(at::kFloat).contiguous();
+      // in the math type: fp64 keeps fp64 (the cpu kernel scales in fp64)
+      const Tensor g =
+          grad_loss.reshape(-1).to(saved[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat).contiguous();
       // Without create_graph the kernel's autograd fallback has nothing to record: skip it.
       std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
       if (!at::GradMode::is_enabled()) below_autograd.emplace();
@@ -98,6 +100,11 @@ struct LinearCrossEntropyFunction : public torch::autograd::Function<LinearCross
 Tensor linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const std::optional<Tensor>& bias,
                             const Tensor& target, double label_smoothing, int64_t ignore_index,
                             int64_t reduction_code, const std::optional<Tensor>& class_weight) {
+  // Class probabilities that require grad: this Function gives them none (the Python Function,
+  // which ops/cross_entropy.py takes for them, does); refuse rather than drop their gradient.
+  TORCH_CHECK(!(target.requires_grad() && at::GradMode::is_enabled()),
+              "fastformer::linear_cross_entropy: target (class probabilities) requires grad, which this op does not ",
+              "differentiate: call fastformer.ops.linear_cross_entropy (its autograd Function does)");
   return LinearCrossEntropyFunction::apply(hidden, weight, bias, target, label_smoothing, ignore_index,
                                            reduction_code, class_weight);
 }

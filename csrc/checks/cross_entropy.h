@@ -68,16 +68,18 @@ inline at::Tensor check_class_weight(const Backend& be, const char* op,
   return w;
 }
 
-// cross_entropy_fwd's class probabilities (torch's soft targets): target (N, V) as the logits,
-// contiguous, in their math type (fp64 for fp64, else fp32).
+// Class probabilities (torch's soft targets) as the target of cross_entropy_fwd (ref = logits) or
+// linear_cross_entropy_fwd / _bwd (ref = hidden): (ref.size(0), V), contiguous, on ref's device, in
+// ref's math type (fp64 for fp64, else fp32).
 inline void check_probability_target(const Backend& be, const char* op, const at::Tensor& target,
-                                     const at::Tensor& logits) {
-  check_device(be, op, "target", target, &logits, "logits");
-  const at::ScalarType want = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+                                     const at::Tensor& ref, const char* ref_name, int64_t V) {
+  check_device(be, op, "target", target, &ref, ref_name);
+  const at::ScalarType want = ref.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(target.scalar_type() == want, op, ": target (class probabilities) must be ", want,
-              " (the math type of logits' ", logits.scalar_type(), "), got ", target.scalar_type());
-  TORCH_CHECK(target.sizes() == logits.sizes(), op, ": target (class probabilities) must have the shape of logits ",
-              logits.sizes(), ", got shape ", target.sizes());
+              " (the math type of ", ref_name, "'s ", ref.scalar_type(), "), got ", target.scalar_type());
+  TORCH_CHECK(target.dim() == 2 && target.size(0) == ref.size(0) && target.size(1) == V, op,
+              ": target (class probabilities) must have shape (", ref.size(0), ", ", V, "), one row of ", V,
+              " class probabilities per row of ", ref_name, ", got shape ", target.sizes());
   check_contiguous(op, "target", target);
 }
 
@@ -91,7 +93,7 @@ inline at::Tensor check_cross_entropy_fwd(const Backend& be, const char* op, con
   TORCH_CHECK(logits.size(1) > 0, op, ": logits must have at least one class, got shape ",
               logits.sizes());
   if (at::isFloatingType(target.scalar_type())) {
-    check_probability_target(be, op, target, logits);
+    check_probability_target(be, op, target, logits, "logits", logits.size(1));
   } else {
     check_target(be, op, target, logits, "logits");
   }
@@ -101,8 +103,8 @@ inline at::Tensor check_cross_entropy_fwd(const Backend& be, const char* op, con
 }
 
 // What linear_cross_entropy_fwd and _bwd share: hidden (N, D), weight (V, D) with V >= 1, bias
-// (V,) or none, all of hidden's dtype; target (N,); label_smoothing; class_weight (V,) or none
-// (returned, undefined when none).
+// (V,) or none, all of hidden's dtype; target (N,) int64 or (N, V) class probabilities (floating);
+// label_smoothing; class_weight (V,) or none (returned, undefined when none).
 inline at::Tensor check_linear_cross_entropy(const Backend& be, const char* op, const at::Tensor& hidden,
                                              const at::Tensor& weight,
                                              const std::optional<at::Tensor>& bias,
@@ -121,7 +123,11 @@ inline at::Tensor check_linear_cross_entropy(const Backend& be, const char* op, 
     TORCH_CHECK(bias->size(0) == V, op, ": bias must have shape (", V,
                 ",) with V = weight.size(0), got shape ", bias->sizes());
   }
-  check_target(be, op, target, hidden, "hidden");
+  if (at::isFloatingType(target.scalar_type())) {
+    check_probability_target(be, op, target, hidden, "hidden", V);
+  } else {
+    check_target(be, op, target, hidden, "hidden");
+  }
   check_label_smoothing(op, label_smoothing);
   return check_class_weight(be, op, class_weight, hidden, "hidden", V);
 }

@@ -40,7 +40,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cuda(const at::Tensor& logi
     FF_CHECK_LAUNCH(launch_soft_cross_entropy_fwd(
         logits.const_data_ptr(), target.const_data_ptr<float>(), compute_grad ? grad.data_ptr() : nullptr,
         rows.loss_rows.data_ptr<float>(), n, V, code, label_smoothing, reduction == 1 ? mean_scale : 1.0,
-        reduction == 1 ? mean_scale : 1.0, cw.defined() ? cw.const_data_ptr<float>() : nullptr, stream));
+        reduction == 1 ? mean_scale : 1.0, cw.defined() ? cw.const_data_ptr<float>() : nullptr, nullptr,
+        stream));
     at::Tensor loss = rows.reduce(reduction == 0 ? 0 : 2, logits, code, stream);
     if (reduction == 1 && n == 0) loss.fill_(NAN);  // 0 / 0, as torch
     return {loss, grad};

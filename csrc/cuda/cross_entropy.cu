@@ -221,7 +221,8 @@ FF_DEVICE void warp_add(float& v) {
 // Class probabilities probs (n, V) fp32 as the target (torch's soft targets), one row per block:
 // with q = ((1 - eps) probs + eps / V) * w (w = class_weight, 1 when null), Q = sum q and
 // S = sum q x, loss_rows[i] = (Q lse - S) * loss_scale and grad (nullptr: none) =
-// (Q softmax - q) * scale. A NaN or +inf logit, or only -inf logits: NaN, as the reference.
+// (Q softmax - q) * scale_i (row_scale[i] when given: linear_cross_entropy's backward of reduction
+// none; else scale). A NaN or +inf logit, or only -inf logits: NaN, as the reference.
 template <typename T>
 __global__ void _soft_cross_entropy_fwd(const T* logits,                        // (n, V)
                                         const float* __restrict__ probs,        // (n, V)
@@ -229,7 +230,8 @@ __global__ void _soft_cross_entropy_fwd(const T* logits,                        
                                         float* __restrict__ loss_rows,          // (n,) out
                                         int64_t n, int64_t V, float eps,
                                         float scale, float loss_scale,
-                                        const float* __restrict__ class_weight) {  // (V,) or nullptr
+                                        const float* __restrict__ class_weight,  // (V,) or nullptr
+                                        const float* __restrict__ row_scale) {   // (n,) or nullptr
   __shared__ float red_m[kMaxWarps], red_s[kMaxWarps], red_x[kMaxWarps], red_q[kMaxWarps], red_qx[kMaxWarps];
   __shared__ float row_stats[2];  // lse, Q
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -277,11 +279,12 @@ __global__ void _soft_cross_entropy_fwd(const T* logits,                        
     __syncthreads();
     if (grad != nullptr) {
       const float lse = row_stats[0], Q = row_stats[1];
+      const float sc = row_scale != nullptr ? row_scale[row] : scale;
       T* g = grad + row * V;
       for (int64_t c = tid; c < V; c += blockDim.x) {
         float q = (1.0f - eps) * p[c] + off;
         if (class_weight != nullptr) q *= class_weight[c];
-        g[c] = ff_from_float<T>((expf(ff_to_float(x[c]) - lse) * Q - q) * scale);
+        g[c] = ff_from_float<T>((expf(ff_to_float(x[c]) - lse) * Q - q) * sc);
       }
     }
     __syncthreads();  // row_stats and red_* are reused by the next row
@@ -389,11 +392,12 @@ void fwd(const void* logits, const int64_t* target, void* grad, float* loss_rows
 
 template <typename T>
 void soft_fwd(const void* logits, const float* probs, void* grad, float* loss_rows, int64_t n, int64_t V,
-              float eps, float scale, float loss_scale, const float* class_weight, void* stream) {
+              float eps, float scale, float loss_scale, const float* class_weight, const float* row_scale,
+              void* stream) {
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 1 << 20));
   FF_LAUNCH(_soft_cross_entropy_fwd<T>, dim3(grid), dim3(row_threads(V)), 0, stream,
             static_cast<const T*>(logits), probs, static_cast<T*>(grad), loss_rows, n, V, eps, scale,
-            loss_scale, class_weight);
+            loss_scale, class_weight, row_scale);
 }
 
 template <typename T>
@@ -429,11 +433,11 @@ const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, 
 const char* launch_soft_cross_entropy_fwd(const void* logits, const float* probs, void* grad,
                                           float* loss_rows, int64_t n, int64_t V, int dtype,
                                           double label_smoothing, double scale, double loss_scale,
-                                          const float* class_weight, void* stream) {
+                                          const float* class_weight, const float* row_scale, void* stream) {
   if (n == 0) return nullptr;
   const float eps = static_cast<float>(label_smoothing);
   FF_DISPATCH_DTYPE(dtype, T, soft_fwd<T>(logits, probs, grad, loss_rows, n, V, eps, static_cast<float>(scale),
-                                          static_cast<float>(loss_scale), class_weight, stream));
+                                          static_cast<float>(loss_scale), class_weight, row_scale, stream));
   return ff_last_error();
 }
 

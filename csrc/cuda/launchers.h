@@ -54,11 +54,11 @@ const char* launch_cross_entropy_fwd(const void* logits, const int64_t* target, 
 // Class probabilities probs (n, V) fp32 as the target (torch's soft targets): loss_rows (n,) fp32 =
 // (-sum_c w_c q_c log softmax(x)_c) * loss_scale with q = (1 - eps) probs + eps / V (w = class_weight,
 // (V,) fp32, or 1 when null) and, when grad is not null (it may alias logits), grad =
-// (sum(w q) softmax - w q) * scale.
+// (sum(w q) softmax - w q) * scale_i, scale_i = row_scale[i] (row_scale (n,) fp32) or, when null, scale.
 const char* launch_soft_cross_entropy_fwd(const void* logits, const float* probs, void* grad,
                                           float* loss_rows, int64_t n, int64_t V, int dtype,
                                           double label_smoothing, double scale, double loss_scale,
-                                          const float* class_weight, void* stream);
+                                          const float* class_weight, const float* row_scale, void* stream);
 // out () in dtype = sum of loss_rows (n,) in a fixed order, / *mean_count when given, or with
 // mean_weight (class weights) / *mean_weight (NaN when it is 0).
 const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const int64_t* mean_count,

@@ -4,7 +4,9 @@
 // then dhidden_chunk = dlogits weight, dweight += dlogits^T hidden_chunk (ATen) and dbias +=
 // the deterministic column sums of dlogits. dweight and dbias accumulate in fp32 for 16-bit
 // inputs too (dweight inside the GEMM, addmm_f32_) and are cast once at the end. Schema and
-// returns as csrc/cpu/linear_cross_entropy.cpp; chunks sized for the device (chunk_rows).
+// returns as csrc/cpu/linear_cross_entropy.cpp; chunks sized for the device (chunk_rows). Class
+// probabilities as the target ((N, V) fp32, torch's soft targets) take the same loop with the soft row
+// kernel reading the chunk's (rows, V) probabilities; every row counts 1 in the mean.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
@@ -67,12 +69,14 @@ int64_t chunk_rows(const at::Tensor& hidden, int64_t V) {
 
 // The chunk loop shared by the forward (loss rows; grads for mean / sum scaled by mean_count or
 // 1) and the backward of reduction none (grads with row_scale = grad_loss). `weights`: the class
-// weights and their sums (FfCrossEntropyLoss), or none.
+// weights and their sums (FfCrossEntropyLoss), or none. target: (N,) int64 class indices, or (N, V)
+// fp32 class probabilities with grad_scale (the mean's 1 / N, else 1) and loss_scale (the same for the
+// forward's loss rows, so their sum is the mean) in place of mean_count.
 Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
              const c10::optional<at::Tensor>& bias, const at::Tensor& target,
              double label_smoothing, int64_t ignore_index, const float* row_scale,
              const int64_t* mean_count, const FfCrossEntropyLoss& weights, bool compute_grad,
-             float* loss_rows) {
+             float* loss_rows, double grad_scale = 1.0, double loss_scale = 1.0) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // the GEMMs are internal steps
   const int64_t n = hidden.size(0), D = hidden.size(1), V = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -95,6 +99,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
   }
   at::Tensor buffer = at::empty({rows_per_chunk, V}, hidden.options());  // (C, V) logits, then dlogits
   const at::Tensor weight_t = weight.t();                                  // (D, V) view
+  const bool soft = target.is_floating_point();
 
   for (int64_t c0 = 0; c0 < n; c0 += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, n - c0);
@@ -105,11 +110,18 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
     } else {
       at::mm_out(logits, h, weight_t);
     }
-    FF_CHECK_LAUNCH(launch_cross_entropy_fwd(
-        logits.const_data_ptr(), target.const_data_ptr<int64_t>() + c0,
-        compute_grad ? logits.data_ptr() : nullptr, loss_rows + c0, rows, V, code, label_smoothing,
-        ignore_index, row_scale != nullptr ? row_scale + c0 : nullptr, mean_count, 1.0, weights.class_weight,
-        weights.weight_stats, stream));
+    if (soft) {
+      FF_CHECK_LAUNCH(launch_soft_cross_entropy_fwd(
+          logits.const_data_ptr(), target.const_data_ptr<float>() + c0 * V, compute_grad ? logits.data_ptr() : nullptr,
+          loss_rows + c0, rows, V, code, label_smoothing, grad_scale, loss_scale, weights.class_weight,
+          row_scale != nullptr ? row_scale + c0 : nullptr, stream));
+    } else {
+      FF_CHECK_LAUNCH(launch_cross_entropy_fwd(
+          logits.const_data_ptr(), target.const_data_ptr<int64_t>() + c0,
+          compute_grad ? logits.data_ptr() : nullptr, loss_rows + c0, rows, V, code, label_smoothing,
+          ignore_index, row_scale != nullptr ? row_scale + c0 : nullptr, mean_count, 1.0, weights.class_weight,
+          weights.weight_stats, stream));
+    }
     if (!compute_grad) continue;
     // logits now holds dlogits (rows, V).
     at::Tensor dh = out.dhidden.narrow(0, c0, rows);
@@ -131,7 +143,7 @@ Grads chunks(const at::Tensor& hidden, const at::Tensor& weight,
 
 // The ops stay in the unnamed namespace: only FF_CUDA_IMPL below names them.
 
-// hidden (N, D), weight (V, D), bias (V,) or None, target (N,) -> loss (() or (N,)) and, with
+// hidden (N, D), weight (V, D), bias (V,) or None, target (N,) or (N, V) probabilities -> loss (() or (N,)) and, with
 // compute_grad (mean / sum), (dhidden, dweight, dbias) for an upstream gradient of 1.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_cuda(
     const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -145,6 +157,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_
   const int64_t n = hidden.size(0);
   void* stream = ff_stream(hidden);
 
+  if (target.is_floating_point()) {  // class probabilities: the mean's 1 / n is known here (no count)
+    const double mean_scale = reduction == 1 ? (n > 0 ? 1.0 / static_cast<double>(n) : 0.0) : 1.0;
+    FfCrossEntropyLoss rows(target, n, ignore_index, 2, hidden, stream);  // the loss rows alone: no launch
+    if (cw.defined()) rows.class_weight = cw.const_data_ptr<float>();
+    Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index, nullptr, nullptr, rows,
+                     compute_grad, rows.loss_rows.data_ptr<float>(), mean_scale, mean_scale);
+    at::Tensor out = rows.reduce(reduction == 0 ? 0 : 2, hidden, ff_dtype_code(hidden, "hidden"), stream);
+    if (reduction == 1 && n == 0) out.fill_(NAN);  // 0 / 0, as torch
+    return checks::linear_cross_entropy_fwd_returns(out, g, compute_grad, hidden, weight);
+  }
   const FfCrossEntropyLoss loss(target, n, ignore_index, reduction, hidden, stream, cw);
   Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index, nullptr, loss.mean_count,
                    loss, compute_grad, loss.loss_rows.data_ptr<float>());
@@ -167,8 +189,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cuda(
   void* stream = ff_stream(hidden);
 
   const at::Tensor row_scale = grad_loss.to(at::kFloat).contiguous();  // (N,)
-  // reduction none: no count; with class weights their sums (and loss rows, unused)
-  const FfCrossEntropyLoss rows(target, n, ignore_index, 0, hidden, stream, cw);
+  // reduction none: no count; with class weights their sums (and loss rows, unused). Class
+  // probabilities read the class weights alone (no target scan).
+  const bool soft = target.is_floating_point();
+  FfCrossEntropyLoss rows(target, n, ignore_index, 0, hidden, stream, soft ? at::Tensor() : cw);
+  if (soft && cw.defined()) rows.class_weight = cw.const_data_ptr<float>();
   Grads g = chunks(hidden, weight, bias, target, label_smoothing, ignore_index,
                    row_scale.const_data_ptr<float>(), nullptr, rows, true,
                    const_cast<float*>(rows.loss_rows.data_ptr<float>()));

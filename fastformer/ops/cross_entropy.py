@@ -14,11 +14,6 @@ REDUCTION_CODE = {"none": 0, "mean": 1, "sum": 2}
 REDUCTIONS = tuple(REDUCTION_CODE)
 # ignore_index=None (torch's F.linear_cross_entropy: nothing is ignored) as an index no class has.
 _IGNORE_NOTHING = -(2 ** 63)
-# Why the kernel backends decline linear_cross_entropy's probability ("soft") targets: its kernels take
-# class indices (cross_entropy's kernels take them on every backend).
-SOFT_TARGETS = "probability targets (a floating target): the kernels take class indices; the reference computes them"
-_SOFT_GRAD = "a probability target that requires grad: only the reference differentiates it"
-
 
 def _check_loss_args(label_smoothing, reduction, ignore_index):
     validation.unit_interval("label_smoothing", label_smoothing)
@@ -88,8 +83,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
         target: int64 class indices of shape ``(N,)``, ``()`` or ``(N, d1, ...)``; or class
             probabilities of the logits' shape (torch's soft targets: ``-sum_c w_c q_c log p_c`` with
             ``q`` smoothed, no ignore_index, ``mean`` over the rows; the kernels take them in fp32,
-            fp64 for fp64 logits). Every backend computes them (only the reference differentiates
-            probabilities that require grad).
+            fp64 for fp64 logits). Every backend computes them, and probabilities that require
+            grad get torch's gradient ``-(1 - eps) w_c log_softmax(x)_c`` per unit of the row's loss.
         weight: torch's class weights ``w``, a floating ``(C,)`` tensor (any floating dtype: the
             kernels take it in fp32, fp64 for fp64 logits), or None. It gets no gradient and must
             not require grad (as torch). Row ``i`` then adds ``(1 - eps) * w[t_i] * nll_i + (eps / C)
@@ -112,9 +107,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: Optiona
         weight = _check_class_weight(weight, C, logits.dtype, logits=logits)
 
     if soft:
-        # the kernels give no gradient to the probabilities: one that requires it takes the reference
-        why = _SOFT_GRAD if target.requires_grad and torch.is_grad_enabled() else None
-        kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype, why)
+        kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
         return _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_index, reduction)
     kernels = backends.select_cached("cross_entropy", logits.device, logits.dtype)
     return validation.values_checked(kernels, lambda: _check_target_values(target, C, ignore_index),
@@ -126,14 +119,17 @@ def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_inde
     if kernels is None:
         return reference.cross_entropy(logits, target, weight=weight, label_smoothing=label_smoothing,
                                        ignore_index=ignore_index, reduction=reduction)
+    target_grad = False
     if target.dtype == torch.int64:
         logits2d, target1d, shape = reference._class_last(logits, target)  # (M, C), (M,)
     else:  # class probabilities (M, C) as the logits, in their math type
-        logits2d, target1d, shape = _soft_rows(logits, target)
+        logits2d, target1d, shape = reference._soft_class_last(logits, target.to(_math_dtype(logits.dtype)))
+        # torch differentiates them: the Function gives that gradient (the C++ op does not)
+        target_grad = target.requires_grad
     logits2d, target1d = logits2d.contiguous(), target1d.contiguous()
     with validation.autocast_off(logits.device):
-        if torch.is_grad_enabled() and logits.requires_grad:
-            if kernels.cross_entropy is not None and eager():  # the backward in C++
+        if torch.is_grad_enabled() and (logits.requires_grad or target_grad):
+            if kernels.cross_entropy is not None and eager() and not target_grad:  # the backward in C++
                 loss = kernels.cross_entropy(logits2d, target1d, float(label_smoothing), ignore_index,
                                              REDUCTION_CODE[reduction], weight)
             else:
@@ -143,14 +139,6 @@ def _cross_entropy(kernels, logits, target, weight, label_smoothing, ignore_inde
             loss, _ = kernels.cross_entropy_fwd(logits2d, target1d, float(label_smoothing), ignore_index,
                                                 REDUCTION_CODE[reduction], False, weight)
     return loss.reshape(shape) if reduction == "none" else loss
-
-
-def _soft_rows(logits, probs):
-    """(M, C) logits and probabilities (these in fp32, fp64 for fp64) and the per-element shape."""
-    C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
-    probs = probs.to(_math_dtype(logits.dtype))
-    logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, probs))
-    return logits2d, probs2d, (probs.shape[0],) + tuple(probs.shape[2:]) if probs.dim() > 1 else ()
 
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
@@ -165,7 +153,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         input: ``(..., D)`` final hidden states.
         linear_weight: ``(V, D)`` output projection (``nn.Linear`` layout).
         target: int64 ``(...)``, input's leading shape; or class probabilities ``(..., V)``, as
-            :func:`cross_entropy`'s (the reference computes those).
+            :func:`cross_entropy`'s (differentiated when they require grad).
         linear_bias: ``(V,)`` or None.
         weight: torch's class weights ``(V,)`` or None, as :func:`cross_entropy`'s ``weight``.
         reduction, label_smoothing: as :func:`cross_entropy`.
@@ -198,27 +186,32 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if weight is not None:
         weight = _check_class_weight(weight, V, hidden.dtype, input=input)
 
-    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype,
-                                     SOFT_TARGETS if soft else None)
-    if soft:  # the reference (the only backend that takes them)
-        return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, weight=weight,
-                                              label_smoothing=label_smoothing, reduction=reduction)
+    kernels = backends.select_cached("linear_cross_entropy", hidden.device, hidden.dtype)
+    if soft:  # class probabilities: no values to check
+        return _linear_cross_entropy(kernels, hidden, w, b, target, weight, D, label_smoothing, ignore_index,
+                                     reduction, soft=True)
     return validation.values_checked(kernels, lambda: _check_target_values(target, V, ignore_index),
                                      lambda: _linear_cross_entropy(kernels, hidden, w, b, target, weight, D,
                                                                    label_smoothing, ignore_index, reduction))
 
 
-def _linear_cross_entropy(kernels, hidden, w, b, target, weight, D, label_smoothing, ignore_index, reduction):
+def _linear_cross_entropy(kernels, hidden, w, b, target, weight, D, label_smoothing, ignore_index, reduction,
+                          soft=False):
     if kernels is None:
         return reference.linear_cross_entropy(hidden, w, target, linear_bias=b, weight=weight,
                                               label_smoothing=label_smoothing, ignore_index=ignore_index,
                                               reduction=reduction)
-    hidden2d, target1d = as_rows(hidden, D), target.reshape(-1).contiguous()  # (N, D), (N,)
-    w = w.contiguous()
+    hidden2d, w = as_rows(hidden, D), w.contiguous()  # (N, D), (V, D)
+    if soft:  # class probabilities (N, V) in the math type; torch differentiates them (the Function does)
+        target1d = target.reshape(-1, w.shape[0]).to(_math_dtype(hidden.dtype)).contiguous()
+        shape, target_grad = target.shape[:-1], target.requires_grad
+    else:
+        target1d, shape, target_grad = target.reshape(-1).contiguous(), target.shape, False  # (N,)
     code = REDUCTION_CODE[reduction]
     with validation.autocast_off(hidden.device):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, w, b)):
-            if kernels.linear_cross_entropy is not None and eager():  # the backward in C++
+        if torch.is_grad_enabled() and (target_grad or any(t is not None and t.requires_grad
+                                                           for t in (hidden, w, b))):
+            if kernels.linear_cross_entropy is not None and eager() and not target_grad:  # the backward in C++
                 loss = kernels.linear_cross_entropy(hidden2d, w, b, target1d, float(label_smoothing), ignore_index,
                                                     code, weight)
             else:
@@ -227,4 +220,4 @@ def _linear_cross_entropy(kernels, hidden, w, b, target, weight, D, label_smooth
         else:  # no gradient wanted: the logits chunks are reduced to the loss, nothing else is kept
             loss = kernels.linear_cross_entropy_fwd(hidden2d, w, b, target1d, float(label_smoothing),
                                                     ignore_index, code, False, weight)[0]
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    return loss.reshape(shape) if reduction == "none" else loss

@@ -266,6 +266,14 @@ def _class_last(logits, target):
     return logits, target, target.shape
 
 
+def _soft_class_last(logits, probs):
+    """F.cross_entropy layouts with class probabilities of the logits' shape -> (M, C) logits and
+    (M, C) probabilities, plus the per-element shape."""
+    C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
+    logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, probs))
+    return logits2d, probs2d, (probs.shape[0],) + tuple(probs.shape[2:]) if probs.dim() > 1 else ()
+
+
 def cross_entropy(logits, target, *, weight=None, label_smoothing=0.0, ignore_index=-100, reduction="mean"):
     """``F.cross_entropy(logits, target, weight=weight, ...)`` semantics: class dim 1, class weights
     ``weight`` (C,) or None, smoothing, ignore_index; ``mean`` divides by the valid rows' sum of
@@ -274,9 +282,7 @@ def cross_entropy(logits, target, *, weight=None, label_smoothing=0.0, ignore_in
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if target.is_floating_point():  # (N, C, d...) probabilities as the logits -> (M, C) rows
-        C = logits.shape[1] if logits.dim() > 1 else logits.shape[0]
-        logits2d, probs2d = ((t.movedim(1, -1).reshape(-1, C) if t.dim() > 1 else t[None]) for t in (logits, target))
-        shape = (target.shape[0],) + tuple(target.shape[2:]) if target.dim() > 1 else ()
+        logits2d, probs2d, shape = _soft_class_last(logits, target)
         rows, w_t = _soft_cross_entropy_rows(logits2d, probs2d, label_smoothing, weight)
         return _reduce(rows, w_t, reduction, shape, logits.dtype)
     logits2d, target1d, shape = _class_last(logits, target)

@@ -7,8 +7,8 @@ the sum of the logits (for the smoothing term); a second loop writes the gradien
 weights ``w`` (``HAS_WEIGHT``) the sum is ``sum_c w_c x_c`` and the gradient
 ``scale * (((1 - eps) w[t] + eps sum(w) / V) softmax - (1 - eps) w[t] onehot - eps / V w)``. Class
 probabilities as the target (torch's soft targets) go to ``_soft_cross_entropy_fwd``, the same two
-loops with ``q = (1 - eps) probs + eps / V``. The gradient may be
-written over the logits themselves: each chunk is read before it is written.
+loops with ``q = (1 - eps) probs + eps / V`` (for cross_entropy and, per chunk, linear_cross_entropy).
+The gradient may be written over the logits themselves: each chunk is read before it is written.
 
 ``linear_cross_entropy_*`` never build the ``(N, V)`` logits: rows go in chunks; per chunk
 the logits come from a cuBLAS/torch GEMM, the kernel turns them into d(loss)/d(logits) in
@@ -114,12 +114,13 @@ def _soft_cross_entropy_fwd(
     Logits,  # (N, V) logits, rows contiguous
     Probs,  # (N, V) fp32 class probabilities (torch's soft targets)
     LossRows,  # (N,) fp32 output: each row's loss
-    Grad,  # (N, V) output: scale * d(row loss)/d(logits)
-    GradScale,  # fp32: one factor for every row
+    Grad,  # (N, V) output: scale * d(row loss)/d(logits); may be Logits itself (in place)
+    GradScale,  # fp32: one factor for every row, or one per row with SCALE_PER_ROW
     ClassWeight,  # (V,) fp32 class weights (read only with HAS_WEIGHT)
     V,  # number of classes (= row stride)
     label_smoothing,  # eps: q = (1 - eps) * probs + eps / V
     COMPUTE_GRAD: tl.constexpr,  # write Grad
+    SCALE_PER_ROW: tl.constexpr,  # GradScale holds N factors (linear_cross_entropy's backward of none)
     HAS_WEIGHT: tl.constexpr,  # class weights w
     BLOCK_V: tl.constexpr,  # classes per loop step (power of two)
 ):
@@ -148,7 +149,10 @@ def _soft_cross_entropy_fwd(
     lse = m + tl.log(s)
     tl.store(LossRows + row, sum_q * lse - sum_qx)
     if COMPUTE_GRAD:
-        scale = tl.load(GradScale).to(tl.float32)
+        if SCALE_PER_ROW:
+            scale = tl.load(GradScale + row).to(tl.float32)
+        else:
+            scale = tl.load(GradScale).to(tl.float32)
         grad_ptr = Grad + row * V
         for start in range(0, V, BLOCK_V):
             c = start + cols
@@ -181,6 +185,20 @@ def _launch(logits, target, loss_rows, grad, grad_scale, ignore_index, label_smo
         weight_sum if has_weight else grad_scale, V, ignore_index, label_smoothing,
         COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=scale_per_row, HAS_WEIGHT=has_weight, BLOCK_V=block_v,
         num_warps=warps, num_stages=1)
+
+
+def _launch_soft(logits, probs, loss_rows, grad, grad_scale, label_smoothing, compute_grad, scale_per_row,
+                 class_weight=None):
+    """Run the probability-target kernel on (n, V) logits and probabilities; grad may be logits
+    (in place) or unused. class_weight (V,) fp32 or None."""
+    n, V = logits.shape
+    if n == 0:
+        return
+    block_v, warps = _launch_config(V)
+    kernel(_soft_cross_entropy_fwd)[(n,)](
+        logits, probs, loss_rows, grad, grad_scale, class_weight if class_weight is not None else grad_scale, V,
+        label_smoothing, COMPUTE_GRAD=compute_grad, SCALE_PER_ROW=scale_per_row,
+        HAS_WEIGHT=class_weight is not None, BLOCK_V=block_v, num_warps=warps, num_stages=1)
 
 
 def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -246,13 +264,8 @@ def _cross_entropy_fwd_impl(logits: torch.Tensor, target: torch.Tensor, label_sm
         check_tensor("target", target, (N, V), torch.float32)
         n_rows = torch.full((), float(N), dtype=torch.float32, device=logits.device)
         scale = 1.0 / n_rows if reduction == 1 else torch.ones((), dtype=torch.float32, device=logits.device)
-        if N > 0:
-            block_v, warps = _launch_config(V)
-            kernel(_soft_cross_entropy_fwd)[(N,)](
-                logits, target, loss_rows, grad if compute_grad else logits, scale,
-                class_weight if class_weight is not None else scale, V, label_smoothing,
-                COMPUTE_GRAD=compute_grad, HAS_WEIGHT=class_weight is not None, BLOCK_V=block_v,
-                num_warps=warps, num_stages=1)
+        _launch_soft(logits, target, loss_rows, grad if compute_grad else logits, scale, label_smoothing,
+                     compute_grad, False, class_weight)
         return _reduce(loss_rows, n_rows, reduction, logits.dtype), grad
     check_tensor("target", target, (N,), torch.int64)
     scale, n_valid = _grad_scale(target, ignore_index, reduction, class_weight)
@@ -299,9 +312,13 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, label_smoothing, 
         logits = _logits(h, weight, bias)  # (n, V)
         loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
         scale = grad_scale.narrow(0, start, n) if scale_per_row else grad_scale
-        _launch(logits, target.narrow(0, start, n), loss_rows, logits, scale, ignore_index,
-                label_smoothing, compute_grad, scale_per_row, class_weight,
-                weight_sum)  # with compute_grad: logits := dlogits
+        if target.is_floating_point():  # class probabilities (n, V)
+            _launch_soft(logits, target.narrow(0, start, n), loss_rows, logits, scale, label_smoothing,
+                         compute_grad, scale_per_row, class_weight)  # with compute_grad: logits := dlogits
+        else:
+            _launch(logits, target.narrow(0, start, n), loss_rows, logits, scale, ignore_index,
+                    label_smoothing, compute_grad, scale_per_row, class_weight,
+                    weight_sum)  # with compute_grad: logits := dlogits
         losses.append(loss_rows)
         if compute_grad:
             dh_chunks.append(torch.mm(logits, weight))  # (n, D)
@@ -324,7 +341,10 @@ def _check_linear(hidden, weight, bias, target) -> None:
         raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
     if bias is not None:
         check_tensor("bias", bias, (V,), hidden.dtype)
-    check_tensor("target", target, (N,), torch.int64)
+    if target.is_floating_point():  # class probabilities (torch's soft targets)
+        check_tensor("target", target, (N, V), torch.float32)
+    else:
+        check_tensor("target", target, (N,), torch.int64)
 
 
 @on_device_of_first_tensor
@@ -335,7 +355,11 @@ def _linear_cross_entropy_fwd_impl(hidden: torch.Tensor, weight: torch.Tensor, b
     _check_linear(hidden, weight, bias, target)
     _check_reduction(reduction)
     class_weight, weight_sum = _check_class_weight(class_weight, weight.shape[0], hidden)
-    scale, n_valid = _grad_scale(target, ignore_index, reduction, class_weight)
+    if target.is_floating_point():  # class probabilities: every row counts 1 in the mean (torch's)
+        n_valid = torch.full((), float(hidden.shape[0]), dtype=torch.float32, device=hidden.device)
+        scale = 1.0 / n_valid if reduction == 1 else torch.ones((), dtype=torch.float32, device=hidden.device)
+    else:
+        scale, n_valid = _grad_scale(target, ignore_index, reduction, class_weight)
     loss_rows, dh, dw, db = _linear_cross_entropy_chunks(
         hidden, weight, bias, target, label_smoothing, ignore_index, scale, False, compute_grad,
         class_weight, weight_sum)
@@ -398,19 +422,26 @@ def aot_specs() -> List[dict]:
                     divisible_by_16=("Logits", "LossRows", "Grad", "V") if per_row else
                     ("Logits", "Target", "LossRows", "Grad", "GradScale", "V"),
                     num_warps=warps, num_stages=1))
-    for dtype, t in _TL_DTYPE.items():  # probability targets: cross_entropy with and without the gradient
+    # probability targets: with and without the gradient, and linear_cross_entropy's backward with
+    # one factor per row
+    for dtype, t in _TL_DTYPE.items():
         for block_v in (1024, MAX_BLOCK_V):
             warps = 4 if block_v <= 1024 else 8
-            for compute_grad in (True, False):
+            for compute_grad, per_row in (flag_sets if block_v == MAX_BLOCK_V else flag_sets[:2]):
                 for has_weight in (False, True):
                     specs.append(dict(
-                        name=f"_soft_cross_entropy_fwd_{t}_V{block_v}_w{warps}_g{int(compute_grad)}_cw{int(has_weight)}",
+                        name=f"_soft_cross_entropy_fwd_{t}_V{block_v}_w{warps}_g{int(compute_grad)}_r{int(per_row)}"
+                             f"_cw{int(has_weight)}",
                         fn=_soft_cross_entropy_fwd,
                         signature={"Logits": f"*{t}", "Probs": "*fp32", "LossRows": "*fp32", "Grad": f"*{t}",
                                    "GradScale": "*fp32", "ClassWeight": "*fp32", "V": "i32",
                                    "label_smoothing": "fp32", "COMPUTE_GRAD": "constexpr",
-                                   "HAS_WEIGHT": "constexpr", "BLOCK_V": "constexpr"},
-                        constexprs={"COMPUTE_GRAD": compute_grad, "HAS_WEIGHT": has_weight, "BLOCK_V": block_v},
-                        divisible_by_16=("Logits", "Probs", "LossRows", "Grad", "GradScale", "V"),
+                                   "SCALE_PER_ROW": "constexpr", "HAS_WEIGHT": "constexpr",
+                                   "BLOCK_V": "constexpr"},
+                        constexprs={"COMPUTE_GRAD": compute_grad, "SCALE_PER_ROW": per_row,
+                                    "HAS_WEIGHT": has_weight, "BLOCK_V": block_v},
+                        # a row chunk's probabilities / per-row scales are views at any offset
+                        divisible_by_16=("Logits", "LossRows", "Grad", "V") if per_row else
+                        ("Logits", "Probs", "LossRows", "Grad", "GradScale", "V"),
                         num_warps=warps, num_stages=1))
     return specs
