@@ -152,11 +152,14 @@ def test_reference_matches_torch_rms_norm_fp32(shape):
 
 
 def _floor(backend, dtype, truth):
-    if dtype == torch.bfloat16 and backend == "triton" and not torch.cuda.is_available():
-        # the interpreter truncates to bf16: a whole ulp where the reference rounds to nearest, and on
-        # these few elements (C = 1) the reference's own rounding can land almost exactly
-        return FLOOR[dtype] + 2.0**-7 * truth.abs().max().item()
-    return FLOOR[dtype]
+    """The absolute slack of the 2x rule. bf16: one rounding step at the largest magnitude, since on
+    these few elements (C = 1: 3 values) the reference's own rounding can land almost exactly
+    where the kernel's fp32 sums, in another order, round to the neighbouring bf16 value; the
+    Triton interpreter truncates to bf16 (a whole ulp), so it gets two."""
+    if dtype != torch.bfloat16:
+        return FLOOR[dtype]
+    steps = 2.0 if backend == "triton" and not torch.cuda.is_available() else 1.0
+    return FLOOR[dtype] + steps * 2.0**-8 * truth.abs().max().item()
 
 
 def _check_against_truth(backend, dtype, result):
