@@ -33,16 +33,8 @@ class LayerNorm(torch.nn.LayerNorm):
         validation.positive("eps", self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        validation.tensor("input", input, floating=True)
-        shape = tuple(self.normalized_shape)
-        n = len(shape)
-        if tuple(input.shape[input.dim() - n:]) != shape:
-            raise ValueError(f"LayerNorm expects input ending in normalized_shape {shape}, "
-                             f"got input of shape {tuple(input.shape)}")
-        C = math.prod(shape)
-        weight = self.weight.reshape(C) if self.weight is not None else None  # (C,)
-        bias = self.bias.reshape(C) if self.bias is not None else None
-        x = input.reshape(*input.shape[:input.dim() - n], C)  # (..., C)
+        x, weight = _rows(self, input, "LayerNorm")  # (..., C), (C,)
+        bias = self.bias.reshape(-1) if self.bias is not None else None
         y = ops.add_layer_norm(x, None, weight, bias, self.eps)
         return y.reshape(input.shape)
 
