@@ -182,6 +182,21 @@ def test_forward_and_every_gradient(backend, shape, config, dtype):
     _check_against_truth(backend, dtype, _run(backend, shape, config, dtype, inputs))
 
 
+@pytest.mark.parametrize("config", ["post_dropout_x_bias", "prenorm_both_dropout"])
+@pytest.mark.parametrize("backend", kernel_backends("cuda"))
+def test_cuda_fp16_forward_and_every_gradient(backend, config):
+    """fp16 (a cuda-only dtype; T5's cast rounds to fp16 there): the same rule as bf16."""
+    shape = (3, 1023)
+    inputs = _inputs(shape, config, device_for(backend))
+    (outs, grads), (lp_outs, lp_grads), (truth_outs, truth_grads) = _run(backend, shape, config, torch.float16, inputs)
+    for name, o, lp, t in zip(("y", "h"), outs, lp_outs, truth_outs):
+        assert o.dtype == torch.float16
+        assert_close_lowp(name, o, t, lp, factor=FACTOR[backend], atol=1e-5 + 2.0**-11 * t.abs().max().item())
+    for name, t in truth_grads.items():
+        assert_close_lowp(f"d{name}", grads[name], t, lp_grads[name], factor=FACTOR[backend],
+                          atol=1e-5 + 2.0**-11 * t.abs().max().item())
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("shape", [(3, 1), (7, 1023), (2, 3, 65)])
 @pytest.mark.parametrize("backend", CPU)
@@ -313,6 +328,28 @@ def test_the_common_call_takes_the_fast_path(monkeypatch, p, bias):
     for a, b in zip(got[1], want[1]):
         assert torch.equal(a, b)
     assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.slow  # a compile: the slow tier, as the compile suites are
+@pytest.mark.parametrize("backend", CPU)
+def test_compiles_to_one_graph_equal_to_eager(backend):
+    """torch.compile through the kernels' fakes (fake_ops.py, rms_norm included): one graph, the
+    eager bits, dropout included."""
+    from test_compile_dropout import _assert_one_graph, _loss_and_grads
+    g = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(2, 3, 20, generator=g), torch.randn(2, 3, 20, generator=g), torch.randn(20, generator=g)]
+
+    def fn(x, r, w):
+        return ops.add_layer_norm(x, r, w, None, EPS, 0.2, prenorm=True, rms_norm=True)[0]
+
+    with fastformer.use_backend(backend):
+        _assert_one_graph(fn, *inputs)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        want, _ = _loss_and_grads(fn, inputs, seed=11)
+        got, _ = _loss_and_grads(compiled, inputs, seed=11)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output/grad {i}: compiled differs from eager"
 
 
 # ---------------------------------------------------------------- determinism
