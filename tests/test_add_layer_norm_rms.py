@@ -14,7 +14,8 @@ from fastformer.ops import reference
 import determinism
 import hostile
 from hostile import tensor as _t
-from utils import assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends
+from utils import (assert_close, assert_close_lowp, device_for, forward_backward, kernel_backends,
+                   other_simt_schedules_test)
 
 BACKENDS = kernel_backends("cpu", "triton", "cuda")
 CPU = kernel_backends("cpu")
@@ -410,3 +411,12 @@ BAD_KERNEL_ARGS = {  # the C++ checks hold in RMSNorm mode too
     },
 }
 test_cpp_ops_reject_bad_arguments = hostile.cpp_checks_test(__name__)
+
+
+# ---------------------------------------------------------------- the cuda kernels' other thread orders
+_SCHEDULED = "cuda and (forward_and_every_gradient or dropout_is_exactly) and not bf16"
+test_other_thread_schedule = other_simt_schedules_test(
+    ("test_add_layer_norm_rms.py",), {"reverse": _SCHEDULED, "warp_ahead": _SCHEDULED},
+    """The RMSNorm kernels' row sums (warp shuffles, block reductions for C = 4097) with the SIMT
+    harness's threads run last to first and warp by warp to each barrier: the fp32 cases and the
+    dropout bits in a fresh process each.""")
