@@ -224,6 +224,34 @@ def test_mean_is_zeros_and_rstd_is_the_rms(backend):
     assert_close("rstd", rstd, torch.rsqrt(h.double().pow(2).mean(-1) + EPS).float(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", kernel_backends("triton"))
+def test_triton_chunked_backward(backend, monkeypatch):
+    """Rows with BLOCK_C >= SPLIT_BLOCK_C (C > 8192) take the column-chunked backward: forced here
+    on rows of 45 in chunks of 16 (a ragged last one), with a residual, dropout and dh."""
+    from fastformer.triton_kernels import add_layer_norm as aln
+    monkeypatch.setattr(aln, "SPLIT_BLOCK_C", 16)
+    monkeypatch.setattr(aln, "_CHUNK_C", 16)
+    monkeypatch.setattr(aln, "_PART_BLOCK_N", 32)
+    monkeypatch.setattr(aln, "_add_layer_norm_bwd", None)  # fails if the row kernel is taken
+    device = device_for(backend)
+    g = torch.Generator().manual_seed(8)
+    x, r, dy, dh = (torch.randn(3, 45, generator=g, dtype=torch.float64) for _ in range(4))
+    w = 1 + 0.5 * torch.randn(45, generator=g, dtype=torch.float64)
+    rng = (2**33 + 1, 5)
+    y, h, mean, rstd = aln.add_layer_norm_fwd(*(t.float().to(device) for t in (x, r, w, torch.zeros_like(w))), EPS,
+                                              0.25, philox.pack(*rng), True)
+    dx, dres, dw, _ = aln.add_layer_norm_bwd(dy.float().to(device), dh.float().to(device), h, w.float().to(device),
+                                             mean, rstd, 0.25, philox.pack(*rng), True, True)
+    leaves = [t.clone().requires_grad_() for t in (x.float().double(), r.float().double(), w.float().double())]
+    y_ref, h_ref = reference.add_layer_norm(*leaves[:2], leaves[2], None, EPS, 0.25, prenorm=True, rng=rng,
+                                            rms_norm=True)
+    want = torch.autograd.grad([y_ref, h_ref], [leaves[0], leaves[1], leaves[2]], [dy.float().double(),
+                                                                                  dh.float().double()])
+    assert_close("y", y.double().cpu(), y_ref, atol=2e-5, rtol=1e-5)
+    for name, got, ref in zip(("dx", "dresidual", "dweight"), (dx, dres, dw), want):
+        assert_close(name, got.double().cpu(), ref, atol=1e-4, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- dropout bits
 
 
