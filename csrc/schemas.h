@@ -65,25 +65,30 @@ inline void ff_define_schemas(torch::Library& m) {
 
   // x, residual (N, C) contiguous; weight, bias (C,). Returns y = LN(h), h = residual + dropout(x)
   // (h = dropout(x) without a residual), mean (N,) and rstd (N,) fp32.
+  // rms_norm: RMSNorm (T5LayerNorm): y = round(h * rstd) * weight + bias, rstd = 1 / sqrt(mean(h^2)
+  // + eps), round = to x's dtype (T5's cast; a no-op in fp32 / fp64); mean is returned as zeros
+  // (the backward reads it as the LayerNorm's and finds no mean to subtract).
   m.def(
       "add_layer_norm_fwd(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps, "
-      "float dropout_p, Tensor philox) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float dropout_p, Tensor philox, bool rms_norm=False) -> (Tensor, Tensor, Tensor, Tensor)");
   // dy: gradient of y; dh: extra gradient of h (prenorm's second output) or None.
   // Returns (dx, dresidual, dweight, dbias); dresidual is an empty tensor when it equals dx
   // (dropout_p == 0) or when there is no residual (has_residual false).
   m.def(
       "add_layer_norm_bwd(Tensor dy, Tensor? dh, Tensor h, Tensor weight, Tensor mean, Tensor rstd, "
-      "float dropout_p, Tensor philox, bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float dropout_p, Tensor philox, bool has_residual, bool rms_norm=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // The same with x_bias (C,), the bias of the linear layer that produced x, added to x before
   // the dropout: h = residual + dropout(x + x_bias). It spares the layer its own bias pass (a copy
   // of (N, C) in addmm, a column sum in its backward). The backward also returns dx_bias, the
   // column sum of dx. Backends without these overloads add the bias on the host.
   m.def(
       "add_layer_norm_fwd.x_bias(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps, "
-      "float dropout_p, Tensor philox, Tensor x_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float dropout_p, Tensor philox, Tensor x_bias, bool rms_norm=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "add_layer_norm_bwd.x_bias(Tensor dy, Tensor? dh, Tensor h, Tensor weight, Tensor mean, "
-      "Tensor rstd, float dropout_p, Tensor philox, bool has_residual) "
+      "Tensor rstd, float dropout_p, Tensor philox, bool has_residual, bool rms_norm=False) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // x (N, E); w1 (F, E), b1 (F,), w2 (E, F), b2 (E,), nn.Linear layout. activation

@@ -65,23 +65,24 @@ FAKES["attention_varlen_bwd.into"] = attention_varlen_bwd_into  # an overload: "
 
 
 @_fake
-def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox):
+def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox, rms_norm=False):
+    # rms_norm: mean is still (N,) (zeros: RMSNorm has none), so the shapes do not depend on it
     N = x.shape[0]
     return (torch.empty_like(x), torch.empty_like(x), _empty(x, N, dtype=_stat_dtype(x)),
             _empty(x, N, dtype=_stat_dtype(x)))
 
 
 @_fake
-def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual):
+def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm=False):
     dres = torch.empty_like(h) if (has_residual and dropout_p > 0.0) else _empty(h, 0)
     return torch.empty_like(h), dres, torch.empty_like(weight), torch.empty_like(weight)
 
 
-def add_layer_norm_fwd_x_bias(x, residual, weight, bias, eps, dropout_p, philox, x_bias):
+def add_layer_norm_fwd_x_bias(x, residual, weight, bias, eps, dropout_p, philox, x_bias, rms_norm=False):
     return add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, philox)
 
 
-def add_layer_norm_bwd_x_bias(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual):
+def add_layer_norm_bwd_x_bias(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm=False):
     return (*add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, dropout_p, philox, has_residual),
             torch.empty_like(weight))
 

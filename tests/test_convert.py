@@ -15,6 +15,7 @@ BACKENDS = ["reference", "auto"]
 TOL = {"reference": {"out": (2e-5, 1e-4), "grad": (5e-5, 1e-4)},
        "auto": {"out": (5e-5, 1e-4), "grad": (2e-4, 1e-3)}}
 TWINNED = {torch.nn.MultiheadAttention: fnn.MultiheadAttention, torch.nn.LayerNorm: fnn.LayerNorm,
+           torch.nn.RMSNorm: fnn.RMSNorm,
            torch.nn.TransformerEncoderLayer: fnn.TransformerEncoderLayer,
            torch.nn.TransformerDecoderLayer: fnn.TransformerDecoderLayer,
            torch.nn.TransformerEncoder: fnn.TransformerEncoder, torch.nn.TransformerDecoder: fnn.TransformerDecoder,

@@ -372,6 +372,17 @@ def test_layer_norm(backend, config):
     check_same(ref, twin, lambda m, x: m(x), [x], backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("config", ["default", "two_dims", "no_affine", "default_eps"])
+def test_rms_norm(backend, config):
+    """The RMSNorm twin (add_layer_norm's rms_norm) against torch.nn.RMSNorm."""
+    shape, kwargs = {"default": (23, dict(eps=1e-6)), "two_dims": ((3, 5), dict(eps=1e-5)),
+                     "no_affine": (23, dict(eps=1e-6, elementwise_affine=False)), "default_eps": (23, {})}[config]
+    ref, twin = twins(torch.nn.RMSNorm, fnn.RMSNorm, shape, **kwargs)
+    x = torch.randn(4, 6, *((3, 5) if config == "two_dims" else (23,)))
+    check_same(ref, twin, lambda m, x: m(x), [x], backend)
+
+
 # -------------------------------------------------------------------------- training mode
 def test_dropout_only_in_training():
     torch.manual_seed(0)

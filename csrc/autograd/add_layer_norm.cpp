@@ -30,13 +30,14 @@ using Bwd5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using OptTensor = std::optional<Tensor>;
 
 // The kernels, looked up once.
-using FwdSig = Fwd(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, double, double, const Tensor&);
+using FwdSig = Fwd(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, double, double, const Tensor&,
+                   bool);
 using FwdXBiasSig = Fwd(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, double, double, const Tensor&,
-                        const Tensor&);
+                        const Tensor&, bool);
 using Bwd4Sig = Bwd4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                     double, const Tensor&, bool);
+                     double, const Tensor&, bool, bool);
 using Bwd5Sig = Bwd5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                     double, const Tensor&, bool);
+                     double, const Tensor&, bool, bool);
 FF_KERNEL(fwd_op, FwdSig, "fastformer::add_layer_norm_fwd", "")
 FF_KERNEL(fwd_x_bias_op, FwdXBiasSig, "fastformer::add_layer_norm_fwd", "x_bias")
 FF_KERNEL(bwd_op, Bwd4Sig, "fastformer::add_layer_norm_bwd", "")
@@ -62,12 +63,14 @@ bool has_x_bias_kernels(const Tensor& x) {
 // add_layer_norm_fwd of x + x_bias (or x). *fused: whether the .x_bias overload ran.
 Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
                 double eps, double dropout_p, const Tensor& philox, const OptTensor& x_bias,
-                bool* fused) {
+                bool rms_norm, bool* fused) {
   const bool has_x_bias = x_bias.has_value() && x_bias->defined();
   *fused = has_x_bias && has_x_bias_kernels(x);
-  if (*fused) return fwd_x_bias_op().call(x, residual, weight, bias, eps, dropout_p, philox, *x_bias);
+  if (*fused) {
+    return fwd_x_bias_op().call(x, residual, weight, bias, eps, dropout_p, philox, *x_bias, rms_norm);
+  }
   return fwd_op().call(has_x_bias ? at::add(x, *x_bias) : x, residual, weight, bias, eps, dropout_p,
-                       philox);
+                       philox, rms_norm);
 }
 
 // x or residual (..., C) as the kernels' contiguous (N, C) rows: a view where it can be (below
@@ -86,26 +89,27 @@ bool requires_grad(const OptTensor& t) { return t.has_value() && t->defined() &&
 
 // ctx->saved_data keys
 constexpr const char* kP = "p";         // dropout_p
-constexpr const char* kFlags = "flags"; // kResidual | kXBias | kFused | kPrenorm
-constexpr int64_t kResidual = 1, kXBias = 2, kFused = 4, kPrenorm = 8;
+constexpr const char* kFlags = "flags"; // kResidual | kXBias | kFused | kPrenorm | kRms
+constexpr int64_t kResidual = 1, kXBias = 2, kFused = 4, kPrenorm = 8, kRms = 16;
 
 struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual,
                                const Tensor& weight, const Tensor& bias, double eps,
                                double dropout_p, bool prenorm, const Tensor& philox,
-                               const OptTensor& x_bias) {
+                               const OptTensor& x_bias, bool rms_norm) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     const bool has_residual = residual.has_value() && residual->defined();
     const bool has_x_bias = x_bias.has_value() && x_bias->defined();
     bool fused;
-    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias, &fused);
+    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
+                          rms_norm, &fused);
     // y and h in x's shape: views made here, below autograd, add no node to the graph
     Tensor y = std::get<0>(out).view(x.sizes());
     Tensor h = std::get<1>(out).view(x.sizes());
     ctx->save_for_backward({h, weight, std::get<2>(out), std::get<3>(out), philox});
     ctx->saved_data[kP] = dropout_p;
     ctx->saved_data[kFlags] = (has_residual ? kResidual : 0) | (has_x_bias ? kXBias : 0) |
-                              (fused ? kFused : 0) | (prenorm ? kPrenorm : 0);
+                              (fused ? kFused : 0) | (prenorm ? kPrenorm : 0) | (rms_norm ? kRms : 0);
     ctx->set_materialize_grads(false);  // an unused output's gradient comes undefined, not zeros
     if (!prenorm) ctx->mark_non_differentiable({h});
     return {std::move(y), std::move(h)};
@@ -126,7 +130,7 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
     const Tensor& philox = saved[4];
     const double dropout_p = ctx->saved_data[kP].toDouble();
     const int64_t flags = ctx->saved_data[kFlags].toInt();
-    const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias;
+    const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias, rms_norm = flags & kRms;
     const Tensor h_rows = ff_rows(h);  // (N, C): the kernels' rows (h is in x's shape)
     Tensor dy = std::move(grads[0]);
     if (!dy.defined()) dy = at::zeros_like(h);  // prenorm with only h used
@@ -136,10 +140,10 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
     Tensor dx, dres, dweight, dbias, dx_bias;
     if (flags & kFused) {
       std::tie(dx, dres, dweight, dbias, dx_bias) = bwd_x_bias_op().call(
-          dy.contiguous(), dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual);
+          dy.contiguous(), dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
     } else {
-      std::tie(dx, dres, dweight, dbias) =
-          bwd_op().call(dy.contiguous(), dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual);
+      std::tie(dx, dres, dweight, dbias) = bwd_op().call(dy.contiguous(), dh, h_rows, weight, mean, rstd,
+                                                         dropout_p, philox, has_residual, rms_norm);
       if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
     }
     dx = dx.view(h.sizes());  // back to x's shape
@@ -150,15 +154,15 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
     } else {
       dres = dres.view(h.sizes());
     }
-    // x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias
-    return {dx, dres, dweight, dbias, Tensor(), Tensor(), Tensor(), Tensor(), dx_bias};
+    // x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias, rms_norm
+    return {dx, dres, dweight, dbias, Tensor(), Tensor(), Tensor(), Tensor(), dx_bias, Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                           const Tensor& weight, const Tensor& bias, double eps,
                                           double dropout_p, bool prenorm, const Tensor& philox,
-                                          const OptTensor& x_bias) {
+                                          const OptTensor& x_bias, bool rms_norm) {
   TORCH_CHECK(!residual.has_value() || !residual->defined() || residual->sizes() == x.sizes(),
               "fastformer::add_layer_norm: residual must have the shape of x ", x.sizes(), ", got ",
               residual->sizes());
@@ -169,11 +173,12 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
     // what the Function's forward returns then, without its node
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     bool fused;
-    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias, &fused);
+    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
+                          rms_norm, &fused);
     return {std::get<0>(out).view(x.sizes()), std::get<1>(out).view(x.sizes())};
   }
   variable_list out = AddLayerNormFunction::apply(x, residual, weight, bias, eps, dropout_p, prenorm,
-                                                  philox, x_bias);
+                                                  philox, x_bias, rms_norm);
   return {std::move(out[0]), std::move(out[1])};
 }
 
@@ -184,9 +189,11 @@ TORCH_LIBRARY_FRAGMENT(fastformer, m) {
   // y = LayerNorm(residual + dropout(x + x_bias)) over the last dim of x (..., C) (residual: x's
   // shape), and h = residual + dropout(...), both in x's shape,
   // differentiable for prenorm (else h is returned non-differentiable). The caller draws philox.
+  // rms_norm: RMSNorm instead of LayerNorm (the kernels' rms_norm).
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps, "
-      "float dropout_p, bool prenorm, Tensor philox, Tensor? x_bias) -> (Tensor, Tensor)");
+      "float dropout_p, bool prenorm, Tensor philox, Tensor? x_bias, bool rms_norm=False) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastformer, CompositeImplicitAutograd, m) {

@@ -19,7 +19,7 @@ using Bwd5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tens
 
 Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
         const at::Tensor& weight, const at::Tensor& bias, double eps, double dropout_p,
-        const at::Tensor& philox, const at::Tensor* x_bias) {
+        const at::Tensor& philox, const at::Tensor* x_bias, bool rms_norm) {
   const bool has_res = checks::check_add_layer_norm_fwd(checks::kCpu, op, x, residual, weight,
                                                         bias, eps, dropout_p, x_bias);
   int64_t seed, offset;
@@ -32,7 +32,7 @@ Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& re
   FF_ISA(add_layer_norm_fwd_kernel)(x, has_res ? *residual : at::Tensor(), weight, bias,
                                     x_bias ? *x_bias : at::Tensor(), y, h, mean, rstd, eps,
                                     dropout_p, static_cast<uint64_t>(seed),
-                                    static_cast<uint64_t>(offset));
+                                    static_cast<uint64_t>(offset), rms_norm);
   return {y, h, mean, rstd};
 }
 
@@ -40,7 +40,7 @@ Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& re
 Bwd5 bwd(
     const char* op, const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
-    const at::Tensor& philox, bool has_residual, bool want_dx_bias) {
+    const at::Tensor& philox, bool has_residual, bool want_dx_bias, bool rms_norm) {
   const bool has_dh =
       checks::check_add_layer_norm_bwd(checks::kCpu, op, dy, dh, h, weight, mean, rstd, dropout_p);
   int64_t seed, offset;
@@ -60,7 +60,8 @@ Bwd5 bwd(
   }
   FF_ISA(add_layer_norm_bwd_kernel)(dy, has_dh ? *dh : at::Tensor(), h, weight, mean, rstd, dx,
                                     dres, dweight, dbias, dx_bias, dropout_p,
-                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                                    rms_norm);
   return {dx, dres, dweight, dbias, dx_bias};
 }
 
@@ -68,33 +69,35 @@ Bwd5 bwd(
 
 Fwd add_layer_norm_fwd_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                            const at::Tensor& weight, const at::Tensor& bias, double eps,
-                           double dropout_p, const at::Tensor& philox) {
-  return fwd("add_layer_norm_fwd", x, residual, weight, bias, eps, dropout_p, philox, nullptr);
+                           double dropout_p, const at::Tensor& philox, bool rms_norm) {
+  return fwd("add_layer_norm_fwd", x, residual, weight, bias, eps, dropout_p, philox, nullptr,
+             rms_norm);
 }
 
 Fwd add_layer_norm_fwd_x_bias_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                   const at::Tensor& weight, const at::Tensor& bias, double eps,
                                   double dropout_p, const at::Tensor& philox,
-                                  const at::Tensor& x_bias) {
+                                  const at::Tensor& x_bias, bool rms_norm) {
   return fwd("add_layer_norm_fwd.x_bias", x, residual, weight, bias, eps, dropout_p, philox,
-             &x_bias);
+             &x_bias, rms_norm);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cpu(
     const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
-    const at::Tensor& philox, bool has_residual) {
+    const at::Tensor& philox, bool has_residual, bool rms_norm) {
   auto [dx, dres, dweight, dbias, unused] = bwd("add_layer_norm_bwd", dy, dh, h, weight, mean,
-                                                rstd, dropout_p, philox, has_residual, false);
+                                                rstd, dropout_p, philox, has_residual, false,
+                                                rms_norm);
   return {dx, dres, dweight, dbias};
 }
 
 Bwd5 add_layer_norm_bwd_x_bias_cpu(
     const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
-    const at::Tensor& philox, bool has_residual) {
+    const at::Tensor& philox, bool has_residual, bool rms_norm) {
   return bwd("add_layer_norm_bwd.x_bias", dy, dh, h, weight, mean, rstd, dropout_p, philox,
-             has_residual, true);
+             has_residual, true, rms_norm);
 }
 
 }  // namespace fastformer

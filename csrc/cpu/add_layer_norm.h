@@ -10,19 +10,20 @@
 namespace fastformer {
 
 // x, residual (undefined: none) (N, C); weight, bias, x_bias (undefined: none) (C,); writes y, h
-// (N, C), mean, rstd (N,). N, C > 0.
+// (N, C), mean, rstd (N,). N, C > 0. rms_norm: RMSNorm (mean written as 0, xhat rounded to T).
 FF_ISA_DECLARE(void add_layer_norm_fwd_kernel(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& x_bias, at::Tensor& y, at::Tensor& h,
     at::Tensor& mean, at::Tensor& rstd, double eps, double dropout_p, uint64_t seed,
-    uint64_t offset))
+    uint64_t offset, bool rms_norm))
 
 // dh: undefined when there is none; dres: empty when it is not written (it equals dx); dx_bias:
-// undefined when not wanted, else (C,), written with the column sums of dx.
+// undefined when not wanted, else (C,), written with the column sums of dx. rms_norm: RMSNorm's
+// gradient (no mean term; mean is the forward's zeros).
 FF_ISA_DECLARE(void add_layer_norm_bwd_kernel(
     const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h, const at::Tensor& weight,
     const at::Tensor& mean, const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dres,
     at::Tensor& dweight, at::Tensor& dbias, at::Tensor& dx_bias, double dropout_p, uint64_t seed,
-    uint64_t offset))
+    uint64_t offset, bool rms_norm))
 
 }  // namespace fastformer

@@ -8,6 +8,10 @@
 // dresidual); dweight / dbias (and dx_bias, the column sums of dx) are summed per block of rows and
 // the blocks' sums added at the end, so no two threads ever write one location.
 //
+// RMSNorm (rms_norm): the same passes with the mean taken as 0 (and written as 0, so the backward
+// reads xhat = h * rstd as it is), xhat rounded to T before the weight multiply (T5's cast), and
+// the gradient's mean(g) term dropped.
+//
 // Compiled once per ISA level into fastformer::<level> (isa.h); add_layer_norm.cpp checks the
 // arguments and calls the chosen level.
 #include <ATen/ATen.h>
@@ -16,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <tuple>
+#include <type_traits>
 
 #include "add_layer_norm.h"
 #include "dropout_scales.h"
@@ -41,6 +47,17 @@ const acc_t<T>* widen_param(const T* p, int64_t C, std::unique_ptr<acc_t<T>[]>& 
   }
 }
 
+// v rounded to T's precision and widened back (T5's cast of the normalised value); a no-op when T
+// is the accumulation type.
+template <typename T>
+inline AccVec<T> round_to(const AccVec<T>& v) {
+  if constexpr (std::is_same_v<T, acc_t<T>>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
 // One row of the forward. keep: the row's dropout factors or nullptr; res, xb: nullptr without a
 // residual, an x_bias. Every pointer and flag is a by-value argument, so the compiler keeps them in
 // registers across the vector stores.
@@ -48,7 +65,7 @@ template <typename T>
 inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
                                    const acc_t<T>* keep, const acc_t<T>* w, const acc_t<T>* b,
                                    T* hr, T* yr, int64_t C, acc_t<T> eps, acc_t<T>* mean,
-                                   acc_t<T>* rstd) {
+                                   acc_t<T>* rstd, bool rms) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
@@ -62,7 +79,7 @@ inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
     v = store_rounded(hr + j, v, n);
     sum = sum + v;  // lanes past n are 0
   });
-  const A mu = hsum(sum) / static_cast<A>(C);
+  const A mu = rms ? A(0) : hsum(sum) / static_cast<A>(C);
   const V vmu(mu);
   V sq(A(0));
   vec_loop<W>(C, [&](int64_t j, int64_t n) {
@@ -73,7 +90,8 @@ inline void add_layer_norm_fwd_row(const T* xr, const T* rr, const acc_t<T>* xb,
   const A rs = static_cast<A>(1) / std::sqrt(hsum(sq) / static_cast<A>(C) + eps);
   const V vrs(rs);
   vec_loop<W>(C, [&](int64_t j, int64_t n) {
-    const V xhat = (load(hr + j, n) - vmu) * vrs;
+    V xhat = (load(hr + j, n) - vmu) * vrs;
+    if (rms) xhat = round_to<T>(xhat);
     store(yr + j, at::vec::fmadd(xhat, V::loadu(w + j, n), V::loadu(b + j, n)), n);
   });
   *mean = mu;
@@ -84,7 +102,7 @@ template <typename T>
 void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T* bias,
                              const T* x_bias, T* y, T* h, acc_t<T>* mean, acc_t<T>* rstd, int64_t N,
                              int64_t C, double eps, double dropout_p, uint64_t seed,
-                             uint64_t offset) {
+                             uint64_t offset, bool rms) {
   using A = acc_t<T>;
   const DropoutParams dp = dropout_params(dropout_p);
   std::unique_ptr<A[]> wbuf, bbuf, xbbuf;
@@ -99,19 +117,19 @@ void add_layer_norm_fwd_rows(const T* x, const T* res, const T* weight, const T*
       if (keep) dropout.fill(keep, 0, C, dropout_row_counter(offset, row, C));
       add_layer_norm_fwd_row<T>(x + row * C, res ? res + row * C : nullptr, xb, keep, w, b,
                                 h + row * C, y + row * C, C, static_cast<A>(eps), mean + row,
-                                rstd + row);
+                                rstd + row, rms);
     }
   });
 }
 
 // One row of the backward: dh_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dh] with
-// g = dy * weight; dx = dh_total * keep, dresidual = dh_total; dw_sum += dy * xhat, db_sum += dy,
+// g = dy * weight (RMSNorm: without the mean(g) term); dx = dh_total * keep, dresidual = dh_total; dw_sum += dy * xhat, db_sum += dy,
 // dxb_sum (when not nullptr) += dx.
 template <typename T>
 inline void add_layer_norm_bwd_row(const T* hr, const T* dyr, const T* dhr, const acc_t<T>* keep,
                                    const acc_t<T>* w, acc_t<T> mu, acc_t<T> rs, T* dxr, T* drr,
                                    acc_t<T>* dw_sum, acc_t<T>* db_sum, acc_t<T>* dxb_sum,
-                                   int64_t C) {
+                                   int64_t C, bool rms) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
@@ -128,7 +146,7 @@ inline void add_layer_norm_bwd_row(const T* hr, const T* dyr, const T* dhr, cons
     (V::loadu(db_sum + j, n) + dyv).store(db_sum + j, n);
   });
   const A inv_c = static_cast<A>(1) / static_cast<A>(C);
-  const V c1(hsum(sum_g) * inv_c), c2(hsum(sum_gx) * inv_c);
+  const V c1(rms ? A(0) : hsum(sum_g) * inv_c), c2(hsum(sum_gx) * inv_c);
   // sweep 2: dx and dresidual
   vec_loop<W>(C, [&](int64_t j, int64_t n) {
     const V xhat = (load(hr + j, n) - vmu) * vrs;
@@ -146,7 +164,7 @@ template <typename T>
 void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weight,
                              const acc_t<T>* mean, const acc_t<T>* rstd, T* dx, T* dres, T* dweight,
                              T* dbias, T* dx_bias, int64_t N, int64_t C, double dropout_p,
-                             uint64_t seed, uint64_t offset) {
+                             uint64_t seed, uint64_t offset, bool rms) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   constexpr int64_t W = V::size();
@@ -172,7 +190,7 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
         add_layer_norm_bwd_row<T>(h + row * C, dy + row * C, dh ? dh + row * C : nullptr, keep, w,
                                   mean[row], rstd[row],
                                   dx + row * C, dres ? dres + row * C : nullptr, dw_sum,
-                                  dw_sum + C, dx_bias ? dw_sum + 2 * C : nullptr, C);
+                                  dw_sum + C, dx_bias ? dw_sum + 2 * C : nullptr, C, rms);
       }
     }
   });
@@ -195,7 +213,7 @@ void add_layer_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual,
                                const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& x_bias, at::Tensor& y, at::Tensor& h,
                                at::Tensor& mean, at::Tensor& rstd, double eps, double dropout_p,
-                               uint64_t seed, uint64_t offset) {
+                               uint64_t seed, uint64_t offset, bool rms_norm) {
   const int64_t N = x.size(0), C = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_layer_norm_fwd", [&] {
     add_layer_norm_fwd_rows<scalar_t>(
@@ -203,7 +221,7 @@ void add_layer_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual,
         weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
         x_bias.defined() ? x_bias.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
         h.data_ptr<scalar_t>(), mean.data_ptr<acc_t<scalar_t>>(), rstd.data_ptr<acc_t<scalar_t>>(), N, C, eps,
-        dropout_p, seed, offset);
+        dropout_p, seed, offset, rms_norm);
   });
 }
 
@@ -211,7 +229,7 @@ void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const
                                const at::Tensor& weight, const at::Tensor& mean,
                                const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dres,
                                at::Tensor& dweight, at::Tensor& dbias, at::Tensor& dx_bias,
-                               double dropout_p, uint64_t seed, uint64_t offset) {
+                               double dropout_p, uint64_t seed, uint64_t offset, bool rms_norm) {
   const int64_t N = h.size(0), C = h.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_layer_norm_bwd", [&] {
     add_layer_norm_bwd_rows<scalar_t>(
@@ -220,7 +238,7 @@ void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const
         rstd.data_ptr<acc_t<scalar_t>>(), dx.data_ptr<scalar_t>(),
         dres.numel() > 0 ? dres.data_ptr<scalar_t>() : nullptr, dweight.data_ptr<scalar_t>(),
         dbias.data_ptr<scalar_t>(), dx_bias.defined() ? dx_bias.data_ptr<scalar_t>() : nullptr, N,
-        C, dropout_p, seed, offset);
+        C, dropout_p, seed, offset, rms_norm);
   });
 }
 

@@ -18,7 +18,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-    const at::Tensor& bias, double eps, double dropout_p, const at::Tensor& philox) {
+    const at::Tensor& bias, double eps, double dropout_p, const at::Tensor& philox, bool rms_norm) {
   constexpr const char* op = "add_layer_norm_fwd";
   const bool has_res =
       checks::check_add_layer_norm_fwd(kFfBackend, op, x, residual, weight, bias, eps, dropout_p);
@@ -33,14 +33,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd_cu
       x.const_data_ptr(), has_res ? residual->const_data_ptr() : nullptr, weight.const_data_ptr(),
       bias.const_data_ptr(), y.data_ptr(), h.data_ptr(), mean.data_ptr<float>(),
       rstd.data_ptr<float>(), N, C, ff_dtype_code(x, "x", op), eps, dropout_p, rng.seed,
-      rng.offset, rng.ptr, ff_stream(x)));
+      rng.offset, rng.ptr, ff_stream(x), rms_norm));
   return {y, h, mean, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cuda(
     const at::Tensor& dy, const c10::optional<at::Tensor>& dh, const at::Tensor& h,
     const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
-    const at::Tensor& philox, bool has_residual) {
+    const at::Tensor& philox, bool has_residual, bool rms_norm) {
   constexpr const char* op = "add_layer_norm_bwd";
   const bool has_dh =
       checks::check_add_layer_norm_bwd(kFfBackend, op, dy, dh, h, weight, mean, rstd, dropout_p);
@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd_cu
       weight.const_data_ptr(), mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
       dx.data_ptr(), separate_dres ? dres.data_ptr() : nullptr, dweight.data_ptr(),
       dbias.data_ptr(), partial.data_ptr<float>(), parts, N, C, ff_dtype_code(h, "h", op),
-      dropout_p, rng.seed, rng.offset, rng.ptr, ff_stream(h)));
+      dropout_p, rng.seed, rng.offset, rng.ptr, ff_stream(h), rms_norm));
   return {dx, dres, dweight, dbias};
 }
 

@@ -11,7 +11,8 @@
 //
 // Forward: h = residual + dropout(x) is formed in fp32, rounded to T and stored; mean and the
 // variance (two passes, fp32) come from the stored h re-read by the same thread (L1 / L2), then
-// y = (h - mean) * rstd * weight + bias.
+// y = (h - mean) * rstd * weight + bias. RMSNorm (rms): mean taken (and written) as 0, and
+// (h * rstd) rounded to T before the weight multiply (T5's cast); its backward drops the mean(g) term.
 // Backward: pass 1 the row sums of g = dy * weight and g * xhat, pass 2 dx (and dresidual).
 // dweight / dbias: the grid is sized from the SM count (add_layer_norm_bwd_parts: enough blocks to
 // fill every SM, no more, since each block costs one partial row); every thread keeps the fp32
@@ -136,7 +137,8 @@ __global__ void add_layer_norm_fwd_kernel(const T* __restrict__ x,         // (N
                                           uint32_t threshold,  // Philox v2 T (0: keep all)
                                           float scale,         // 1 / (1 - p)
                                           uint64_t seed, uint64_t offset,
-                                          const int64_t* __restrict__ philox) {  // device (seed, offset) or null
+                                          const int64_t* __restrict__ philox,  // device (seed, offset) or null
+                                          bool rms) {  // RMSNorm
   __shared__ float red[kFfWarpSize];
   if (drop) ff_philox_resolve(philox, seed, offset);
   const RowSplit s = row_split<kWarpRow>();
@@ -167,7 +169,8 @@ __global__ void add_layer_norm_fwd_kernel(const T* __restrict__ x,         // (N
 #pragma unroll
       for (int j = 0; j < kUnit; ++j) sum += v[j];  // 0 past C
     }
-    const float mu = row_sum<kWarpRow>(sum, red) * inv_c;
+    float mu = row_sum<kWarpRow>(sum, red) * inv_c;  // (every thread reduces: a block-wide barrier)
+    if (rms) mu = 0.0f;
     float sq = 0.0f;
     for (int64_t u = s.t; u < G; u += s.P) {
       const int64_t c = u * kUnit;
@@ -187,7 +190,11 @@ __global__ void add_layer_norm_fwd_kernel(const T* __restrict__ x,         // (N
       load8<T, kVec>(weight, c, C, w);
       load8<T, kVec>(bias, c, C, b);
 #pragma unroll
-      for (int j = 0; j < kUnit; ++j) v[j] = fmaf((v[j] - mu) * rs, w[j], b[j]);
+      for (int j = 0; j < kUnit; ++j) {
+        float xn = (v[j] - mu) * rs;
+        if (rms) xn = ff_to_float(ff_from_float<T>(xn));  // T5's cast; a no-op for float
+        v[j] = fmaf(xn, w[j], b[j]);
+      }
       store8<T, kVec>(y + base, c, C, v);
     }
     if (s.t == 0) {
@@ -236,7 +243,8 @@ __global__ void __launch_bounds__(kWarpRow ? kWarpRowThreads : 512, kWarpRow ? 3
                                           float* __restrict__ partial,   // (gridDim.x, 2, C) out
                                           int64_t N, int64_t C, bool drop, uint32_t threshold,
                                           float scale, uint64_t seed, uint64_t offset,
-                                          const int64_t* __restrict__ philox) {  // device (seed, offset) or null
+                                          const int64_t* __restrict__ philox,  // device (seed, offset) or null
+                                          bool rms) {  // RMSNorm: no mean(g) term
   __shared__ float red[kFfWarpSize];
   if (drop) ff_philox_resolve(philox, seed, offset);
   const RowSplit s = row_split<kWarpRow>();
@@ -284,7 +292,8 @@ __global__ void __launch_bounds__(kWarpRow ? kWarpRowThreads : 512, kWarpRow ? 3
         store8<float, kVec>(db_part, c, C, pb);
       }
     }
-    const float c1 = row_sum<kWarpRow>(sum_g, red) * inv_c;
+    float c1 = row_sum<kWarpRow>(sum_g, red) * inv_c;  // (every thread reduces: a block-wide barrier)
+    if (rms) c1 = 0.0f;
     const float c2 = row_sum<kWarpRow>(sum_gx, red) * inv_c;
     // pass 2: dh_total = rstd * (g - c1 - xhat * c2) [+ dh]; dx = dh_total * keep * scale
     for (int64_t u = s.t; u < G; u += s.P) {
@@ -397,26 +406,26 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <typename T, bool kVec, bool kWarpRow>
 void fwd(const void* x, const void* res, const void* w, const void* b, void* y, void* h,
          float* mean, float* rstd, int64_t N, int64_t C, float eps, uint32_t threshold,
-         float scale, uint64_t seed, uint64_t offset, const int64_t* philox, void* stream) {
+         float scale, uint64_t seed, uint64_t offset, const int64_t* philox, void* stream, bool rms) {
   auto* kernel = &add_layer_norm_fwd_kernel<T, kVec, kWarpRow>;
   const bool drop = scale != 1.0f || threshold != 0u;
   FF_LAUNCH(kernel, dim3(ff_grid_blocks(N, rows_per_block(C))), dim3(row_threads(C)), 0, stream,
             static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w),
             static_cast<const T*>(b), static_cast<T*>(y), static_cast<T*>(h), mean, rstd, N, C,
-            eps, drop, threshold, scale, seed, offset, philox);
+            eps, drop, threshold, scale, seed, offset, philox, rms);
 }
 
 template <typename T, bool kVec, bool kWarpRow>
 void bwd(const void* dy, const void* dh, const void* h, const void* w, const float* mean,
          const float* rstd, void* dx, void* dres, float* partial, int64_t parts, int64_t N,
          int64_t C, uint32_t threshold, float scale, uint64_t seed, uint64_t offset,
-         const int64_t* philox, void* stream) {
+         const int64_t* philox, void* stream, bool rms) {
   auto* kernel = &add_layer_norm_bwd_kernel<T, kVec, kWarpRow>;
   const bool drop = scale != 1.0f || threshold != 0u;
   FF_LAUNCH(kernel, dim3(static_cast<unsigned>(parts)), dim3(row_threads(C)),
             0, stream, static_cast<const T*>(dy), static_cast<const T*>(dh),
             static_cast<const T*>(h), static_cast<const T*>(w), mean, rstd, static_cast<T*>(dx),
-            static_cast<T*>(dres), partial, N, C, drop, threshold, scale, seed, offset, philox);
+            static_cast<T*>(dres), partial, N, C, drop, threshold, scale, seed, offset, philox, rms);
 }
 
 }  // namespace
@@ -425,7 +434,7 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
                                       const void* bias, void* y, void* h, float* mean, float* rstd,
                                       int64_t N, int64_t C, int dtype, double eps,
                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                      const int64_t* philox, void* stream) {
+                                      const int64_t* philox, void* stream, bool rms_norm) {
   if (N <= 0 || C <= 0) return nullptr;
   const uint32_t threshold = ff_dropout_threshold(dropout_p);
   const float scale = static_cast<float>(1.0 / (1.0 - dropout_p));
@@ -434,13 +443,13 @@ const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const
   const float e = static_cast<float>(eps);
   FF_DISPATCH_DTYPE(dtype, T, {
     if (vec && warp_rows(C)) {
-      fwd<T, true, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
+      fwd<T, true, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream, rms_norm);
     } else if (vec) {
-      fwd<T, true, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
+      fwd<T, true, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream, rms_norm);
     } else if (warp_rows(C)) {
-      fwd<T, false, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
+      fwd<T, false, true>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream, rms_norm);
     } else {
-      fwd<T, false, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream);
+      fwd<T, false, false>(x, residual, weight, bias, y, h, mean, rstd, N, C, e, threshold, scale, seed, offset, philox, stream, rms_norm);
     }
   });
   return ff_last_error();
@@ -473,7 +482,7 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                                       void* dx, void* dresidual, void* dweight, void* dbias,
                                       float* partial, int64_t parts, int64_t N, int64_t C,
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
-                                      const int64_t* philox, void* stream) {
+                                      const int64_t* philox, void* stream, bool rms_norm) {
   if (C <= 0) return nullptr;
   if (parts != add_layer_norm_bwd_parts(N, C)) {
     return "launch_add_layer_norm_bwd: parts must be add_layer_norm_bwd_parts(N, C)";
@@ -484,13 +493,13 @@ const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void
                    aligned16(weight) && aligned16(dx) && aligned16(dresidual) && aligned16(partial);
   FF_DISPATCH_DTYPE(dtype, T, {
     if (vec && warp_rows(C)) {
-      bwd<T, true, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
+      bwd<T, true, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream, rms_norm);
     } else if (vec) {
-      bwd<T, true, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
+      bwd<T, true, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream, rms_norm);
     } else if (warp_rows(C)) {
-      bwd<T, false, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
+      bwd<T, false, true>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream, rms_norm);
     } else {
-      bwd<T, false, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream);
+      bwd<T, false, false>(dy, dh, h, weight, mean, rstd, dx, dresidual, partial, parts, N, C, threshold, scale, seed, offset, philox, stream, rms_norm);
     }
     if (const char* err = ff_last_error()) return err;
     auto* sum = &add_layer_norm_partial_sum_kernel<T>;

@@ -69,12 +69,13 @@ const char* launch_cross_entropy_reduce(const float* loss_rows, int64_t n, const
 // mean / rstd (N,) fp32. 128-bit vector loads are used where every row start is 16-byte aligned.
 // Forward: h = residual + dropout(x) (dropout(x) when residual is null; Philox v2 with rows of C
 // columns), rounded to the dtype and stored; mean / rstd from the stored h;
-// y = (h - mean) * rstd * weight + bias.
+// y = (h - mean) * rstd * weight + bias. rms_norm: RMSNorm, mean = 0 (written as 0), rstd from
+// mean(h^2), (h * rstd) rounded to the dtype before the weight multiply (T5's cast).
 const char* launch_add_layer_norm_fwd(const void* x, const void* residual, const void* weight,
                                       const void* bias, void* y, void* h, float* mean, float* rstd,
                                       int64_t N, int64_t C, int dtype, double eps,
                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                      const int64_t* philox, void* stream);
+                                      const int64_t* philox, void* stream, bool rms_norm);
 // The backward's blocks for N rows of C on the current device (sized from its SM count), one
 // partial dweight / dbias row each: the workspace is (parts, 2, C) fp32.
 int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C);
@@ -83,13 +84,13 @@ int64_t add_layer_norm_bwd_parts(int64_t N, int64_t C);
 //   dx = dh_total * keep * scale, dresidual = dh_total (written only when dresidual is not null),
 //   dweight = sum over rows of dy * xhat, dbias = sum of dy: each block's sums (kept in registers
 //   over its rows) into its row of partial (parts, 2, C), then the parts reduced per column as a
-//   tree in a fixed order (deterministic, no atomics).
+//   tree in a fixed order (deterministic, no atomics). rms_norm: without the mean(g) term.
 const char* launch_add_layer_norm_bwd(const void* dy, const void* dh, const void* h,
                                       const void* weight, const float* mean, const float* rstd,
                                       void* dx, void* dresidual, void* dweight, void* dbias,
                                       float* partial, int64_t parts, int64_t N, int64_t C,
                                       int dtype, double dropout_p, uint64_t seed, uint64_t offset,
-                                      const int64_t* philox, void* stream);
+                                      const int64_t* philox, void* stream, bool rms_norm);
 
 // ---- embedding (csrc/cuda/embedding.cu)
 // out (N, D) = (weight[ids] * scale + positional[positions]) * keep / (1 - p), Philox v2 over rows

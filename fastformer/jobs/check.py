@@ -64,11 +64,11 @@ def _varlen_case(H, D, lengths_q, lengths_k, causal):
     return Case(f"H{H} D{D} lengths {lengths_q} x {lengths_k}{' causal' if causal else ''}", make)
 
 
-def _aln_case(N, C, prenorm):
+def _aln_case(N, C, prenorm, rms_norm=False):
     def make(gen):
         return [_rand(gen, N, C), _rand(gen, N, C), 1 + _rand(gen, C, scale=0.1), _rand(gen, C, scale=0.1)], \
-            {"prenorm": prenorm}
-    return Case(f"{N}x{C}{' prenorm' if prenorm else ''}", make)
+            {"prenorm": prenorm, "rms_norm": rms_norm}
+    return Case(f"{N}x{C}{' prenorm' if prenorm else ''}{' rms_norm' if rms_norm else ''}", make)
 
 
 def _ff_case(N, E, F, activation):
@@ -149,6 +149,7 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
     ]),
     "add_layer_norm": (ops.add_layer_norm, reference.add_layer_norm, [
         _aln_case(7, 1023, False), _aln_case(16, 64, False), _aln_case(5, 333, True),
+        _aln_case(7, 1023, False, rms_norm=True), _aln_case(3, 4097, True, rms_norm=True),
     ]),
     "feed_forward": (ops.feed_forward, reference.feed_forward, [
         _ff_case(7, 40, 111, "relu"), _ff_case(16, 64, 256, "gelu"), _ff_case(1, 33, 65, "gelu"),

@@ -5,10 +5,10 @@ same constructor and forward arguments and has the same parameters and ``state_d
 keys, so checkpoints move freely between the two. :func:`fastformer.convert` swaps the
 torch modules of an existing model for these twins.
 """
-from .layer_norm import LayerNorm
+from .layer_norm import LayerNorm, RMSNorm
 from .multihead_attention import MultiheadAttention
 from .transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                           TransformerEncoderLayer)
 
 __all__ = ["MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-           "TransformerDecoder", "Transformer", "LayerNorm"]
+           "TransformerDecoder", "Transformer", "LayerNorm", "RMSNorm"]

@@ -17,9 +17,9 @@ _GPU_FACTS = ("hidden_size", "rows", "dropout")
 
 def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                    bias: Optional[torch.Tensor], eps: float = 1e-5, dropout_p: float = 0.0, *,
-                   prenorm: bool = False,
-                   x_bias: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Fused dropout + residual add + LayerNorm over the last dimension.
+                   prenorm: bool = False, x_bias: Optional[torch.Tensor] = None,
+                   rms_norm: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Fused dropout + residual add + LayerNorm (or RMSNorm) over the last dimension.
 
     Post-LN (default): returns ``LayerNorm(residual + dropout(x))``.
     Pre-LN (``prenorm=True``): returns ``(LayerNorm(h), h)`` with ``h = residual + dropout(x)``,
@@ -34,16 +34,22 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
         x_bias: ``(C,)`` or None: the bias of the linear layer that produced x, added to x before
             the dropout. Passing it instead of adding it in the layer spares the layer's own bias
             pass (``nn.Linear`` copies its bias over the output, and sums its gradient).
+        rms_norm: RMSNorm instead of LayerNorm (T5LayerNorm, LlamaRMSNorm): ``y = weight *
+            round(h * rstd) (+ bias)`` with ``rstd = 1 / sqrt(mean(h^2) + eps)``, no mean; ``round``
+            is T5's cast of the normalised value to the input dtype (bf16 / fp16; a no-op in fp32).
+            The bias is allowed (added after the weight multiply, as in FlashAttention's RMSNorm);
+            T5 and LLaMA pass None.
 
     Statistics are computed in fp32 for every input dtype; under ``torch.autocast`` the
     inputs are cast to the autocast dtype.
     """
-    if (weight is not None and bias is not None and fast.plain(x, residual, weight, bias, x_bias)
-            and fast.number(eps) and fast.number(dropout_p) and prenorm.__class__ is bool and fast.ready()):
-        out = fast.attempt(_fast, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
+    if (weight is not None and (bias is not None or rms_norm is True) and fast.plain(x, residual, weight, bias, x_bias)
+            and fast.number(eps) and fast.number(dropout_p) and prenorm.__class__ is bool
+            and rms_norm.__class__ is bool and fast.ready()):
+        out = fast.attempt(_fast, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
         if out is not None:
             return out
-    return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias)
+    return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
 
 
 def _kernels(x, device, dtype, C, dropout_p):
@@ -54,25 +60,29 @@ def _kernels(x, device, dtype, C, dropout_p):
     return backends.select_cached("add_layer_norm", device, dtype, None, _FACTS, (C,))
 
 
-def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
+def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
     """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
     None where the call is the checked path's."""
     shape, dt, dev = x.shape, x.dtype, x.device
     C = shape[-1] if shape else 0
-    if (not C or weight.dtype is not dt or bias.dtype is not dt
+    if (not C or weight.dtype is not dt or (bias is not None and bias.dtype is not dt)
             or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(dev, residual, weight, bias, x_bias)):
         return None  # (the checked path casts parameters to x's dtype)
     kernels = _kernels(x, dev, dt, C, dropout_p)
     op = kernels.add_layer_norm if kernels is not None else None
     if op is None:
         return None
+    if bias is None:  # RMSNorm without a bias (T5, LLaMA): the kernels add zeros, as the checked path's
+        if weight.dim() != 1:
+            return None  # (the checked path words it)
+        bias = torch.zeros(C, dtype=dt, device=dev)
     # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node
     y, h = op(x, residual, weight, bias, eps, dropout_p, prenorm, philox.draw(dropout_p, dev),
-              x_bias.contiguous() if x_bias is not None else None)
+              x_bias.contiguous() if x_bias is not None else None, rms_norm)
     return (y, h) if prenorm else y
 
 
-def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
+def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm=False):
     validation.tensor("x", x, min_ndim=1, floating=True)
     validation.nonempty_dim("x", x, -1, "the hidden size C normalised over")
     C = x.shape[-1]
@@ -85,6 +95,7 @@ def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
             validation.shape(name, p, (C,), "(C,) with C = x.shape[-1]")
     validation.same_device(x=x, residual=residual, weight=weight, bias=bias, x_bias=x_bias)
     prenorm = validation.flag("prenorm", prenorm)
+    rms_norm = validation.flag("rms_norm", rms_norm)
     dropout_p = validation.probability("dropout_p", dropout_p)
     eps = validation.positive("eps", eps)
 
@@ -94,7 +105,8 @@ def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
 
     kernels = _kernels(x, x.device, x.dtype, C, dropout_p)
     if kernels is None:
-        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm, x_bias=x_bias)
+        return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm=prenorm, x_bias=x_bias,
+                                        rms_norm=rms_norm)
     shape = x.shape
     w = weight if weight is not None else torch.ones(C, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else torch.zeros(C, dtype=x.dtype, device=x.device)
@@ -103,10 +115,10 @@ def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias):
     with validation.autocast_off(x.device):
         if kernels.add_layer_norm is not None and eager():  # the backward in C++; it takes x's rows itself
             y, h = kernels.add_layer_norm(x, residual, w, b, eps, dropout_p, prenorm,
-                                          philox.draw(dropout_p, x.device), xb)
+                                          philox.draw(dropout_p, x.device), xb, rms_norm)
         else:  # on (N, C) rows
             y, h = AddLayerNormFunction.apply(as_rows(x, C), as_rows(residual, C) if residual is not None else None,
-                                              w, b, eps, dropout_p, bool(prenorm), kernels, xb)
+                                              w, b, eps, dropout_p, bool(prenorm), kernels, xb, rms_norm)
     if prenorm:
         return as_shape(y, shape), as_shape(h, shape)
     return as_shape(y, shape)

@@ -148,13 +148,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenorm=False, rng=None,
-                   x_bias=None):
+                   x_bias=None, rms_norm=False):
     """Post-LN ``LayerNorm(residual + dropout(x + x_bias))`` over the last dimension.
 
     ``residual`` may be None (then ``h = dropout(x)``); ``weight``/``bias`` may be None
     (no affine); ``x_bias`` (the bias of the linear layer that produced x) may be None.
     With ``prenorm=True`` returns ``(LayerNorm(h), h)`` with ``h = residual + dropout(x)``,
     so a pre-LN block can reuse ``h`` as its next residual.
+
+    ``rms_norm=True``: RMSNorm instead (T5LayerNorm, LlamaRMSNorm): no mean, ``rstd = 1 /
+    sqrt(mean(h^2) + eps)`` in fp32 (fp64 for fp64), ``xhat = h * rstd`` rounded to x's dtype (T5's
+    cast before the weight multiply; a no-op in fp32 / fp64), then ``weight * xhat (+ bias)`` rounded
+    once. A bias is allowed (added after the weight multiply, as FlashAttention's RMSNorm does).
     """
     h = x if x_bias is None else x + x_bias
     if dropout_p > 0.0:
@@ -163,9 +168,13 @@ def add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, *, prenor
     if residual is not None:
         h = h + residual
     hf = h.to(torch.promote_types(h.dtype, torch.float32))
-    mean = hf.mean(dim=-1, keepdim=True)
-    var = ((hf - mean) ** 2).mean(dim=-1, keepdim=True)
-    y = (hf - mean) * torch.rsqrt(var + eps)
+    if rms_norm:
+        y = hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        y = y.to(x.dtype).to(hf.dtype)  # T5's cast of the normalised value (identity for autograd)
+    else:
+        mean = hf.mean(dim=-1, keepdim=True)
+        var = ((hf - mean) ** 2).mean(dim=-1, keepdim=True)
+        y = (hf - mean) * torch.rsqrt(var + eps)
     if weight is not None:
         y = y * weight.to(hf.dtype)
     if bias is not None:

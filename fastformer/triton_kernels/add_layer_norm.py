@@ -10,6 +10,9 @@ SPLIT_BLOCK_C`` a row and the two full-row accumulators no longer fit the 64 reg
 1024-thread program gets: there ``_add_layer_norm_bwd_chunked`` walks each row in column chunks
 twice (the row sums, then dx chunk by chunk) and ``_add_layer_norm_bwd_part`` (one program per
 column block and block of rows) fills the same partials buffer from dy, h and the row statistics.
+RMSNorm (``RMS_NORM``, the ops' ``rms_norm``): no mean (Mean is written as 0, so the backward's
+``(h - mean) * rstd`` is RMSNorm's xhat), ``rstd`` from ``mean(h^2)``, ``h * rstd`` rounded to the
+output dtype before the weight multiply (T5's cast), and the gradient's ``mean(w * dy)`` term dropped.
 Dropout is fastformer/philox.py's with rows of ``C`` columns: element ``(row, col)`` takes its 16 bits
 from the Philox call on counter ``offset + row * ceil(C / 8) + col // 8``; the backward regenerates the
 forward's mask from ``(seed, offset)``: the ops' ``philox`` tensor, loaded by each program where it
@@ -99,6 +102,7 @@ def _add_layer_norm_fwd(
     HAS_RESIDUAL: tl.constexpr,  # add R
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
     BLOCK_C: tl.constexpr,  # next power of two >= max(C, 8)
+    RMS_NORM: tl.constexpr = False,  # RMSNorm: no mean, xhat rounded to Y's dtype
 ):
     seed, offset = load_philox(Philox, seed, offset)
     row = tl.program_id(0).to(tl.int64)
@@ -114,13 +118,20 @@ def _add_layer_norm_fwd(
     h_out = h.to(H.dtype.element_ty)
     tl.store(H + idx, h_out, mask=mask)
     h = h_out.to(tl.float32)  # the statistics of the h that is stored (and that backward sees)
-    mean = tl.sum(h, axis=0) / C
-    diff = tl.where(mask, h - mean, 0.0)
+    if RMS_NORM:
+        mean = 0.0
+        diff = h  # 0 past C
+    else:
+        mean = tl.sum(h, axis=0) / C
+        diff = tl.where(mask, h - mean, 0.0)
     var = tl.sum(diff * diff, axis=0) / C
     rstd = 1.0 / tl.sqrt(var + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    y = diff * rstd * w + b
+    xn = diff * rstd
+    if RMS_NORM:
+        xn = xn.to(Y.dtype.element_ty).to(tl.float32)  # T5's cast (exact for fp32)
+    y = xn * w + b
     tl.store(Y + idx, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
@@ -150,6 +161,7 @@ def _add_layer_norm_bwd(
     HAS_DROPOUT: tl.constexpr,  # dx = dropout'(gradient of h)
     STORE_DRES: tl.constexpr,  # write the gradient of h to DRes
     BLOCK_C: tl.constexpr,  # next power of two >= max(C, 8)
+    RMS_NORM: tl.constexpr = False,  # RMSNorm: no mean(w * dy) term (Mean holds zeros)
 ):
     RELOAD: tl.constexpr = BLOCK_C == 4096  # loaded once it spills 4 B at 16 warps on sm_80 (reloaded: 36 B at 8192)
     if not RELOAD:
@@ -170,7 +182,10 @@ def _add_layer_norm_bwd(
         xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         wdy = w * dy
         c1 = tl.sum(xhat * wdy, axis=0) / C
-        c2 = tl.sum(wdy, axis=0) / C
+        if RMS_NORM:
+            c2 = 0.0
+        else:
+            c2 = tl.sum(wdy, axis=0) / C
         dh = (wdy - (xhat * c1 + c2)) * rstd
         _store_dh_dx(dh, idx, mask, DHIn, DRes, DX, Philox, seed, offset, row, C, 0, drop_threshold, drop_scale,
                      HAS_DH, HAS_DROPOUT, STORE_DRES, BLOCK_C, RELOAD)
@@ -201,6 +216,7 @@ def _add_layer_norm_bwd_chunked(
     HAS_DROPOUT: tl.constexpr,  # dx = dropout'(gradient of h)
     STORE_DRES: tl.constexpr,  # write the gradient of h to DRes
     CHUNK_C: tl.constexpr,  # columns per step, a multiple of 8 (whole Philox groups)
+    RMS_NORM: tl.constexpr = False,  # RMSNorm: no mean(w * dy) term (Mean holds zeros)
 ):
     """_add_layer_norm_bwd's dx / dres for rows too wide for registers: a first pass over the
     row's column chunks sums ``xhat * w * dy`` and ``w * dy``, a second recomputes each chunk
@@ -223,7 +239,10 @@ def _add_layer_norm_bwd_chunked(
             s_xw += tl.where(mask, (h - mean) * rstd, 0.0) * wdy
             s_w += wdy
         c1 = tl.sum(s_xw, axis=0) / C
-        c2 = tl.sum(s_w, axis=0) / C
+        if RMS_NORM:
+            c2 = 0.0
+        else:
+            c2 = tl.sum(s_w, axis=0) / C
         for c0 in range(0, C, CHUNK_C):  # pass 2: the gradients, chunk by chunk
             cols = c0 + offs
             mask = cols < C
@@ -326,8 +345,8 @@ def _check_x(x: torch.Tensor, name: str = "x") -> Tuple[int, int]:
 
 @on_device_of_first_tensor
 def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                             bias: torch.Tensor, eps: float, dropout_p: float,
-                             philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                             bias: torch.Tensor, eps: float, dropout_p: float, philox: torch.Tensor,
+                             rms_norm: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(x)
     has_dropout, threshold, scale = dropout_args(dropout_p)
     rng = philox_args(philox, x.device, "add_layer_norm_fwd", has_dropout)
@@ -345,7 +364,7 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
     kernel(_add_layer_norm_fwd)[(N,)](
         x, residual if residual is not None else x, weight, bias, y, h, mean, rstd,
         C, eps, *rng, threshold, scale,
-        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=has_dropout, BLOCK_C=block_c,
+        HAS_RESIDUAL=residual is not None, HAS_DROPOUT=has_dropout, BLOCK_C=block_c, RMS_NORM=bool(rms_norm),
         num_warps=_num_warps(block_c), num_stages=1)
     return y, h, mean, rstd
 
@@ -353,8 +372,8 @@ def _add_layer_norm_fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], 
 @on_device_of_first_tensor
 def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
                              weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                             dropout_p: float, philox: torch.Tensor,
-                             has_residual: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                             dropout_p: float, philox: torch.Tensor, has_residual: bool,
+                             rms_norm: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     N, C = _check_x(h, "h")
     has_dropout, threshold, scale = dropout_args(dropout_p)
     rng = philox_args(philox, h.device, "add_layer_norm_bwd", has_dropout)
@@ -376,7 +395,7 @@ def _add_layer_norm_bwd_impl(dy: torch.Tensor, dh: Optional[torch.Tensor], h: to
     db_part = torch.empty((G, C), dtype=torch.float32, device=h.device)
     block_c = next_power_of_2(max(C, 8))  # whole Philox groups of 8 columns
     dh_in, dres_out = dh if dh is not None else dy, dres if store_dres else dx
-    flags = dict(HAS_DH=dh is not None, HAS_DROPOUT=has_dropout, STORE_DRES=store_dres)
+    flags = dict(HAS_DH=dh is not None, HAS_DROPOUT=has_dropout, STORE_DRES=store_dres, RMS_NORM=bool(rms_norm))
     if block_c < SPLIT_BLOCK_C:
         kernel(_add_layer_norm_bwd)[(G,)](
             dy, dh_in, h, weight, mean, rstd, dx, dres_out, dw_part, db_part, N, C, rows_per_program,
@@ -407,46 +426,21 @@ def aot_specs() -> List[dict]:
     picks for it (4 / 8 / 16 / 32 / 32), the flag combination with the most code (residual, dropout, dh, dres), the
     chunked backward and its partials kernel for BLOCK_C >= SPLIT_BLOCK_C, and the dweight/dbias
     reduction. Pointers (fresh torch allocations) and C (a multiple of 16, as
-    hidden sizes are) carry Triton's divisible-by-16 specialisation, as the launcher gives them."""
+    hidden sizes are) carry Triton's divisible-by-16 specialisation, as the launcher gives them.
+    RMSNorm (``RMS_NORM``) is compiled in bf16 (its rounding) at the widest row of each kernel, where
+    registers are scarcest; it uses fewer than LayerNorm elsewhere (no mean)."""
     specs = []
     for dtype, t in _TL_DTYPE.items():
         for block_c in (1024, 2048, 4096, 8192, MAX_C):
             warps = _num_warps(block_c)
-            specs.append(dict(
-                name=f"_add_layer_norm_fwd_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_fwd,
-                signature={"X": f"*{t}", "R": f"*{t}", "W": f"*{t}", "B": f"*{t}", "Y": f"*{t}",
-                           "H": f"*{t}", "Mean": "*fp32", "Rstd": "*fp32", "C": "i32", "eps": "fp32",
-                           "Philox": "*i64", "seed": "i64", "offset": "i64", "drop_threshold": "i32",
-                           "drop_scale": "fp32", "HAS_RESIDUAL": "constexpr",
-                           "HAS_DROPOUT": "constexpr", "BLOCK_C": "constexpr"},
-                constexprs={"HAS_RESIDUAL": True, "HAS_DROPOUT": True, "BLOCK_C": block_c},
-                divisible_by_16=("X", "R", "W", "B", "Y", "H", "Mean", "Rstd", "Philox", "C"),
-                num_warps=warps, num_stages=1))
+            for rms in ((False, True) if t == "bf16" and block_c == MAX_C else (False,)):
+                specs.append(_fwd_spec(t, block_c, warps, rms))
             if block_c >= SPLIT_BLOCK_C:
                 continue  # the backward of wide rows: the chunked kernels below
-            specs.append(dict(
-                name=f"_add_layer_norm_bwd_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_bwd,
-                signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
-                           "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
-                           "DWPart": "*fp32", "DBPart": "*fp32", "N": "i32", "C": "i32",
-                           "rows_per_program": "i32", "Philox": "*i64", "seed": "i64", "offset": "i64",
-                           "drop_threshold": "i32", "drop_scale": "fp32", "HAS_DH": "constexpr",
-                           "HAS_DROPOUT": "constexpr", "STORE_DRES": "constexpr",
-                           "BLOCK_C": "constexpr"},
-                constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True,
-                            "BLOCK_C": block_c},
-                divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "DWPart",
-                                 "DBPart", "Philox", "C"),
-                num_warps=warps, num_stages=1))
-        specs.append(dict(
-            name=f"_add_layer_norm_bwd_chunked_{t}_K{_CHUNK_C}_w{_CHUNK_WARPS}", fn=_add_layer_norm_bwd_chunked,
-            signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
-                       "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
-                       "N": "i32", "C": "i32", "rows_per_program": "i32", "Philox": "*i64", "seed": "i64",
-                       "offset": "i64", "drop_threshold": "i32", "drop_scale": "fp32"},
-            constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True, "CHUNK_C": _CHUNK_C},
-            divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "Philox", "C"),
-            num_warps=_CHUNK_WARPS, num_stages=1))
+            for rms in ((False, True) if t == "bf16" and block_c == SPLIT_BLOCK_C // 2 else (False,)):
+                specs.append(_bwd_spec(t, block_c, warps, rms))
+        for rms in ((False, True) if t == "bf16" else (False,)):
+            specs.append(_bwd_chunked_spec(t, rms))
         specs.append(dict(
             name=f"_add_layer_norm_bwd_part_{t}", fn=_add_layer_norm_bwd_part,
             signature={"DY": f"*{t}", "H": f"*{t}", "Mean": "*fp32", "Rstd": "*fp32",
@@ -463,3 +457,51 @@ def aot_specs() -> List[dict]:
             divisible_by_16=("DWPart", "DBPart", "DW", "DB", "C"),
             num_warps=4, num_stages=1))
     return specs
+
+
+def _rms_suffix(rms: bool) -> str:
+    return "_rms" if rms else ""
+
+
+def _fwd_spec(t: str, block_c: int, warps: int, rms: bool) -> dict:
+    return dict(
+        name=f"_add_layer_norm_fwd{_rms_suffix(rms)}_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_fwd,
+        signature={"X": f"*{t}", "R": f"*{t}", "W": f"*{t}", "B": f"*{t}", "Y": f"*{t}",
+                   "H": f"*{t}", "Mean": "*fp32", "Rstd": "*fp32", "C": "i32", "eps": "fp32",
+                   "Philox": "*i64", "seed": "i64", "offset": "i64", "drop_threshold": "i32",
+                   "drop_scale": "fp32", "HAS_RESIDUAL": "constexpr",
+                   "HAS_DROPOUT": "constexpr", "BLOCK_C": "constexpr", "RMS_NORM": "constexpr"},
+        constexprs={"HAS_RESIDUAL": True, "HAS_DROPOUT": True, "BLOCK_C": block_c, "RMS_NORM": rms},
+        divisible_by_16=("X", "R", "W", "B", "Y", "H", "Mean", "Rstd", "Philox", "C"),
+        num_warps=warps, num_stages=1)
+
+
+def _bwd_spec(t: str, block_c: int, warps: int, rms: bool) -> dict:
+    return dict(
+        name=f"_add_layer_norm_bwd{_rms_suffix(rms)}_{t}_C{block_c}_w{warps}", fn=_add_layer_norm_bwd,
+        signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
+                   "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
+                   "DWPart": "*fp32", "DBPart": "*fp32", "N": "i32", "C": "i32",
+                   "rows_per_program": "i32", "Philox": "*i64", "seed": "i64", "offset": "i64",
+                   "drop_threshold": "i32", "drop_scale": "fp32", "HAS_DH": "constexpr",
+                   "HAS_DROPOUT": "constexpr", "STORE_DRES": "constexpr",
+                   "BLOCK_C": "constexpr", "RMS_NORM": "constexpr"},
+        constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True,
+                    "BLOCK_C": block_c, "RMS_NORM": rms},
+        divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "DWPart",
+                         "DBPart", "Philox", "C"),
+        num_warps=warps, num_stages=1)
+
+
+def _bwd_chunked_spec(t: str, rms: bool) -> dict:
+    return dict(
+        name=f"_add_layer_norm_bwd_chunked{_rms_suffix(rms)}_{t}_K{_CHUNK_C}_w{_CHUNK_WARPS}",
+        fn=_add_layer_norm_bwd_chunked,
+        signature={"DY": f"*{t}", "DHIn": f"*{t}", "H": f"*{t}", "W": f"*{t}",
+                   "Mean": "*fp32", "Rstd": "*fp32", "DX": f"*{t}", "DRes": f"*{t}",
+                   "N": "i32", "C": "i32", "rows_per_program": "i32", "Philox": "*i64", "seed": "i64",
+                   "offset": "i64", "drop_threshold": "i32", "drop_scale": "fp32"},
+        constexprs={"HAS_DH": True, "HAS_DROPOUT": True, "STORE_DRES": True, "CHUNK_C": _CHUNK_C,
+                    "RMS_NORM": rms},
+        divisible_by_16=("DY", "DHIn", "H", "W", "Mean", "Rstd", "DX", "DRes", "Philox", "C"),
+        num_warps=_CHUNK_WARPS, num_stages=1)
