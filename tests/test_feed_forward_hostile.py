@@ -96,7 +96,6 @@ BAD_KERNEL_ARGS = {  # group -> {case: (thunk, text the TORCH_CHECK message must
         # the gated form (w3, b3; pre (N, 2F))
         "w3_shape": (lambda: feed_forward_fwd(w3=_t(10, 7)), "w3 must have shape (F, E)"),
         "w3_dtype": (lambda: feed_forward_fwd(w3=_t(10, 6, dtype=torch.float64)), "w3 must have the dtype of x"),
-        "w3_device": (lambda: feed_forward_fwd(w3=_t(10, 6, device="meta")), "w3"),
         "w3_strided": (lambda: feed_forward_fwd(w3=_strided(10, 6)), "w3 must be contiguous"),
         "b3_without_w3": (lambda: feed_forward_fwd(b3=_t(10)), "b3 was given without w3"),
         "b3_shape": (lambda: feed_forward_fwd(w3=_t(10, 6), b3=_t(6)), "b3 must have shape"),
