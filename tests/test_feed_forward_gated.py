@@ -186,7 +186,8 @@ def test_forward_and_every_gradient(backend, shape, F_, config, dtype):
                           atol=1e-6 + slack(truth_grads[name]))
 
 
-@pytest.mark.parametrize("shape, F_", [((13, 33), 65), ((7, 1), 29), ((1, 40), 1023)], ids=["13x33-F65", "7x1-F29", "1x40-F1023"])
+@pytest.mark.parametrize("shape, F_", [((13, 33), 65), ((7, 1), 29), ((1, 40), 1023)],
+                         ids=["13x33-F65", "7x1-F29", "1x40-F1023"])
 @pytest.mark.parametrize("config", ["geglu_tanh_dropout", "swiglu", "reglu_b1_dropout", "plain_gelu_tanh_dropout"])
 @pytest.mark.parametrize("backend", CPU)
 def test_cpu_float64_is_the_reference(backend, config, shape, F_):
