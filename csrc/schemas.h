@@ -92,17 +92,22 @@ inline void ff_define_schemas(torch::Library& m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // x (N, E); w1 (F, E), b1 (F,), w2 (E, F), b2 (E,), nn.Linear layout. activation
-  // "relu"|"gelu"|"silu" (exact erf gelu; silu x sigmoid(x)). Returns out (N, E) and
-  // pre = x w1^T + b1 (N, F), saved for backward (relu without dropout on CUDA: relu(pre), which
-  // the backward reads the same way).
+  // "relu"|"gelu"|"silu"|"gelu_tanh" (exact erf gelu; silu x sigmoid(x); gelu_tanh the tanh
+  // approximation). Returns out (N, E) and pre = x w1^T + b1 (N, F), saved for backward (relu
+  // without dropout on CUDA: relu(pre), which the backward reads the same way).
+  // Gated (w3 (F, E) given, b3 (F,) or None; last, with defaults: the calls without them are
+  // unchanged): out = dropout(act(x w1^T + b1) * (x w3^T + b3)) w2^T + b2, and pre is (N, 2F), the
+  // gate's then the up projection's pre-activations, [x w1^T + b1 | x w3^T + b3].
   m.def(
       "feed_forward_fwd(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
-      "float dropout_p, Tensor philox) -> (Tensor, Tensor)");
+      "float dropout_p, Tensor philox, Tensor? w3=None, Tensor? b3=None) -> (Tensor, Tensor)");
   // Returns (dx, dw1, db1, dw2, db2); db1 / db2 are empty tensors when has_b1 / has_b2 is false.
+  // Gated (w3 given; pre (N, 2F)): dw1 is (2F, E), [dw1; dw3], and db1 is (2F,), [db1; db3], when
+  // has_b1 or has_b3 (the caller keeps the half it has a bias for), else empty.
   m.def(
       "feed_forward_bwd(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor pre, bool has_b1, "
-      "bool has_b2, str activation, float dropout_p, Tensor philox) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool has_b2, str activation, float dropout_p, Tensor philox, Tensor? w3=None, "
+      "bool has_b3=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // logits (N, V) contiguous, target (N,) int64. loss: () for mean/sum, (N,) for none, in the
   // logits dtype. grad (N, V) = d(loss)/d(logits) for an upstream gradient of 1 (per row for

@@ -92,15 +92,22 @@ FAKES["add_layer_norm_bwd.x_bias"] = add_layer_norm_bwd_x_bias
 
 
 @_fake
-def feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, philox):
-    return _empty(x, x.shape[0], w2.shape[0]), _empty(x, x.shape[0], w1.shape[0])
+def feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, philox, w3=None, b3=None):
+    hidden = w1.shape[0] if w3 is None else 2 * w1.shape[0]  # gated: [gate | up]
+    return _empty(x, x.shape[0], w2.shape[0]), _empty(x, x.shape[0], hidden)
 
 
 @_fake
-def feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, philox):
-    db1 = _empty(w1, w1.shape[0]) if has_b1 else _empty(w1, 0)
+def feed_forward_bwd(dout, x, w1, w2, pre, has_b1, has_b2, activation, dropout_p, philox, w3=None, has_b3=False):
+    if w3 is not None:  # gated: [dw1; dw3] (2F, E), [db1; db3] (2F,)
+        F_ = w1.shape[0]
+        db1 = _empty(w1, 2 * F_) if has_b1 or has_b3 else _empty(w1, 0)
+        dw1 = _empty(w1, 2 * F_, w1.shape[1])
+    else:
+        db1 = _empty(w1, w1.shape[0]) if has_b1 else _empty(w1, 0)
+        dw1 = torch.empty_like(w1)
     db2 = _empty(w2, w2.shape[0]) if has_b2 else _empty(w2, 0)
-    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+    return torch.empty_like(x), dw1, db1, torch.empty_like(w2), db2
 
 
 @_fake

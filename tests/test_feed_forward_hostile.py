@@ -12,7 +12,7 @@ from utils import skip_without_kernels
 
 
 # ---------------------------------------------------------------- bad input to ops.feed_forward
-def _ffn(x=None, w1=None, b1="ok", w2=None, b2="ok", **kw):
+def _ffn(x=None, w1=None, b1="ok", w2=None, b2="ok", **kw):  # w3 / b3 (the gated form) through kw
     E, F = 6, 10
     x = _t(3, E) if x is None else x
     w1 = _t(F, E) if w1 is None else w1
@@ -42,6 +42,16 @@ FEED_FORWARD = {
     "activation_none": (_ffn(activation=None), ValueError, "activation must be one of"),
     "dropout_neg": (_ffn(dropout_p=-0.1), ValueError, "dropout_p"),
     "dropout_big": (_ffn(dropout_p=2), ValueError, "dropout_p"),
+    # the gated form (w3, b3)
+    "w3_shape": (_ffn(w3=_t(6, 10)), ValueError, "w3 must have shape"),
+    "w3_1d": (_ffn(w3=_t(60)), ValueError, "w3 must have 2 dimensions"),
+    "w3_dtype": (_ffn(w3=_t(10, 6, dtype=torch.float64)), TypeError, "w3 has dtype"),
+    "w3_int": (_ffn(w3=torch.ones(10, 6, dtype=torch.int64)), TypeError, "w3 must be a floating"),
+    "w3_device": (_ffn(w3=_t(10, 6, device="meta")), ValueError, "w3 is on meta"),
+    "b3_without_w3": (_ffn(b3=_t(10)), ValueError, "b3 was given without w3"),
+    "b3_shape": (_ffn(w3=_t(10, 6), b3=_t(6)), ValueError, "b3 must have shape"),
+    "b3_dtype": (_ffn(w3=_t(10, 6), b3=_t(10, dtype=torch.bfloat16)), TypeError, "b3 has dtype"),
+    "gated_activation": (_ffn(w3=_t(10, 6), activation="gelu_new"), ValueError, "activation must be one of"),
 }
 
 
@@ -83,6 +93,16 @@ BAD_KERNEL_ARGS = {  # group -> {case: (thunk, text the TORCH_CHECK message must
         "bwd_pre_strided": (lambda: feed_forward_bwd(pre=_strided(3, 10)), "pre must be contiguous"),
         "bwd_w2_shape": (lambda: feed_forward_bwd(w2=_t(6, 11)), "w2 must have shape"),
         "bwd_activation": (lambda: feed_forward_bwd(activation=""), "activation"),
+        # the gated form (w3, b3; pre (N, 2F))
+        "w3_shape": (lambda: feed_forward_fwd(w3=_t(10, 7)), "w3 must have shape (F, E)"),
+        "w3_dtype": (lambda: feed_forward_fwd(w3=_t(10, 6, dtype=torch.float64)), "w3 must have the dtype of x"),
+        "w3_strided": (lambda: feed_forward_fwd(w3=_strided(10, 6)), "w3 must be contiguous"),
+        "b3_without_w3": (lambda: feed_forward_fwd(b3=_t(10)), "b3 was given without w3"),
+        "b3_shape": (lambda: feed_forward_fwd(w3=_t(10, 6), b3=_t(6)), "b3 must have shape"),
+        "gated_activation": (lambda: feed_forward_fwd(w3=_t(10, 6), activation="gelu_new"), "activation"),
+        "bwd_gated_pre_shape": (lambda: feed_forward_bwd(w3=_t(10, 6)), "pre must have shape (N, 2F)"),
+        "bwd_w3_shape": (lambda: feed_forward_bwd(w3=_t(6, 10), pre=_t(3, 20)), "w3 must have shape"),
+        "bwd_b3_without_w3": (lambda: feed_forward_bwd(has_b3=True), "has_b3 is true without w3"),
     },
 }
 test_cpp_ops_reject_bad_arguments = hostile.cpp_checks_test(__name__)

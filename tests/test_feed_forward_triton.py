@@ -343,7 +343,9 @@ def test_aot_specs_cover_every_autotune_config():
                 assert any(kernel in s["name"] and f"[{dtype},{tile}]" in s["name"] for s in specs), \
                     (kernel, dtype, tile)
     epilogues = [s["constexprs"] for s in specs if s["constexprs"].get("EPILOGUE", "none") != "none"]
-    assert {c["ACTIVATION"] for c in epilogues} == {"relu", "gelu", "silu"}
+    assert {c["ACTIVATION"] for c in epilogues} == set(ff.ACTIVATIONS)  # every activation's epilogue
+    glu = {(s["fn"].fn.__name__ if hasattr(s["fn"], "fn") else s["fn"].__name__) for s in specs if "glu" in s["name"]}
+    assert glu == {"_glu_fwd", "_glu_bwd"}, glu  # the gated form's elementwise kernels
     assert {s["signature"]["a_ptr"] for s in specs if "a_ptr" in s["signature"]} == {"*fp32", "*fp16", "*bf16"}
 
 

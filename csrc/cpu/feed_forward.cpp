@@ -107,17 +107,44 @@ at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::option
 // copies, 1.3 ms apiece at N 2048 x E 256, about 20 ms of the base training step.)
 at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& inp) { return at::mm(g.t(), inp); }
 
+// The gated form's up weights as one (2F, E) [w1; w3]: its two products are then one GEMM (N x 2F),
+// each way. The copy is 2FE elements against the GEMM's 2NFE multiply-adds.
+at::Tensor up_weights(const at::Tensor& w1, const at::Tensor& w3) { return at::cat({w1, w3}); }
+
+// [b1; b3] (2F,), a zero half for the one not given; undefined without either.
+at::Tensor up_bias(const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& b3,
+                   const at::Tensor& w1) {
+  const bool has_b1 = checks::feed_forward_detail::present(b1);
+  const bool has_b3 = checks::feed_forward_detail::present(b3);
+  if (!has_b1 && !has_b3) return at::Tensor();
+  return at::cat({has_b1 ? *b1 : at::zeros({w1.size(0)}, w1.options()),
+                  has_b3 ? *b3 : at::zeros({w1.size(0)}, w1.options())});
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
     const at::Tensor& x, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
     const at::Tensor& w2, const c10::optional<at::Tensor>& b2, c10::string_view activation,
-    double dropout_p, const at::Tensor& philox) {
+    double dropout_p, const at::Tensor& philox, const c10::optional<at::Tensor>& w3,
+    const c10::optional<at::Tensor>& b3) {
   constexpr const char* op = "feed_forward_fwd";
-  const Activation act =
-      checks::check_feed_forward_fwd(checks::kCpu, op, x, w1, b1, w2, b2, activation, dropout_p);
+  const Activation act = checks::check_feed_forward_fwd(checks::kCpu, op, x, w1, b1, w2, b2, activation,
+                                                        dropout_p, w3, b3);
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
+
+  if (checks::feed_forward_detail::present(w3)) {
+    // [g | u] = x [w1; w3]^T + [b1; b3] (N, 2F), kept for backward; then h (N, F) in one pass
+    const at::Tensor bias = up_bias(b1, b3, w1);
+    Epilogue epi{/*relu_allowed=*/false, /*bias_allowed=*/true};
+    at::Tensor pre = matmul_nt(x, up_weights(w1, *w3), bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                               &epi).contiguous();
+    at::Tensor h = empty_large({x.size(0), w1.size(0)}, x.options());
+    FF_ISA(glu_dropout_fwd_kernel)(pre, epi.bias_left ? bias : at::Tensor(), h, act, dropout_p,
+                                   static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+    return {matmul_nt(h, w2, b2), pre};  // (N, E), (N, 2F)
+  }
 
   if (act == Activation::kRelu) {
     // a = dropout(relu(pre)) over pre in place, kept for backward (feed_forward_kernel.cpp);
@@ -142,13 +169,29 @@ std::tuple<at::Tensor, at::Tensor> feed_forward_fwd_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feed_forward_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
     const at::Tensor& pre, bool has_b1, bool has_b2, c10::string_view activation, double dropout_p,
-    const at::Tensor& philox) {
+    const at::Tensor& philox, const c10::optional<at::Tensor>& w3, bool has_b3) {
   constexpr const char* op = "feed_forward_bwd";
   const Activation act = checks::check_feed_forward_bwd(checks::kCpu, op, dout, x, w1, w2, pre,
-                                                        activation, dropout_p);
+                                                        activation, dropout_p, w3, has_b3);
   const int64_t E = x.size(1), F = w1.size(0);
   int64_t seed, offset;
   std::tie(seed, offset) = read_philox(op, philox);
+
+  if (checks::feed_forward_detail::present(w3)) {
+    // dh = dout w2 (N, F); one pass writes [dg | du] (N, 2F), h for dw2 and the bias sums
+    const at::Tensor dh = matmul_nt(dout, w2.t(), c10::nullopt).contiguous();
+    at::Tensor dpre = empty_large_like(pre);                     // (N, 2F)
+    at::Tensor h = empty_large_like(dh);                         // (N, F)
+    at::Tensor db1 = has_b1 || has_b3 ? at::empty({2 * F}, x.options()) : at::empty({0}, w1.options());
+    at::Tensor db2 = has_b2 ? at::empty({E}, x.options()) : at::empty({0}, w2.options());
+    FF_ISA(glu_dropout_bwd_kernel)(pre, dh, dpre, dout, h, db1, db2, act, dropout_p,
+                                   static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+    at::Tensor dw2 = weight_grad(dout, h);  // (E, F)
+    h.reset();
+    at::Tensor dw13 = weight_grad(dpre, x);  // (2F, E): [dw1; dw3]
+    at::Tensor dx = matmul_nt(dpre, up_weights(w1, *w3).t(), c10::nullopt);  // (N, E)
+    return {dx, dw13, db1, dw2, db2};
+  }
 
   at::Tensor dpre = matmul_nt(dout, w2.t(), c10::nullopt).contiguous();  // (N, F): da, then dpre
   // relu: pre holds what forward kept, a itself; else a is recomputed, freed after dw2

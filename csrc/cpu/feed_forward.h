@@ -27,4 +27,18 @@ FF_ISA_DECLARE(void act_dropout_bwd_kernel(const at::Tensor& saved, at::Tensor& 
                                            at::Tensor& db2, Activation act, double dropout_p,
                                            uint64_t seed, uint64_t offset))
 
+// The gated form: h = dropout(act(g + bg) * (u + bu)) (N, F) over pre (N, 2F) rows [g | u]; bias
+// (2F,) [bg | bu] or undefined (the GEMM added it; else pre + bias is written back into pre).
+FF_ISA_DECLARE(void glu_dropout_fwd_kernel(at::Tensor& pre, const at::Tensor& bias, at::Tensor& h,
+                                           Activation act, double dropout_p, uint64_t seed,
+                                           uint64_t offset))
+
+// Its backward: from pre (N, 2F) and dh (N, F) = dout w2, writes dpre (N, 2F) = [dg | du], h (N, F)
+// = dropout(act(g) u) for dw2, db1 (2F,) = column sums of dpre and db2 (E,) of dout, each only
+// when not empty.
+FF_ISA_DECLARE(void glu_dropout_bwd_kernel(const at::Tensor& pre, const at::Tensor& dh,
+                                           at::Tensor& dpre, const at::Tensor& dout, at::Tensor& h,
+                                           at::Tensor& db1, at::Tensor& db2, Activation act,
+                                           double dropout_p, uint64_t seed, uint64_t offset))
+
 }  // namespace fastformer

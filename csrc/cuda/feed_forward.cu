@@ -1,6 +1,8 @@
 // The feed-forward block's elementwise kernels for CUDA (the GEMMs run in ATen, see
 // feed_forward.cpp):
 //   forward:  pre += b1 in place, a = dropout(act(pre))                        (one pass over (N, F))
+//   gated:    pre (N, 2F) = [g | u] += [b1 | b3] in place, h = dropout(act(g) u), and backward's
+//             one pass from (pre, dh) to dpre (N, 2F) and h (_feed_forward_glu_*)
 //   backward: a = dropout(act(pre)), dpre = da * keep * scale * act'(pre) over da in place, and
 //             db1's per-part column sums of dpre, in the same pass; a second small kernel adds
 //             the parts in a fixed order (deterministic, no atomics)
@@ -21,6 +23,9 @@ namespace {
 
 constexpr int kActRelu = 0;  // the activation codes of launchers.h (1: gelu)
 constexpr int kActSilu = 2;
+constexpr int kActGeluTanh = 3;
+constexpr float kGeluTanhBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluTanhKappa = 0.044715f;
 constexpr int kTileGroups = 32;  // blockDim.x: groups of 8 columns per block
 constexpr int kTileRows = 8;     // blockDim.y: rows in flight per block
 constexpr int kTileCols = kTileGroups * kFfDropoutGroup;  // 256 columns per block
@@ -66,10 +71,20 @@ FF_DEVICE void store8(T* p, int cnt, bool vec, const float (&v)[8]) {
 // sigmoid(p) = 1 / (1 + exp(-p)); 0 where exp(-p) overflows (p below about -88), not NaN.
 FF_DEVICE float ff_sigmoid(float p) { return 1.0f / (1.0f + expf(-p)); }
 
-// relu keeps a NaN (as F.relu); gelu is the exact erf form; silu is p sigmoid(p).
+// sigmoid(sign 2z), z = sqrt(2 / pi) (p + 0.044715 p^3): gelu_tanh's 0.5 (1 + tanh(z)) for sign 1
+// and 0.5 (1 - tanh(z)) for sign -1, each to fp32's relative precision (1 +- tanhf(z) by
+// subtraction would lose it where tanh nears -+1); 0 or 1 where expf overflows, never NaN.
+FF_DEVICE float gelu_tanh_s(float p, float sign) {
+  const float z = kGeluTanhBeta * fmaf(kGeluTanhKappa * p * p, p, p);
+  return 1.0f / (1.0f + expf(-2.0f * sign * z));
+}
+
+// relu keeps a NaN (as F.relu); gelu is the exact erf form; silu is p sigmoid(p); gelu_tanh the
+// tanh approximation (F.gelu(approximate="tanh")).
 FF_DEVICE float activate(float p, int act) {
   if (act == kActRelu) return p < 0.0f ? 0.0f : p;
   if (act == kActSilu) return p * ff_sigmoid(p);
+  if (act == kActGeluTanh) return p * gelu_tanh_s(p, 1.0f);
   return 0.5f * p * (1.0f + erff(p * 0.70710678118654752f));
 }
 
@@ -80,6 +95,13 @@ FF_DEVICE float activate_grad(float p, int act) {
   if (act == kActSilu) {
     const float s = ff_sigmoid(p);
     return s * fmaf(p, 1.0f - s, 1.0f);
+  }
+  if (act == kActGeluTanh) {
+    // the tanh form's own derivative 0.5 (1 + t) + 0.5 p (1 - t^2) z', t = tanh(z), written
+    // s + 2 p s (1 - s) z' with s = 0.5 (1 + t) (1 - t^2 = 4 s (1 - s))
+    const float s = gelu_tanh_s(p, 1.0f);
+    const float dz = kGeluTanhBeta * fmaf(3.0f * kGeluTanhKappa * p, p, 1.0f);
+    return fmaf(2.0f * p * s * gelu_tanh_s(p, -1.0f), dz, s);
   }
   const float cdf = 0.5f * (1.0f + erff(p * 0.70710678118654752f));
   const float pdf = expf(-0.5f * p * p) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
@@ -97,7 +119,7 @@ FF_DEVICE void dropout_factors(uint64_t seed, uint64_t offset, int64_t r, int64_
 
 // What both elementwise kernels take besides their tensors and sizes.
 struct ActDropout {
-  int act;             // 0 relu, 1 gelu, 2 silu
+  int act;             // 0 relu, 1 gelu, 2 silu, 3 gelu_tanh
   uint32_t threshold;  // Philox v2 16-bit threshold
   float scale;         // 1 / (1 - p)
   uint64_t seed;       // Philox key
@@ -209,6 +231,93 @@ _feed_forward_act_bwd(const T* __restrict__ pre,   // (N, F) saved pre-activatio
   }
 }
 
+// The gated form's forward. Block and grid as _feed_forward_act_fwd; pre (N, 2F) rows [g | u]
+// (x [w1; w3]^T) get b1 / b3 added in place (rounded: the saved pre), h (N, F) = dropout(act(g) u).
+template <typename T>
+__global__ void __launch_bounds__(kTileGroups * kTileRows, kMinBlocksPerSm)
+_feed_forward_glu_fwd(T* __restrict__ pre,        // (N, 2F) in: x [w1; w3]^T, out: + [b1 | b3]
+                      const T* __restrict__ b1,   // (F,) or nullptr
+                      const T* __restrict__ b3,   // (F,) or nullptr
+                      T* __restrict__ h,          // (N, F) out
+                      int64_t N,                  // rows
+                      int64_t F,                  // columns of h (dropout row length C)
+                      ActDropout ad) {
+  const int act = ad.act;
+  const bool vec = ad.vec;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
+  const int64_t c0 = g * kFfDropoutGroup;
+  if (c0 >= F) return;  // no barrier in this kernel
+  uint64_t seed = ad.seed, offset = ad.offset;
+  ff_philox_resolve(ad.philox, seed, offset);
+  const int cnt = static_cast<int>(F - c0 < 8 ? F - c0 : 8);
+  float bias1[8], bias3[8];
+  if (b1 != nullptr) load8(b1 + c0, cnt, vec, bias1);
+  if (b3 != nullptr) load8(b3 + c0, cnt, vec, bias3);
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * kTileRows + threadIdx.y; r < N;
+       r += static_cast<int64_t>(gridDim.y) * kTileRows) {
+    T* const gp = pre + r * 2 * F + c0;
+    T* const up = gp + F;
+    float gv[8], uv[8], f[8];
+    load8(gp, cnt, vec, gv);
+    load8(up, cnt, vec, uv);
+    if (b1 != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) gv[j] = ff_to_float(ff_from_float<T>(gv[j] + bias1[j]));
+      store8(gp, cnt, vec, gv);
+    }
+    if (b3 != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) uv[j] = ff_to_float(ff_from_float<T>(uv[j] + bias3[j]));
+      store8(up, cnt, vec, uv);
+    }
+    dropout_factors(seed, offset, r, F, g, ad.threshold, ad.scale, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) gv[j] = activate(gv[j], act) * uv[j] * f[j];
+    store8(h + r * F + c0, cnt, vec, gv);
+  }
+}
+
+// The gated form's backward. Block and grid as the forward: from pre (N, 2F) [g | u] and dh (N, F)
+// (dout w2) it writes dpre (N, 2F) = [dh keep u act'(g) | dh keep act(g)] and h (N, F) =
+// dropout(act(g) u) (dw2 needs it). The bias gradients are column sums of dpre (the glue's).
+template <typename T>
+__global__ void __launch_bounds__(kTileGroups * kTileRows, kMinBlocksPerSm)
+_feed_forward_glu_bwd(const T* __restrict__ pre,  // (N, 2F)
+                      const T* __restrict__ dh,   // (N, F)
+                      T* __restrict__ dpre,       // (N, 2F) out
+                      T* __restrict__ h,          // (N, F) out
+                      int64_t N,                  // rows
+                      int64_t F,                  // columns of h
+                      ActDropout ad) {
+  const int act = ad.act;
+  const bool vec = ad.vec;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kTileGroups + threadIdx.x;
+  const int64_t c0 = g * kFfDropoutGroup;
+  if (c0 >= F) return;  // no barrier in this kernel
+  uint64_t seed = ad.seed, offset = ad.offset;
+  ff_philox_resolve(ad.philox, seed, offset);
+  const int cnt = static_cast<int>(F - c0 < 8 ? F - c0 : 8);
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * kTileRows + threadIdx.y; r < N;
+       r += static_cast<int64_t>(gridDim.y) * kTileRows) {
+    const int64_t at2 = r * 2 * F + c0, at = r * F + c0;
+    float gv[8], uv[8], d[8], f[8], hv[8], dg[8], du[8];
+    load8(pre + at2, cnt, vec, gv);
+    load8(pre + at2 + F, cnt, vec, uv);
+    load8(dh + at, cnt, vec, d);
+    dropout_factors(seed, offset, r, F, g, ad.threshold, ad.scale, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float a = activate(gv[j], act), df = d[j] * f[j];
+      hv[j] = a * uv[j] * f[j];
+      dg[j] = df * uv[j] * activate_grad(gv[j], act);
+      du[j] = df * a;
+    }
+    store8(h + at, cnt, vec, hv);
+    store8(dpre + at2, cnt, vec, dg);
+    store8(dpre + at2 + F, cnt, vec, du);
+  }
+}
+
 // Stage 1 of the column sum: block (32, 8) sums columns [32 bx, 32 bx + 32) over the rows of
 // part by (rows_per_part of them) in a fixed order, one fp32 partial per (part, column).
 template <typename T>
@@ -288,6 +397,36 @@ const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int6
     ad.vec = vector_ok(F, sizeof(T), pre, b1, a);
     FF_LAUNCH(_feed_forward_act_fwd<T>, grid, block, 0, stream, static_cast<T*>(pre),
               static_cast<const T*>(b1), static_cast<T*>(a), N, F, ad);
+  });
+  return ff_last_error();
+}
+
+const char* launch_feed_forward_glu_fwd(void* pre, const void* b1, const void* b3, void* h, int64_t N,
+                                        int64_t F, int dtype, int activation, double dropout_p, uint64_t seed,
+                                        uint64_t offset, const int64_t* philox, void* stream) {
+  if (N == 0 || F == 0) return nullptr;
+  ActDropout ad = act_dropout(activation, dropout_p, seed, offset, philox);
+  const int64_t row_blocks = std::min<int64_t>((N + kTileRows - 1) / kTileRows, 65535);
+  const dim3 grid(tiles_for(F), static_cast<unsigned>(row_blocks)), block(kTileGroups, kTileRows);
+  FF_DISPATCH_DTYPE(dtype, T, {
+    ad.vec = vector_ok(F, sizeof(T), pre, b1, h) && vector_ok(F, sizeof(T), b3, nullptr, nullptr);
+    FF_LAUNCH(_feed_forward_glu_fwd<T>, grid, block, 0, stream, static_cast<T*>(pre), static_cast<const T*>(b1),
+              static_cast<const T*>(b3), static_cast<T*>(h), N, F, ad);
+  });
+  return ff_last_error();
+}
+
+const char* launch_feed_forward_glu_bwd(const void* pre, const void* dh, void* dpre, void* h, int64_t N,
+                                        int64_t F, int dtype, int activation, double dropout_p, uint64_t seed,
+                                        uint64_t offset, const int64_t* philox, void* stream) {
+  if (N == 0 || F == 0) return nullptr;
+  ActDropout ad = act_dropout(activation, dropout_p, seed, offset, philox);
+  const int64_t row_blocks = std::min<int64_t>((N + kTileRows - 1) / kTileRows, 65535);
+  const dim3 grid(tiles_for(F), static_cast<unsigned>(row_blocks)), block(kTileGroups, kTileRows);
+  FF_DISPATCH_DTYPE(dtype, T, {
+    ad.vec = vector_ok(F, sizeof(T), pre, dh, dpre) && vector_ok(F, sizeof(T), h, nullptr, nullptr);
+    FF_LAUNCH(_feed_forward_glu_bwd<T>, grid, block, 0, stream, static_cast<const T*>(pre),
+              static_cast<const T*>(dh), static_cast<T*>(dpre), static_cast<T*>(h), N, F, ad);
   });
   return ff_last_error();
 }

@@ -9,9 +9,20 @@
 
 // ---- feed_forward (csrc/cuda/feed_forward.cu)
 // pre (N, F): + b1 in place when b1 is not null; a (N, F) = dropout(act(pre)), Philox v2 with
-// rows of C = F columns. activation: 0 relu, 1 gelu (exact erf), 2 silu (x sigmoid(x)).
+// rows of C = F columns. activation: 0 relu, 1 gelu (exact erf), 2 silu (x sigmoid(x)), 3 gelu_tanh
+// (the tanh approximation).
 const char* launch_feed_forward_act_fwd(void* pre, const void* b1, void* a, int64_t N, int64_t F,
                                         int dtype, int activation, double dropout_p, uint64_t seed,
+                                        uint64_t offset, const int64_t* philox, void* stream);
+// The gated form: pre (N, 2F) rows [g | u]: + b1 / b3 (F,) in place where not null; h (N, F) =
+// dropout(act(g) u), the dropout as launch_feed_forward_act_fwd's over (N, F).
+const char* launch_feed_forward_glu_fwd(void* pre, const void* b1, const void* b3, void* h, int64_t N,
+                                        int64_t F, int dtype, int activation, double dropout_p, uint64_t seed,
+                                        uint64_t offset, const int64_t* philox, void* stream);
+// Its backward: from pre (N, 2F) and dh (N, F), dpre (N, 2F) = [dh keep u act'(g) | dh keep act(g)]
+// and h (N, F) = dropout(act(g) u), the forward's mask.
+const char* launch_feed_forward_glu_bwd(const void* pre, const void* dh, void* dpre, void* h, int64_t N,
+                                        int64_t F, int dtype, int activation, double dropout_p, uint64_t seed,
                                         uint64_t offset, const int64_t* philox, void* stream);
 // a (N, F) = dropout(act(pre)); dpre (N, F) holds da on entry and dpre = da * keep * scale *
 // act'(pre) on return (the same mask as the forward's). With db1 (F,) in dtype not null, also

@@ -71,11 +71,24 @@ def _aln_case(N, C, prenorm, rms_norm=False):
     return Case(f"{N}x{C}{' prenorm' if prenorm else ''}{' rms_norm' if rms_norm else ''}", make)
 
 
-def _ff_case(N, E, F, activation):
+def _ff_case(N, E, F, activation, gated=False):
+    """gated: T5's GeGLU / LLaMA's SwiGLU, w3 given and no biases but b2."""
     def make(gen):
-        return [_rand(gen, N, E), _rand(gen, F, E, scale=E ** -0.5), _rand(gen, F, scale=0.1),
-                _rand(gen, E, F, scale=F ** -0.5), _rand(gen, E, scale=0.1)], {"activation": activation}
-    return Case(f"{N}x{E}->{F} {activation}", make)
+        inputs = [_rand(gen, N, E), _rand(gen, F, E, scale=E ** -0.5), _rand(gen, F, scale=0.1),
+                  _rand(gen, E, F, scale=F ** -0.5), _rand(gen, E, scale=0.1)]
+        if gated:
+            inputs[2] = None
+            inputs += [_rand(gen, F, E, scale=E ** -0.5), None]
+        return inputs, {"activation": activation}
+    return Case(f"{N}x{E}->{F} {activation}{' gated' if gated else ''}", make)
+
+
+def _up_as_input(fn: Callable) -> Callable:
+    """``fn(x, w1, b1, w2, b2, *, w3, b3)`` called with the gated form's w3 and b3 positionally
+    after b2 (absent: the plain form): the checker passes every differentiable tensor positionally."""
+    def call(x, w1, b1, w2, b2, w3=None, b3=None, **kwargs):
+        return fn(x, w1, b1, w2, b2, w3=w3, b3=b3, **kwargs)
+    return call
 
 
 def _targets(gen, N, V, ignore_index):
@@ -151,9 +164,10 @@ OPS: Dict[str, Tuple[Callable, Callable, List[Case]]] = {
         _aln_case(7, 1023, False), _aln_case(16, 64, False), _aln_case(5, 333, True),
         _aln_case(7, 1023, False, rms_norm=True), _aln_case(3, 4097, True, rms_norm=True),
     ]),
-    "feed_forward": (ops.feed_forward, reference.feed_forward, [
+    "feed_forward": (_up_as_input(ops.feed_forward), _up_as_input(reference.feed_forward), [
         _ff_case(7, 40, 111, "relu"), _ff_case(16, 64, 256, "gelu"), _ff_case(1, 33, 65, "gelu"),
-        _ff_case(5, 48, 97, "silu"),
+        _ff_case(5, 48, 97, "silu"), _ff_case(9, 24, 67, "gelu_tanh", gated=True),
+        _ff_case(4, 40, 88, "silu", gated=True),
     ]),
     "cross_entropy": (ops.cross_entropy, reference.cross_entropy, [
         _ce_case(7, 1001, 0.1), _ce_case(16, 128, 0.0), _ce_case(9, 203, 0.1, weighted=True),
@@ -192,8 +206,8 @@ def check_case(op: str, case: Case, backend: str, device: str, dtype: torch.dtyp
     fn, ref_fn, _ = OPS[op]
     inputs, kwargs = case.make(torch.Generator().manual_seed(0))
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    low = [t.to(device, dtype) for t in inputs]  # the inputs the kernel sees
-    exact = [t.float() for t in low]             # the same values, in fp32
+    low = [None if t is None else t.to(device, dtype) for t in inputs]  # the inputs the kernel sees
+    exact = [None if t is None else t.float() for t in low]             # the same values, in fp32
 
     def kernel(*args, **kw):
         with backends.use_backend(backend):

@@ -191,17 +191,39 @@ def _activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
         a = 0.5 * pf * (1.0 + torch.erf(pf * (1.0 / math.sqrt(2.0))))
     elif activation == "silu":  # x sigmoid(x), as F.silu (transformers' "swish" / "silu")
         a = pf * torch.sigmoid(pf)
+    elif activation == "gelu_tanh":  # F.gelu(approximate="tanh"); transformers' "gelu_new" / "gelu_pytorch_tanh"
+        a = 0.5 * pf * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (pf + 0.044715 * pf * pf * pf)))
     else:
-        raise ValueError(f"activation must be 'relu', 'gelu' or 'silu', got {activation!r}")
+        raise ValueError(f"activation must be 'relu', 'gelu', 'silu' or 'gelu_tanh', got {activation!r}")
     return a.to(pre.dtype)
 
 
-def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, rng=None):
-    """``linear(dropout(act(linear(x, w1, b1))), w2, b2)``, weights in ``nn.Linear`` layout."""
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up, computed in fp32 (fp64 for fp64) and rounded once, as _activation."""
+    uf = up.to(torch.promote_types(up.dtype, torch.float32))
+    gf = gate.to(uf.dtype)
+    return (_activation(gf, activation) * uf).to(up.dtype)
+
+
+def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, rng=None, w3=None, b3=None):
+    """``linear(dropout(act(linear(x, w1, b1))), w2, b2)``, weights in ``nn.Linear`` layout.
+
+    Gated (``w3`` (F, E) given, ``b3`` (F,) or None): ``linear(dropout(act(linear(x, w1, b1)) *
+    linear(x, w3, b3)), w2, b2)`` (GeGLU / ReGLU / SwiGLU; T5's ``T5DenseGatedActDense`` with w1 =
+    wi_0, w3 = wi_1, w2 = wo). The product is computed in fp32 and rounded once. Dropout views the
+    (..., F) hidden tensor as rows of F, as the plain form."""
     pre = torch.matmul(x, w1.t())  # (..., F)
     if b1 is not None:
         pre = pre + b1
-    a = _activation(pre, activation)
+    if w3 is None:
+        if b3 is not None:
+            raise ValueError("b3 was given without w3 (b3 is the gated form's up-projection bias)")
+        a = _activation(pre, activation)
+    else:
+        up = torch.matmul(x, w3.t())  # (..., F)
+        if b3 is not None:
+            up = up + b3
+        a = _gated(pre, up, activation)
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng, x.device)
         a = philox.dropout(a, dropout_p, seed, offset)

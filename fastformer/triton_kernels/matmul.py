@@ -50,6 +50,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+_GELU_TANH_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_TANH_KAPPA = tl.constexpr(0.044715)
 EPILOGUE_ROWS = tl.constexpr(16)  # rows per step of the activation/dropout pass over a finished tile
 
 
@@ -83,12 +85,24 @@ _KEY = ["CACHE_KEY_M", "N", "CACHE_KEY_K", "stride_ak", "stride_bk", "EPILOGUE",
 
 
 @triton.jit
+def _gelu_tanh_s(x, SIGN: tl.constexpr):
+    """sigmoid(SIGN 2z), z = sqrt(2 / pi) (x + 0.044715 x^3): gelu_tanh's 0.5 (1 + tanh(z)) for SIGN 1
+    and 0.5 (1 - tanh(z)) for SIGN -1, each to fp32's relative precision (1 +- tanh(z) by
+    subtraction would lose it where tanh nears -+1); 0 or 1, never NaN, where exp overflows."""
+    z = _GELU_TANH_BETA * (x + _GELU_TANH_KAPPA * x * x * x)
+    return 1.0 / (1.0 + tl.exp(-2.0 * SIGN * z))
+
+
+@triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
-    """act(x) for fp32 x: relu, the exact (erf) gelu, or silu x sigmoid(x)."""
+    """act(x) for fp32 x: relu, the exact (erf) gelu, silu x sigmoid(x), or gelu_tanh (the tanh
+    approximation, F.gelu(approximate="tanh"))."""
     if ACTIVATION == "relu":
         return tl.maximum(x, 0.0)
     elif ACTIVATION == "silu":
         return x * (1.0 / (1.0 + tl.exp(-x)))
+    elif ACTIVATION == "gelu_tanh":
+        return x * _gelu_tanh_s(x, 1.0)
     else:
         return 0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))
 
@@ -102,6 +116,12 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "silu":
         s = 1.0 / (1.0 + tl.exp(-x))
         return s * (1.0 + x * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        # the tanh form's own derivative 0.5 (1 + t) + 0.5 x (1 - t^2) z' with t = tanh(z), written
+        # s + 2 x s (1 - s) z' with s = 0.5 (1 + t), 1 - s = 0.5 (1 - t) (1 - t^2 = 4 s (1 - s))
+        s = _gelu_tanh_s(x, 1.0)
+        dz = _GELU_TANH_BETA * (1.0 + 3.0 * _GELU_TANH_KAPPA * x * x)
+        return s + 2.0 * x * s * _gelu_tanh_s(x, -1.0) * dz
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
         return cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
@@ -218,7 +238,7 @@ def _matmul(
     threshold,  # dropout: keep iff the element's 16 Philox bits >= threshold = round(p * 2**16)
     scale,  # dropout: 1 / (1 - p), applied to kept elements
     EPILOGUE: tl.constexpr,  # "none" | "act_fwd" | "act_bwd"
-    ACTIVATION: tl.constexpr,  # "relu" | "gelu" | "silu" (act_* epilogues)
+    ACTIVATION: tl.constexpr,  # "relu" | "gelu" | "silu" | "gelu_tanh" (act_* epilogues)
     HAS_BIAS: tl.constexpr,  # add bias_ptr[n] to every row
     DROPOUT: tl.constexpr,  # apply the dropout mask (act_* epilogues)
     ROW_SUM_A: tl.constexpr,  # write the row sums of A to rowsum_ptr
