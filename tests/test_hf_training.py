@@ -141,16 +141,35 @@ def test_trainer_label_smoothing_factor_warns(tmp_path, monkeypatch):
     assert "label_smoothing_factor=0" in hf_loss.SMOOTHING_ADVICE
 
 
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_pytorch_tanh"])
+def test_tanh_gelu_layers_are_fused_as_gelu_tanh(name, monkeypatch):
+    """transformers' tanh-approximate GELUs run as feed_forward's "gelu_tanh": every layer fused, no
+    warning, the unconverted model's loss and gradients."""
+    ref = H.build("bart", activation_function=name).train()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastformer.convert(model)
+    real, activations = fastformer.ops.feed_forward, []
+
+    def feed_forward(*args, **kwargs):
+        activations.append(kwargs.get("activation"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fastformer.ops, "feed_forward", feed_forward)
+    _assert_same_step(model, ref, H.batch("bart"))
+    assert activations == ["gelu_tanh"] * (model.config.encoder_layers + model.config.decoder_layers)
+
+
 def test_unknown_activation_keeps_transformers_code_with_one_warning(monkeypatch):
-    """gelu_new (tanh approximation) is not fastformer's: its layers keep transformers' forward, with
+    """quick_gelu (x * sigmoid(1.702 x)) is not fastformer's: its layers keep transformers' forward, with
     one warning naming it however many layers use it; attention and loss are still fused."""
-    ref = H.build("bart", activation_function="gelu_new").train()
+    ref = H.build("bart", activation_function="quick_gelu").train()
     model = copy.deepcopy(ref)
     layer_types = {n: type(m) for n, m in model.named_modules() if n.endswith(tuple(f"layers.{i}" for i in (0, 1)))}
     with pytest.warns(UserWarning) as record:
         fastformer.convert(model)
     mine = [str(w.message) for w in record if "fastformer" in str(w.message)]
-    assert len(mine) == 1 and "'gelu_new'" in mine[0]
+    assert len(mine) == 1 and "'quick_gelu'" in mine[0]
     assert all(type(m) is layer_types[n] for n, m in model.named_modules() if n in layer_types)
     batch = H.batch("bart")
     calls, _ = H.count_op_calls(monkeypatch)

@@ -64,7 +64,7 @@ SPECS = {
 
 def activation_name(fn) -> Optional[str]:
     """fastformer's name for transformers' activation module ``fn`` (``ACT2FN[...]``), or None if
-    ``feed_forward`` has no exact equivalent (gelu_new, gelu_fast, quick_gelu, ... keep their own code)."""
+    ``feed_forward`` has no exact equivalent (gelu_fast, quick_gelu, ... keep their own code)."""
     from transformers import activations as A
     if type(fn) is nn.ReLU:
         return "relu"
@@ -72,6 +72,8 @@ def activation_name(fn) -> Optional[str]:
         return "gelu"  # exact erf GELU, as fastformer's ("gelu_python" is the same function in Python)
     if type(fn) is nn.SiLU or type(fn) is getattr(A, "SiLUActivation", None):
         return "silu"  # "swish" (Marian) and "silu"
+    if type(fn) is A.NewGELUActivation or type(fn) is getattr(A, "GELUTanh", None):
+        return "gelu_tanh"  # "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh": the tanh approximation
     return None
 
 
