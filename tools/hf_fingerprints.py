@@ -59,14 +59,22 @@ def fingerprints(version):
 
 
 def record(version, prints):
+    """Add ``version`` to _fingerprints.py. Releases with the same fingerprints share one entry of
+    ``PRINTS`` (most releases change little of the watched code)."""
     from fastformer.hf._fingerprints import RECORDED
     recorded = dict(RECORDED)
     recorded[version] = {n: prints[n] for n in ALL_NAMES}
+    versions = sorted(recorded, key=fp._key)
+    distinct = []
+    for v in versions:
+        if recorded[v] not in distinct:
+            distinct.append(recorded[v])
     with open(RECORD_FILE) as f:
-        head = f.read().split("RECORDED = ")[0]
+        head = f.read().split("PRINTS = ")[0]
+    body = "PRINTS = " + pprint.pformat(distinct, width=110, sort_dicts=False) + "\n\n"
+    body += "RECORDED = {\n" + "".join(f"    {v!r}: PRINTS[{distinct.index(recorded[v])}],\n" for v in versions) + "}\n"
     with open(RECORD_FILE, "w") as f:
-        f.write(head + "RECORDED = " + pprint.pformat(dict(sorted(recorded.items(), key=lambda kv: fp._key(kv[0]))),
-                                                      width=110, sort_dicts=False) + "\n")
+        f.write(head + body)
 
 
 def main():
