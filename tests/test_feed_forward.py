@@ -413,25 +413,28 @@ def _cpu_vendor() -> str:
 
 
 @pytest.mark.parametrize("backend", CPU)
-def test_cpu_fp32_products_go_to_mkl_on_intel_and_to_onednn_elsewhere(backend):
+@pytest.mark.parametrize("rows, E, F, large", [(9, 40, 72, False), (256, 256, 256, True)])
+def test_cpu_fp32_products_go_to_mkl_on_intel_and_to_onednn_elsewhere(backend, rows, E, F, large):
     """The fp32 GEMMs of the CPU feed-forward: MKL's sgemm (aten::addmm / aten::mm) on an Intel CPU,
-    where it is the faster one, oneDNN's linear elsewhere (AMD: MKL's sgemm without its AVX-512 path)."""
+    where it is the faster one, oneDNN's linear elsewhere (AMD: MKL's sgemm without its AVX-512 path),
+    but only from 2^23 multiply-adds a product: below, oneDNN's fixed cost a call loses everywhere."""
     vendor = _cpu_vendor()
     if not vendor:
         pytest.skip("no vendor_id in /proc/cpuinfo (not Linux on x86): the rule has nothing to read here")
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: every product goes to ATen's BLAS")
-    inputs = _make_inputs((9, 40), 72, True, True, "cpu")
+    inputs = _make_inputs((rows, E), F, True, True, "cpu")
     with torch.profiler.profile() as prof:
         out, saved = backends.Kernels(backend).feed_forward_fwd(*inputs, "relu", 0.1, philox.pack(4, 0))
         backends.Kernels(backend).feed_forward_bwd(torch.ones_like(out), inputs[0], inputs[1], inputs[3], saved,
                                                    True, True, "relu", 0.1, philox.pack(4, 0))
     names = [e.name for e in prof.events()]
     onednn = names.count("mkldnn::_linear_pointwise")
-    if vendor == "GenuineIntel":
-        assert onednn == 0, f"{onednn} products went to oneDNN on an Intel CPU"
+    if vendor == "GenuineIntel" or not large:
+        assert onednn == 0, f"{onednn} products went to oneDNN ({vendor}, {rows * E * F} multiply-adds a product)"
     else:
         assert onednn == 4, f"{onednn} of the 4 forward / input-gradient products went to oneDNN on {vendor}"
+    assert names.count("aten::mm") + names.count("aten::addmm") >= (2 if large and vendor != "GenuineIntel" else 6)
 
 
 @pytest.mark.parametrize("backend", CPU)

@@ -63,8 +63,15 @@ bool onednn_for_fp32() {
 #endif
 }
 
+// The smallest fp32 product M * N * K that goes to oneDNN where onednn_for_fp32() says so: each
+// oneDNN call costs a fixed ~10-15 us more than ATen's BLAS, which wins below it (AMD EPYC Zen 4, 1
+// and 2 threads, medians of 3 x 200: oneDNN / addmm 4.1x at M N K 8 x 32 x 16, 1.8x at 32 x 256 x 64,
+// 1.06x at 64 x 512 x 128 = 2^22; 0.77-0.94x at 64 x 1024 x 128 = 2^23, 0.6-0.96x above).
+constexpr int64_t kOnednnMinMNK = int64_t{1} << 23;
+
 // a (M, K) times b (N, K) transposed, plus bias (N,) when given: (M, N) in a's dtype; a and b may
-// be transposed views. oneDNN's linear takes fp32 where onednn_for_fp32() says so, and bf16 with
+// be transposed views. oneDNN's linear takes fp32 where onednn_for_fp32() says so and the product
+// has at least kOnednnMinMNK multiply-adds, and bf16 with
 // a bias where oneDNN supports bf16 on this CPU (fused, where at::addmm adds it in a second pass);
 // bf16 without a bias reaches oneDNN through at::mm anyway, and fp64, empty products and a torch
 // without oneDNN go to at::addmm / at::mm.
@@ -85,7 +92,9 @@ at::Tensor matmul_nt(const at::Tensor& a, const at::Tensor& b, const c10::option
   const c10::OperatorHandle* op = onednn_linear();
   const auto dt = a.scalar_type();
   const bool bf16_ok = dt == at::kBFloat16 && has_bias && onednn_bf16_supported();
-  if (op && ((dt == at::kFloat && onednn_for_fp32()) || bf16_ok) && a.numel() > 0 && b.numel() > 0) {
+  const bool fp32_ok = dt == at::kFloat && onednn_for_fp32() &&
+                       a.size(0) * b.size(0) * a.size(1) >= kOnednnMinMNK;
+  if (op && (fp32_ok || bf16_ok) && a.numel() > 0 && b.numel() > 0) {
     const bool relu = epi && epi->relu_allowed;
     torch::jit::Stack stack{a, b, has_bias ? c10::IValue(*bias) : c10::IValue(),
                             c10::IValue(relu ? "relu" : "none"),
