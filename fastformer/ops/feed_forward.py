@@ -57,14 +57,12 @@ def _fast(x, w1, b1, w2, b2, activation, dropout_p, w3=None, b3=None):
     op = kernels.feed_forward if kernels is not None else None
     if op is None:
         return None
+    if w3 is None and b3 is not None:
+        return None  # the checked path says what is wrong
+    gated = () if w3 is None else (w3.contiguous(), b3)  # the plain call's arguments as before
     # x as it is: the C++ op takes its rows and returns x's shape without a view node
-    if w3 is None:
-        if b3 is not None:
-            return None  # the checked path says what is wrong
-        return op(x, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p,
-                  philox.draw(dropout_p, x.device))
     return op(x, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p, philox.draw(dropout_p, x.device),
-              w3.contiguous(), b3)
+              *gated)
 
 
 def _checked(x, w1, b1, w2, b2, activation, dropout_p, w3=None, b3=None):
