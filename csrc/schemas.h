@@ -31,13 +31,20 @@ inline void ff_define_schemas(torch::Library& m) {
   // q (B, H, Sq, D), k/v (B, H, Sk, D), last dim contiguous; key_padding_mask (B, Sk) bool,
   // True = padded; attn_mask fp32 additive, 4-D view broadcast to (B, H, Sq, Sk) (any strides).
   // out (B, H, Sq, D) contiguous; lse (B, H, Sq) fp32, +inf for a row with no visible key.
+  // rel_bias: a relative position bias by distance, (H, 2R + 1) fp32 contiguous on q's device:
+  // query i (at position i + Sk - Sq + rel_shift) and key j add rel_bias[h, clamp(j - pos, -R, R) + R]
+  // to their scaled score (T5's bucketed table gathered on the host, fastformer/ops/relative_position.py).
+  // The backward's fourth result is its gradient (H, 2R + 1) fp32, reduced in a fixed order
+  // (deterministic), or an empty (0,) fp32 tensor without rel_bias. Varlen: the same per sequence,
+  // query i at position i + Lk - Lq.
   m.def(
       "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? attn_mask, "
-      "bool is_causal, float scale, float dropout_p, Tensor philox) -> (Tensor, Tensor)");
+      "bool is_causal, float scale, float dropout_p, Tensor philox, Tensor? rel_bias=None, "
+      "int rel_shift=0) -> (Tensor, Tensor)");
   m.def(
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, float scale, float dropout_p, "
-      "Tensor philox) -> (Tensor, Tensor, Tensor)");
+      "Tensor philox, Tensor? rel_bias=None, int rel_shift=0) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // Variable-length attention over packed rows (FlashAttention's varlen layout): q (total_q, H, D),
   // k/v (total_k, H, D), last dim contiguous (any row stride); cu_seqlens_q / cu_seqlens_k int32
@@ -50,18 +57,19 @@ inline void ff_define_schemas(torch::Library& m) {
   m.def(
       "attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, float scale, float dropout_p, "
-      "Tensor philox) -> (Tensor, Tensor)");
+      "Tensor philox, Tensor? rel_bias=None) -> (Tensor, Tensor)");
   m.def(
       "attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, "
-      "float scale, float dropout_p, Tensor philox) -> (Tensor, Tensor, Tensor)");
+      "float scale, float dropout_p, Tensor philox, Tensor? rel_bias=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // The same backward writing into given gradients (FlashAttention's dq_ / dk_ / dv_): slices of
   // one packed (total, 3, H, D) qkv or (total, 2, H, D) kv gradient, so a caller holding packed
   // inputs gets one gradient without stacking three. Every element of dq, dk and dv is written.
   m.def(
       "attention_varlen_bwd.into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, "
-      "float scale, float dropout_p, Tensor philox, *, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()");
+      "float scale, float dropout_p, Tensor philox, Tensor? rel_bias=None, *, Tensor(a!) dq, Tensor(b!) dk, "
+      "Tensor(c!) dv) -> Tensor");
 
   // x, residual (N, C) contiguous; weight, bias (C,). Returns y = LN(h), h = residual + dropout(x)
   // (h = dropout(x) without a residual), mean (N,) and rstd (N,) fp32.

@@ -32,33 +32,42 @@ def philox_bits(n, seed, offset):
     return torch.empty(n, dtype=torch.int64)
 
 
+def _rel_bias_grad(q, rel_bias):
+    """The backward's fourth result: rel_bias's gradient, or an empty (0,) tensor without one."""
+    if rel_bias is None:
+        return _empty(q, 0, dtype=_stat_dtype(q))
+    return torch.empty_like(rel_bias)
+
+
 @_fake
-def attention_fwd(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox):
+def attention_fwd(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox, rel_bias=None,
+                  rel_shift=0):
     B, H, Sq, D = q.shape
     return _empty(q, B, H, Sq, D), _empty(q, B, H, Sq, dtype=_stat_dtype(q))
 
 
 @_fake
-def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox,
+                  rel_bias=None, rel_shift=0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _rel_bias_grad(q, rel_bias)
 
 
 @_fake
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-                         dropout_p, philox):
+                         dropout_p, philox, rel_bias=None):
     total_q, H, D = q.shape
     return _empty(q, total_q, H, D), _empty(q, H, total_q, dtype=_stat_dtype(q))
 
 
 @_fake
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         is_causal, scale, dropout_p, philox):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                         is_causal, scale, dropout_p, philox, rel_bias=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _rel_bias_grad(q, rel_bias)
 
 
 def attention_varlen_bwd_into(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             is_causal, scale, dropout_p, philox, *, dq, dk, dv):
-    return None
+                             is_causal, scale, dropout_p, philox, rel_bias=None, *, dq, dk, dv):
+    return _rel_bias_grad(q, rel_bias)
 
 
 FAKES["attention_varlen_bwd.into"] = attention_varlen_bwd_into  # an overload: "<op>.<overload>"

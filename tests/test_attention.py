@@ -236,7 +236,7 @@ def test_dropout_matches_the_reference_exactly(backend):
     seed, offset = 2**40 + 11, 12345
     out, lse = kern.attention_fwd(q, k, v, masks["key_padding_mask"], am4, masks["is_causal"], scale, 0.3,
                                   philox.pack(seed, offset))
-    dq, dk, dv = kern.attention_bwd(dout, q, k, v, out, lse, masks["key_padding_mask"], am4,
+    dq, dk, dv, _ = kern.attention_bwd(dout, q, k, v, out, lse, masks["key_padding_mask"], am4,
                                     masks["is_causal"], scale, 0.3, philox.pack(seed, offset))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*leaves, scale=scale, dropout_p=0.3, rng=(seed, offset), **masks)
@@ -413,7 +413,7 @@ def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
     q.zero_()
     o, lse = kern.attention_fwd(q, k, v, kpm, None, causal, 1.0, p, philox.pack(seed, offset))
     dout = torch.eye(Sq).expand(B, H, Sq, Sq).contiguous()
-    _, _, dv = kern.attention_bwd(dout, q, k, v, o, lse, kpm, None, causal, 1.0, p, philox.pack(seed, offset))
+    _, _, dv, _ = kern.attention_bwd(dout, q, k, v, o, lse, kpm, None, causal, 1.0, p, philox.pack(seed, offset))
     bwd = dv.transpose(-1, -2) != 0  # (B, H, Sq, Sk)
     assert_close("kept dv", (dv.transpose(-1, -2).double() * nvis * (1 - p))[bwd],
                  torch.ones(int(bwd.sum()), dtype=torch.float64), atol=1e-5, rtol=1e-5)
@@ -504,7 +504,7 @@ def test_cpu_empty_sizes(backend):
     q, k = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 0, 16)
     out, lse = kern.attention_fwd(q, k, k, None, None, False, 0.25, 0.1, philox.pack(1, 0))  # no keys at all
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
-    dq, dk, dv = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1,
+    dq, dk, dv, _ = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1,
                                     philox.pack(1, 0))
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == k.shape
     q0 = torch.randn(0, 3, 5, 16, requires_grad=True)

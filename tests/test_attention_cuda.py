@@ -147,7 +147,7 @@ def test_empty_sizes(backend):
     q, k = torch.randn(2, 3, 5, 16, device=device), torch.randn(2, 3, 0, 16, device=device)
     out, lse = kern.attention_fwd(q, k, k, None, None, False, 0.25, 0.1, philox.pack(1, 0))  # no keys at all
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all() and lse.shape == (2, 3, 5)
-    dq, dk, dv = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1, philox.pack(1, 0))
+    dq, dk, dv, _ = kern.attention_bwd(torch.randn_like(q), q, k, k, out, lse, None, None, False, 0.25, 0.1, philox.pack(1, 0))
     assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == k.shape
     q0 = torch.randn(0, 3, 5, 16, device=device, requires_grad=True)
     with fastformer.use_backend(backend):

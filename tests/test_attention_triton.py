@@ -41,7 +41,7 @@ def _inputs(B, H, Sq, Sk, D, dtype=torch.float32, kpm_frac=0.0, mask=None, seed=
 
 def _kernels(q, k, v, kpm, am, dout, causal, scale, p=0.0, seed=0, offset=0):
     out, lse = A.attention_fwd(q, k, v, kpm, am, causal, scale, p, philox.pack(seed, offset))
-    dq, dk, dv = A.attention_bwd(dout, q, k, v, out, lse, kpm, am, causal, scale, p, philox.pack(seed, offset))
+    dq, dk, dv, _ = A.attention_bwd(dout, q, k, v, out, lse, kpm, am, causal, scale, p, philox.pack(seed, offset))
     return out, lse, dq, dk, dv
 
 
@@ -121,7 +121,7 @@ def test_causal_skips_whole_tiles(Sq, Sk, small_blocks):
     assert_close("out", out[:, :, :rows], want[0][:, :, :rows], *TOL["out"])
     assert_close("lse", lse[:, :, :rows], want[1][:, :, :rows], *TOL["out"])
     out_clean, lse_clean = A.attention_fwd(q, k, v, None, None, True, scale, 0.0, philox.pack(0, 0))
-    dq, _, _ = A.attention_bwd(dout, q, k_nan, v_nan, out_clean, lse_clean, None, None, True, scale, 0.0, philox.pack(0, 0))
+    dq, _, _, _ = A.attention_bwd(dout, q, k_nan, v_nan, out_clean, lse_clean, None, None, True, scale, 0.0, philox.pack(0, 0))
     assert_close("dq", dq[:, :, :rows], want[2][:, :, :rows], *TOL["grad"])
 
     # queries before `first` see no key from `kcut` on (tile aligned in both directions)
@@ -130,7 +130,7 @@ def test_causal_skips_whole_tiles(Sq, Sk, small_blocks):
     q_nan, do_nan = q.clone(), dout.clone()
     q_nan[:, :, :first] = float("nan")
     do_nan[:, :, :first] = float("nan")
-    _, dk, dv = A.attention_bwd(do_nan, q_nan, k, v, out_clean, lse_clean, None, None, True, scale, 0.0, philox.pack(0, 0))
+    _, dk, dv, _ = A.attention_bwd(do_nan, q_nan, k, v, out_clean, lse_clean, None, None, True, scale, 0.0, philox.pack(0, 0))
     assert_close("dk", dk[:, :, kcut:], want[3][:, :, kcut:], *TOL["grad"])
     assert_close("dv", dv[:, :, kcut:], want[4][:, :, kcut:], *TOL["grad"])
 

@@ -181,7 +181,7 @@ def test_strided_views_are_read_in_place(backend):
         kernels = backends.select("attention_varlen", torch.device("cpu"), torch.float32)
     args = (q_t, qkv[1], qkv[2], *lengths.values(), True, 0.2, 0.0, philox.pack(0, 0))
     out, lse = kernels.attention_varlen_fwd(*args)
-    dq, dk, dv = kernels.attention_varlen_bwd(dout, q_t, qkv[1], qkv[2], out, lse, *args[3:])
+    dq, dk, dv, _ = kernels.attention_varlen_bwd(dout, q_t, qkv[1], qkv[2], out, lse, *args[3:])
     assert dq.stride() == torch.empty_like(q_t).stride() and dk.stride() == torch.empty_like(qkv[1]).stride()
 
 

@@ -133,7 +133,7 @@ def test_strided_views_and_gradient_layout(backend):
     kern = backends.Kernels("cuda")
     args = (*lengths.values(), True, D ** -0.5, 0.0, philox.pack(0, 0))
     out, lse = kern.attention_varlen_fwd(qh, k, v, *args)
-    dq, dk, dv = kern.attention_varlen_bwd(dout, qh, k, v, out, lse, *args)
+    dq, dk, dv, _ = kern.attention_varlen_bwd(dout, qh, k, v, out, lse, *args)
     assert dq.stride() == torch.empty_like(qh).stride() and dk.stride() == torch.empty_like(k).stride()
     want = _reference((qh, k, v), dout, lengths, True)
     for name, g, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
@@ -163,7 +163,7 @@ def test_cu_seqlens_out_of_range_are_clamped(backend):
     want = reference.attention_varlen(q[:2].cpu(), k[:3].cpu(), v[:3].cpu(), cu_seqlens([2]), cu_seqlens([3]), 2, 3,
                                       scale=scale)
     assert_close("out", out[:2].cpu(), want, atol=2e-5, rtol=1e-4)
-    dq, dk, dv = kern.attention_varlen_bwd(torch.ones_like(out), q, k, v, out, lse, bad_q, bad_k, 3, 4, False,
+    dq, dk, dv, _ = kern.attention_varlen_bwd(torch.ones_like(out), q, k, v, out, lse, bad_q, bad_k, 3, 4, False,
                                            scale, 0.0, philox.pack(0, 0))
     assert dq.shape == q.shape and dk.shape == k.shape
 

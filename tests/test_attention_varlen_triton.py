@@ -47,7 +47,7 @@ def _kernels(q, k, v, dout, lq, lk, causal, scale, p=0.0, seed=0, offset=0, max_
     max_k = max(lk, default=0) if max_k is None else max_k
     lengths = (cu_q, cu_k, max_q, max_k)
     out, lse = V.attention_varlen_fwd(q, k, v, *lengths, causal, scale, p, philox.pack(seed, offset))
-    dq, dk, dv = V.attention_varlen_bwd(dout, q, k, v, out, lse, *lengths, causal, scale, p, philox.pack(seed, offset))
+    dq, dk, dv, _ = V.attention_varlen_bwd(dout, q, k, v, out, lse, *lengths, causal, scale, p, philox.pack(seed, offset))
     return out, lse, dq, dk, dv
 
 

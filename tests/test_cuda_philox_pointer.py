@@ -95,7 +95,7 @@ def test_attention_fwd_bwd_by_pointer_equals_by_value(dtype):
 
     def run(philox):
         out, lse = ops().attention_fwd(q, k, v, None, None, True, scale, p, philox)
-        dq, dk, dv = ops().attention_bwd(dout, q, k, v, out, lse, None, None, True, scale, p, philox)
+        dq, dk, dv, _ = ops().attention_bwd(dout, q, k, v, out, lse, None, None, True, scale, p, philox)
         return out, lse, dq, dk, dv
 
     by_value, by_pointer = _both(run)

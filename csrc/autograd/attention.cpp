@@ -25,11 +25,15 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                          const std::optional<Tensor>&, bool, double, double, const Tensor&);
-using BwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                  const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                                  const std::optional<Tensor>&, bool, double, double,
-                                                  const Tensor&);
+                                          const std::optional<Tensor>&, bool, double, double, const Tensor&,
+                                          const std::optional<Tensor>&, int64_t);
+// (the fourth result, rel_bias's gradient, is empty: this op takes no rel_bias, which the Python
+// Function differentiates)
+using BwdSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                          const Tensor&, const Tensor&, const Tensor&,
+                                                          const std::optional<Tensor>&,
+                                                          const std::optional<Tensor>&, bool, double, double,
+                                                          const Tensor&, const std::optional<Tensor>&, int64_t);
 
 // The kernels' handles, looked up once (the first call, when the library's ops are all registered).
 FF_KERNEL(fwd_kernel, FwdSig, "fastformer::attention_fwd", "")
@@ -45,7 +49,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       // Gradient mode is off here: the kernel's autograd fallback would only box the arguments.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, lse) = fwd_kernel().call(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p,
-                                             philox);  // (B, H, Sq, D), (B, H, Sq)
+                                             philox, std::nullopt, 0);  // (B, H, Sq, D), (B, H, Sq)
     }
     ctx->save_for_backward({q, k, v, out, lse, key_padding_mask.value_or(Tensor()), attn_mask.value_or(Tensor()),
                             philox});
@@ -64,10 +68,10 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       // Without create_graph the kernel's autograd fallback has nothing to record: skip it.
       std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
       if (!at::GradMode::is_enabled()) below_autograd.emplace();
-      std::tie(dq, dk, dv) = bwd_kernel().call(
+      std::tie(dq, dk, dv, std::ignore) = bwd_kernel().call(
           dout, saved[0], saved[1], saved[2], saved[3], saved[4], ff_optional_of(saved[5]), ff_optional_of(saved[6]),
           ctx->saved_data["c"].toBool(), ctx->saved_data["s"].toDouble(), ctx->saved_data["p"].toDouble(),
-          saved[7]);
+          saved[7], std::nullopt, 0);
     }
     return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }

@@ -32,13 +32,18 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                          c10::SymInt, c10::SymInt, bool, double, double, const Tensor&);
-using BwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                  const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                  c10::SymInt, c10::SymInt, bool, double, double, const Tensor&);
-using IntoSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                     const Tensor&, const Tensor&, c10::SymInt, c10::SymInt, bool, double, double, const Tensor&,
-                     Tensor&, Tensor&, Tensor&);
+                                          c10::SymInt, c10::SymInt, bool, double, double, const Tensor&,
+                                          const std::optional<Tensor>&);
+// (the fourth result, rel_bias's gradient, is empty: this op takes no rel_bias, which the Python
+// Function differentiates)
+using BwdSig = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                          const Tensor&, const Tensor&, const Tensor&,
+                                                          const Tensor&, const Tensor&, c10::SymInt, c10::SymInt,
+                                                          bool, double, double, const Tensor&,
+                                                          const std::optional<Tensor>&);
+using IntoSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       const Tensor&, const Tensor&, c10::SymInt, c10::SymInt, bool, double, double, const Tensor&,
+                       const std::optional<Tensor>&, Tensor&, Tensor&, Tensor&);
 
 // The kernels' handles, looked up once (the first call, when the library's ops are all registered).
 FF_KERNEL(fwd_kernel, FwdSig, "fastformer::attention_varlen_fwd", "")
@@ -92,7 +97,7 @@ struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarle
       const auto qkv = split(layout, x0, x1, x2);
       std::tie(out, lse) = fwd_kernel().call(qkv[0], qkv[1], qkv[2], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, is_causal, scale, dropout_p,
-                                             philox);  // (total_q, H, D), (H, total_q)
+                                             philox, std::nullopt);  // (total_q, H, D), (H, total_q)
     }
     // The saved inputs are the layout's tensors (x1, x2 undefined where absent), not the views.
     ctx->save_for_backward({out, lse, cu_seqlens_q, cu_seqlens_k, philox, x0, x1, x2});
@@ -131,8 +136,9 @@ struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarle
     variable_list grads(12);  // the 9 arguments before x0 get none
     if (!into) {
       Tensor dq, dk, dv;
-      std::tie(dq, dk, dv) = bwd_kernel().call(dout, qkv[0], qkv[1], qkv[2], out, lse, cu_seqlens_q, cu_seqlens_k,
-                                               max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p, philox);
+      std::tie(dq, dk, dv, std::ignore) =
+          bwd_kernel().call(dout, qkv[0], qkv[1], qkv[2], out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, is_causal, scale, dropout_p, philox, std::nullopt);
       if (layout == kPackedQKV) {
         grads[9] = at::stack({dq, dk, dv}, 1);
       } else if (layout == kPackedKV) {
@@ -148,7 +154,7 @@ struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarle
       if (layout == kPackedKV) grads[10] = at::empty_like(x1, at::TensorOptions(), at::MemoryFormat::Contiguous);
       auto d = split(layout, grads[9], grads[10], Tensor());
       into_kernel().call(dout, qkv[0], qkv[1], qkv[2], out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, is_causal, scale, dropout_p, philox, d[0], d[1], d[2]);
+                         max_seqlen_k, is_causal, scale, dropout_p, philox, std::nullopt, d[0], d[1], d[2]);
     }
     return grads;
   }

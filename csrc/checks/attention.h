@@ -128,5 +128,32 @@ inline AttentionMasks check_attention_masks(const Backend& be, const char* op, c
   return m;
 }
 
+// rel_bias of either op (csrc/schemas.h): a relative position bias by distance, (H, 2R + 1) in
+// stat_dtype(q), contiguous, on q's device; rel_shift bounded so that positions stay far from
+// overflow. Returns R, or -1 without a rel_bias.
+inline int64_t check_rel_bias(const Backend& be, const char* op, const at::Tensor& q,
+                              const std::optional<at::Tensor>& rel_bias, int64_t H,
+                              int64_t rel_shift = 0) {
+  constexpr int64_t kMaxShift = int64_t{1} << 30;
+  TORCH_CHECK(rel_shift >= -kMaxShift && rel_shift <= kMaxShift, op, ": rel_shift must be in [-2^30, 2^30], got ",
+              rel_shift);
+  if (!rel_bias.has_value() || !rel_bias->defined()) return -1;
+  const at::Tensor& t = *rel_bias;
+  check_device(be, op, "rel_bias", t, &q, "q");
+  TORCH_CHECK(t.scalar_type() == stat_dtype(q), op, ": rel_bias must be ", stat_dtype_name(q), ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == H && t.size(1) % 2 == 1 && t.size(1) <= kMaxShift, op,
+              ": rel_bias must have shape (H, 2R + 1) = (", H, ", an odd size), got ", t.sizes());
+  check_contiguous(op, "rel_bias", t);
+  return (t.size(1) - 1) / 2;
+}
+
+// The backward's gradient of rel_bias: (H, 2R + 1) zeros in stat_dtype(q), or an empty (0,)
+// tensor of that dtype without a rel_bias (the schema's fourth result is always a tensor).
+inline at::Tensor rel_bias_grad(const at::Tensor& q, int64_t H, int64_t R) {
+  const auto opts = q.options().dtype(stat_dtype(q));
+  return R < 0 ? at::empty({0}, opts) : at::zeros({H, 2 * R + 1}, opts);
+}
+
 }  // namespace checks
 }  // namespace fastformer

@@ -73,6 +73,7 @@ struct Call {
   Call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
        const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
        bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+       const std::optional<at::Tensor>& rel_bias, int64_t rel_shift,
        const at::Tensor* dout = nullptr, const at::Tensor* out = nullptr, const at::Tensor* lse = nullptr) {
     const auto [s, o] = read_philox(op, philox);
     seed = static_cast<uint64_t>(s);
@@ -80,15 +81,19 @@ struct Call {
     dims = checks::check_attention_qkv(checks::kCpu, op, q, k, v, scale, dropout_p);
     if (dout != nullptr) checks::check_attention_bwd_tensors(checks::kCpu, op, *dout, *out, *lse, q, dims);
     keep_alive = prepare_masks(op, q, key_padding_mask, attn_mask, is_causal, dims, mask);
+    rel_radius = checks::check_rel_bias(checks::kCpu, op, q, rel_bias, dims[1], rel_shift);
+    TORCH_CHECK(rel_radius < 0, op, ": rel_bias is not supported by the CPU kernels yet");
   }
+  int64_t rel_radius;  // R of rel_bias (H, 2R + 1), -1 without one
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
+    bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+    const std::optional<at::Tensor>& rel_bias, int64_t rel_shift) {
   const Call c("attention_fwd", q_in, k_in, v_in, key_padding_mask, attn_mask, is_causal, scale,
-               dropout_p, philox);
+               dropout_p, philox, rel_bias, rel_shift);
   const auto [B, H, Sq, Sk, D] = c.dims;
   at::Tensor out = empty_large({B, H, Sq, D}, q_in.options());  // pooled when large
   at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(checks::stat_dtype(q_in)));
@@ -98,16 +103,18 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
+    bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+    const std::optional<at::Tensor>& rel_bias, int64_t rel_shift) {
   const Call c("attention_bwd", q_in, k_in, v_in, key_padding_mask, attn_mask, is_causal, scale,
-               dropout_p, philox, &dout_in, &out_in, &lse_in);
+               dropout_p, philox, rel_bias, rel_shift, &dout_in, &out_in, &lse_in);
   const auto [B, H, Sq, Sk, D] = c.dims;
   at::Tensor dq = grad_like(q_in), dk = grad_like(k_in), dv = grad_like(v_in);
-  if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv};
+  at::Tensor drel = checks::rel_bias_grad(q_in, H, c.rel_radius);
+  if (dq.numel() == 0 && dk.numel() == 0) return {dq, dk, dv, drel};
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
   const at::Tensor dout = as_blas_rows(dout_in, 2), lse = lse_in.contiguous();
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(checks::stat_dtype(q)));
@@ -117,11 +124,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
                                c.offset, delta, dq, dk_h, dv_h);
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
-    return {dq, dk, dv};
+    return {dq, dk, dv, drel};
   }
   FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
                              c.offset, delta, dq, dk, dv);
-  return {dq, dk, dv};
+  return {dq, dk, dv, drel};
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "attention.h"
@@ -34,12 +35,14 @@ Varlen check_varlen(const char* op, const at::Tensor& q, const at::Tensor& k, co
 std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
-    double dropout_p, const at::Tensor& philox) {
+    double dropout_p, const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias) {
   const char* op = "attention_varlen_fwd";
   const auto [seed, offset] = read_philox(op, philox);
   checks::VarlenDims dims;
   const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, dropout_p, dims);
+  const int64_t R = checks::check_rel_bias(checks::kCpu, op, q_in, rel_bias, dims.H);
+  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CPU kernels yet");
   at::Tensor out = empty_large({dims.total_q, dims.H, dims.D}, q_in.options());  // pooled when large
   at::Tensor lse = at::empty({dims.H, dims.total_q}, q_in.options().dtype(checks::stat_dtype(q_in)));
   if (out.numel() == 0) return {out, lse};
@@ -49,19 +52,24 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
   return {out, lse};
 }
 
-// The backward into dq, dk, dv (checked by the caller); every element of them is written.
-void attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, const at::Tensor& q_in,
+// The backward into dq, dk, dv (checked by the caller); every element of them is written. Returns
+// rel_bias's gradient (checks::rel_bias_grad).
+at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, const at::Tensor& q_in,
                                const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
                                const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
-                               at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+                               const std::optional<at::Tensor>& rel_bias, at::Tensor& dq, at::Tensor& dk,
+                               at::Tensor& dv) {
   const auto [seed, offset] = read_philox(op, philox);
   checks::VarlenDims dims;
   const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, dropout_p, dims);
   checks::check_varlen_bwd_tensors(checks::kCpu, op, dout_in, out_in, lse_in, q_in, dims);
-  if (dq.numel() == 0 && dk.numel() == 0) return;  // (a sequence without queries: dk = 0)
+  const int64_t R = checks::check_rel_bias(checks::kCpu, op, q_in, rel_bias, dims.H);
+  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CPU kernels yet");
+  at::Tensor drel = checks::rel_bias_grad(q_in, dims.H, R);
+  if (dq.numel() == 0 && dk.numel() == 0) return drel;  // (a sequence without queries: dk = 0)
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
   const at::Tensor dout = as_blas_rows(dout_in, 0), lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(checks::stat_dtype(q)));
@@ -75,32 +83,35 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, const 
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
   }
+  return drel;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
-    double dropout_p, const at::Tensor& philox) {
+    double dropout_p, const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias) {
   const char* op = "attention_varlen_bwd";
   checks::check_varlen_qkv(checks::kCpu, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, scale, dropout_p);  // before grad_like reads q, k, v
   at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
-  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
-  return {dq, dk, dv};
+  at::Tensor drel = attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p, philox,
+                                              rel_bias, dq, dk, dv);
+  return {dq, dk, dv, drel};
 }
 
-void attention_varlen_bwd_into_cpu(
+at::Tensor attention_varlen_bwd_into_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
-    double dropout_p, const at::Tensor& philox, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+    double dropout_p, const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias, at::Tensor& dq,
+    at::Tensor& dk, at::Tensor& dv) {
   const char* op = "attention_varlen_bwd.into";
   checks::check_varlen_bwd_into(checks::kCpu, op, dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
                                 max_seqlen_q, max_seqlen_k, scale, dropout_p, dq, dk, dv);
-  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
+  return attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, is_causal, scale, dropout_p, philox, rel_bias, dq, dk, dv);
 }
 
 }  // namespace

@@ -38,10 +38,13 @@ at::Tensor grad_like(const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, const at::Tensor& philox) {
+    bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
+    const std::optional<at::Tensor>& rel_bias, int64_t rel_shift) {
   const char* op = "attention_fwd";
   const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
+  const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims[1], rel_shift);
+  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const auto [B, H, Sq, Sk, D] = dims;
   const int dtype = ff_dtype_code(q, "q", op);
@@ -68,21 +71,23 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in, const std::optional<at::Tensor>& key_padding_mask,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, double dropout_p,
-    const at::Tensor& philox) {
+    const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias, int64_t rel_shift) {
   const char* op = "attention_bwd";
   const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
   checks::check_attention_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
+  const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims[1], rel_shift);
+  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
   const auto [B, H, Sq, Sk, D] = dims;
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
   if (B * H * Sq == 0 || Sk == 0) {  // nothing flows: every gradient is 0
-    return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
+    return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v), checks::rel_bias_grad(q, H, R)};
   }
   const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
   const at::Tensor lse = lse_in.contiguous();
@@ -109,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
   }
-  return {dq, dk, dv};
+  return {dq, dk, dv, checks::rel_bias_grad(q, H, R)};
 }
 
 }  // namespace

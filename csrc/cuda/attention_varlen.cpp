@@ -28,10 +28,12 @@ FfRows stat_rows(int64_t total_q) { return {0, 1, total_q}; }
 std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-    double scale, double dropout_p, const at::Tensor& philox) {
+    double scale, double dropout_p, const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias) {
   const char* op = "attention_varlen_fwd";
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
+  const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims.H);
+  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
@@ -60,16 +62,20 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
 }
 
 // The backward into dq, dk, dv (checked by the caller), written through their strides; every
-// element of them is written.
-void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at::Tensor& q,
+// element of them is written. Returns rel_bias's gradient (checks::rel_bias_grad).
+at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at::Tensor& q,
                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                bool is_causal, double scale, double dropout_p, const at::Tensor& philox,
-                               at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+                               const std::optional<at::Tensor>& rel_bias, at::Tensor& dq, at::Tensor& dk,
+                               at::Tensor& dv) {
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
   checks::check_varlen_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
+  const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims.H);
+  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
+  at::Tensor drel = checks::rel_bias_grad(q, dims.H, R);
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
@@ -78,7 +84,7 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return;
+    return drel;
   }
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
@@ -110,33 +116,36 @@ void attention_varlen_bwd_into(const char* op, const at::Tensor& dout, const at:
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
   }
+  return drel;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-    double scale, double dropout_p, const at::Tensor& philox) {
+    double scale, double dropout_p, const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias) {
   const char* op = "attention_varlen_bwd";
   checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, scale, dropout_p);  // before empty_like reads q, k, v
   // laid out like empty_like (the fake implementation's promise)
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
-  return {dq, dk, dv};
+  at::Tensor drel = attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p, philox,
+                                              rel_bias, dq, dk, dv);
+  return {dq, dk, dv, drel};
 }
 
-void attention_varlen_bwd_into_cuda(
+at::Tensor attention_varlen_bwd_into_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
-    double scale, double dropout_p, const at::Tensor& philox, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+    double scale, double dropout_p, const at::Tensor& philox, const std::optional<at::Tensor>& rel_bias,
+    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const char* op = "attention_varlen_bwd.into";
   checks::check_varlen_bwd_into(kFfBackend, op, dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k,
                                 max_seqlen_q, max_seqlen_k, scale, dropout_p, dq, dk, dv);
-  attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, is_causal, scale, dropout_p, philox, dq, dk, dv);
+  return attention_varlen_bwd_into(op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, is_causal, scale, dropout_p, philox, rel_bias, dq, dk, dv);
 }
 
 }  // namespace

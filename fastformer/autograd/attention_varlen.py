@@ -23,19 +23,21 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     A packed qkv or kv input gets one gradient buffer: the backend's ``attention_varlen_bwd_into``
     writes dq, dk, dv into its slices (no stack of three gradients); a backend without it returns
-    them separately and they are copied in."""
+    them separately and they are copied in. ``rel``: a relative position bias by distance
+    ``(H, 2R + 1)`` or None (ops/relative_position.py), its gradient from the backward kernel."""
 
     @staticmethod
     def forward(ctx, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p,
-                kernels, x0, x1=None, x2=None):  # the layout's 1-3 tensors; not *inputs, which dynamo
+                kernels, rel, x0, x1=None, x2=None):  # the layout's 1-3 tensors; not *inputs, which dynamo
         inputs = tuple(t for t in (x0, x1, x2) if t is not None)  # (torch 2.13) binds wrongly in a no-grad trace
         q, k, v = split(layout, inputs)
         if cu_seqlens_k is None:  # the queries' (the same tensor twice would break torch.compile's trace)
             cu_seqlens_k = cu_seqlens_q
         rng = philox.draw(dropout_p, x0.device)  # (2,) int64 (seed, offset) on the op's device; nothing drawn for p == 0
+        extra = () if rel is None else (rel,)  # (a backend without the argument is never given one)
         out, lse = kernels.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                is_causal, scale, dropout_p, rng)  # (total_q, H, D), (H, total_q)
-        ctx.save_for_backward(out, lse, cu_seqlens_q, cu_seqlens_k, rng, *inputs)
+                                                is_causal, scale, dropout_p, rng, *extra)  # (total_q, H, D), (H, total_q)
+        ctx.save_for_backward(out, lse, cu_seqlens_q, cu_seqlens_k, rng, rel, *inputs)
         ctx.layout = layout
         ctx.config = (max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p)
         ctx.kernels = kernels
@@ -43,14 +45,14 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        out, lse, cu_seqlens_q, cu_seqlens_k, rng, *inputs = ctx.saved_tensors
+        out, lse, cu_seqlens_q, cu_seqlens_k, rng, rel, *inputs = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         q, k, v = split(ctx.layout, inputs)
-        args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.config, rng)
+        args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.config, rng) + (() if rel is None else (rel,))
         into = getattr(ctx.kernels, "attention_varlen_bwd_into", None)
         if ctx.layout == "q,k,v" or into is None:
-            grads = ctx.kernels.attention_varlen_bwd(*args)
+            *grads, drel = ctx.kernels.attention_varlen_bwd(*args)
             if ctx.layout == "qkv":
                 grads = [torch.stack(grads, dim=1)]
             elif ctx.layout == "q,kv":
@@ -58,5 +60,5 @@ class AttentionVarlenFunction(torch.autograd.Function):
         else:
             grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
             dq, dk, dv = split(ctx.layout, grads)
-            into(*args, dq=dq, dk=dk, dv=dv)
-        return (None,) * 9 + tuple(grads)
+            drel = into(*args, dq=dq, dk=dk, dv=dv)
+        return (None,) * 9 + ((drel if rel is not None else None),) + tuple(grads)

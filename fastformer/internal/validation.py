@@ -93,6 +93,13 @@ def positive_int(name: str, x, *, minimum: int = 1) -> int:
     return x
 
 
+def integer(name: str, x) -> int:
+    """``x`` as an int of any sign (an offset); TypeError for a bool or a non-int."""
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    return x
+
+
 def flag(name: str, x) -> bool:
     """``x`` must be a Python bool (a tensor or a string is not a flag)."""
     if not isinstance(x, bool):

@@ -8,12 +8,15 @@ from .. import backends, philox
 from ..autograd import AttentionFunction
 from ..internal import fast, validation
 from ..internal.eager import eager
-from . import reference
+from . import reference, relative_position
 
 # what the backend choice reads of a call: the head dim bounds every backend; on a GPU the rest
 # places the call in a class of the measured table (fastformer/backends/measured.py)
 _FACTS = ("head_dim",)
 _GPU_FACTS = ("head_dim", "q_len", "k_len", "batch_heads", "causal", "dropout", "masked")
+# a call with a relative position bias also asks for kernels that take one
+_REL_FACTS = _FACTS + ("relative_bias",)
+_REL_GPU_FACTS = _GPU_FACTS + ("relative_bias",)
 
 
 def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tensor:
@@ -31,8 +34,10 @@ def _attn_mask_as_additive(attn_mask: torch.Tensor, B, H, Sq, Sk) -> torch.Tenso
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               key_padding_mask: Optional[torch.Tensor] = None,
               attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-              scale: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """Fused scaled-dot-product attention: ``softmax(q k^T * scale + mask) v``.
+              scale: Optional[float] = None, dropout_p: float = 0.0,
+              relative_attention_bias: Optional[torch.Tensor] = None, bidirectional: bool = True,
+              relative_attention_max_distance: int = 128, query_offset: Optional[int] = None) -> torch.Tensor:
+    """Fused scaled-dot-product attention: ``softmax(q k^T * scale + mask + position bias) v``.
 
     Args:
         q: queries ``(B, H, Sq, D)``.
@@ -52,6 +57,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             pass ``attn_mask=causal_upper_left(Sq, Sk)`` to get SDPA's.
         scale: score scale, default ``1 / sqrt(D)``.
         dropout_p: dropout probability on the attention probabilities (pass 0 in eval).
+        relative_attention_bias: T5's learned relative position bias, the ``(num_buckets, H)``
+            table (``T5Attention.relative_attention_bias.weight``): query ``i`` and key ``j`` of
+            head ``h`` add ``table[bucket(j - (i + query_offset)), h]`` to their scaled score
+            (T5 passes ``scale=1.0``), ``bucket`` being T5's
+            (:func:`fastformer.ops.relative_position.relative_position_bucket`: ``bidirectional``
+            in an encoder, not in a decoder; logarithmic up to ``relative_attention_max_distance``,
+            one bucket beyond). No ``(Sq, Sk)`` bias is built: the kernels compute each score's
+            distance and read the bias by distance; the table's gradient is reduced in a fixed
+            order, so two runs give the same bits.
+        query_offset: the position of query 0 relative to key 0 for the bias, default ``Sk - Sq``
+            (the queries are the last ``Sq`` positions, as in cached decoding; 0 when ``Sq == Sk``).
 
     Returns:
         ``(B, H, Sq, D)`` in q's dtype. A query row with no visible key outputs zeros and
@@ -70,6 +86,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     another head, batch entry or column, nor a row with no visible key (zeros, as above). Where
     it is left open for the output, it is for the gradients too.
     """
+    if relative_attention_bias is not None:
+        return _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p,
+                        (relative_attention_bias, bidirectional, relative_attention_max_distance, query_offset))
     if (attn_mask is None and fast.plain(q, k, v, key_padding_mask) and is_causal.__class__ is bool
             and fast.number(dropout_p) and (scale is None or (fast.number(scale) and 0.0 < scale < math.inf))
             and fast.ready()):
@@ -81,12 +100,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
 
 
-def _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p, masked):
+def _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p, masked, rel=False):
     """The backend's kernels for this call (both paths ask the same question; every backend takes
     grouped k/v heads, so the group size is no fact of the choice)."""
     if q.is_cuda:
+        if rel:
+            return backends.select_cached("attention", q.device, q.dtype, limitation, _REL_GPU_FACTS,
+                                          (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked, True))
         return backends.select_cached("attention", q.device, q.dtype, limitation, _GPU_FACTS,
                                       (D, Sq, Sk, B * H, is_causal, dropout_p > 0.0, masked))
+    if rel:
+        return backends.select_cached("attention", q.device, q.dtype, limitation, _REL_FACTS, (D, True))
     return backends.select_cached("attention", q.device, q.dtype, limitation, _FACTS, (D,))
 
 
@@ -144,9 +168,14 @@ def _causal_bias(q, k, v, key_padding_mask, bias, is_causal, scale, dropout_p):
     return torch.cat([head, tail], dim=2)  # (B, H, Sq, D)
 
 
-def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
+def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p, position=None):
+    """The checked call; ``position``: (table, bidirectional, max_distance, query_offset) of a
+    relative position bias, or None."""
     bias_module = _causal_bias_module() if attn_mask is not None else None
     if bias_module is not None and isinstance(attn_mask, bias_module.CausalBias):
+        if position is not None:
+            raise ValueError("attn_mask is a CausalBias, which cannot be combined with relative_attention_bias: "
+                             "pass is_causal=True (bottom-right aligned) instead")
         return _causal_bias(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p)
     validation.tensor("q", q, ndim=4, floating=True)
     validation.tensor("k", k, ndim=4, floating=True)
@@ -177,6 +206,11 @@ def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     is_causal = validation.flag("is_causal", is_causal)
     dropout_p = validation.probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else validation.positive("scale", scale)
+    if position is not None:
+        table, bidirectional, max_distance, query_offset = position
+        validation.same_device(q=q, relative_attention_bias=table)
+        bidirectional, max_distance = relative_position.check_table(table, H, bidirectional, max_distance)
+        query_offset = Sk - Sq if query_offset is None else validation.integer("query_offset", query_offset)
 
     lowp = validation.autocast_dtype(q.device)
     q, k, v = (validation.cast(t, lowp) for t in (q, k, v))
@@ -186,15 +220,23 @@ def _checked(q, k, v, key_padding_mask, attn_mask, is_causal, scale, dropout_p):
     if attn_mask is not None and attn_mask.requires_grad:
         limitation = "attn_mask requires grad, and only the reference differentiates the mask"
     kernels = _kernels(q, limitation, B, H, Sq, Sk, D, is_causal, dropout_p,
-                       key_padding_mask is not None or attn_mask is not None)
+                       key_padding_mask is not None or attn_mask is not None, position is not None)
     if kernels is None:
+        rel = {} if position is None else dict(
+            relative_attention_bias=table, bidirectional=bidirectional,
+            relative_attention_max_distance=max_distance, query_offset=query_offset)
         return reference.attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                   is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+                                   is_causal=is_causal, scale=scale, dropout_p=dropout_p, **rel)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     am = _attn_mask_as_additive(attn_mask, B, H, Sq, Sk) if attn_mask is not None else None
     with validation.autocast_off(q.device):
+        if position is not None:  # the bias by distance (H, 2R + 1) and the queries' shift past Sk - Sq
+            rel = relative_position.bias_by_distance(table, bidirectional, max_distance,
+                                                     torch.promote_types(q.dtype, torch.float32))
+            return AttentionFunction.apply(q, k, v, kpm, am, bool(is_causal), float(scale), dropout_p, kernels,
+                                           rel, query_offset - (Sk - Sq))
         if kernels.attention is not None and eager():  # the backward in C++
             return kernels.attention(q, k, v, kpm, am, is_causal, scale, dropout_p, philox.draw(dropout_p, q.device))
         return AttentionFunction.apply(q, k, v, kpm, am, bool(is_causal), float(scale), dropout_p, kernels)

@@ -8,9 +8,10 @@ from ..autograd import AttentionVarlenFunction
 from ..autograd.attention_varlen import split
 from ..internal import validation
 from ..internal.eager import eager
-from . import reference
+from . import reference, relative_position
 
 _FACTS = ("head_dim",)  # what the backend choice reads of a call
+_REL_FACTS = ("head_dim", "relative_bias")  # a call with a relative position bias
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str,
@@ -36,7 +37,8 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                      is_causal: bool = False, scale: Optional[float] = None,
-                     dropout_p: float = 0.0) -> torch.Tensor:
+                     dropout_p: float = 0.0, relative_attention_bias: Optional[torch.Tensor] = None,
+                     bidirectional: bool = True, relative_attention_max_distance: int = 128) -> torch.Tensor:
     """Attention within each sequence of packed rows, FlashAttention's ``flash_attn_varlen_func``
     layout: no padded position exists, so none is computed.
 
@@ -54,6 +56,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         scale: score scale, default ``1 / sqrt(D)``.
         dropout_p: dropout on the probabilities. It drops exactly what :func:`attention` drops on
             the same sequences right-padded to ``(B, H, max_seqlen_q, max_seqlen_k)``.
+        relative_attention_bias, bidirectional, relative_attention_max_distance: T5's relative
+            position bias, as :func:`attention`'s, with positions within each sequence: its query
+            ``i`` at position ``i + Lk - Lq`` (the last ``Lq`` of its ``Lk`` positions).
 
     Returns:
         ``(total_q, H, D)`` in q's dtype: each row equals :func:`attention` of its own sequence; a
@@ -69,12 +74,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     validation.kv_heads("k", H_kv, q.shape[1])
     validation.shape("v", v, (total_k, H_kv, D), "(total_k, H_kv, D) matching k")
     return _attention_varlen("q,k,v", {"q": q, "k": k, "v": v}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                             max_seqlen_k, is_causal, scale, dropout_p)
+                             max_seqlen_k, is_causal, scale, dropout_p,
+                             (relative_attention_bias, bidirectional, relative_attention_max_distance))
 
 
 def attention_varlen_qkvpacked(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
                                is_causal: bool = False, scale: Optional[float] = None,
-                               dropout_p: float = 0.0) -> torch.Tensor:
+                               dropout_p: float = 0.0, relative_attention_bias: Optional[torch.Tensor] = None,
+                               bidirectional: bool = True, relative_attention_max_distance: int = 128) -> torch.Tensor:
     """:func:`attention_varlen` of self-attention's packed projection (FlashAttention's
     ``flash_attn_varlen_qkvpacked_func``): ``qkv`` ``(total, 3, H, D)`` holds q, k, v of the same
     sequences (``cu_seqlens``, ``max_seqlen``). Same result as ``attention_varlen(*qkv.unbind(1), ...)``;
@@ -84,13 +91,14 @@ def attention_varlen_qkvpacked(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, H, D), got {tuple(qkv.shape)}")
     return _attention_varlen("qkv", {"qkv": qkv}, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, is_causal,
-                             scale, dropout_p)
+                             scale, dropout_p, (relative_attention_bias, bidirectional, relative_attention_max_distance))
 
 
 def attention_varlen_kvpacked(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                               is_causal: bool = False, scale: Optional[float] = None,
-                              dropout_p: float = 0.0) -> torch.Tensor:
+                              dropout_p: float = 0.0, relative_attention_bias: Optional[torch.Tensor] = None,
+                              bidirectional: bool = True, relative_attention_max_distance: int = 128) -> torch.Tensor:
     """:func:`attention_varlen` with keys and values packed as ``kv`` ``(total_k, 2, H_kv, D)``
     (cross-attention's projection of the memory; FlashAttention's ``flash_attn_varlen_kvpacked_func``).
     Same result as ``attention_varlen(q, *kv.unbind(1), ...)``; kv's gradient is one tensor.
@@ -100,13 +108,15 @@ def attention_varlen_kvpacked(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: t
     validation.shape("kv", kv, (kv.shape[0], 2, kv.shape[2], q.shape[2]), "(total_k, 2, H_kv, D) with q's D")
     validation.kv_heads("kv", kv.shape[2], q.shape[1])
     return _attention_varlen("q,kv", {"q": q, "kv": kv}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             is_causal, scale, dropout_p)
+                             is_causal, scale, dropout_p,
+                             (relative_attention_bias, bidirectional, relative_attention_max_distance))
 
 
 def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                      scale: Optional[float], dropout_p: float) -> torch.Tensor:
-    """The checks and the call every layout shares; ``inputs`` by argument name, shapes checked."""
+                      scale: Optional[float], dropout_p: float, position=(None, True, 128)) -> torch.Tensor:
+    """The checks and the call every layout shares; ``inputs`` by argument name, shapes checked;
+    ``position``: (table or None, bidirectional, max_distance) of a relative position bias."""
     q, k, v = split(layout, tuple(inputs.values()))
     total_q, H, D = q.shape
     total_k = k.shape[0]
@@ -129,23 +139,36 @@ def _attention_varlen(layout: str, inputs: Dict[str, torch.Tensor], cu_seqlens_q
     is_causal = validation.flag("is_causal", is_causal)
     dropout_p = validation.probability("dropout_p", dropout_p)
     scale = 1.0 / math.sqrt(D) if scale is None else validation.positive("scale", scale)
+    table, bidirectional, max_distance = position
+    if table is not None:
+        validation.same_device(q=q, relative_attention_bias=table)
+        bidirectional, max_distance = relative_position.check_table(table, H, bidirectional, max_distance)
 
     lowp = validation.autocast_dtype(q.device)
     inputs = {name: validation.cast(t, lowp) for name, t in inputs.items()}
     validation.same_dtype(**inputs)
     tensors = tuple(inputs.values())
 
-    kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
+    if table is None:
+        kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _FACTS, (D,))
+    else:
+        kernels = backends.select_cached("attention_varlen", q.device, tensors[0].dtype, None, _REL_FACTS, (D, True))
     if kernels is None:
+        rel = {} if table is None else dict(relative_attention_bias=table, bidirectional=bidirectional,
+                                            relative_attention_max_distance=max_distance)
         return reference.attention_varlen(*split(layout, tensors), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+                                          max_seqlen_k, is_causal=is_causal, scale=scale, dropout_p=dropout_p, **rel)
     tensors = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
     same_lengths = cu_seqlens_k is cu_seqlens_q  # passed once: torch.compile traces no duplicate input
     cu_seqlens_q = cu_seqlens_q.contiguous()
     cu_seqlens_k = None if same_lengths else cu_seqlens_k.contiguous()
     with validation.autocast_off(q.device):
-        if kernels.attention_varlen is not None and eager():  # the backward in C++
+        rel = None
+        if table is not None:  # the bias by distance (H, 2R + 1)
+            rel = relative_position.bias_by_distance(table, bidirectional, max_distance,
+                                                     torch.promote_types(tensors[0].dtype, torch.float32))
+        if kernels.attention_varlen is not None and eager() and rel is None:  # the backward in C++
             return kernels.attention_varlen(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                             float(scale), dropout_p, philox.draw(dropout_p, q.device), *tensors)
         return AttentionVarlenFunction.apply(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             is_causal, float(scale), dropout_p, kernels, *tensors)
+                                             is_causal, float(scale), dropout_p, kernels, rel, *tensors)

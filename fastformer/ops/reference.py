@@ -19,6 +19,7 @@ from typing import Tuple, Union
 import torch
 
 from .. import philox
+from . import relative_position
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -34,7 +35,8 @@ def _rng(dropout_p: float, rng: Union[None, Tuple[int, int], torch.Tensor], devi
 
 
 def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False, scale=None,
-              dropout_p=0.0, rng=None):
+              dropout_p=0.0, rng=None, relative_attention_bias=None, bidirectional=True,
+              relative_attention_max_distance=128, query_offset=None):
     """``softmax(q k^T * scale + mask) v`` with q ``(B, H, Sq, D)``, k/v ``(B, H_kv, Sk, D)``.
 
     ``H_kv`` divides ``H`` (grouped-query attention): query head h reads k/v head
@@ -43,7 +45,10 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     ``key_padding_mask`` ``(B, Sk)`` bool, True = padded key. ``attn_mask`` bool (True =
     masked out) or float (added; -inf hides the key exactly as True does), broadcastable to
     ``(B, H, Sq, Sk)``. ``is_causal``: query i sees key j iff ``j <= i + Sk - Sq``
-    (bottom-right aligned). Dropout acts on the probabilities. A query row with no visible key
+    (bottom-right aligned). ``relative_attention_bias``: T5's ``(num_buckets, H)`` table, whose
+    bucketed bias (query i at position ``i + query_offset``, default ``Sk - Sq``) is added to the
+    scaled scores, built here as a dense ``(H, Sq, Sk)`` tensor (relative_position.dense_bias).
+    Dropout acts on the probabilities. A query row with no visible key
     (by the masks) outputs 0 (whatever v holds) and gets zero gradient; a NaN or +inf score makes
     its row NaN. A non-finite value of v reaches every row that sees its key; at a key hidden from
     a row it meets a weight of exactly 0, and this definition then gives NaN (0 * NaN), which the
@@ -69,6 +74,10 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
             minus_inf = attn_mask == float("-inf")
             hidden = hidden | minus_inf
             s = s + attn_mask.masked_fill(minus_inf, 0.0).to(stat_dtype)
+    if relative_attention_bias is not None:
+        offset = Sk - Sq if query_offset is None else query_offset
+        s = s + relative_position.dense_bias(relative_attention_bias, Sq, Sk, offset, bidirectional,
+                                             relative_attention_max_distance).to(stat_dtype)
     keep = None
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng, q.device)
@@ -107,7 +116,8 @@ def _masked_softmax_v(s, hidden, v, dropout_p, keep):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, is_causal=False,
-                     scale=None, dropout_p=0.0, rng=None):
+                     scale=None, dropout_p=0.0, rng=None, relative_attention_bias=None, bidirectional=True,
+                     relative_attention_max_distance=128):
     """Attention within each sequence of packed rows (FlashAttention's varlen layout).
 
     q ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (``H_kv`` divides ``H``: query head h reads
@@ -116,6 +126,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (int32 ``(B + 1,)``). ``is_causal``: its query i sees its key j iff ``j <= i + Lk - Lq``.
     Dropout drops exactly what :func:`attention` drops on the same sequences right-padded to
     ``(B, H, max_seqlen_q, max_seqlen_k)``: sequence b's rows take the padded op's counters.
+    ``relative_attention_bias``: as :func:`attention`'s, per sequence, its query i at position
+    ``i + Lk - Lq``.
     """
     total_q, H, D = q.shape
     k, v = _repeat_kv(k, v, H, 1)
@@ -137,6 +149,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             i = torch.arange(Lq, device=q.device)[:, None]
             j = torch.arange(Lk, device=q.device)[None, :]
             hidden = hidden | (j > i + (Lk - Lq))
+        if relative_attention_bias is not None:
+            s = s + relative_position.dense_bias(relative_attention_bias, Lq, Lk, Lk - Lq, bidirectional,
+                                                 relative_attention_max_distance).to(stat_dtype)
         keep = None
         if dropout_p > 0.0:  # the padded op's rows (b, h, i < Lq) of (B, H, max_seqlen_q, max_seqlen_k)
             keep = philox.keep_mask((H, max_seqlen_q, max_seqlen_k), dropout_p, seed,

@@ -527,12 +527,25 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return dq, dk_out, dv_out
 
 
+def _check_rel_bias(op: str, q: torch.Tensor, rel_bias: Optional[torch.Tensor]) -> None:
+    """rel_bias (csrc/schemas.h): not taken by these kernels yet (the backend declares so)."""
+    if rel_bias is not None:
+        raise ValueError(f"{op}: rel_bias is not supported by the Triton kernels yet")
+
+
+def rel_bias_grad(q: torch.Tensor, rel_bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The backward's fourth result without a rel_bias: an empty (0,) fp32 tensor."""
+    return torch.empty(0, dtype=torch.float32, device=q.device)
+
+
 @on_device_of_first_tensor
 def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
                         is_causal: bool, scale: float, dropout_p: float,
-                        philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                        philox: torch.Tensor, rel_bias: Optional[torch.Tensor] = None,
+                        rel_shift: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    _check_rel_bias("attention_fwd", q, rel_bias)
     return forward(q, k, v, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox,
                    "attention_fwd")
 
@@ -541,9 +554,10 @@ def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                         attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                        dropout_p: float,
-                        philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        dropout_p: float, philox: torch.Tensor, rel_bias: Optional[torch.Tensor] = None,
+                        rel_shift: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
+    _check_rel_bias("attention_bwd", q, rel_bias)
     B, H, Sq, D = q.shape
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
         raise ValueError(f"attention_bwd: dout and out must have q's shape {tuple(q.shape)} and lse "
@@ -552,13 +566,13 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         raise ValueError("attention_bwd: dout and out must have a contiguous last dimension")
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("attention_bwd: lse must be a contiguous fp32 (B, H, Sq) tensor")
-    return backward(dout, q, k, v, out, lse, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale,
-                    dropout_p, philox, "attention_bwd")
+    return (*backward(dout, q, k, v, out, lse, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale,
+                      dropout_p, philox, "attention_bwd"), rel_bias_grad(q, rel_bias))
 
 
 # q, k, v (B, H, S, D) -> out (B, H, Sq, D), lse (B, H, Sq) fp32
 attention_fwd = register_op("attention_fwd", _attention_fwd_host)
-# -> dq, dk, dv, laid out as q, k, v
+# -> dq, dk, dv, laid out as q, k, v, and rel_bias's gradient
 attention_bwd = register_op("attention_bwd", _attention_bwd_host)
 
 

@@ -19,7 +19,7 @@ sequence's end returns at once: no padded position is computed), the delta prepr
 clamp each sequence into the tensors' rows and its maximum length instead, and the functional
 op checks the values where it can read them (CPU tensors).
 """
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -72,9 +72,10 @@ def _check_inputs(op: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 @on_device_of_first_tensor
 def _attention_varlen_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                               scale: float, dropout_p: float,
-                               philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                               scale: float, dropout_p: float, philox: torch.Tensor,
+                               rel_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     layout = _check_inputs("attention_varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    attention._check_rel_bias("attention_varlen_fwd", q, rel_bias)
     return attention.forward(q, k, v, layout, None, None, is_causal, scale, dropout_p, philox, "attention_varlen_fwd")
 
 
@@ -82,10 +83,12 @@ def _attention_varlen_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def _attention_varlen_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                               scale: float, dropout_p: float,
-                               philox: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               scale: float, dropout_p: float, philox: torch.Tensor,
+                               rel_bias: Optional[torch.Tensor] = None
+                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "attention_varlen_bwd"
     layout = _check_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    attention._check_rel_bias(op, q, rel_bias)
     if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != layout.lse_shape():
         raise ValueError(f"{op}: dout and out must have q's shape {tuple(q.shape)} and lse (H, total_q) = "
                          f"{layout.lse_shape()}; got {tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
@@ -95,12 +98,13 @@ def _attention_varlen_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
     _check_last_dim(op, "out", out)
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be a contiguous fp32 (H, total_q) tensor")
-    return attention.backward(dout, q, k, v, out, lse, layout, None, None, is_causal, scale, dropout_p, philox, op)
+    return (*attention.backward(dout, q, k, v, out, lse, layout, None, None, is_causal, scale, dropout_p, philox, op),
+            attention.rel_bias_grad(q, rel_bias))
 
 
 # q (total_q, H, D), k / v (total_k, H, D) -> out (total_q, H, D), lse (H, total_q) fp32
 attention_varlen_fwd = register_op("attention_varlen_fwd", _attention_varlen_fwd_host)
-# -> dq, dk, dv, laid out as q, k, v
+# -> dq, dk, dv, laid out as q, k, v, and rel_bias's gradient
 attention_varlen_bwd = register_op("attention_varlen_bwd", _attention_varlen_bwd_host)
 
 

@@ -1,0 +1,250 @@
+"""attention and attention_varlen with T5's relative position bias (``relative_attention_bias``):
+the bucket function against transformers' own, the reference against SDPA with the dense bias,
+and every kernel backend against the reference, forward and every gradient (q, k, v and the
+table), with causal masks, key padding, dropout, Sq != Sk and a query offset, grouped heads,
+distances past max_distance, packed sequences, fp32 / bf16 / fp64; the table's gradient bit-equal
+across runs; bad tables and bad kernel arguments refused by name."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastformer
+from fastformer import philox
+from fastformer.ops import attention, attention_varlen, reference, relative_position
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+
+BACKENDS = kernel_backends()
+TOL = {torch.float32: (2e-5, 1e-4), torch.float64: (1e-10, 1e-10)}
+GRAD_TOL = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-10, 1e-10)}
+
+
+def _t5_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """transformers' T5 bucket function (an independent copy of the definition)."""
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    return t5.T5Attention._relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (64, 64), (5, 9)])
+def test_buckets_are_t5s_and_saturate_past_max_distance(bidirectional, num_buckets, max_distance):
+    if bidirectional and num_buckets < 8:
+        pytest.skip("bidirectional tables of fewer than 8 buckets leave a side too few for T5's log buckets")
+    r = torch.arange(-3 * max_distance - 5, 3 * max_distance + 6)
+    ours = relative_position.relative_position_bucket(r, bidirectional, num_buckets, max_distance)
+    assert torch.equal(ours, _t5_bucket(r, bidirectional, num_buckets, max_distance))
+    # what the kernels' clamp to [-R, R] relies on: past R, a side's bucket is its bucket at R
+    R = max_distance
+    assert (ours[r >= R] == ours[r == R]).all() and (ours[r <= -R] == ours[r == -R]).all()
+
+
+def _qkv(B, H, Sq, Sk, D, H_kv=None, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    H_kv = H_kv or H
+    q = torch.randn(B, H, Sq, D, generator=gen)
+    k, v = (torch.randn(B, H_kv, Sk, D, generator=gen) for _ in range(2))
+    dout = torch.randn(B, H, Sq, D, generator=gen)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
+
+
+def _table(num_buckets, H, dtype=torch.float32, device="cpu", seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_buckets, H, generator=gen) * 0.7).to(device=device, dtype=dtype)
+
+
+def _run(fn, q, k, v, table, dout):
+    """fn's output and the gradients of q, k, v and the table."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, table)]
+    out = fn(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
+def test_reference_is_sdpa_with_the_dense_bias():
+    q, k, v, dout = _qkv(2, 3, 9, 11, 8, dtype=torch.float64)
+    table = _table(16, 3, dtype=torch.float64)
+    kpm = torch.zeros(2, 11, dtype=torch.bool)
+    kpm[1, 8:] = True
+
+    def ours(q, k, v, t):
+        return reference.attention(q, k, v, key_padding_mask=kpm, scale=1.0, relative_attention_bias=t,
+                                   bidirectional=False, relative_attention_max_distance=20, query_offset=5)
+
+    def sdpa(q, k, v, t):
+        i = torch.arange(9)[:, None] + 5
+        j = torch.arange(11)[None, :]
+        bias = t[_t5_bucket(j - i, False, 16, 20)].permute(2, 0, 1)  # (H, Sq, Sk)
+        mask = bias[None].masked_fill(kpm[:, None, None, :], float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dtable"), _run(ours, q, k, v, table, dout),
+                               _run(sdpa, q, k, v, table, dout)):
+        assert_close(name, got, want, atol=1e-12, rtol=1e-12)
+
+
+# (B, H, H_kv, Sq, Sk, D, num_buckets, max_distance, bidirectional, masks, dropout_p, query_offset)
+CASES = {
+    "encoder": (2, 2, 2, 12, 12, 8, 8, 6, True, {}, 0.0, None),
+    "decoder_causal": (2, 2, 2, 13, 13, 8, 8, 6, False, {"is_causal": True}, 0.0, None),
+    "padded_dropout": (2, 2, 2, 10, 10, 16, 8, 5, True, {"kpm": True}, 0.2, None),
+    "cached_decoding": (1, 2, 2, 3, 17, 8, 8, 7, False, {"is_causal": True}, 0.0, None),
+    "query_offset": (1, 2, 2, 5, 9, 8, 8, 4, False, {}, 0.0, 11),
+    "grouped_heads": (1, 4, 2, 9, 9, 8, 16, 7, True, {"is_causal": True}, 0.0, None),
+    "long_rows": (1, 1, 1, 70, 150, 16, 32, 128, True, {"kpm": True}, 0.1, None),
+    "one_query": (1, 1, 1, 1, 1, 4, 4, 3, True, {}, 0.0, None),
+}
+TRITON_CASES = ("encoder", "decoder_causal", "padded_dropout", "cached_decoding", "grouped_heads")
+
+
+def _masks(spec, B, Sk, device):
+    masks = {"is_causal": spec.get("is_causal", False)}
+    if spec.get("kpm"):
+        kpm = torch.zeros(B, Sk, dtype=torch.bool)
+        kpm[-1, Sk - Sk // 3:] = True
+        masks["key_padding_mask"] = kpm.to(device)
+    return masks
+
+
+def _call(backend, case, dtype, seed=1234):
+    B, H, H_kv, Sq, Sk, D, nb, md, bidi, spec, p, offset = CASES[case]
+    device = device_for(backend)
+    q, k, v, dout = _qkv(B, H, Sq, Sk, D, H_kv, dtype, device)
+    table = _table(nb, H, dtype, device)
+    masks = _masks(spec, B, Sk, device)
+    rel = dict(bidirectional=bidi, relative_attention_max_distance=md, query_offset=offset)
+
+    def kernel(q, k, v, t):
+        torch.manual_seed(seed)  # the Function draws (seed, offset) from torch's generator
+        with fastformer.use_backend(backend):
+            return attention(q, k, v, scale=1.0, dropout_p=p, relative_attention_bias=t, **masks, **rel)
+
+    torch.manual_seed(seed)
+    rng = philox.next_seed() if p > 0 else None
+
+    def ref(q, k, v, t):
+        return reference.attention(q, k, v, scale=1.0, dropout_p=p, rng=rng, relative_attention_bias=t,
+                                   **masks, **rel)
+    return kernel, ref, (q, k, v, table, dout)
+
+
+NAMES = ("out", "dq", "dk", "dv", "dtable")
+
+
+def _params(dtypes):
+    for backend in BACKENDS:
+        name = backend.values[0]
+        for case in CASES:
+            if name == "triton" and case not in TRITON_CASES:
+                continue
+            for dtype in dtypes:
+                if dtype == torch.float64 and name != "cpu":
+                    continue
+                yield pytest.param(name, case, dtype, marks=backend.marks, id=f"{name}-{case}-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("backend, case, dtype", list(_params((torch.float32, torch.float64))))
+def test_matches_reference(backend, case, dtype):
+    kernel, ref, inputs = _call(backend, case, dtype)
+    got, want = _run(kernel, *inputs), _run(ref, *inputs)
+    for name, g, w in zip(NAMES, got, want):
+        atol, rtol = (TOL if name == "out" else GRAD_TOL)[dtype]
+        assert_close(name, g, w, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend, case, dtype", list(_params((torch.bfloat16,))))
+def test_bf16_within_twice_torchs_error(backend, case, dtype):
+    kernel, ref, inputs = _call(backend, case, dtype)
+    got = _run(kernel, *inputs)
+    want_lowp = _run(ref, *inputs)
+    want_fp32 = _run(ref, *(t.float() for t in inputs))
+    for name, g, w32, wlow in zip(NAMES, got, want_fp32, want_lowp):
+        assert_close_lowp(name, g.float(), w32, wlow.float(), atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_table_gradient_is_deterministic(backend):
+    kernel, _, inputs = _call(backend, "padded_dropout" if backend == "triton" else "long_rows", torch.float32)
+    first, second = _run(kernel, *inputs)[-1], _run(kernel, *inputs)[-1]
+    assert torch.equal(first, second)
+
+
+def _packed(lengths_q, lengths_k, H, D, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(tq, H, D, generator=gen)
+    k, v = (torch.randn(tk, H, D, generator=gen) for _ in range(2))
+    dout = torch.randn(tq, H, D, generator=gen)
+    cu = [torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device=device)
+          for x in (lengths_q, lengths_k)]
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)], cu
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
+def test_varlen_positions_within_each_sequence(backend, causal):
+    """Each packed sequence equals attention on it alone (its query i at position i + Lk - Lq)."""
+    lengths_q, lengths_k = [5, 0, 9, 3], [7, 2, 9, 11]
+    H, D, nb, md = 2, 8, 8, 5
+    device = device_for(backend)
+    (q, k, v, dout), (cq, ck) = _packed(lengths_q, lengths_k, H, D, torch.float32, device)
+    table = _table(nb, H, device=device)
+    rel = dict(bidirectional=not causal, relative_attention_max_distance=md)
+
+    def packed(q, k, v, t):
+        with fastformer.use_backend(backend):
+            return attention_varlen(q, k, v, cq, ck, max(lengths_q), max(lengths_k), is_causal=causal, scale=1.0,
+                                    relative_attention_bias=t, **rel)
+
+    def per_sequence(q, k, v, t):
+        outs, bq, bk = [], 0, 0
+        for Lq, Lk in zip(lengths_q, lengths_k):
+            qb, kb, vb = (x[a:a + n].transpose(0, 1)[None] for x, a, n in ((q, bq, Lq), (k, bk, Lk), (v, bk, Lk)))
+            if Lq:
+                outs.append(reference.attention(qb, kb, vb, is_causal=causal, scale=1.0, relative_attention_bias=t,
+                                                **rel)[0].transpose(0, 1))
+            bq, bk = bq + Lq, bk + Lk
+        return torch.cat(outs)
+
+    for name, g, w in zip(NAMES, _run(packed, q, k, v, table, dout), _run(per_sequence, q, k, v, table, dout)):
+        assert_close(name, g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda t: t[:, :1], r"relative_attention_bias must have shape \(num_buckets, H\)"),
+    (lambda t: t[0], "relative_attention_bias must have 2 dimensions"),
+    (lambda t: t.long(), "relative_attention_bias must be a floating"),
+    (lambda t: t[:3], "bidirectional buckets need at least 4"),
+])
+def test_bad_tables_are_refused_by_name(bad, match):
+    q, k, v, _ = _qkv(1, 2, 4, 4, 8)
+    with pytest.raises((ValueError, TypeError), match=match):
+        attention(q, k, v, relative_attention_bias=bad(_table(8, 2)))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(relative_attention_max_distance=2), ValueError, "relative_attention_max_distance must exceed"),
+    (dict(relative_attention_max_distance=1.5), TypeError, "relative_attention_max_distance must be an int"),
+    (dict(bidirectional=1), TypeError, "bidirectional must be a bool"),
+    (dict(query_offset=2.0), TypeError, "query_offset must be an int"),
+])
+def test_bad_settings_are_refused_by_name(kwargs, error, match):
+    q, k, v, _ = _qkv(1, 2, 4, 4, 8)
+    with pytest.raises(error, match=match):
+        attention(q, k, v, relative_attention_bias=_table(8, 2), **kwargs)
+
+
+CPP = [b for b in BACKENDS if b.values[0] in ("cpu", "cuda")]
+
+
+@pytest.mark.parametrize("rel_bias, rel_shift, match", [
+    (lambda H: torch.zeros(H, 4), 0, r"rel_bias must have shape \(H, 2R \+ 1\)"),
+    (lambda H: torch.zeros(H + 1, 5), 0, r"rel_bias must have shape \(H, 2R \+ 1\)"),
+    (lambda H: torch.zeros(H, 5, dtype=torch.float64), 0, "rel_bias must be float32"),
+    (lambda H: torch.zeros(5, H).t(), 0, "rel_bias must be contiguous"),
+    (lambda H: torch.zeros(H, 5), 1 << 31, r"rel_shift must be in \[-2\^30, 2\^30\]"),
+])
+@pytest.mark.parametrize("backend", CPP)
+def test_kernel_checks_name_the_bad_rel_bias(backend, rel_bias, rel_shift, match):
+    device = device_for(backend)
+    q, k, v, _ = _qkv(1, 2, 4, 4, 8, device=device)
+    kern = fastformer.backends.Kernels(backend)
+    with pytest.raises(RuntimeError, match=match):
+        kern.attention_fwd(q, k, v, None, None, False, 1.0, 0.0, philox.pack(0, 0), rel_bias(2).to(device), rel_shift)
