@@ -86,7 +86,7 @@ CASES = {
     "decoder_causal": (2, 2, 2, 13, 13, 8, 8, 6, False, {"is_causal": True}, 0.0, None),
     "padded_dropout": (2, 2, 2, 10, 10, 16, 8, 5, True, {"kpm": True}, 0.2, None),
     "cached_decoding": (1, 2, 2, 3, 17, 8, 8, 7, False, {"is_causal": True}, 0.0, None),
-    "query_offset": (1, 2, 2, 5, 9, 8, 8, 4, False, {}, 0.0, 11),
+    "query_offset": (1, 2, 2, 5, 9, 8, 8, 5, False, {}, 0.0, 11),
     "grouped_heads": (1, 4, 2, 9, 9, 8, 16, 7, True, {"is_causal": True}, 0.0, None),
     "long_rows": (1, 1, 1, 70, 150, 16, 32, 128, True, {"kpm": True}, 0.1, None),
     "one_query": (1, 1, 1, 1, 1, 4, 4, 3, True, {}, 0.0, None),
