@@ -86,10 +86,12 @@ CASES = {
     "decoder_causal": (2, 2, 2, 13, 13, 8, 8, 6, False, {"is_causal": True}, 0.0, None),
     "padded_dropout": (2, 2, 2, 10, 10, 16, 8, 5, True, {"kpm": True}, 0.2, None),
     "cached_decoding": (1, 2, 2, 3, 17, 8, 8, 7, False, {"is_causal": True}, 0.0, None),
-    "query_offset": (1, 2, 2, 5, 9, 8, 8, 4, False, {}, 0.0, 11),
+    "query_offset": (1, 2, 2, 5, 9, 8, 8, 5, False, {}, 0.0, 11),
     "grouped_heads": (1, 4, 2, 9, 9, 8, 16, 7, True, {"is_causal": True}, 0.0, None),
     "long_rows": (1, 1, 1, 70, 150, 16, 32, 128, True, {"kpm": True}, 0.1, None),
     "one_query": (1, 1, 1, 1, 1, 4, 4, 3, True, {}, 0.0, None),
+    # several query and key tiles of the kernels (64 x 128 on the CPU), both ends clamped in a row
+    "tiles": (1, 2, 2, 130, 300, 16, 32, 40, True, {"is_causal": True, "kpm": True}, 0.0, None),
 }
 TRITON_CASES = ("encoder", "decoder_causal", "padded_dropout", "cached_decoding", "grouped_heads")
 
@@ -181,8 +183,20 @@ def _packed(lengths_q, lengths_k, H, D, dtype, device, seed=0):
 @pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
 def test_varlen_positions_within_each_sequence(backend, causal):
     """Each packed sequence equals attention on it alone (its query i at position i + Lk - Lq)."""
-    lengths_q, lengths_k = [5, 0, 9, 3], [7, 2, 9, 11]
-    H, D, nb, md = 2, 8, 8, 5
+    _check_varlen(backend, causal, [5, 0, 9, 3], [7, 2, 9, 11])
+
+
+CPU = [b for b in BACKENDS if b.values[0] == "cpu"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", CPU)
+def test_varlen_sequences_of_several_tiles(backend, causal):
+    """Sequences longer than the CPU kernels' 64 x 128 tiles, one without queries, one without keys."""
+    _check_varlen(backend, causal, [70, 0, 130, 3], [140, 5, 260, 0], nb=16, md=30)
+
+
+def _check_varlen(backend, causal, lengths_q, lengths_k, H=2, D=8, nb=8, md=5):
     device = device_for(backend)
     (q, k, v, dout), (cq, ck) = _packed(lengths_q, lengths_k, H, D, torch.float32, device)
     table = _table(nb, H, device=device)
@@ -205,6 +219,69 @@ def test_varlen_positions_within_each_sequence(backend, causal):
 
     for name, g, w in zip(NAMES, _run(packed, q, k, v, table, dout), _run(per_sequence, q, k, v, table, dout)):
         assert_close(name, g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU)
+def test_varlen_qkvpacked_gradient_into_packed_rows(backend):
+    """attention_varlen_qkvpacked (the backward writing into one packed gradient) as attention_varlen."""
+    lengths = [70, 9, 130]
+    (q, k, v, dout), (cu, _) = _packed(lengths, lengths, 2, 8, torch.float32, device_for(backend))
+    table = _table(16, 2)
+    rel = dict(is_causal=True, scale=1.0, relative_attention_bias=None, bidirectional=False,
+               relative_attention_max_distance=30)
+
+    def packed(qkv, t):
+        with fastformer.use_backend(backend):
+            return fastformer.ops.attention_varlen_qkvpacked(qkv, cu, max(lengths), **{**rel, "relative_attention_bias": t})
+
+    def separate(q, k, v, t):
+        with fastformer.use_backend(backend):
+            return attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), **{**rel, "relative_attention_bias": t})
+    qkv, t = torch.stack((q, k, v), dim=1).requires_grad_(), table.clone().requires_grad_()
+    out = packed(qkv, t)
+    dqkv, dtable = torch.autograd.grad(out, (qkv, t), dout)
+    want = _run(separate, q, k, v, table, dout)
+    for name, g, w in zip(NAMES, (out.detach(), *dqkv.unbind(1), dtable), want):
+        assert_close(name, g, w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_attn_mask_scale_and_both_backward_schedules(backend, dtype):
+    """The CPU kernels' other paths with a bias: an additive attn_mask with -inf (the unfused score
+    rows), a scale != 1, grouped heads and dropout; the backward's schedules, one task per head (one
+    thread) and key-block then query-block passes (two threads): each as the reference, and the
+    table's gradient the same bits under both."""
+    B, H, H_kv, Sq, Sk, D = 2, 2, 1, 70, 140, 16
+    q, k, v, dout = _qkv(B, H, Sq, Sk, D, H_kv, dtype)
+    table = _table(32, H, dtype)
+    am = torch.randn(1, H, Sq, Sk, generator=torch.Generator().manual_seed(2)) * 0.5
+    am[..., ::7] = float("-inf")
+    kw = dict(attn_mask=am, scale=0.3, dropout_p=0.1, bidirectional=False, relative_attention_max_distance=20)
+    torch.manual_seed(5)
+    rng = philox.next_seed()
+
+    def kernel(q, k, v, t):
+        torch.manual_seed(5)
+        with fastformer.use_backend(backend):
+            return attention(q, k, v, relative_attention_bias=t, **kw)
+
+    def ref(q, k, v, t):
+        return reference.attention(q, k, v, rng=rng, relative_attention_bias=t, **kw)
+    want = _run(ref, q, k, v, table, dout)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(_run(kernel, q, k, v, table, dout))
+    finally:
+        torch.set_num_threads(threads)
+    for got in runs:
+        for name, g, w in zip(NAMES, got, want):
+            atol, rtol = (TOL if name == "out" else GRAD_TOL)[dtype]
+            assert_close(name, g, w, atol=atol, rtol=rtol)
+    assert torch.equal(runs[0][-1], runs[1][-1])
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -82,9 +82,10 @@ struct Call {
     if (dout != nullptr) checks::check_attention_bwd_tensors(checks::kCpu, op, *dout, *out, *lse, q, dims);
     keep_alive = prepare_masks(op, q, key_padding_mask, attn_mask, is_causal, dims, mask);
     rel_radius = checks::check_rel_bias(checks::kCpu, op, q, rel_bias, dims[1], rel_shift);
-    TORCH_CHECK(rel_radius < 0, op, ": rel_bias is not supported by the CPU kernels yet");
+    if (rel_radius >= 0) rel = RelBias{rel_bias->data_ptr(), rel_radius, rel_shift};
   }
   int64_t rel_radius;  // R of rel_bias (H, 2R + 1), -1 without one
+  RelBias rel;         // points into the caller's rel_bias
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
@@ -99,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(
   at::Tensor lse = at::empty({B, H, Sq}, q_in.options().dtype(checks::stat_dtype(q_in)));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor q = as_blas_rows(q_in, 2), k = as_blas_rows(k_in, 2), v = as_blas_rows(v_in, 2);
-  FF_ISA(attention_fwd_impl)(c.dims, q, k, v, c.mask, scale, dropout_p, c.seed, c.offset, out, lse);
+  FF_ISA(attention_fwd_impl)(c.dims, q, k, v, c.mask, c.rel, scale, dropout_p, c.seed, c.offset, out, lse);
   return {out, lse};
 }
 
@@ -120,14 +121,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(checks::stat_dtype(q)));
   if (k_in.size(1) != H) {  // grouped-query: per query head, then each group summed
     at::Tensor dk_h = kv_grad_per_query_head(k_in, H), dv_h = kv_grad_per_query_head(v_in, H);
-    FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
-                               c.offset, delta, dq, dk_h, dv_h);
+    FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, c.rel, scale, dropout_p, c.seed,
+                               c.offset, delta, dq, dk_h, dv_h, drel);
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
     return {dq, dk, dv, drel};
   }
-  FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, scale, dropout_p, c.seed,
-                             c.offset, delta, dq, dk, dv);
+  FF_ISA(attention_bwd_impl)(c.dims, dout, q, k, v, out_in, lse, c.mask, c.rel, scale, dropout_p, c.seed,
+                             c.offset, delta, dq, dk, dv, drel);
   return {dq, dk, dv, drel};
 }
 

@@ -25,6 +25,14 @@ struct Masks {
   bool causal = false;              // key j of a sequence visible to its query i iff j <= i + Lk - Lq
 };
 
+// The relative position bias of one call (csrc/schemas.h): query i of a sequence sits at position
+// i + Lk - Lq + shift, and head h adds data[h, clamp(j - pos, -R, R) + R] to its score with key j.
+struct RelBias {
+  const void* data = nullptr;  // (H, 2R + 1) contiguous in the math type (fp32, fp64); nullptr: none
+  int64_t R = 0;
+  int64_t shift = 0;           // the padded op's rel_shift; 0 for packed sequences
+};
+
 // The packed rows of attention_varlen: sequence b owns rows [cu_q[b], cu_q[b + 1]) of q, out,
 // dout, dq (and those columns of lse) and rows [cu_k[b], cu_k[b + 1]) of k, v, dk, dv. cu_q, cu_k
 // point into checked (B + 1,) int32 tensors; max_q, max_k also give the dropout counters' grid
@@ -39,33 +47,39 @@ struct Varlen {
 // (B, H, Sq, D) and lse (B, H, Sq) fp32 are written.
 FF_ISA_DECLARE(void attention_fwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& q,
                                        const at::Tensor& k, const at::Tensor& v, const Masks& mask,
-                                       double scale, double dropout_p, uint64_t seed,
-                                       uint64_t offset, at::Tensor& out, at::Tensor& lse))
+                                       const RelBias& rel, double scale, double dropout_p,
+                                       uint64_t seed, uint64_t offset, at::Tensor& out,
+                                       at::Tensor& lse))
 
-// delta (B, H, Sq) in the math type is scratch (rowsum(dout * out)); dq, dk, dv are written.
+// delta (B, H, Sq) in the math type is scratch (rowsum(dout * out)); dq, dk, dv are written, and
+// drel (H, 2R + 1), rel_bias's gradient, when rel has a bias (else drel is not touched).
 FF_ISA_DECLARE(void attention_bwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& dout,
                                        const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out,
-                                       const at::Tensor& lse, const Masks& mask, double scale,
-                                       double dropout_p, uint64_t seed, uint64_t offset,
-                                       at::Tensor& delta, at::Tensor& dq, at::Tensor& dk,
-                                       at::Tensor& dv))
+                                       const at::Tensor& lse, const Masks& mask,
+                                       const RelBias& rel, double scale, double dropout_p,
+                                       uint64_t seed, uint64_t offset, at::Tensor& delta,
+                                       at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                                       at::Tensor& drel))
 
 // q, k, v, dout (total, H, D) with rows the GEMMs take (stride(0) >= D); out (total_q, H, D)
 // contiguous and lse (H, total_q) fp32 are written.
 FF_ISA_DECLARE(void attention_varlen_fwd_impl(const Varlen& lens, const at::Tensor& q,
                                               const at::Tensor& k, const at::Tensor& v, bool causal,
-                                              double scale, double dropout_p, uint64_t seed,
-                                              uint64_t offset, at::Tensor& out, at::Tensor& lse))
+                                              const RelBias& rel, double scale, double dropout_p,
+                                              uint64_t seed, uint64_t offset, at::Tensor& out,
+                                              at::Tensor& lse))
 
-// delta (H, total_q) in the math type is scratch; dq, dk, dv are written through their strides.
+// delta (H, total_q) in the math type is scratch; dq, dk, dv are written through their strides,
+// drel as attention_bwd_impl's.
 FF_ISA_DECLARE(void attention_varlen_bwd_impl(const Varlen& lens, const at::Tensor& dout,
                                               const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, const at::Tensor& out,
-                                              const at::Tensor& lse, bool causal, double scale,
-                                              double dropout_p, uint64_t seed, uint64_t offset,
-                                              at::Tensor& delta, at::Tensor& dq, at::Tensor& dk,
-                                              at::Tensor& dv))
+                                              const at::Tensor& lse, bool causal,
+                                              const RelBias& rel, double scale, double dropout_p,
+                                              uint64_t seed, uint64_t offset, at::Tensor& delta,
+                                              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                                              at::Tensor& drel))
 
 // ---- glue helpers (attention.cpp, attention_varlen.cpp)
 

@@ -15,6 +15,11 @@
 // are skipped. Threads take tasks one at a time from a shared counter, heaviest first
 // (TaskList, parallel_tasks), so sequences of different lengths do not leave a thread waiting
 // for another.
+// A relative position bias's gradient (dS summed by clamped distance, without floating-point
+// atomics) is collected per (sequence, head, key block) in a slot of its own, by the one task
+// that computes that key block's dS with dK (never the dQ pass, which recomputes it), and the
+// slots are summed in a fixed order at the end: the same bits whatever the schedule or the
+// thread count.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -100,13 +105,14 @@ struct BwdScratch {
 
 // One (query block, key block) tile of the backward pass: queries i0 .. i0 + mq - 1 against keys
 // j0 .. j0 + nk - 1 of head (b, h), with w.KT / w.VT holding K_j^T / V_j^T. Adds (accumulate) or
-// writes dS K_j to dq (mq, D) when given, and (P Z)^T dO_i, dS^T Q_i to dv, dk (nk, D) when given.
+// writes dS K_j to dq (mq, D) when given, and (P Z)^T dO_i, dS^T Q_i to dv, dk (nk, D) when given;
+// adds the tile's dS by distance to drel (2R + 1, a task's slot) when given.
 template <typename scalar_t>
 void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
                    int64_t b, int64_t h, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
                    const at::opmath_type<scalar_t>* Kj, int64_t ldk, GradRows<at::opmath_type<scalar_t>> dq,
                    GradRows<at::opmath_type<scalar_t>> dk, GradRows<at::opmath_type<scalar_t>> dv,
-                   bool accumulate = true) {
+                   at::opmath_type<scalar_t>* drel, bool accumulate = true) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), shift = p.shift(b);
   const acc_t* lse = g.lse.row(b, h, i0);
@@ -127,16 +133,17 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     const int64_t i = i0 + r;
     acc_t* s = w.S.data() + r * kBlockK;
     const acc_t row_lse = lse[r];
+    const RelRow<acc_t> rel = p.rel_row(b, h, i, j0);
     if (row_lse == std::numeric_limits<acc_t>::infinity()) {
       std::fill(s, s + npad, acc_t(0));  // no visible key
     } else if (std::isnan(row_lse)) {
       poison_row(s, nk, npad);  // the forward's row was NaN: so are its gradients
     } else if (fused) {
       const Vec<acc_t> vlse(row_lse);
-      scale_mask_map_row(p.mask, p.scale, b, i, shift, j0, nk, npad, s,
+      scale_mask_map_row(p.mask, rel, p.scale, b, i, shift, j0, nk, npad, s,
                          [&](const Vec<acc_t>& x) { return vexp(x - vlse); });
     } else {
-      scale_mask_row(p.mask, p.scale, b, h, i, shift, j0, nk, npad, s);
+      scale_mask_row(p.mask, rel, p.scale, b, h, i, shift, j0, nk, npad, s);
       exp_sub(s, npad, row_lse);
     }
     if (dropout) mul_into(w.PZ.data() + r * kBlockK, s, w.keep.data() + r * kBlockK, npad);
@@ -148,14 +155,22 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
     attn::matmul(nk, D, mq, w.T.data(), kBlockQ, dOi, lddo, dv.data, dv.ld, accumulate);
   }
 
-  // dP (mq, nk) = dO_i V_j^T, then dS = scale * P (dP Z - delta) in place
+  // dP (mq, nk) = dO_i V_j^T, then dS = scale * P (dP Z - delta) in place (and P (dP Z - delta)
+  // by distance into drel)
   attn::matmul(mq, npad, D, dOi, lddo, w.VT.data(), kBlockK, w.dP.data(), kBlockK, false);
+  RelGrad<acc_t> rel_grad{drel, 2 * p.rel_R};
   for (int64_t r = 0; r < mq; ++r) {
     acc_t* dp = w.dP.data() + r * kBlockK;
     if (npad > nk) std::fill(dp + nk, dp + npad, acc_t(0));
-    softmax_bwd_row(dp, w.S.data() + r * kBlockK, dropout ? w.keep.data() + r * kBlockK : nullptr,
-                    npad, delta[r], p.scale);
+    const acc_t* z = dropout ? w.keep.data() + r * kBlockK : nullptr;
+    if (drel != nullptr) {
+      softmax_bwd_rel_row(dp, w.S.data() + r * kBlockK, z, nk, npad, delta[r], p.scale,
+                          p.rel_row(b, h, i0 + r, j0).d0, rel_grad);
+    } else {
+      softmax_bwd_row(dp, w.S.data() + r * kBlockK, z, npad, delta[r], p.scale);
+    }
   }
+  if (drel != nullptr) rel_grad.flush();
 
   if (dq.data != nullptr) {
     // dQ_i (mq, D) += dS (mq, nk) K_j (nk, D)
@@ -231,10 +246,10 @@ void zero_rows(const Rows<scalar_t>& dst, int64_t b, int64_t h, int64_t s0, int6
 
 // A whole head of one tile (Lq <= kBlockQ, Lk <= kBlockK; fp32 / fp64): each product of the tile
 // is the only one into its gradient rows, so it writes them in place, without an accumulator to
-// zero first and copy out after.
+// zero first and copy out after. drel: the slot of the head's one key block, or nullptr.
 template <typename scalar_t>
 void backward_single_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
-                          int64_t b, int64_t h) {
+                          int64_t b, int64_t h, at::opmath_type<scalar_t>* drel) {
   static_assert(std::is_same_v<scalar_t, at::opmath_type<scalar_t>>);
   const int64_t D = p.D, lq = p.Lq(b), lk = p.Lk(b);
   const auto [kbegin, kend] = p.key_span(b, lq);
@@ -252,14 +267,17 @@ void backward_single_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
   int64_t ldk;
   w.load_keys(p, b, h, kbegin, kend - kbegin, Kj, ldk);
   backward_tile(p, g, w, b, h, 0, lq, kbegin, kend - kbegin, Kj, ldk, {g.dq.row(b, h, 0), g.dq.ld},
-                {g.dk.row(b, h, kbegin), g.dk.ld}, {g.dv.row(b, h, kbegin), g.dv.ld}, /*accumulate=*/false);
+                {g.dk.row(b, h, kbegin), g.dk.ld}, {g.dv.row(b, h, kbegin), g.dv.ld}, drel, /*accumulate=*/false);
 }
 
 // dK, dV rows [jb, jb + nb) of head (b, h): accumulated over every query block that sees them
-// (into w.dk / w.dv) and stored; dq, when given, collects dS K for the whole head.
+// (into w.dk / w.dv) and stored; dq, when given, collects dS K for the whole head; drel, when
+// given (the key block's slot), dS by distance. The same tiles in the same order whether a
+// whole-head task or a key-block task runs it (and backward_single_tile's one tile is its one).
 template <typename scalar_t>
 void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
-                        int64_t b, int64_t h, int64_t jb, int64_t nb, at::opmath_type<scalar_t>* dq) {
+                        int64_t b, int64_t h, int64_t jb, int64_t nb, at::opmath_type<scalar_t>* dq,
+                        at::opmath_type<scalar_t>* drel) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D;
   std::fill(w.dk.begin(), w.dk.begin() + nb * D, acc_t(0));
@@ -274,18 +292,32 @@ void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, 
     for (int64_t i0 = p.query_begin(b, j0) / kBlockQ * kBlockQ; i0 < lq; i0 += kBlockQ) {
       const int64_t mq = std::min(kBlockQ, lq - i0);
       backward_tile(p, g, w, b, h, i0, mq, j0, j1 - j0, Kj, ldk, {dq != nullptr ? dq + i0 * D : nullptr, D},
-                    {w.dk.data() + (j0 - jb) * D, D}, {w.dv.data() + (j0 - jb) * D, D});
+                    {w.dk.data() + (j0 - jb) * D, D}, {w.dv.data() + (j0 - jb) * D, D}, drel);
     }
   }
   store_rows(w.dk.data(), g.dk, b, h, jb, nb, D);
   store_rows(w.dv.data(), g.dv, b, h, jb, nb, D);
 }
 
+// drel: rel_bias's gradient (H, 2R + 1) when p has a bias, else nullptr.
 template <typename scalar_t>
-void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g) {
+void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, at::opmath_type<scalar_t>* drel) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, threads = at::get_num_threads();
   const bool dropout = p.dropout.drop;
+
+  // The bias gradient's slots, (H, key blocks of all sequences, 2R + 1): sequence b's key block kb
+  // of head h is slot h * key_blocks + block0[b] + kb, written by one task only (zeros where no
+  // key is seen).
+  const bool rel = drel != nullptr;
+  const int64_t W = 2 * p.rel_R + 1;
+  std::vector<int64_t> block0(p.B + 1, 0);
+  for (int64_t b = 0; b < p.B; ++b) block0[b + 1] = block0[b] + (rel ? ceil_div(p.Lk(b), kBlockK) : 0);
+  const int64_t key_blocks = block0[p.B];
+  std::vector<acc_t> slots(rel ? p.H * key_blocks * W : 0, acc_t(0));
+  auto slot = [&](int64_t b, int64_t h, int64_t kb) {
+    return rel ? slots.data() + (h * key_blocks + block0[b] + kb) * W : nullptr;
+  };
 
   // A head's score-tile work per sequence; the whole call's is H times their sum.
   std::vector<int64_t> head_work(p.B, 0);
@@ -338,13 +370,13 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
       const int64_t b = it.b, lq = p.Lq(b), lk = p.Lk(b);
       if (it.block != TaskList::kWholeHead) {
         const int64_t jb = it.block * kBlockK;
-        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr);
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr, slot(b, h, it.block));
         continue;
       }
       if (head_delta) head_deltas(p, g, b, h, lq, w.x.data(), w.y.data());
       if constexpr (std::is_same_v<scalar_t, acc_t>) {
         if (lq <= kBlockQ && lk <= kBlockK) {
-          backward_single_tile(p, g, w, b, h);
+          backward_single_tile(p, g, w, b, h, slot(b, h, 0));
           continue;
         }
       }
@@ -354,7 +386,7 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
       w.dout.get(g.dout, b, h, 0, lq, ld);
       std::fill(w.dq.begin(), w.dq.begin() + lq * D, acc_t(0));
       for (int64_t jb = 0; jb < lk; jb += kBlockK) {
-        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), w.dq.data());
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), w.dq.data(), slot(b, h, jb / kBlockK));
       }
       store_rows(w.dq.data(), g.dq, b, h, 0, lq, D);
     }
@@ -374,11 +406,23 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
         const acc_t* Kj;
         int64_t ldk;
         w.load_keys(p, b, h, j0, nk, Kj, ldk);
-        backward_tile(p, g, w, b, h, i0, mq, j0, nk, Kj, ldk, {w.dq.data(), D}, {nullptr, D}, {nullptr, D});
+        backward_tile(p, g, w, b, h, i0, mq, j0, nk, Kj, ldk, {w.dq.data(), D}, {nullptr, D}, {nullptr, D},
+                      nullptr);  // (pass 1 took this dS's share of drel)
       }
       store_rows(w.dq.data(), g.dq, b, h, i0, mq, D);
     }
   });
+  // drel[h] = the sum of head h's slots, in slot order
+  if (rel) {
+    for (int64_t h = 0; h < p.H; ++h) {
+      acc_t* dst = drel + h * W;
+      std::fill(dst, dst + W, acc_t(0));
+      for (int64_t n = 0; n < key_blocks; ++n) {
+        const acc_t* src = slots.data() + (h * key_blocks + n) * W;
+        for (int64_t c = 0; c < W; ++c) dst[c] += src[c];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -386,31 +430,32 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
 void attention_bwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& dout,
                         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& out, const at::Tensor& lse, const Masks& mask,
-                        double scale, double dropout_p, uint64_t seed, uint64_t offset,
-                        at::Tensor& delta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+                        const RelBias& rel, double scale, double dropout_p, uint64_t seed,
+                        uint64_t offset, at::Tensor& delta, at::Tensor& dq, at::Tensor& dk,
+                        at::Tensor& dv, at::Tensor& drel) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
+    const auto p = make_problem<scalar_t>(dims, q, k, v, mask, rel, scale, dropout_p, seed, offset);
     BwdData<scalar_t> g{rows_of<scalar_t>(dout), p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()),
                         p.stat_rows(delta.data_ptr<acc_t>()), rows_of<scalar_t>(dq),
                         rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), rows_of<scalar_t>(out)};
-    attention_bwd_kernel<scalar_t>(p, g);
+    attention_bwd_kernel<scalar_t>(p, g, rel.data != nullptr ? drel.data_ptr<acc_t>() : nullptr);
   });
 }
 
 void attention_varlen_bwd_impl(const Varlen& lens, const at::Tensor& dout, const at::Tensor& q,
                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                               const at::Tensor& lse, bool causal, double scale, double dropout_p,
-                               uint64_t seed, uint64_t offset, at::Tensor& delta, at::Tensor& dq,
-                               at::Tensor& dk, at::Tensor& dv) {
+                               const at::Tensor& lse, bool causal, const RelBias& rel, double scale,
+                               double dropout_p, uint64_t seed, uint64_t offset, at::Tensor& delta,
+                               at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& drel) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
+    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, rel, scale, dropout_p, seed, offset);
     BwdData<scalar_t> g{packed_rows_of<scalar_t>(dout, lens.cu_q), p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()),
                         p.stat_rows(delta.data_ptr<acc_t>()), packed_rows_of<scalar_t>(dq, lens.cu_q),
                         packed_rows_of<scalar_t>(dk, lens.cu_k), packed_rows_of<scalar_t>(dv, lens.cu_k),
                         packed_rows_of<scalar_t>(out, lens.cu_q)};
-    attention_bwd_kernel<scalar_t>(p, g);
+    attention_bwd_kernel<scalar_t>(p, g, rel.data != nullptr ? drel.data_ptr<acc_t>() : nullptr);
   });
 }
 

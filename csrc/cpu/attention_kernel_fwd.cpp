@@ -3,7 +3,9 @@
 //
 // Forward, per (sequence, head, block of kBlockQ queries): S = Q K^T for one block of kBlockK keys
 // at a time, scale and masks applied while the tile is hot, an online softmax (running max m and
-// sum l per row), dropout on the probabilities from the shared Philox stream, and O += P V.
+// sum l per row), dropout on the probabilities from the shared Philox stream, and O += P V. A
+// relative position bias is added to each score row with the scale (a window of the head's bias
+// by distance, RelRow).
 // Only the per-row log-sum-exp lse = m + log(l) is kept for backward (+inf for a row with no
 // visible key, so exp(s - lse) recomputes P = 0 there).
 #include <ATen/ATen.h>
@@ -115,16 +117,17 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
           }
           for (int64_t r = 0; r < rows; ++r) {
             acc_t* s = s0 + r * kBlockK;
+            const RelRow<acc_t> rel = p.rel_row(b, h, i0 + g0 + r, j0);
             if (fused) {
               Vec<acc_t> mx(neg_inf<acc_t>());
-              scale_mask_map_row(p.mask, p.scale, b, i0 + g0 + r, shift, j0, nk, npad, s,
+              scale_mask_map_row(p.mask, rel, p.scale, b, i0 + g0 + r, shift, j0, nk, npad, s,
                                  [&](const Vec<acc_t>& x) {
                                    mx = at::vec::maximum(mx, x);
                                    return x;
                                  });
               part[r] = mx;
             } else {
-              scale_mask_row(p.mask, p.scale, b, h, i0 + g0 + r, shift, j0, nk, npad, s);
+              scale_mask_row(p.mask, rel, p.scale, b, h, i0 + g0 + r, shift, j0, nk, npad, s);
               Vec<acc_t> mx(neg_inf<acc_t>());
               for (int64_t c = 0; c < npad; c += Vec<acc_t>::size()) {
                 mx = at::vec::maximum(mx, Vec<acc_t>::loadu(s + c));
@@ -190,19 +193,20 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
 }  // namespace
 
 void attention_fwd_impl(const std::array<int64_t, 5>& dims, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const Masks& mask, double scale, double dropout_p,
-                        uint64_t seed, uint64_t offset, at::Tensor& out, at::Tensor& lse) {
+                        const at::Tensor& v, const Masks& mask, const RelBias& rel, double scale,
+                        double dropout_p, uint64_t seed, uint64_t offset, at::Tensor& out, at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_fwd", [&] {
-    const auto p = make_problem<scalar_t>(dims, q, k, v, mask, scale, dropout_p, seed, offset);
+    const auto p = make_problem<scalar_t>(dims, q, k, v, mask, rel, scale, dropout_p, seed, offset);
     attention_fwd_kernel<scalar_t>(p, rows_of<scalar_t>(out), p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()));
   });
 }
 
 void attention_varlen_fwd_impl(const Varlen& lens, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, bool causal, double scale, double dropout_p,
-                               uint64_t seed, uint64_t offset, at::Tensor& out, at::Tensor& lse) {
+                               const at::Tensor& v, bool causal, const RelBias& rel, double scale,
+                               double dropout_p, uint64_t seed, uint64_t offset, at::Tensor& out,
+                               at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "attention_varlen_fwd", [&] {
-    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, scale, dropout_p, seed, offset);
+    const auto p = make_varlen_problem<scalar_t>(lens, q, k, v, causal, rel, scale, dropout_p, seed, offset);
     attention_fwd_kernel<scalar_t>(p, packed_rows_of<scalar_t>(out, lens.cu_q),
                                    p.stat_rows(lse.data_ptr<at::opmath_type<scalar_t>>()));
   });

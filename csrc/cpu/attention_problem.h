@@ -72,6 +72,15 @@ Rows<T> packed_rows_of(const at::Tensor& t, const int32_t* cu) {
   return Rows<T>{const_cast<T*>(t.data_ptr<T>()), 0, t.stride(1), ld, cu};
 }
 
+// One score row's window of the relative position bias (RelBias): column c (key j0 + c) adds
+// bias[clamp(d0 + c, 0, last)], last = 2R, d0 = j0 - pos + R for the query at position pos. The
+// distance grows by one per key, so the row reads consecutive values, clamped at both ends.
+template <typename T>
+struct RelRow {
+  const T* bias = nullptr;  // the head's 2R + 1 values; nullptr: no bias
+  int64_t d0 = 0, last = 0;
+};
+
 template <typename scalar_t>
 struct Problem {
   using acc_t = at::opmath_type<scalar_t>;
@@ -86,6 +95,8 @@ struct Problem {
   acc_t scale;
   DropoutParams dropout;
   uint64_t seed, offset;
+  const acc_t* rel = nullptr;  // the relative position bias (H, 2R + 1) (RelBias); nullptr: none
+  int64_t rel_R = 0, rel_shift = 0;
 
   // The k/v head query head h reads.
   int64_t kv_head(int64_t h) const { return h / kv_group; }
@@ -94,6 +105,12 @@ struct Problem {
   int64_t Lk(int64_t b) const { return cu_k != nullptr ? int64_t{cu_k[b + 1]} - cu_k[b] : Sk; }
   // Causal (bottom-right): key j of sequence b is visible to its query i iff j <= i + shift(b).
   int64_t shift(int64_t b) const { return Lk(b) - Lq(b); }
+  // The bias of query i of head h of sequence b against keys j0, ..: query i sits at position
+  // i + shift(b) + rel_shift (no bias: a RelRow without one).
+  RelRow<acc_t> rel_row(int64_t b, int64_t h, int64_t i, int64_t j0) const {
+    if (rel == nullptr) return {};
+    return {rel + h * (2 * rel_R + 1), j0 - (i + shift(b) + rel_shift) + rel_R, 2 * rel_R};
+  }
   // The query rows of all sequences (the rows of out, lse, delta).
   int64_t total_q() const { return cu_q != nullptr ? int64_t{cu_q[B]} : B * Sq; }
   // (sequence, query) of query row t < total_q().
@@ -149,7 +166,8 @@ struct Problem {
 template <typename scalar_t>
 Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const Rows<scalar_t>& q,
                                const Rows<scalar_t>& k, const Rows<scalar_t>& v, const Masks& mask,
-                               double scale, double dropout_p, uint64_t seed, uint64_t offset) {
+                               const RelBias& rel, double scale, double dropout_p, uint64_t seed,
+                               uint64_t offset) {
   Problem<scalar_t> p;
   p.B = dims[0];
   p.H = dims[1];
@@ -166,6 +184,9 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const Rows<sc
   p.dropout = dropout_params(dropout_p);
   p.seed = seed;
   p.offset = offset;
+  p.rel = static_cast<const at::opmath_type<scalar_t>*>(rel.data);  // stat_dtype(q): the math type
+  p.rel_R = rel.R;
+  p.rel_shift = rel.shift;
   return p;
 }
 
@@ -173,9 +194,10 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const Rows<sc
 template <typename scalar_t>
 Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Tensor& q,
                                const at::Tensor& k, const at::Tensor& v, const Masks& mask,
-                               double scale, double dropout_p, uint64_t seed, uint64_t offset) {
+                               const RelBias& rel, double scale, double dropout_p, uint64_t seed,
+                               uint64_t offset) {
   auto p = make_problem<scalar_t>(dims, rows_of<scalar_t>(q), rows_of<scalar_t>(k), rows_of<scalar_t>(v),
-                                  mask, scale, dropout_p, seed, offset);
+                                  mask, rel, scale, dropout_p, seed, offset);
   p.kv_group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;  // checked: k's heads divide q's
   return p;
 }
@@ -183,15 +205,15 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const at::Ten
 // Packed sequences: no masks but the per-sequence causal one.
 template <typename scalar_t>
 Problem<scalar_t> make_varlen_problem(const Varlen& lens, const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, bool causal, double scale,
-                                      double dropout_p, uint64_t seed, uint64_t offset) {
+                                      const at::Tensor& v, bool causal, const RelBias& rel,
+                                      double scale, double dropout_p, uint64_t seed, uint64_t offset) {
   Masks mask;
   mask.causal = causal;
   auto p = make_problem<scalar_t>({lens.B, lens.H, lens.max_q, lens.max_k, lens.D},
                                   packed_rows_of<scalar_t>(q, lens.cu_q),
                                   packed_rows_of<scalar_t>(k, lens.cu_k),
-                                  packed_rows_of<scalar_t>(v, lens.cu_k), mask, scale, dropout_p, seed,
-                                  offset);
+                                  packed_rows_of<scalar_t>(v, lens.cu_k), mask, rel, scale, dropout_p,
+                                  seed, offset);
   p.kv_group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;  // checked: k's heads divide q's
   return p;
 }

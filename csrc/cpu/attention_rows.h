@@ -80,12 +80,75 @@ void add_mask_row(T* s, const float* a, int64_t stride, int64_t n) {
   }
 }
 
-// s[0, n) = scale * s + masks for query i against keys j0 .. j0 + n - 1 (causal: key j visible
-// iff j <= i + shift), and the padding s[n, n_pad) = -inf.
+// The relative position bias of columns [c, c + V) of a row (RelRow): one load inside the
+// window, one value broadcast past either end, lane by lane only where a vector straddles an end.
 template <typename T>
-void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, int64_t shift,
-                    int64_t j0, int64_t n, int64_t n_pad, T* s) {
+Vec<T> rel_bias_at(const RelRow<T>& rel, int64_t c) {
+  constexpr int64_t V = Vec<T>::size();
+  const int64_t d = rel.d0 + c;
+  if (d >= 0 && d + V - 1 <= rel.last) return Vec<T>::loadu(rel.bias + d);
+  if (d + V - 1 <= 0) return Vec<T>(rel.bias[0]);
+  if (d >= rel.last) return Vec<T>(rel.bias[rel.last]);
+  alignas(64) T x[V];
+  for (int64_t k = 0; k < V; ++k) x[k] = rel.bias[std::clamp<int64_t>(d + k, 0, rel.last)];
+  return Vec<T>::loadu(x);
+}
+
+// s[0, n) += the row's relative position bias (any n).
+template <typename T>
+void add_rel_row(T* s, const RelRow<T>& rel, int64_t n) {
+  int64_t c = 0;
+  for (; c + Vec<T>::size() <= n; c += Vec<T>::size()) {
+    (Vec<T>::loadu(s + c) + rel_bias_at(rel, c)).store(s + c);
+  }
+  for (; c < n; ++c) s[c] += rel.bias[std::clamp<int64_t>(rel.d0 + c, 0, rel.last)];
+}
+
+// One task's partial gradient of the relative position bias (2R + 1 sums, a slot no other task
+// writes): the scores' gradients added by clamped distance, the columns past either end of the
+// window summed lane-wise in lo / hi and folded in by flush(), all in a fixed order.
+template <typename T>
+struct RelGrad {
+  static constexpr int64_t V = Vec<T>::size();
+  T* part;
+  int64_t last;  // 2R
+  Vec<T> lo = Vec<T>(T(0)), hi = Vec<T>(T(0));
+
+  // u: the gradients of count <= V consecutive columns, the first at unclamped index d.
+  void add(int64_t d, const Vec<T>& u, int64_t count) {
+    if (count == V) {
+      if (d >= 0 && d + V - 1 <= last) {
+        (Vec<T>::loadu(part + d) + u).store(part + d);
+        return;
+      }
+      if (d + V - 1 <= 0) {
+        lo = lo + u;
+        return;
+      }
+      if (d >= last) {
+        hi = hi + u;
+        return;
+      }
+    }
+    alignas(64) T x[V];
+    u.store(x);
+    for (int64_t k = 0; k < count; ++k) part[std::clamp<int64_t>(d + k, 0, last)] += x[k];
+  }
+  void flush() {
+    const auto add = [](Vec<T> x, Vec<T> y) { return x + y; };
+    part[0] += at::vec::vec_reduce_all<T>(add, lo);
+    part[last] += at::vec::vec_reduce_all<T>(add, hi);
+    lo = hi = Vec<T>(T(0));
+  }
+};
+
+// s[0, n) = scale * s + relative position bias + masks for query i against keys j0 .. j0 + n - 1
+// (causal: key j visible iff j <= i + shift), and the padding s[n, n_pad) = -inf.
+template <typename T>
+void scale_mask_row(const Masks& mk, const RelRow<T>& rel, T scale, int64_t b, int64_t h, int64_t i,
+                    int64_t shift, int64_t j0, int64_t n, int64_t n_pad, T* s) {
   scale_row(s, n, scale);
+  if (rel.bias != nullptr) add_rel_row(s, rel, n);  // before the masks: their -inf wins over any bias
   if (mk.key_bias != nullptr) add_mask_row(s, mk.key_bias + b * mk.Sk + j0, 1, n);
   if (mk.am != nullptr) {
     add_mask_row(s, mk.am + b * mk.am_sb + h * mk.am_sh + i * mk.am_sq + j0 * mk.am_sk, mk.am_sk, n);
@@ -97,34 +160,41 @@ void scale_mask_row(const Masks& mk, T scale, int64_t b, int64_t h, int64_t i, i
   for (int64_t c = n; c < n_pad; ++c) s[c] = neg_inf<T>();
 }
 
-// s[0, n_pad) = f(scale * s + masks) for query i against keys j0 .. j0 + n - 1, f(-inf) where a
-// mask hides the key and in the padding [n, n_pad): scale_mask_row and the next pass over the row
-// (forward: the row max, backward: exp(s - lse)) in one sweep, the causal mask and the padding
-// as whole vectors. Without an attn_mask (fp32: also with key padding) only; see fusable().
+// s[0, n_pad) = f(scale * s + relative position bias + masks) for query i against keys j0 .. j0 +
+// n - 1, f(-inf) where a mask hides the key and in the padding [n, n_pad): scale_mask_row and the
+// next pass over the row (forward: the row max, backward: exp(s - lse)) in one sweep, the causal
+// mask and the padding as whole vectors. Without an attn_mask (fp32: also with key padding) only;
+// see fusable().
 template <typename T, typename F>
-void scale_mask_map_row(const Masks& mk, T scale, int64_t b, int64_t i, int64_t shift, int64_t j0,
-                        int64_t n, int64_t n_pad, T* s, const F& f) {
+void scale_mask_map_row(const Masks& mk, const RelRow<T>& rel, T scale, int64_t b, int64_t i,
+                        int64_t shift, int64_t j0, int64_t n, int64_t n_pad, T* s, const F& f) {
   constexpr int64_t V = Vec<T>::size();
   const Vec<T> vs(scale), hidden(neg_inf<T>());
   // columns [visible, n_pad) are hidden: causal, then padding
   const int64_t visible = mk.causal ? std::clamp<int64_t>(i + shift - j0 + 1, 0, n) : n;
   const float* kb = mk.key_bias != nullptr ? mk.key_bias + b * mk.Sk + j0 : nullptr;
-  auto score = [&](int64_t c, int64_t count) {
-    Vec<T> x = Vec<T>::loadu(s + c) * vs;
-    if constexpr (std::is_same_v<T, float>) {
-      if (kb != nullptr) {  // as add_mask_row: -inf hides the key even where the score is NaN
-        const Vec<float> a = Vec<float>::loadu(kb + c, count);
-        x = Vec<float>::blendv(x + a, hidden, a == hidden);
+  // the sweep compiled with and without the bias, chosen once a row
+  auto sweep = [&](auto with_rel) {
+    auto score = [&](int64_t c, int64_t count) {
+      Vec<T> x = Vec<T>::loadu(s + c) * vs;
+      if constexpr (decltype(with_rel)::value) x = x + rel_bias_at(rel, c);
+      if constexpr (std::is_same_v<T, float>) {
+        if (kb != nullptr) {  // as add_mask_row: -inf hides the key even where the score is NaN
+          const Vec<float> a = Vec<float>::loadu(kb + c, count);
+          x = Vec<float>::blendv(x + a, hidden, a == hidden);
+        }
       }
+      return x;
+    };
+    int64_t c = 0;
+    for (; c + V <= visible; c += V) f(score(c, V)).store(s + c);
+    if (c < visible) {
+      f(Vec<T>::set(hidden, score(c, visible - c), visible - c)).store(s + c);
+      c += V;
     }
-    return x;
+    return c;
   };
-  int64_t c = 0;
-  for (; c + V <= visible; c += V) f(score(c, V)).store(s + c);
-  if (c < visible) {
-    f(Vec<T>::set(hidden, score(c, visible - c), visible - c)).store(s + c);
-    c += V;
-  }
+  int64_t c = rel.bias != nullptr ? sweep(std::true_type{}) : sweep(std::false_type{});
   if (c < n_pad) {
     const Vec<T> tail = f(hidden);
     for (; c < n_pad; c += V) tail.store(s + c);
@@ -242,6 +312,23 @@ void softmax_bwd_row(T* dp, const T* p, const T* z, int64_t n, T delta, T scale)
     Vec<T> d = Vec<T>::loadu(dp + c);
     if (z != nullptr) d = d * Vec<T>::loadu(z + c);
     (Vec<T>::loadu(p + c) * vs * (d - vd)).store(dp + c);
+  }
+}
+
+// softmax_bwd_row that also adds each column's u = p (dp z - delta), the gradient of its score
+// (after the scale, so not times it), to the bias gradient g, the row's columns [0, n) from
+// unclamped index d0 on (RelRow); the padding [n, npad) is left out (a NaN row's is not 0).
+template <typename T>
+void softmax_bwd_rel_row(T* dp, const T* p, const T* z, int64_t n, int64_t npad, T delta, T scale,
+                         int64_t d0, RelGrad<T>& g) {
+  constexpr int64_t V = Vec<T>::size();
+  const Vec<T> vd(delta), vs(scale);
+  for (int64_t c = 0; c < npad; c += V) {
+    Vec<T> d = Vec<T>::loadu(dp + c);
+    if (z != nullptr) d = d * Vec<T>::loadu(z + c);
+    const Vec<T> u = Vec<T>::loadu(p + c) * (d - vd);
+    if (c < n) g.add(d0 + c, u, std::min(V, n - c));
+    (u * vs).store(dp + c);
   }
 }
 

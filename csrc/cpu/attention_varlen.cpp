@@ -42,12 +42,12 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cpu(
   const Varlen lens = check_varlen(op, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, dropout_p, dims);
   const int64_t R = checks::check_rel_bias(checks::kCpu, op, q_in, rel_bias, dims.H);
-  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CPU kernels yet");
+  const RelBias rel = R < 0 ? RelBias{} : RelBias{rel_bias->data_ptr(), R, 0};
   at::Tensor out = empty_large({dims.total_q, dims.H, dims.D}, q_in.options());  // pooled when large
   at::Tensor lse = at::empty({dims.H, dims.total_q}, q_in.options().dtype(checks::stat_dtype(q_in)));
   if (out.numel() == 0) return {out, lse};
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
-  FF_ISA(attention_varlen_fwd_impl)(lens, q, k, v, is_causal, scale, dropout_p, static_cast<uint64_t>(seed),
+  FF_ISA(attention_varlen_fwd_impl)(lens, q, k, v, is_causal, rel, scale, dropout_p, static_cast<uint64_t>(seed),
                                     static_cast<uint64_t>(offset), out, lse);
   return {out, lse};
 }
@@ -67,7 +67,7 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, 
                                    max_seqlen_k, scale, dropout_p, dims);
   checks::check_varlen_bwd_tensors(checks::kCpu, op, dout_in, out_in, lse_in, q_in, dims);
   const int64_t R = checks::check_rel_bias(checks::kCpu, op, q_in, rel_bias, dims.H);
-  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CPU kernels yet");
+  const RelBias rel = R < 0 ? RelBias{} : RelBias{rel_bias->data_ptr(), R, 0};
   at::Tensor drel = checks::rel_bias_grad(q_in, dims.H, R);
   if (dq.numel() == 0 && dk.numel() == 0) return drel;  // (a sequence without queries: dk = 0)
   const at::Tensor q = as_blas_rows(q_in, 0), k = as_blas_rows(k_in, 0), v = as_blas_rows(v_in, 0);
@@ -76,9 +76,9 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout_in, 
   const bool grouped = k_in.size(1) != dims.H;  // grouped-query: per query head, then each group summed
   at::Tensor dk_h = grouped ? kv_grad_per_query_head(k_in, dims.H) : dk;
   at::Tensor dv_h = grouped ? kv_grad_per_query_head(v_in, dims.H) : dv;
-  FF_ISA(attention_varlen_bwd_impl)(lens, dout, q, k, v, out_in, lse, is_causal, scale, dropout_p,
+  FF_ISA(attention_varlen_bwd_impl)(lens, dout, q, k, v, out_in, lse, is_causal, rel, scale, dropout_p,
                                     static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), delta, dq,
-                                    dk_h, dv_h);
+                                    dk_h, dv_h, drel);
   if (grouped) {
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);

@@ -52,7 +52,7 @@ def _cpu_note() -> str:
 _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for op in ("attention", "attention_varlen")]
 # what a backend's attention kernels cannot take yet (each backend's own list)
 _ATTENTION_OPS = ("attention", "attention_varlen")
-_NO_REL_BIAS_CPU = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
+_NO_REL_BIAS_CPU = []  # the CPU kernels take a relative position bias
 _NO_REL_BIAS_TRITON = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
 _NO_REL_BIAS_CUDA = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
