@@ -554,6 +554,7 @@ const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a) {
   if ((a.cu_seqlens_q == nullptr) != (a.cu_seqlens_k == nullptr)) {
     return "flash_fwd_mma: cu_seqlens_q and cu_seqlens_k come together (varlen) or not at all";
   }
+  if (a.rel_bias != nullptr) return "flash_fwd_mma: a relative position bias: the FMA kernels take it";
   if (a.cu_seqlens_q != nullptr && (a.kpm != nullptr || a.am != nullptr)) {
     return "flash_fwd_mma: varlen rows (cu_seqlens) take no key_padding_mask or attn_mask";
   }
