@@ -58,9 +58,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());  // (B, H, Sq, D)
   at::Tensor lse = at::empty({B, H, Sq}, f32);              // (B, H, Sq)
   // 16-bit inputs on tensor cores wherever that kernel takes the call (flash_fwd_mma_why_not: an
-  // sm_80+ GPU, an attn_mask with a unit key stride, no rel_bias), fp32 too as tf32 where torch
-  // allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write the same out / lse
-  // contract, so the backward (FMA) reads either.
+  // sm_80+ GPU, an attn_mask with a unit key stride), fp32 too as tf32 where torch allows tf32
+  // matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write the same out / lse
+  // contract, so the backward (FMA) reads either. Both take a rel_bias.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));

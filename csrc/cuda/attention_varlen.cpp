@@ -47,9 +47,9 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale, dropout_p, rng, dtype);
   call.set_rel_bias(rel_bias, R, 0);
   const FfAttentionArgs& a = call.a;
-  // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU, no rel_bias),
-  // fp32 too as tf32 where torch allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact).
-  // Both write the same out / lse, so the backward reads either.
+  // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU), fp32 too as
+  // tf32 where torch allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write
+  // the same out / lse, so the backward reads either. Both take a rel_bias.
   const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
