@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import philox
 from fastformer.ops import attention, attention_varlen, reference, relative_position
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends, other_simt_schedules_test
 
 BACKENDS = kernel_backends()
 TOL = {torch.float32: (2e-5, 1e-4), torch.float64: (1e-10, 1e-10)}
@@ -325,3 +325,202 @@ def test_kernel_checks_name_the_bad_rel_bias(backend, rel_bias, rel_shift, match
     kern = fastformer.backends.Kernels(backend)
     with pytest.raises(RuntimeError, match=match):
         kern.attention_fwd(q, k, v, None, None, False, 1.0, 0.0, philox.pack(0, 0), rel_bias(2).to(device), rel_shift)
+
+
+# ---- the cuda backend's kernels at their tile boundaries: the FMA kernels (attention.cu: a query
+# tile of 4096 / kD rows and key tiles of as many, kD = 64, 128, 256 by head dim) and, for 16-bit
+# forwards, the tensor-core one (flash_fwd_mma.cu: 64 queries, 64 or 32 keys). The bias of a tile
+# is a window of distances, the gradient's bins inside (-R, R) are summed as tile diagonals and the
+# two clamped bins in registers, so: many tiles, tiles wholly past R on either side, R = 0 (one
+# bin), a rel_shift that puts every distance past R, with key padding and an attn_mask.
+CUDA = [b for b in BACKENDS if b.values[0] == "cuda"]
+
+# (B, H, H_kv, Sq, Sk, D, R, rel_shift, causal, masks, dropout_p)
+CUDA_TILE_CASES = {
+    "d64_small_R_many_tiles": (1, 2, 2, 130, 200, 16, 3, 0, False, False, 0.0),
+    "d64_causal_dropout": (2, 2, 1, 70, 140, 64, 40, 5, True, False, 0.1),
+    "d128_masks": (2, 1, 1, 45, 70, 100, 20, 0, False, True, 0.0),
+    "d256_shift": (1, 2, 2, 40, 33, 200, 6, -17, True, False, 0.0),
+    "every_distance_past_R": (1, 1, 1, 20, 20, 16, 4, 1000, False, True, 0.0),
+    "R0": (1, 2, 2, 9, 9, 8, 0, 0, False, False, 0.0),
+}
+
+
+def _dense_reference(q, k, v, rel, rel_shift, causal, kpm, am, scale):
+    """Attention probabilities (in q's dtype) with the bias gathered densely by clamped distance
+    (query i at i + Sk - Sq + rel_shift); differentiable in q, k, v and rel."""
+    Sq, Sk, R = q.shape[2], k.shape[2], (rel.shape[1] - 1) // 2
+    i = torch.arange(Sq)[:, None]
+    j = torch.arange(Sk)[None, :]
+    s = scale * q @ k.transpose(-1, -2) + rel[:, ((j - i - (Sk - Sq) - rel_shift).clamp(-R, R) + R)]
+    if am is not None:
+        s = s + am
+    hidden = torch.zeros(Sq, Sk, dtype=torch.bool)
+    if causal:
+        hidden = hidden | (j > i + Sk - Sq)
+    hidden = hidden[None, None] | (kpm[:, None, None, :] if kpm is not None else False)
+    hidden = hidden | torch.isneginf(s)
+    prob = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
+    return prob.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)  # a row with no visible key: 0
+
+
+def _tile_params():
+    for case in CUDA_TILE_CASES:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            # 16-bit: not where one bin takes every score of a row (R = 0, all past R): its exact
+            # gradient is a row's sum of dS, 0, which the flash backward's delta (from the rounded
+            # out) misses by ~ rows x 2^-8, an error the 2x rule's reference does not make
+            if dtype != torch.float32 and case in ("every_distance_past_R", "R0"):
+                continue
+            if dtype == torch.float16 and case not in ("d64_causal_dropout", "d256_shift"):
+                continue
+            for backend in CUDA:
+                yield pytest.param(backend.values[0], case, dtype, marks=backend.marks,
+                                   id=f"{backend.values[0]}-{case}-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("backend, case, dtype", list(_tile_params()))
+def test_cuda_kernels_at_tile_boundaries(backend, case, dtype):
+    """fp32: the FMA kernels against an fp64 reference; 16-bit: the tensor-core forward (where a
+    GPU, or the harness, takes it) and the FMA backward, FlashAttention's 2x rule."""
+    B, H, H_kv, Sq, Sk, D, R, shift, causal, masked, p = CUDA_TILE_CASES[case]
+    device = device_for(backend)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (t.to(dtype) for t in _qkv(B, H, Sq, Sk, D, H_kv, seed=3))
+    rel = torch.randn(H, 2 * R + 1, generator=gen, dtype=torch.float64)
+    kpm = am = None
+    if masked:
+        kpm = torch.zeros(B, Sk, dtype=torch.bool)
+        kpm[-1, Sk // 2:] = True
+        am = torch.randn(B, 1, Sq, Sk, generator=gen, dtype=torch.float64)
+        am[..., 1::7] = float("-inf")
+    scale = D ** -0.5
+    rng = philox.pack(11, 4)
+    kern = fastformer.backends.Kernels(backend)
+
+    def dev(t):
+        return None if t is None else t.to(device)
+
+    args = (dev(kpm), dev(None if am is None else am.float()), causal, scale, p, rng, dev(rel.float()), shift)
+    out, lse = kern.attention_fwd(*(dev(t) for t in (q, k, v)), *args)
+    dq, dk, dv, drel = kern.attention_bwd(*(dev(t) for t in (dout, q, k, v, out, lse)), *args)
+    again = kern.attention_bwd(*(dev(t) for t in (dout, q, k, v, out, lse)), *args)[3]
+    assert torch.equal(drel, again)  # bit-equal: no atomics
+    assert drel.dtype == torch.float32 and drel.shape == rel.shape
+
+    def reference_in(ref_dtype):
+        leaves = [t.to(ref_dtype).requires_grad_() for t in (q, k, v, rel)]
+        group = H // H_kv
+        kv = [t.repeat_interleave(group, 1) for t in leaves[1:3]]
+        prob = _dense_reference(leaves[0], kv[0], kv[1], leaves[3], shift, causal, kpm,
+                                None if am is None else am.to(ref_dtype), scale)
+        if p > 0:  # the kernels' mask: Philox v2 over the (B, H, Sq, Sk) probabilities
+            prob = prob * philox.keep_mask((B, H, Sq, Sk), p, 11, 4).to(ref_dtype) / (1 - p)
+        want = prob @ kv[1]
+        return (want, *torch.autograd.grad(want, leaves, dout.to(ref_dtype)))
+
+    got = [t.cpu().double() for t in (out, dq, dk, dv, drel)]
+    want = reference_in(torch.float64)
+    if dtype == torch.float32:
+        for name, g, w in zip(NAMES, got, want):
+            assert_close(name, g, w, atol=2e-4, rtol=2e-4)
+    else:
+        for name, g, w, low in zip(NAMES, got, want, reference_in(dtype)):
+            assert_close_lowp(name, g, w.detach(), low.detach().double(), atol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_varlen_many_tiles(backend, causal):
+    """Packed sequences over several query and key tiles (each its own positions), against the
+    reference backend."""
+    lengths_q, lengths_k = [70, 0, 130, 1], [90, 5, 129, 64]
+    H, D = 2, 16
+    device = device_for(backend)
+    (q, k, v, dout), (cq, ck) = _packed(lengths_q, lengths_k, H, D, torch.float32, device, seed=4)
+    table = _table(8, H, device=device, seed=5)
+    rel = dict(bidirectional=not causal, relative_attention_max_distance=9)
+
+    def on(name):
+        def fn(q, k, v, t):
+            with fastformer.use_backend(name):
+                return attention_varlen(q, k, v, cq, ck, max(lengths_q), max(lengths_k), is_causal=causal,
+                                        scale=D ** -0.5, relative_attention_bias=t, **rel)
+        return fn
+
+    got, want = _run(on(backend), q, k, v, table, dout), _run(on("reference"), q, k, v, table, dout)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close(name, g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_varlen_hostile_cu_seqlens(backend):
+    """cu_seqlens out of range (clamped on the device, never read on the host) with a rel_bias:
+    positions from the clamped lengths, and the gradient's bins stay inside its rows."""
+    device = device_for(backend)
+    H, D, R = 2, 24, 3
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(n, H, D, generator=gen).to(device) for n in (5, 6, 6))
+    rel = torch.randn(H, 2 * R + 1, generator=gen).to(device)
+    kern = fastformer.backends.Kernels(backend)
+    bad_q = torch.tensor([0, 3, 500], dtype=torch.int32, device=device)   # -> [0, 3), [3, 5)
+    bad_k = torch.tensor([-7, 4, 1000], dtype=torch.int32, device=device)  # -> [0, 4), [4, 6)
+    args = (bad_q, bad_k, 3, 4, False, 1.0, 0.0, philox.pack(0, 0), rel)
+    out, lse = kern.attention_varlen_fwd(q, k, v, *args)
+    dq, dk, dv, drel = kern.attention_varlen_bwd(torch.ones_like(out), q, k, v, out, lse, *args)
+    good = [cu.to(device) for cu in (torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32))]
+    want = kern.attention_varlen_fwd(q, k, v, *good, *args[2:])
+    assert torch.equal(out, want[0])
+    want = kern.attention_varlen_bwd(torch.ones_like(out), q, k, v, out, lse, *good, *args[2:])
+    for g, w in zip((dq, dk, dv, drel), want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("R", [128, 1 << 20])
+@pytest.mark.parametrize("backend", CUDA)
+def test_cuda_no_sq_by_sk_buffer(backend, R):
+    """With a rel_bias the backward's partial sums are a row of bins per (b, h, query tile): only
+    the bins a score can reach (at most Sq + Sk - 1, even for a huge R), nothing of size Sq x Sk."""
+    device = device_for(backend)
+    B, H, S, D = 1, 1, 1024, 16
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(B, H, S, D, generator=gen).to(device) for _ in range(4))
+    rel = torch.randn(H, 2 * R + 1, generator=gen).to(device)
+    square = S * S * 4  # one fp32 Sq x Sk matrix of one head: 4 MiB
+    kern = fastformer.backends.Kernels(backend)
+    args = (None, None, True, D ** -0.5, 0.0, philox.no_dropout(), rel, 0)
+
+    def run():
+        out, lse = kern.attention_fwd(q, k, v, *args)
+        return kern.attention_bwd(dout, q, k, v, out, lse, *args)
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            grads = run()
+        peak = max((e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty")), default=0)
+    limit = square / 4 + (2 * R + 1) * 4 * H  # the gradient itself is (H, 2R + 1)
+    assert 0 < peak < limit, f"{peak} bytes allocated at once; an Sq x Sk fp32 matrix is {square}"
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+# The rel_bias kernels under the harness's other thread schedules: reverse the cuda tests of this
+# file but bf16, warp_ahead (each warp alone to its next __syncthreads: the diagonal sums of the
+# dQ kernel read the other warps' slots) the tile-boundary and varlen tests.
+SCHEDULE_SUBSETS = {
+    "reverse": "cuda and not thread_schedule and not bf16 and not no_sq_by_sk",
+    "warp_ahead": "cuda and (tile_boundaries or varlen_many_tiles or deterministic)",
+}
+
+test_other_thread_schedule = other_simt_schedules_test(
+    ("test_attention_rel_bias.py",), SCHEDULE_SUBSETS,
+    "The rel_bias kernels' subset under the harness's other schedules: a missing barrier within a warp's "
+    "reach or between warps fails it.")

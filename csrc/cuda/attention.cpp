@@ -44,7 +44,6 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   const auto dims = checks::check_attention_qkv(kFfBackend, op, q, k, v, scale, dropout_p);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
   const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims[1], rel_shift);
-  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const auto [B, H, Sq, Sk, D] = dims;
   const int dtype = ff_dtype_code(q, "q", op);
@@ -54,13 +53,14 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     return {at::zeros({B, H, Sq, D}, q.options()),
             at::full({B, H, Sq}, std::numeric_limits<float>::infinity(), f32)};
   }
-  const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
+  FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
+  call.set_rel_bias(rel_bias, R, rel_shift);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());  // (B, H, Sq, D)
   at::Tensor lse = at::empty({B, H, Sq}, f32);              // (B, H, Sq)
   // 16-bit inputs on tensor cores wherever that kernel takes the call (flash_fwd_mma_why_not: an
   // sm_80+ GPU, an attn_mask with a unit key stride), fp32 too as tf32 where torch allows tf32
   // matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write the same out / lse
-  // contract, so the backward (FMA) reads either.
+  // contract, so the backward (FMA) reads either. Both take a rel_bias.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
@@ -81,7 +81,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   checks::check_attention_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const auto masks = checks::check_attention_masks(kFfBackend, op, q, key_padding_mask, attn_mask, dims);
   const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims[1], rel_shift);
-  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
   const auto [B, H, Sq, Sk, D] = dims;
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
@@ -89,7 +88,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   if (B * H * Sq == 0 || Sk == 0) {  // nothing flows: every gradient is 0
     return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v), checks::rel_bias_grad(q, H, R)};
   }
-  const FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
+  FfAttentionCall call(q, k, v, masks, dims, is_causal, scale, dropout_p, rng, dtype);
+  call.set_rel_bias(rel_bias, R, rel_shift);
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));  // (B, H, Sq)
   at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
@@ -97,13 +97,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   const bool grouped = k.size(1) != H;
   at::Tensor dk_h = grouped ? kv_grad_per_query_head(k, H) : dk;
   at::Tensor dv_h = grouped ? kv_grad_per_query_head(v, H) : dv;
-  const FfAttentionGrads g{dout.const_data_ptr(), ff_heads_rows(dout), out.const_data_ptr(),
-                           ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
-                           stat_rows(H, Sq), dq.data_ptr(), ff_heads_rows(dq), dk_h.data_ptr(),
-                           ff_heads_rows(dk_h), dv_h.data_ptr(), ff_heads_rows(dv_h)};
+  FfAttentionGrads g{dout.const_data_ptr(), ff_heads_rows(dout), out.const_data_ptr(),
+                     ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
+                     stat_rows(H, Sq), dq.data_ptr(), ff_heads_rows(dq), dk_h.data_ptr(),
+                     ff_heads_rows(dk_h), dv_h.data_ptr(), ff_heads_rows(dv_h)};
+  const FfAttentionCall::RelGrad rel_grad = call.rel_grad_partial(q);  // with a rel_bias (FMA kernels)
+  rel_grad.describe(g);
   // 16-bit inputs on the tensor-core backward (flash_bwd_mma.cu) wherever flash_bwd_mma_why_not
-  // admits the call (the forward's rule: an sm_80+ GPU, an attn_mask with a unit key stride);
-  // else, and for fp32, the FMA kernels.
+  // admits the call (the forward's rule: an sm_80+ GPU, an attn_mask with a unit key stride, no
+  // rel_bias); else, and for fp32, the FMA kernels.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_bwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
@@ -114,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
   }
-  return {dq, dk, dv, checks::rel_bias_grad(q, H, R)};
+  return {dq, dk, dv, call.rel_grad_sum(rel_grad, q)};
 }
 
 }  // namespace

@@ -52,6 +52,12 @@
 // one +inf. Hidden keys get dS = 0 exactly and P = 0, except in a NaN row, where P (for dV) is NaN
 // at every key as the reference's is, within the (query tile, key tile) pairs a block visits.
 //
+// Relative position bias (T5's by distance, FfAttentionArgs::rel_bias): a kRel template flag, so
+// the kernels without one are those above, unchanged. A visible key j of query i adds
+// rel_bias[h, clamp(j - pos_i, -R, R) + R], pos_i = i + Lk - Lq + rel_shift, after the attn_mask; each
+// tile's bias is a window of its distances in shared memory. attention_bwd_dq sums its gradient
+// (dS by distance bin) per block into a scratch row, which the glue sums over blocks with torch.
+//
 // Dropout (Philox v2, philox.cuh), the padded op's counters on (B, H, max_seqlen_q, max_seqlen_k):
 // query i of head h of sequence b is row r = (b H + h) max_seqlen_q + i, key j of the sequence
 // column j, group j / 8 of G = ceil(max_seqlen_k / 8) a row. Every kernel computes the keep bits of
@@ -98,6 +104,8 @@ struct Params {
   uint64_t seed, offset;
   const int64_t* philox;  // device (seed, offset), read by fill_keep instead, or null
   int64_t kv_group;  // query head h reads k/v head h / kv_group (grouped-query attention)
+  const float* rel;   // relative position bias (H, 2 rel_R + 1) by distance, or null (kRel kernels)
+  int64_t rel_R, rel_shift;
 };
 
 // A sequence's rows: [start, start + len).
@@ -191,9 +199,29 @@ FF_DEVICE int64_t key_end(const Params& p, int64_t q_last, int64_t Lq, int64_t L
   return e < Lk ? e : Lk;
 }
 
+// ------------------------------------------------------------------ relative position bias
+// (the kRel kernels only: the kernels without it are compiled without any of this)
+//
+// Query i of a sequence is at position i + off, off = Lk - Lq + rel_shift; key j at j. The pairs
+// (a, b) of a tile (a: one of kA rows, b: one of kB columns, one query-side and one key-side)
+// lie on kA + kB - 1 diagonals t = b - a + kA - 1, and the distance of a pair is d0 + t, where d0 is
+// the tile's: the bias of the whole tile is a window of kA + kB - 1 values, staged in shared
+// memory with the tile.
+
+// Head h's bias (2R + 1 values at relh) at distance d, clamped to [-R, R].
+FF_DEVICE float rel_at(const float* relh, int64_t R, int64_t d) {
+  return relh[(d < -R ? -R : (d > R ? R : d)) + R];
+}
+
+// win[t] = the bias at distance d0 + t, t < kA + kB - 1. Every thread calls it.
+template <int kA, int kB>
+FF_DEVICE void fill_rel_window(float* win, const float* relh, int64_t R, int64_t d0) {
+  for (int t = threadIdx.x; t < kA + kB - 1; t += kThreads) win[t] = rel_at(relh, R, d0 + t);
+}
+
 // ------------------------------------------------------------------ forward
 
-template <typename T, int kD>
+template <typename T, int kD, bool kRel>
 __global__ void __launch_bounds__(kThreads)
 attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ lse, FfRows lse_s,
               int64_t tiles) {
@@ -203,6 +231,7 @@ attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ l
   __shared__ __align__(16) float ks[BN * kD];
   __shared__ __align__(16) float vs[BN * kD];
   __shared__ uint8_t keep_s[BM * C::kGroups];
+  __shared__ float rel_s[kRel ? BM + BN - 1 : 1];  // the key tile's bias window (query grp, key j)
 
   const BlockIdx bi = block_idx(tiles, p.H);
   const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
@@ -227,6 +256,7 @@ attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ l
   const int64_t q_last = (m0 + BM < sq.len ? m0 + BM : sq.len) - 1;
   const int64_t n_end = key_end(p, q_last, sq.len, sk.len);  // block-uniform
   const int64_t row_last = p.causal ? qi + shift : sk.len - 1;
+  const float* relh = kRel ? p.rel + bi.h * (2 * p.rel_R + 1) : nullptr;
   float m = -INFINITY, l = 0.0f;
   bool sees = false;  // a key visible by the masks (whatever its score)
 
@@ -235,6 +265,9 @@ attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ l
     load_tile<T, kD, BN>(ks, kp, p.k_s.row, n0, sk.len - n0, p.D);
     load_tile<T, kD, BN>(vs, vp, p.v_s.row, n0, sk.len - n0, p.D);
     if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
+    if constexpr (kRel) {  // pair (grp, j) at diagonal j - grp + BM - 1
+      fill_rel_window<BM, BN>(rel_s, relh, p.rel_R, n0 - m0 - shift - p.rel_shift - (BM - 1));
+    }
     __syncthreads();
 
     // the tile's keys in chunks of kChunk scores (registers), each an online-softmax step
@@ -256,6 +289,7 @@ attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ l
         float x = s[j] * p.scale;
         bool vis = row_valid && key < sk.len && key <= row_last && !key_padded(mk, key);
         vis = vis && add_attn_mask(mk, qi, key, x);
+        if constexpr (kRel) x += rel_s[j0 + j - grp + BM - 1];
         sees = sees || vis;
         s[j] = vis ? x : -INFINITY;
         mt = fmaxf(mt, s[j]);  // ignores NaN: a NaN score reaches l and acc through exp below
@@ -306,19 +340,38 @@ attention_fwd(Params p, T* __restrict__ out, FfRows out_s, float* __restrict__ l
 
 // dQ of a tile of kRows queries, over the key tiles they see; first the rows' delta, which it
 // writes for attention_bwd_dkdv (launched after it).
-template <typename T, int kD>
+//
+// With a rel_bias (kRel) it also sums dS by distance bin into its row of w.drel_partial (zeroed
+// first, by every block, so that blocks past their sequence leave zeros): the bins 0 and 2R (the
+// distances clamped to -R and R, most of a long row's keys) in two registers a row, summed over
+// the rows at the end; the bins inside, (-R, R), which a row reaches at most once each (one key a
+// distance), as diagonals of each key tile: a warp's rows add their dS of diagonal u into its own
+// shared slot (one row a slot at a time, __syncwarp between keys), then a thread a tile diagonal
+// adds the warps' slots in warp order to the block's row (global memory, the block's alone). A
+// fixed order everywhere, no atomics: deterministic.
+template <typename T, int kD, bool kRel>
 __global__ void __launch_bounds__(kThreads)
 attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
   using C = Tile<kD>;
   constexpr int kTpr = C::kTpr, kSlice = C::kSlice, BM = C::kRows, BN = C::kTile;
+  constexpr int kWarpRows = 32 / kTpr, kWarps = kThreads / 32;
+  constexpr int kDiag = BN + kWarpRows - 1;  // a warp's diagonals of a key tile
   __shared__ __align__(16) float ks[BN * kD];
   __shared__ __align__(16) float vs[BN * kD];
   __shared__ uint8_t keep_s[BM * C::kGroups];
+  __shared__ float rel_s[kRel ? BM + BN - 1 : 1];     // the key tile's bias window
+  __shared__ float diag_s[kRel ? kWarps * kDiag : 1];  // the warps' dS sums by diagonal
+  __shared__ float tail_s[kRel ? 2 * BM : 1];          // the rows' dS of bins 0 and 2R
 
   const BlockIdx bi = block_idx(tiles, p.H);
   const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
   const Seq sk = seq_of(p.cu_k, bi.b, p.total_k, p.max_k);
   const int64_t m0 = bi.tile * BM;
+  // (B, H, tiles, bins): blockIdx.x = tile + tiles (h + H b) is the block's row
+  float* drel_row = kRel ? w.drel_partial + static_cast<int64_t>(blockIdx.x) * w.drel_bins : nullptr;
+  if constexpr (kRel) {
+    for (int64_t e = threadIdx.x; e < w.drel_bins; e += kThreads) drel_row[e] = 0.0f;
+  }
   if (m0 >= sq.len) return;
   const int grp = threadIdx.x / kTpr, g = threadIdx.x % kTpr;
   const int64_t qi = m0 + grp, shift = sk.len - sq.len;
@@ -348,12 +401,26 @@ attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
   const int64_t q_last = (m0 + BM < sq.len ? m0 + BM : sq.len) - 1;
   const int64_t n_end = key_end(p, q_last, sq.len, sk.len);
   const int64_t row_last = p.causal ? qi + shift : sk.len - 1;
+  const int64_t R = p.rel_R;
+  const float* relh = kRel ? p.rel + bi.h * (2 * R + 1) : nullptr;
+  [[maybe_unused]] const int warp = threadIdx.x / 32, wr = grp % kWarpRows;  // the row's warp, its row there
+  [[maybe_unused]] float lo_tail = 0.0f, hi_tail = 0.0f;  // dS at distances <= -R (bin 0), >= R (bin 2R)
 
   for (int64_t n0 = 0; n0 < n_end; n0 += BN) {
     __syncthreads();
     load_tile<T, kD, BN>(ks, kp, p.k_s.row, n0, sk.len - n0, p.D);
     load_tile<T, kD, BN>(vs, vp, p.v_s.row, n0, sk.len - n0, p.D);
     if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, m0, sq.len, n0, sk.len);
+    // pair (grp, j) at diagonal j - grp + BM - 1, distance d0 + that
+    [[maybe_unused]] const int64_t d0 = kRel ? n0 - m0 - shift - p.rel_shift - (BM - 1) : 0;
+    // block-uniform: some diagonal of the tile inside (-R, R), which the diagonal sums then take
+    [[maybe_unused]] const bool band = kRel && d0 + (BM + BN - 2) > -R && d0 < R;
+    if constexpr (kRel) {
+      fill_rel_window<BM, BN>(rel_s, relh, R, d0);
+      if (band) {
+        for (int e = threadIdx.x; e < kWarps * kDiag; e += kThreads) diag_s[e] = 0.0f;
+      }
+    }
     __syncthreads();
 
 #pragma unroll 2
@@ -370,6 +437,7 @@ attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
       float x = a * p.scale;
       bool vis = row_valid && key < sk.len && key <= row_last && !key_padded(mk, key);
       vis = vis && add_attn_mask(mk, qi, key, x);
+      if constexpr (kRel) x += rel_s[j - grp + BM - 1];
       float ds = 0.0f;  // hidden keys: exactly 0, also in a NaN row
       if (vis) {
         const float pr = expf(x - row_lse);
@@ -380,11 +448,57 @@ attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
         }
         ds = pr * (b * z - row_delta);
       }
+      if constexpr (kRel) {
+        const int64_t d = d0 + (j - grp + BM - 1);
+        if (d <= -R) {
+          lo_tail += ds;
+        } else if (d >= R) {
+          hi_tail += ds;
+        } else if (g == 0) {  // the warp's row wr + 1 adds to this slot at key j + 1
+          diag_s[warp * kDiag + j - wr + kWarpRows - 1] += ds;
+        }
+        if (band) __syncwarp();
+      }
 #pragma unroll
       for (int c = 0; c < kSlice; ++c) dq[c] = fmaf(ds, ks[j * kD + g + kTpr * c], dq[c]);
     }
+    if constexpr (kRel) {
+      if (band) {
+        __syncthreads();  // every warp's diagonals are in
+        for (int t = threadIdx.x; t < BM + BN - 1; t += kThreads) {
+          const int64_t d = d0 + t;
+          if (d <= -R || d >= R) continue;  // the tails' bins: in registers
+          float sum = 0.0f;
+          for (int wp = 0; wp < kWarps; ++wp) {
+            const int u = t - BM + kWarpRows * (wp + 1);  // diagonal t in warp wp's slots
+            if (u >= 0 && u < kDiag) sum += diag_s[wp * kDiag + u];
+          }
+          // a bin no visible pair reaches (the window's padding) has sum 0 and may lie outside
+          const int64_t c = d + R - w.drel_lo;
+          if (c >= 0 && c < w.drel_bins) drel_row[c] += sum;
+        }
+      }
+    }
   }
 
+  if constexpr (kRel) {
+    if (g == 0) {
+      tail_s[grp] = lo_tail;
+      tail_s[BM + grp] = hi_tail;
+    }
+    __syncthreads();  // also orders the last tile's additions before these
+    if (threadIdx.x == 0) {
+      float lo = 0.0f, hi = 0.0f;
+      for (int r = 0; r < BM; ++r) {
+        lo += tail_s[r];
+        hi += tail_s[BM + r];
+      }
+      // bins 0 and 2R (the same bin when R = 0); outside the row only when no pair reaches it
+      const int64_t c0 = -w.drel_lo, c1 = 2 * R - w.drel_lo;
+      if (c0 >= 0 && c0 < w.drel_bins) drel_row[c0] += lo;
+      if (c1 >= 0 && c1 < w.drel_bins) drel_row[c1] += hi;
+    }
+  }
   if (!row_valid) return;
   T* dqrow = static_cast<T*>(w.dq) + row0(w.dq_s, bi.b, bi.h, sq) + qi * w.dq_s.row;
 #pragma unroll
@@ -395,7 +509,7 @@ attention_bwd_dq(Params p, FfAttentionGrads w, int64_t tiles) {
 }
 
 // dK and dV of a tile of kRows keys, over the query tiles that see them.
-template <typename T, int kD>
+template <typename T, int kD, bool kRel>
 __global__ void __launch_bounds__(kThreads)
 attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
   using C = Tile<kD>;
@@ -405,6 +519,7 @@ attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
   __shared__ __align__(16) float dos[BM * kD];
   __shared__ float lse_s[BM], delta_s[BM];
   __shared__ uint8_t keep_s[BM * kG];
+  __shared__ float rel_s[kRel ? BM + BN - 1 : 1];  // the query tile's bias window (query i, key grp)
 
   const BlockIdx bi = block_idx(tiles, p.H);
   const Seq sq = seq_of(p.cu_q, bi.b, p.total_q, p.max_q);
@@ -436,6 +551,7 @@ attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
   // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the tile
   int64_t i_begin = p.causal ? n0 - shift : 0;
   if (i_begin < 0) i_begin = 0;
+  const float* relh = kRel ? p.rel + bi.h * (2 * p.rel_R + 1) : nullptr;
 
   for (int64_t i0 = i_begin; i0 < sq.len; i0 += BM) {
     __syncthreads();
@@ -447,6 +563,9 @@ attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
       delta_s[t] = in ? deltap[(i0 + t) * w.stat_s.row] : 0.0f;
     }
     if (p.dropout) fill_keep<BM, BN>(keep_s, p, bi.b, bi.h, i0, sq.len, n0, sk.len);
+    if constexpr (kRel) {  // pair (i, grp) at diagonal grp - i + BM - 1
+      fill_rel_window<BM, BN>(rel_s, relh, p.rel_R, n0 - i0 - shift - p.rel_shift - (BM - 1));
+    }
     __syncthreads();
 
 #pragma unroll 2
@@ -463,6 +582,7 @@ attention_bwd_dkdv(Params p, FfAttentionGrads w, int64_t tiles) {
       float x = a * p.scale;
       bool vis = key_open && qi < sq.len && (!p.causal || kj <= qi + shift);
       vis = vis && add_attn_mask(mk, qi, kj, x);
+      if constexpr (kRel) x += rel_s[grp - i + BM - 1];
       const float row_lse = lse_s[i];
       // hidden: P = 0, or NaN in a NaN row (lse NaN) as the reference's; dS = 0 either way
       float pd = row_lse != row_lse ? row_lse : 0.0f, ds = 0.0f;
@@ -530,6 +650,9 @@ Params make_params(const FfAttentionArgs& a) {
   p.offset = a.offset;
   p.philox = p.dropout ? a.philox : nullptr;
   p.kv_group = a.kv_group;
+  p.rel = a.rel_bias;
+  p.rel_R = a.rel_R;
+  p.rel_shift = a.rel_shift;
   return p;
 }
 
@@ -555,7 +678,7 @@ const char* launch_fwd(const FfAttentionArgs& a, void* out, FfRows out_s, float*
   if (blocks < 0) return kTooManyBlocks;
   const Params p = make_params(a);
   FF_DISPATCH_DTYPE(a.dtype, T, {
-    auto* kernel = &attention_fwd<T, kD>;
+    auto* kernel = p.rel != nullptr ? &attention_fwd<T, kD, true> : &attention_fwd<T, kD, false>;
     FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p,
               static_cast<T*>(out), out_s, lse, lse_s, tiles);
   });
@@ -571,7 +694,7 @@ const char* launch_bwd(const FfAttentionArgs& a, const FfAttentionGrads& w, void
   if (blocks < 0) return kTooManyBlocks;
   if (blocks > 0) {
     FF_DISPATCH_DTYPE(a.dtype, T, {
-      auto* kernel = &attention_bwd_dq<T, kD>;
+      auto* kernel = p.rel != nullptr ? &attention_bwd_dq<T, kD, true> : &attention_bwd_dq<T, kD, false>;
       FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p, w, tiles);
     });
     if (const char* err = ff_last_error()) return err;
@@ -580,7 +703,7 @@ const char* launch_bwd(const FfAttentionArgs& a, const FfAttentionGrads& w, void
   if (blocks < 0) return kTooManyBlocks;
   if (blocks > 0) {
     FF_DISPATCH_DTYPE(a.dtype, T, {
-      auto* kernel = &attention_bwd_dkdv<T, kD>;
+      auto* kernel = p.rel != nullptr ? &attention_bwd_dkdv<T, kD, true> : &attention_bwd_dkdv<T, kD, false>;
       FF_LAUNCH(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream, p, w, tiles);
     });
   }
@@ -592,11 +715,19 @@ int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
 
 constexpr const char* kBadHeadDim = "attention: head dim must be in [1, 256]";
 
+// What a call with a rel_bias needs besides (nullptr when fine).
+const char* rel_why_not(const FfAttentionArgs& a) {
+  if (a.rel_bias == nullptr) return nullptr;
+  if (a.rel_R < 0) return "attention: rel_bias needs R >= 0";
+  return nullptr;
+}
+
 }  // namespace
 
 const char* launch_attention_fwd(const FfAttentionArgs& a, void* out, FfRows out_s, float* lse,
                                  FfRows lse_s, void* stream) {
   if (a.D < 1 || a.D > 256) return kBadHeadDim;
+  if (const char* why = rel_why_not(a)) return why;
   switch (bucket(a.D)) {
     case 64: return launch_fwd<64>(a, out, out_s, lse, lse_s, stream);
     case 128: return launch_fwd<128>(a, out, out_s, lse, lse_s, stream);
@@ -606,9 +737,20 @@ const char* launch_attention_fwd(const FfAttentionArgs& a, void* out, FfRows out
 
 const char* launch_attention_bwd(const FfAttentionArgs& a, const FfAttentionGrads& w, void* stream) {
   if (a.D < 1 || a.D > 256) return kBadHeadDim;
+  if (const char* why = rel_why_not(a)) return why;
+  if (a.rel_bias != nullptr && (w.drel_partial == nullptr || w.drel_bins < 1)) {
+    return "attention: a backward with rel_bias needs drel_partial (attention_bwd_rel_parts rows)";
+  }
   switch (bucket(a.D)) {
     case 64: return launch_bwd<64>(a, w, stream);
     case 128: return launch_bwd<128>(a, w, stream);
     default: return launch_bwd<256>(a, w, stream);
   }
+}
+
+int64_t attention_bwd_rel_parts(int64_t max_seqlen_q, int64_t D) {
+  int64_t rows = Tile<256>::kRows;
+  if (D <= 64) rows = Tile<64>::kRows;
+  else if (D <= 128) rows = Tile<128>::kRows;
+  return (max_seqlen_q + rows - 1) / rows;
 }

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 
 #include "flash_mma.h"
 #include "glue.h"
@@ -20,6 +21,21 @@ inline FfRows ff_heads_rows(const at::Tensor& t) { return {t.stride(0), t.stride
 
 // The rows of a packed (total, H, D) operand (sequence b's start from cu_seqlens).
 inline FfRows ff_packed_rows(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; }
+
+// The bins (of rel_bias's 2R + 1) that a score of a call can reach, [lo, lo + count): query i of a
+// sequence sits at i + Lk - Lq + rel_shift, so a key j < Lk is at distance j - that in
+// [-(Lk - 1) - rel_shift, Lq - 1 - rel_shift], inside [-(max_k - 1) - rel_shift, max_q - 1 - rel_shift]
+// for every sequence (the host never reads cu_seqlens); clamped to [-R, R]. At most
+// min(2R + 1, max_q + max_k - 1) bins: the backward's partial sums stay small when R is large.
+struct FfRelBins {
+  int64_t lo, count;
+};
+
+inline FfRelBins ff_rel_bins(int64_t R, int64_t max_q, int64_t max_k, int64_t rel_shift) {
+  auto bin = [R](int64_t d) { return (d < -R ? -R : (d > R ? R : d)) + R; };
+  const int64_t lo = bin(-(max_k - 1) - rel_shift), hi = bin(max_q - 1 - rel_shift);
+  return {lo, hi - lo + 1};
+}
 
 struct FfAttentionCall {
   at::Tensor kpm;  // keeps the contiguous key_padding_mask alive
@@ -62,6 +78,48 @@ struct FfAttentionCall {
   }
   FfFlashFwdArgs flash(FfRows out_s, FfRows lse_s, bool allow_tf32) const {
     return ff_flash_fwd_args(a, out_s, lse_s, allow_tf32);
+  }
+
+  // A relative position bias (checked: (H, 2R + 1) fp32 contiguous, R from check_rel_bias; R < 0:
+  // none); rel_shift 0 for varlen.
+  void set_rel_bias(const std::optional<at::Tensor>& rel_bias, int64_t R, int64_t rel_shift) {
+    if (R < 0) return;
+    a.rel_bias = rel_bias->const_data_ptr<float>();
+    a.rel_R = R;
+    a.rel_shift = rel_shift;
+  }
+
+  // The backward's gradient of the rel_bias: the FMA dQ kernel's partial sums by block
+  // (FfAttentionGrads::drel_partial), then their sum over batch and query tiles by torch, a
+  // fixed order: deterministic. Without a rel_bias, nothing (rel_bias_grad's empty tensor).
+  struct RelGrad {
+    at::Tensor partial;  // (B, H, parts, bins) fp32, written whole by the kernel
+    FfRelBins bins{0, 0};
+    void describe(FfAttentionGrads& g) const {
+      if (!partial.defined()) return;
+      g.drel_partial = partial.data_ptr<float>();
+      g.drel_lo = bins.lo;
+      g.drel_bins = bins.count;
+    }
+  };
+  RelGrad rel_grad_partial(const at::Tensor& q) const {
+    RelGrad r;
+    if (a.rel_bias == nullptr) return r;
+    r.bins = ff_rel_bins(a.rel_R, a.max_seqlen_q, a.max_seqlen_k, a.rel_shift);
+    r.partial = at::empty({a.B, a.H, attention_bwd_rel_parts(a.max_seqlen_q, a.D), r.bins.count},
+                          q.options().dtype(at::kFloat));
+    return r;
+  }
+  // The gradient (H, 2R + 1) after the kernels: the partials summed over (b, tile) (one reduction;
+  // zeros around it where some bins are out of every score's reach), or rel_bias_grad's empty
+  // tensor without a rel_bias.
+  at::Tensor rel_grad_sum(const RelGrad& r, const at::Tensor& q) const {
+    if (!r.partial.defined()) return fastformer::checks::rel_bias_grad(q, a.H, -1);
+    at::Tensor sums = r.partial.sum({0, 2});  // (H, bins)
+    if (r.bins.count == 2 * a.rel_R + 1) return sums;
+    at::Tensor drel = fastformer::checks::rel_bias_grad(q, a.H, a.rel_R);
+    drel.narrow(1, r.bins.lo, r.bins.count).copy_(sums);
+    return drel;
   }
 
  private:

@@ -33,7 +33,6 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   const auto dims = checks::check_varlen_qkv(kFfBackend, op, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
   const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims.H);
-  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
@@ -45,12 +44,12 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(
   }
   at::Tensor out = at::empty({dims.total_q, dims.H, dims.D}, q.options());  // (total_q, H, D)
   at::Tensor lse = at::empty({dims.H, dims.total_q}, f32);                  // (H, total_q)
-  const FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
-                             dropout_p, rng, dtype);
+  FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale, dropout_p, rng, dtype);
+  call.set_rel_bias(rel_bias, R, 0);
   const FfAttentionArgs& a = call.a;
   // 16-bit inputs on tensor cores wherever that kernel takes the call (an sm_80+ GPU), fp32 too as
   // tf32 where torch allows tf32 matmuls (D <= 128); else the FMA kernel (fp32 exact). Both write
-  // the same out / lse, so the backward reads either.
+  // the same out / lse, so the backward reads either. Both take a rel_bias.
   const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_fwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_fwd_mma(flash, out.data_ptr(), lse.data_ptr<float>(), ff_stream(q)));
@@ -74,8 +73,6 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout, con
                                              max_seqlen_q, max_seqlen_k, scale, dropout_p);
   checks::check_varlen_bwd_tensors(kFfBackend, op, dout, out, lse_in, q, dims);
   const int64_t R = checks::check_rel_bias(kFfBackend, op, q, rel_bias, dims.H);
-  TORCH_CHECK(R < 0, op, ": rel_bias is not supported by the CUDA kernels yet");
-  at::Tensor drel = checks::rel_bias_grad(q, dims.H, R);
   const FfPhiloxArgs rng = ff_philox_args(philox, op, q, dropout_p);
   const int dtype = ff_dtype_code(q, "q", op);
   c10::DeviceGuard guard(q.device());
@@ -84,12 +81,12 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout, con
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return drel;
+    return checks::rel_bias_grad(q, dims.H, R);
   }
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor delta = at::empty({dims.H, dims.total_q}, q.options().dtype(at::kFloat));  // (H, total_q)
-  const FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale,
-                             dropout_p, rng, dtype);
+  FfAttentionCall call(q, k, v, cu_seqlens_q, cu_seqlens_k, dims, is_causal, scale, dropout_p, rng, dtype);
+  call.set_rel_bias(rel_bias, R, 0);
   const FfAttentionArgs& a = call.a;
   // Both kernels write the rows the sequences own; rows no sequence owns (cu_seqlens ending before
   // total, or out of range: unknown to the host, which never reads them) get 0 here.
@@ -100,12 +97,15 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout, con
   dq.zero_();
   dk_h.zero_();
   dv_h.zero_();
-  const FfAttentionGrads g{dout.const_data_ptr(), ff_packed_rows(dout), out.const_data_ptr(),
-                           ff_packed_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
-                           stat_rows(dims.total_q), dq.data_ptr(), ff_packed_rows(dq), dk_h.data_ptr(),
-                           ff_packed_rows(dk_h), dv_h.data_ptr(), ff_packed_rows(dv_h)};
+  FfAttentionGrads g{dout.const_data_ptr(), ff_packed_rows(dout), out.const_data_ptr(),
+                     ff_packed_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
+                     stat_rows(dims.total_q), dq.data_ptr(), ff_packed_rows(dq), dk_h.data_ptr(),
+                     ff_packed_rows(dk_h), dv_h.data_ptr(), ff_packed_rows(dv_h)};
+  const FfAttentionCall::RelGrad rel_grad = call.rel_grad_partial(q);  // with a rel_bias (FMA kernels)
+  rel_grad.describe(g);
   // 16-bit inputs on the tensor-core backward wherever flash_bwd_mma_why_not admits the call (an
-  // sm_80+ GPU); else, and for fp32, the FMA kernels. lse / delta (H, total_q) contiguous.
+  // sm_80+ GPU, no rel_bias); else, and for fp32, the FMA kernels. lse / delta (H, total_q)
+  // contiguous.
   const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_bwd_mma_why_not(flash) == nullptr) {
     FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
@@ -116,7 +116,7 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout, con
     sum_kv_groups(dk_h, dk);
     sum_kv_groups(dv_h, dv);
   }
-  return drel;
+  return call.rel_grad_sum(rel_grad, q);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(

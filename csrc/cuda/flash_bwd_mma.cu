@@ -617,6 +617,7 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
   if ((a.cu_seqlens_q == nullptr) != (a.cu_seqlens_k == nullptr)) {
     return "flash_bwd_mma: cu_seqlens_q and cu_seqlens_k come together (varlen) or not at all";
   }
+  if (a.rel_bias != nullptr) return "flash_bwd_mma: a relative position bias: the FMA kernels take it";
   if (a.cu_seqlens_q != nullptr && (a.kpm != nullptr || a.am != nullptr)) {
     return "flash_bwd_mma: varlen rows (cu_seqlens) take no key_padding_mask or attn_mask";
   }

@@ -63,6 +63,14 @@
 // stride must be 1: a lane's 32 mask loads a tile then share one base address (immediate
 // offsets); with per-element addresses ptxas kept ~60 more registers live.
 //
+// Relative position bias (T5's by distance, FfFlashFwdArgs::rel_bias; a kRel template flag, so the
+// kernels without one are unchanged): every tile takes the masked path, where a key's score gains
+// rel_bias[h, clamp(j - pos_i, -R, R) + R] log2 e (pos_i = i + Sk - Sq + rel_shift; after the
+// attn_mask, as attention.cu). A tile's (row, key) pairs lie on kBlockM + BN - 1 diagonals of one
+// distance each: the block writes that window of the bias to shared memory before the tile's
+// barrier (kRelBytes more), and a lane reads it at one base a row plus immediate offsets (per-element
+// global loads and clamps spilled at kD = 128). The backward of such a call runs the FMA kernels.
+//
 // Dropout (Philox v2, philox.cuh): row r = (b H + h) Sq + i, key j in group j / 8 of G =
 // ceil(Sk / 8) a row, counter offset + r G + j / 8. An n8 score tile is one group per row; the
 // four lanes of a quad share its two rows, so lane t computes the groups of the tiles j = t mod 4
@@ -103,7 +111,8 @@ struct Cfg {
   static constexpr bool kQInRegs = kD <= 128;
   static constexpr int kQElems = kBlockM * kD, kKVElems = kBlockN * kD;
   static constexpr size_t kSmemBytes = (kQElems + 4 * kKVElems) * 2 + 2 * (kBlockN / 32) * 4;
-  static_assert(kSmemBytes <= 166912, "a block's shared memory fits sm_80's opt-in maximum");
+  static constexpr size_t kRelBytes = (kBlockM + kBlockN - 1) * 4;  // kRel: a tile's bias window
+  static_assert(kSmemBytes + kRelBytes <= 166912, "a block's shared memory fits sm_80's opt-in maximum");
 };
 
 
@@ -129,6 +138,8 @@ struct Params {
   const int32_t* cu_q;  // varlen: sequence b's rows from cu_q[b]; null for the padded op
   const int32_t* cu_k;
   int64_t total_q, total_k;
+  const float* rel;  // relative position bias (H, 2 rel_R + 1) by distance (kRel kernels), or null
+  int64_t rel_R, rel_shift;
 };
 
 FF_DEVICE float bits_float(uint32_t u) {
@@ -154,7 +165,7 @@ struct ElemCfg {
   static constexpr int kHalves = kTf32 ? 2 : 1;  // 16-bit halves an element
 };
 
-template <typename T, int kD, bool kAligned>
+template <typename T, int kD, bool kAligned, bool kRel>
 __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   using C = Cfg<kD>;
   constexpr bool kTf32 = ElemCfg<T>::kTf32;
@@ -170,6 +181,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
   uint16_t* const ks = qs + C::kQElems;       // 2 stages
   uint16_t* const vs = ks + 2 * C::kKVElems;  // 2 stages
   uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kKVElems);  // 2 x BN / 32 words
+  float* const rel_w = reinterpret_cast<float*>(hid + 2 * (BN / 32));  // kRel: kBlockM + BN - 1
 
   // sizes fit 32 bits (the launcher checks Sq, Sk < 2^30); addresses are 64-bit
   const int64_t bh = blockIdx.x / p.m_tiles, h = bh % p.H, b = bh / p.H;
@@ -244,6 +256,16 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     } else {
       ff_cp_async_commit();  // an empty group: wait_group 1 below still means "tile it"
     }
+    if constexpr (kRel) {
+      // the tile's bias window (x log2 e): row m0 + i and key n0 + c at distance d0 + c - i +
+      // kBlockM - 1 read rel_w[c - i + kBlockM - 1]; the barrier that ended tile it - 1 released it
+      const int64_t R = p.rel_R, d0 = static_cast<int64_t>(n0) - m0 - shift - p.rel_shift - (kBlockM - 1);
+      const float* rel_h = p.rel + h * (2 * R + 1) + R;
+      for (int x = threadIdx.x; x < kBlockM + BN - 1; x += kThreads) {
+        const int64_t d = d0 + x;
+        rel_w[x] = rel_h[d < -R ? -R : (d > R ? R : d)] * kLog2e;
+      }
+    }
     ff_cp_async_wait<1>();
     __syncthreads();  // every thread's copies (and key flags) of tile it are visible
     const uint16_t* const kt = ks + stage * C::kKVElems;
@@ -286,8 +308,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
       }
     }
 
-    // ---- scale and masks (log2 domain)
-    const bool need_mask = p.kpm != nullptr || p.am != nullptr || n0 + BN > Sk ||
+    // ---- scale and masks (log2 domain), and the relative position bias
+    const bool need_mask = kRel || p.kpm != nullptr || p.am != nullptr || n0 + BN > Sk ||
                            (p.causal && n0 + BN - 1 > m0 + shift);  // block-uniform
     if (!need_mask) {
 #pragma unroll
@@ -310,6 +332,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
         if (p.am != nullptr && row_i[r] < Sq) {
           am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + (n0 + 2 * t);
         }
+        // kRel: the bias of key n0 + 8 j + 2 t + e at rel_row[8 j + e] (the tile's window, see below)
+        [[maybe_unused]] const float* rel_row = rel_w + (kBlockM - 1 + 2 * t - (16 * warp + g + 8 * r));
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
 #pragma unroll
@@ -322,6 +346,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
               vis = add != -INFINITY;
               x = fmaf(add, kLog2e, x);
             }
+            if constexpr (kRel) x += rel_row[8 * j + e];
             s[j][2 * r + e] = vis ? x : -INFINITY;
             seen[r] = seen[r] || vis;
           }
@@ -507,12 +532,12 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <int kD, bool kAligned>
+template <int kD, bool kAligned, bool kRel>
 const char* launch(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, void* stream) {
-  const size_t smem = Cfg<kD>::kSmemBytes;
-  auto* flash_fwd_mma = a.dtype == 0   ? &flash_fwd_mma_kernel<float, kD, kAligned>
-                       : a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned>
-                                      : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned>;
+  const size_t smem = Cfg<kD>::kSmemBytes + (kRel ? Cfg<kD>::kRelBytes : 0);
+  auto* flash_fwd_mma = a.dtype == 0   ? &flash_fwd_mma_kernel<float, kD, kAligned, kRel>
+                       : a.dtype == 1 ? &flash_fwd_mma_kernel<__half, kD, kAligned, kRel>
+                                      : &flash_fwd_mma_kernel<__nv_bfloat16, kD, kAligned, kRel>;
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(flash_fwd_mma, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem)) != cudaSuccess) {
@@ -525,7 +550,12 @@ const char* launch(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, voi
 template <int kD>
 const char* launch_bucket(const FfFlashFwdArgs& a, const Params& p, int64_t blocks, bool aligned,
                           void* stream) {
-  return aligned ? launch<kD, true>(a, p, blocks, stream) : launch<kD, false>(a, p, blocks, stream);
+  if (p.rel != nullptr) {
+    return aligned ? launch<kD, true, true>(a, p, blocks, stream)
+                   : launch<kD, false, true>(a, p, blocks, stream);
+  }
+  return aligned ? launch<kD, true, false>(a, p, blocks, stream)
+                 : launch<kD, false, false>(a, p, blocks, stream);
 }
 
 }  // namespace
@@ -629,6 +659,9 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.philox = a.dropout_p > 0.0 ? a.philox : nullptr;
   p.out = out;
   p.lse = lse;
+  p.rel = a.rel_bias;
+  p.rel_R = a.rel_R;
+  p.rel_shift = a.rel_shift;
   const int64_t blocks = m_tiles * a.B * a.H;
   if (p.D <= 64) return launch_bucket<64>(a, p, blocks, aligned, stream);
   if (p.D <= 128) return launch_bucket<128>(a, p, blocks, aligned, stream);

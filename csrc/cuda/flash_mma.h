@@ -55,6 +55,9 @@ struct FfFlashFwdArgs {
   // by the glue), as mma.sync m16n8k8 .tf32 (operands rounded to 10 mantissa bits), D <= 128
   bool allow_tf32;
   int64_t kv_group = 1;  // query head h reads k/v head h / kv_group (FfAttentionArgs::kv_group)
+  // FfAttentionArgs::rel_bias, rel_R, rel_shift: the forward adds it; the backward declines it
+  const float* rel_bias = nullptr;
+  int64_t rel_R = 0, rel_shift = 0;
 };
 
 // The tensor-core kernels' description of the call that a describes to the FMA kernels: the one
@@ -85,11 +88,15 @@ inline FfFlashFwdArgs ff_flash_fwd_args(const FfAttentionArgs& a, FfRows out_s, 
   f.lse_sb = lse_s.batch, f.lse_sh = lse_s.head, f.lse_ss = lse_s.row;
   f.allow_tf32 = allow_tf32;
   f.kv_group = a.kv_group;
+  f.rel_bias = a.rel_bias;
+  f.rel_R = a.rel_R;
+  f.rel_shift = a.rel_shift;
   return f;
 }
 
 // nullptr when the kernel can take the call, else why not (a 32-bit dtype, an attn_mask without a
-// unit key stride, masks with cu_seqlens, a GPU older than sm_80, sizes out of range).
+// unit key stride, masks with cu_seqlens, a GPU older than sm_80, sizes out of range). A relative
+// position bias (rel_bias) is added as the FMA kernel adds it.
 const char* flash_fwd_mma_why_not(const FfFlashFwdArgs& a);
 
 // out (B, H, Sq, D) in dtype and lse (B, H, Sq) fp32, contiguous unless out_s* / lse_s* say; lse
@@ -136,8 +143,8 @@ inline FfFlashBwdArgs ff_flash_bwd_args(const FfFlashFwdArgs& f, const FfAttenti
 }
 
 // nullptr when the backward kernels can take the call: the forward's rule (16-bit dtype, an
-// attn_mask with a unit key stride, varlen without masks, sm_80+, sizes in range) and lse rows
-// contiguous, checked on its own.
+// attn_mask with a unit key stride, varlen without masks, no relative position bias, sm_80+, sizes
+// in range) and lse rows contiguous, checked on its own.
 const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a);
 
 const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream);

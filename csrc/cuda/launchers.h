@@ -155,6 +155,12 @@ struct FfAttentionArgs {
   // query heads per k/v head (grouped-query attention: k / v have H / kv_group heads, query head
   // h reads k/v head h / kv_group); the gradients dk / dv stay per query head (H heads)
   int64_t kv_group = 1;
+  // A relative position bias by distance, (H, 2 rel_R + 1) fp32 contiguous, or null: query i of a
+  // sequence, at position i + Lk - Lq + rel_shift (varlen: rel_shift 0), and key j add
+  // rel_bias[h, clamp(j - position, -rel_R, rel_R) + rel_R] (h the query head) to their score
+  // scale q.k + attn_mask, for visible keys.
+  const float* rel_bias = nullptr;
+  int64_t rel_R = 0, rel_shift = 0;
 };
 // out in dtype and lse fp32 through their rows (lse +inf for a row with no visible key, whose out
 // is 0). Rows of a varlen q that no sequence owns are not written.
@@ -176,7 +182,17 @@ struct FfAttentionGrads {
   FfRows dk_s;
   void* dv;
   FfRows dv_s;
+  // With a rel_bias: the dQ kernel's partial sums of dS = dL/ds (the gradient of the bias), by
+  // distance bin: (B, H, attention_bwd_rel_parts(max_seqlen_q, D), drel_bins) fp32, one row a
+  // block (b, h, query tile), written whole (every element); column c is bin drel_lo + c of the
+  // 2R + 1, where ff_rel_bins (attention_call.h) puts every bin a score can reach. Summed over
+  // (b, tile) by the caller in a fixed order: no atomics, deterministic.
+  float* drel_partial = nullptr;
+  int64_t drel_lo = 0, drel_bins = 0;
 };
-// Deterministic: a dQ kernel per query tile (which also writes delta), then a dK / dV kernel per
-// key tile.
+// Deterministic: a dQ kernel per query tile (which also writes delta and, with a rel_bias, its
+// row of drel_partial), then a dK / dV kernel per key tile.
 const char* launch_attention_bwd(const FfAttentionArgs& a, const FfAttentionGrads& g, void* stream);
+// The query tiles of each (sequence, head) of the dQ kernel, the rows of drel_partial a (b, h):
+// ceil(max_seqlen_q / tile rows of head dim D's bucket).
+int64_t attention_bwd_rel_parts(int64_t max_seqlen_q, int64_t D);
