@@ -248,3 +248,14 @@ def t5_backend(backend, device="cpu"):
     if backend == "cpu":
         return "auto"
     pytest.skip(why)
+
+
+def packs_when_traced(model):
+    """Whether a converted ``model``'s decoder skips its unused rows under torch.compile (with
+    ``capture_dynamic_output_shape_ops``): always, except a T5-family model while no kernel takes the
+    relative bias on packed rows (the reference loops over the sequences on the host)."""
+    if model.config.model_type not in ("t5", "mt5", "umt5"):
+        return True
+    import fastformer
+    return fastformer.backends.select("attention_varlen", torch.device("cpu"), torch.float32,
+                                      head_dim=model.config.d_kv, relative_bias=True) is not None

@@ -19,7 +19,8 @@ with its sub-layers' forwards inlined:
   attention through ``attention_varlen`` with positions within each sentence. The encoder packs only
   where each row's real tokens are contiguous (left or right padding): the relative bias reads the
   distance ``j - i`` of the padded layout, which a packed row with a hole would shorten. Under
-  torch.compile that is data, so there T5's encoder keeps its padding (key padding mask, exact).
+  torch.compile that is data, so there T5's encoder keeps its padding (key padding mask, exact); the
+  decoder packs there only where a kernel takes the biased packed call (the reference loops on the host).
 
 Where a fused op cannot stand in exactly the module itself runs, as transformers runs it: a swapped
 or hooked norm, Linear or embedding, mixed dtypes (a ``wo`` kept in fp32 by ``_keep_in_fp32_modules``
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import ops
+from .. import backends, ops
+from ..internal import validation
 from .attention import RELATIVE, VARLEN, fastformer_attention_forward
 from .layers import (_cache_kwarg, _decoder_packing, _layer_packing, _memory_packing, _padded, _rows,
                      fused_subclass, plain)
@@ -216,17 +218,33 @@ def _contiguous_rows(packing) -> bool:
     return ok
 
 
+def _traceable_packed_bias(attn, x) -> bool:
+    """Whether, traced by torch.compile, attention on packed rows with a relative bias has a kernel: the
+    reference ``attention_varlen`` loops over the sequences on the host, which cannot trace their
+    data-dependent lengths (so the padded layout, until the backend's kernels take the bias)."""
+    dtype = validation.autocast_dtype(x.device) or x.dtype
+    try:
+        return backends.select("attention_varlen", x.device, dtype, head_dim=attn.key_value_proj_dim,
+                               relative_bias=True) is not None
+    except RuntimeError:  # a forced backend that cannot: the op will say so, padded or not
+        return False
+
+
 def _block_packing(block, attn, attention_mask, hidden_states, position_bias, cache):
     """The rows block ``block`` may skip (a Packing), or None. Packed, the bias must be a table (positions
     within each sentence), which a dense bias is not."""
     if position_bias is not None and position_bias.dim() != 2:
         return None
-    if position_bias is None and attn.has_relative_attention_bias and _own_table(attn) is None:
+    has_bias = position_bias is not None or attn.has_relative_attention_bias
+    if position_bias is None and has_bias and _own_table(attn) is None:
         return None
+    if torch.compiler.is_compiling():
+        if not block.is_decoder:
+            return None  # the runs of real tokens are data: the padded layout, exact for any mask
+        if has_bias and not _traceable_packed_bias(attn, hidden_states):
+            return None
     if block.is_decoder:
         return _decoder_packing(attention_mask, hidden_states, cache)
-    if torch.compiler.is_compiling():
-        return None  # the runs of real tokens are data: the padded layout, exact for any mask
     packing = _layer_packing(attention_mask, hidden_states)
     return packing if packing is not None and _contiguous_rows(packing) else None
 
