@@ -4,6 +4,7 @@ bias tables' included, on each backend; every attention gets its stack's (num_bu
 layer's), never a dense bias or mask; the encoder and decoder skip their padding; the tables' gradient is
 the same bits run after run."""
 import copy
+import io
 
 import pytest
 
@@ -265,3 +266,19 @@ def test_half_precision_model_with_fp32_wo_keeps_transformers_casts():
         got, want = model(**batch).logits, ref(**batch).logits
     assert got.dtype == want.dtype
     assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
+
+
+def test_copies_and_pickles_stay_fused(monkeypatch):
+    """deepcopy and torch.save / torch.load keep the fused blocks (and what they were told at convert():
+    the activation, the norm class) and give the same loss."""
+    model = H.convert(H.build("umt5")).train()
+    batch = H.batch("umt5", S=S)
+    want = model(**batch).loss
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for c in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        calls, _ = H.count_op_calls(monkeypatch)
+        assert type(c.decoder.block[1]) is type(model.decoder.block[1])
+        assert torch.equal(c(**batch).loss, want)
+        assert dict(calls) == {k: v for k, v in H.expected_calls(c, loss=True).items() if v}

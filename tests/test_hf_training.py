@@ -93,7 +93,7 @@ def test_gradient_checkpointing(model_type):
     _assert_same_step(model, ref, H.batch(model_type))
 
 
-@pytest.mark.parametrize("model_type", ["marian", "m2m_100"])
+@pytest.mark.parametrize("model_type", ["marian", "m2m_100", "t5"])
 def test_label_smoothing_is_fused(model_type, monkeypatch):
     """convert(model, label_smoothing=0.1): the fused loss equals cross-entropy with smoothing 0.1 over
     the unconverted model's logits, gradients too; in eval mode the (logits') loss is smoothed as well."""

@@ -313,7 +313,7 @@ def fuse(model, layout: Layout, mod, activation) -> dict:
             m.__class__ = fused_subclass(attn_cls, attn_forward, "_t5")
         elif type(m) is block_cls:
             dense = m.layer[-1].DenseReluDense
-            act, why = activation(dense.act, hasattr(dense, "wi_0"))
+            act, why = activation(getattr(dense, "act", None), hasattr(dense, "wi_0"))
             if act is None:
                 unsupported[model.config.feed_forward_proj] = why
             m._fastformer_activation = act
