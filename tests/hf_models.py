@@ -217,13 +217,14 @@ def activation_label(config):
     return getattr(config, "activation_function", None) or config.feed_forward_proj
 
 
-def _declines_relative_bias(backend, device="cpu"):
+def declines_relative_bias(backend, device="cpu"):
     """Why forcing ``backend`` cannot run attention with T5's relative bias here, or None where it can."""
+    import fastformer
+
     if backend in ("reference", "auto"):
         return None
     try:
-        with fastformer_backend(backend):
-            import fastformer
+        with fastformer.use_backend(backend):
             for op in ("attention", "attention_varlen"):
                 fastformer.backends.select(op, torch.device(device), torch.float32, head_dim=D // HEADS,
                                            relative_bias=True)
@@ -232,17 +233,12 @@ def _declines_relative_bias(backend, device="cpu"):
     return None
 
 
-def fastformer_backend(name):
-    import fastformer
-    return fastformer.use_backend(name)
-
-
 def t5_backend(backend, device="cpu"):
     """The backend a T5-family test forces for ``backend``. While the cpu backend's kernels decline
     T5's relative bias (a forced backend then refuses the call), "auto": the cpu kernels for every
     other op, the reference for the biased attention, as a user gets them; Triton is skipped with its
     reason until its kernels take the bias. Once they do, ``backend`` itself."""
-    why = _declines_relative_bias(backend, device)
+    why = declines_relative_bias(backend, device)
     if why is None:
         return backend
     if backend == "cpu":

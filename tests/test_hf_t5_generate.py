@@ -57,7 +57,8 @@ def test_generate_gives_the_same_tokens(model_type, num_beams, backend, monkeypa
         (k["Sq"], k["Sk"], k["is_causal"], k.get("key_padding_mask") is not None, k.get("varlen", False),
          k.get("relative_attention_bias") is not None, k.get("bidirectional"), k.get("query_offset"))
         for k in attention)
-    want_calls = {(S, S, False, False, True, True, True, None): E, (1, S, False, True, False, False, None, None): NEW * L}
+    want_calls = {(S, S, False, False, True, True, True, None): E,
+                  (1, S, False, True, False, False, None, None): NEW * L}
     want_calls.update({(1, step, False, False, False, True, False, step - 1): L for step in range(1, NEW + 1)})
     assert dict(seen) == want_calls
     assert all(k.get("attn_mask") is None for k in attention), "a mask or dense bias was materialised"

@@ -61,7 +61,7 @@ def _step(model, backend):
 
 @pytest.mark.parametrize("backend", kernel_backends("cpu"))
 def test_no_score_sized_tensor_in_a_converted_t5_step(backend):
-    why = H._declines_relative_bias(backend)
+    why = H.declines_relative_bias(backend)
     if why is not None:
         pytest.skip(f"until the kernels take T5's bias: {why}")
     model = H.convert(H.build("t5", **SMALL).train(), backend)
