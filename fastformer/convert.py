@@ -42,10 +42,11 @@ def convert(model: torch.nn.Module, *, copy: bool = False, **kwargs) -> torch.nn
     result is a new twin object that shares ``model``'s parameters, buffers and hooks while
     ``model`` keeps its torch children. So always use the return value.
 
-    A Hugging Face transformers model (BART, Marian, mBART, M2M100/NLLB, Whisper: the
-    ``*ForConditionalGeneration`` / ``MarianMTModel`` and bare ``*Model`` classes) is fused in
-    place by :func:`fastformer.hf.convert` instead: its attention runs ``fastformer.ops.attention``
-    (``attn_implementation="fastformer"``), its layers ``add_layer_norm`` and ``feed_forward``, and
+    A Hugging Face transformers model (BART, Marian, mBART, M2M100/NLLB, Whisper, Pegasus: the
+    ``*ForConditionalGeneration`` / ``MarianMTModel`` and bare ``*Model`` classes; T5 / Flan-T5 /
+    ByT5, mT5, UMT5: those and ``*EncoderModel``) is fused in place by :func:`fastformer.hf.convert`
+    instead: its attention runs ``fastformer.ops.attention`` (``attn_implementation="fastformer"``;
+    T5's relative position bias as its table), its layers ``add_layer_norm`` and ``feed_forward``, and
     its training loss ``linear_cross_entropy``; it keeps its class name, parameter objects,
     ``state_dict`` keys and config, so ``save_pretrained`` writes a plain transformers checkpoint.
     transformers is never imported by fastformer itself: a model is recognised as a transformers

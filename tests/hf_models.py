@@ -1,17 +1,23 @@
 """Tiny Hugging Face seq2seq models for the tests/test_hf_*.py files, built from configs (nothing is
-downloaded): BART and Marian (post-LN), mBART, M2M100 and Whisper (pre-LN), each with its
-``*ForConditionalGeneration`` (or ``MarianMTModel``) and bare ``*Model`` class, plus batches with
-padding in the source, the target and the labels."""
+downloaded): BART and Marian (post-LN), mBART, M2M100, Whisper and Pegasus (pre-LN), each with its
+``*ForConditionalGeneration`` (or ``MarianMTModel``) and bare ``*Model`` class, and the T5 family
+(``T5_TYPES``: T5 v1.1 / Flan-T5, T5 v1.0, mT5, UMT5), plus batches with padding in the source, the
+target and the labels."""
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face integration tests need transformers")
 
-MODEL_TYPES = ("bart", "marian", "mbart", "m2m_100", "whisper")
+MODEL_TYPES = ("bart", "marian", "mbart", "m2m_100", "whisper", "pegasus")
 POST_LN = ("bart", "marian")
+# the T5 family, by variant: "t5" is v1.1 / Flan-T5 (gated-gelu), "t5_v1_0" the original (relu)
+T5_TYPES = ("t5", "t5_v1_0", "mt5", "umt5")
 VOCAB, D, HEADS, FFN = 48, 32, 2, 64
 PAD, BOS, EOS = 1, 0, 2
 MEL, SRC_POS = 8, 8  # Whisper: mel bins, encoder positions (its input has 2 * SRC_POS frames)
+# T5's relative bias: 8 buckets up to distance 6, so the tiny batches reach the logarithmic buckets
+# (from distance 2 in the encoder, 4 in the decoder) and the clamped ones beyond 6
+T5_BUCKETS, T5_MAX_DISTANCE = 8, 6
 
 _CLASSES = {
     "bart": ("BartConfig", "BartForConditionalGeneration", "BartModel"),
@@ -19,12 +25,32 @@ _CLASSES = {
     "mbart": ("MBartConfig", "MBartForConditionalGeneration", "MBartModel"),
     "m2m_100": ("M2M100Config", "M2M100ForConditionalGeneration", "M2M100Model"),
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", "WhisperModel"),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", "PegasusModel"),
+    "t5": ("T5Config", "T5ForConditionalGeneration", "T5Model", "T5EncoderModel"),
+    "t5_v1_0": ("T5Config", "T5ForConditionalGeneration", "T5Model", "T5EncoderModel"),
+    "mt5": ("MT5Config", "MT5ForConditionalGeneration", "MT5Model", "MT5EncoderModel"),
+    "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", "UMT5Model", "UMT5EncoderModel"),
 }
-ACTIVATION = {"bart": "gelu", "marian": "swish", "mbart": "gelu", "m2m_100": "relu", "whisper": "gelu"}
+ACTIVATION = {"bart": "gelu", "marian": "swish", "mbart": "gelu", "m2m_100": "relu", "whisper": "gelu",
+              "pegasus": "gelu", "t5": "gated-gelu", "t5_v1_0": "relu", "mt5": "gated-gelu", "umt5": "gated-gelu"}
+
+
+def _t5_config(model_type, **overrides):
+    """A tiny T5-family config: d_model 32, 2 heads of 16, 2 + 2 blocks, vocab 48, dropout 0; T5's
+    convention of the pad token as the decoder's start."""
+    kw = dict(vocab_size=VOCAB, d_model=D, d_kv=D // HEADS, d_ff=FFN, num_layers=2, num_decoder_layers=2,
+              num_heads=HEADS, relative_attention_num_buckets=T5_BUCKETS,
+              relative_attention_max_distance=T5_MAX_DISTANCE, dropout_rate=0.0,
+              feed_forward_proj=ACTIVATION[model_type], pad_token_id=PAD, eos_token_id=EOS,
+              decoder_start_token_id=PAD)
+    kw.update(overrides)
+    return getattr(transformers, _CLASSES[model_type][0])(**kw)
 
 
 def config(model_type, **overrides):
     """A tiny config of ``model_type``: d_model 32, 2 heads, 2 + 2 layers, vocab 48, dropout 0."""
+    if model_type in T5_TYPES:
+        return _t5_config(model_type, **overrides)
     kw = dict(vocab_size=VOCAB, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS,
               decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, dropout=0.0,
               attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
@@ -41,12 +67,13 @@ def config(model_type, **overrides):
     return getattr(transformers, _CLASSES[model_type][0])(**kw)
 
 
-def build(model_type, bare=False, seed=0, **overrides):
-    """A tiny model (LM class, or the bare *Model with ``bare=True``) in eval mode, its trainable parameters
-    and final_logits_bias moved off their initial values (unit LayerNorms, zero biases) by a seeded jitter."""
+def build(model_type, bare=False, seed=0, encoder_only=False, **overrides):
+    """A tiny model (LM class, the bare *Model with ``bare=True``, a T5 family's *EncoderModel with
+    ``encoder_only=True``) in eval mode, its trainable parameters and final_logits_bias moved off their
+    initial values (unit LayerNorms, zero biases) by a seeded jitter."""
     cfg = config(model_type, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, _CLASSES[model_type][2 if bare else 1])(cfg)
+    model = getattr(transformers, _CLASSES[model_type][3 if encoder_only else 2 if bare else 1])(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -143,14 +170,24 @@ def ffn_fusable(model_type, backend="auto", device="cpu", dtype=torch.float32):
     import fastformer
     from fastformer.hf import patch
 
-    name = {"gelu": "gelu", "relu": "relu", "swish": "silu"}[ACTIVATION[model_type]]
+    act = ACTIVATION[model_type]
+    name = {"gelu": "gelu", "relu": "relu", "swish": "silu", "gated-gelu": "gelu_tanh"}[act]
     with fastformer.use_backend(backend):
-        return patch.activation_works(name, torch.device(device), dtype)
+        return patch.activation_works(name, torch.device(device), dtype, gated=act.startswith("gated-"))
+
+
+def layer_counts(model):
+    """(encoder layers, decoder layers) of ``model`` (T5's are blocks: num_layers, num_decoder_layers)."""
+    cfg = model.config
+    if cfg.model_type in ("t5", "mt5", "umt5"):
+        return cfg.num_layers, (cfg.num_decoder_layers if hasattr(model, "decoder") else 0)
+    return cfg.encoder_layers, cfg.decoder_layers
 
 
 def expected_calls(model, ffn_fused=True, loss=False):
-    """The fused op calls of one forward of a converted ``model`` (E encoder, L decoder layers)."""
-    E, L = model.config.encoder_layers, model.config.decoder_layers
+    """The fused op calls of one forward of a converted ``model`` (E encoder, L decoder layers; a T5
+    block's norms and residual adds count as a pre-LN layer's)."""
+    E, L = layer_counts(model)
     return {"attention": E + 2 * L, "add_layer_norm": (2 * E + 3 * L) if ffn_fused else 0,
             "feed_forward": (E + L) if ffn_fused else 0, "linear_cross_entropy": int(loss)}
 
@@ -171,5 +208,50 @@ def convert(model, backend="auto", **kwargs):
     if fusable:
         assert mine == [], mine
     else:
-        assert len(mine) == 1 and repr(model.config.activation_function) in mine[0], mine
+        assert len(mine) == 1 and repr(activation_label(model.config)) in mine[0], mine
     return out
+
+
+def activation_label(config):
+    """The activation as convert()'s warning names it: the config's own word for it."""
+    return getattr(config, "activation_function", None) or config.feed_forward_proj
+
+
+def declines_relative_bias(backend, device="cpu"):
+    """Why forcing ``backend`` cannot run attention with T5's relative bias here, or None where it can."""
+    import fastformer
+
+    if backend in ("reference", "auto"):
+        return None
+    try:
+        with fastformer.use_backend(backend):
+            for op in ("attention", "attention_varlen"):
+                fastformer.backends.select(op, torch.device(device), torch.float32, head_dim=D // HEADS,
+                                           relative_bias=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def t5_backend(backend, device="cpu"):
+    """The backend a T5-family test forces for ``backend``. While the cpu backend's kernels decline
+    T5's relative bias (a forced backend then refuses the call), "auto": the cpu kernels for every
+    other op, the reference for the biased attention, as a user gets them; Triton is skipped with its
+    reason until its kernels take the bias. Once they do, ``backend`` itself."""
+    why = declines_relative_bias(backend, device)
+    if why is None:
+        return backend
+    if backend == "cpu":
+        return "auto"
+    pytest.skip(why)
+
+
+def packs_when_traced(model):
+    """Whether a converted ``model``'s decoder skips its unused rows under torch.compile (with
+    ``capture_dynamic_output_shape_ops``): always, except a T5-family model while no kernel takes the
+    relative bias on packed rows (the reference loops over the sequences on the host)."""
+    if model.config.model_type not in ("t5", "mt5", "umt5"):
+        return True
+    import fastformer
+    return fastformer.backends.select("attention_varlen", torch.device("cpu"), torch.float32,
+                                      head_dim=model.config.d_kv, relative_bias=True) is not None

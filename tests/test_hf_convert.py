@@ -61,10 +61,14 @@ def test_unsupported_transformers_models_are_refused():
     model = transformers.BartForSequenceClassification(H.config("bart"))
     with pytest.raises(TypeError, match="BartForSequenceClassification is not supported.*BartModel"):
         fastformer.convert(model)
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
-    with pytest.raises(TypeError, match="model type 't5'.*not supported.*WhisperForConditionalGeneration"):
+    t5 = transformers.T5ForSequenceClassification(H.config("t5"))
+    with pytest.raises(TypeError, match="T5ForSequenceClassification is not supported.*T5ForConditionalGeneration, "
+                                        "T5Model, T5EncoderModel"):
         fastformer.convert(t5)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(TypeError, match="model type 'gpt2'.*not supported.*WhisperForConditionalGeneration.*"
+                                        "T5ForConditionalGeneration"):
+        fastformer.convert(gpt2)
 
 
 def test_label_smoothing_on_a_bare_model_warns():

@@ -64,32 +64,36 @@ def test_dropout_training_learns_a_copy_task(model_type):
         assert model(input_ids=probe, labels=probe).loss.item() < 0.4
 
 
-@pytest.mark.parametrize("model_type", H.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", H.MODEL_TYPES + H.T5_TYPES)
 def test_bf16_autocast_is_close_to_fp32(model_type):
     ref = H.build(model_type).train()
+    plain = copy.deepcopy(ref)
     model = H.convert(copy.deepcopy(ref))
     batch = H.batch(model_type)
     want = ref(**batch).loss
     want.backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = model(**batch).loss
+        plain(**batch).loss.backward()
     got.backward()
     # the fused loss comes back in bf16 (resolution 2^-8 relative): 0.03 at a loss of ~4
     assert abs(got.item() - want.item()) < 0.03
-    assert _grad_rel_err(model, ref) < 0.03
+    # the gradients: 3% of their norm, or where transformers' own autocast is further from fp32 (T5: unscaled
+    # scores, unit-variance embeddings; 2-4%), 3x its distance (the fused residual stream is bf16, its fp32)
+    assert _grad_rel_err(model, ref) < max(0.03, 3 * _grad_rel_err(plain, ref))
 
 
-@pytest.mark.parametrize("model_type", ["bart", "whisper"])
+@pytest.mark.parametrize("model_type", ["bart", "whisper", "t5", "umt5"])
 def test_gradient_checkpointing(model_type):
     ref = H.build(model_type).train()
     model = H.convert(copy.deepcopy(ref))
     model.activation_checkpointing_enable()
-    layers = [m for n, m in model.named_modules() if n.split(".")[-2:-1] == ["layers"]]
+    layers = [m for n, m in model.named_modules() if n.split(".")[-2:-1] in (["layers"], ["block"])]
     assert layers and all(m.gradient_checkpointing for m in layers)
     _assert_same_step(model, ref, H.batch(model_type))
 
 
-@pytest.mark.parametrize("model_type", ["marian", "m2m_100"])
+@pytest.mark.parametrize("model_type", ["marian", "m2m_100", "t5"])
 def test_label_smoothing_is_fused(model_type, monkeypatch):
     """convert(model, label_smoothing=0.1): the fused loss equals cross-entropy with smoothing 0.1 over
     the unconverted model's logits, gradients too; in eval mode the (logits') loss is smoothed as well."""

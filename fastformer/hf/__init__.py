@@ -1,4 +1,5 @@
-"""fastformer for Hugging Face transformers' encoder-decoders (BART, Marian, mBART, M2M100/NLLB, Whisper).
+"""fastformer for Hugging Face transformers' encoder-decoders (BART, Marian, mBART, M2M100/NLLB, Whisper, Pegasus,
+T5/Flan-T5/ByT5, mT5, UMT5).
 
 Nothing here imports transformers at import time: ``import fastformer`` stays free of it, and
 this package imports it only when a transformers model is converted or :func:`register` is called.
@@ -13,7 +14,7 @@ this package imports it only when a transformers model is converted or :func:`re
 """
 import sys
 
-SUPPORTED_MODEL_TYPES = ("bart", "marian", "mbart", "m2m_100", "whisper")
+SUPPORTED_MODEL_TYPES = ("bart", "marian", "mbart", "m2m_100", "whisper", "pegasus", "t5", "mt5", "umt5")
 
 
 def is_transformers_model(model) -> bool:

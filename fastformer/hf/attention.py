@@ -13,6 +13,12 @@ materialised ``(B, 1, Sq, Sk)`` mask. Any other mask is passed on exactly:
 * 4-D bool (True = attend): inverted into ``attn_mask`` (True = masked out);
 * float (0 / finfo.min, eager's form, or a user's bias): added to the scores, as SDPA and eager add it;
 * 2-D (B, Sk) padding mask (flash-attention's form, 1/True = keep): ``key_padding_mask`` + ``module.is_causal``.
+
+T5's relative position bias comes two ways. transformers' T5 attention (unconverted, the implementation
+chosen by name) passes ``position_bias``, the dense ``(1, H, Sq, Sk)`` bias: it is added to the scores
+with the mask (as SDPA adds it). The fused T5 attention (``t5.py``) passes ``RELATIVE`` instead, the
+``(num_buckets, H)`` table and its settings, which the op turns into a bias by distance: no ``Sq x Sk``
+tensor exists.
 """
 import logging
 
@@ -30,6 +36,9 @@ ROWS_UNUSED = "_fastformer_padded_rows_unused"
 # keyword the fused layers pass through a transformers attention module to its attention interface
 # when its input is packed rows (1, n, E): (query packing, key packing, is_causal)
 VARLEN = "fastformer_varlen"
+# keyword the fused T5 attention passes to the interface: (table (num_buckets, H), bidirectional,
+# max_distance, query_offset), T5's learned relative position bias for fastformer.ops.attention
+RELATIVE = "fastformer_relative_bias"
 _warned = set()
 
 
@@ -107,7 +116,7 @@ def translate_mask(module, attention_mask, Sq, Sk, B, device, is_causal=None):
 def fastformer_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                  is_causal=None, **kwargs):
     """transformers ``AttentionInterface`` entry running :func:`fastformer.ops.attention`."""
-    for unsupported in ("softcap", "sliding_window", "position_bias", "s_aux"):
+    for unsupported in ("softcap", "sliding_window", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"attn_implementation='fastformer' does not support `{unsupported}`; use 'sdpa' "
                              f"or 'eager' for this model")
@@ -119,23 +128,53 @@ def fastformer_attention_forward(module, query, key, value, attention_mask, drop
         B_, Hk, S_, D_ = key.shape
         key = key[:, :, None].expand(B_, Hk, n_rep, S_, D_).reshape(B_, Hk * n_rep, S_, D_)
         value = value[:, :, None].expand(B_, Hk, n_rep, S_, value.shape[-1]).reshape(B_, Hk * n_rep, S_, -1)
+    relative = kwargs.get(RELATIVE)
+    position_bias = kwargs.get("position_bias")
     packings = kwargs.get(VARLEN)
     if packings is not None:
-        return _varlen_attention(query, key, value, *packings, dropout, scaling), None
+        if position_bias is not None:
+            raise ValueError("fastformer: packed rows cannot take a dense position_bias (its positions are the "
+                             "padded layout's); the fused layers pass the relative bias table instead")
+        return _varlen_attention(query, key, value, *packings, dropout, scaling, relative), None
     B, H, Sq, D = query.shape
     Sk = key.shape[2]
     kpm, mask, causal = translate_mask(module, attention_mask, Sq, Sk, B, query.device, is_causal)
+    if position_bias is not None:
+        mask = _with_position_bias(position_bias, mask)
+    rel = {}
+    if relative is not None:
+        table, bidirectional, max_distance, query_offset = relative
+        rel = dict(relative_attention_bias=table, bidirectional=bidirectional,
+                   relative_attention_max_distance=max_distance, query_offset=query_offset)
     out = ops.attention(query, key, value, key_padding_mask=kpm, attn_mask=mask, is_causal=causal,
-                        scale=scaling, dropout_p=dropout)
+                        scale=scaling, dropout_p=dropout, **rel)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _varlen_attention(query, key, value, q_packing, k_packing, causal, dropout, scaling):
+def _with_position_bias(position_bias, mask):
+    """A dense additive ``position_bias`` (T5's ``(1, H, Sq, Sk)``) merged with the translated ``attn_mask``
+    (None, bool True = masked out, or float added) into one float mask: -inf where the mask hides a key
+    (the op hides a key at -inf exactly as at True)."""
+    if mask is None:
+        return position_bias
+    if mask.dtype == torch.bool:
+        return position_bias.masked_fill(mask, float("-inf"))
+    return position_bias + mask
+
+
+def _varlen_attention(query, key, value, q_packing, k_packing, causal, dropout, scaling, relative=None):
     """q/k/v (1, H, n, D) of packed rows (what a transformers attention module makes of a (1, n, E)
-    input) -> (1, n, H, D): attention within each sequence of the packings, no padding computed."""
+    input) -> (1, n, H, D): attention within each sequence of the packings, no padding computed; T5's
+    ``relative`` bias (table, bidirectional, max_distance, query offset) by positions within each sequence
+    (its queries the last of its keys: the offset is the op's own)."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n, H, D)
+    rel = {}
+    if relative is not None:
+        table, bidirectional, max_distance, _ = relative
+        rel = dict(relative_attention_bias=table, bidirectional=bidirectional,
+                   relative_attention_max_distance=max_distance)
     out = ops.attention_varlen(q, k, v, q_packing.cu_seqlens, k_packing.cu_seqlens, q_packing.max_seqlen,
-                               k_packing.max_seqlen, is_causal=causal, scale=scaling, dropout_p=dropout)
+                               k_packing.max_seqlen, is_causal=causal, scale=scaling, dropout_p=dropout, **rel)
     return out[None]
 
 

@@ -46,6 +46,22 @@ def _family(module: str, prefix: str, lm: str, extra: Tuple[str, ...] = ()) -> T
     return tuple(names) + tuple(f"{mod}:{name}" for name in extra)
 
 
+def _t5_family(name: str, prefix: str) -> Tuple[str, ...]:
+    """What t5.py mirrors of a T5-shaped family: the block and its sub-layers (inlined), the attention
+    (its bias computed as the table), the stack and model forwards around them, the LM forward (head,
+    scaling, shift) and the config's derived settings (gated act, scale_decoder_outputs)."""
+    mod = f"{_M}{name}.modeling_{name}"
+    init_and_forward = ("LayerNorm", "DenseActDense", "DenseGatedActDense", "LayerFF", "Attention",
+                        "LayerSelfAttention", "LayerCrossAttention", "Block")
+    names = [f"{mod}:{prefix}{cls}.{meth}" for cls in init_and_forward for meth in ("__init__", "forward")]
+    names += [f"{mod}:{prefix}Attention.{meth}" for meth in ("compute_bias", "_relative_position_bucket")]
+    names += [f"{mod}:{prefix}{cls}.forward" for cls in ("Stack", "Model", "EncoderModel")]
+    names += [f"{mod}:{prefix}ForConditionalGeneration.{meth}" for meth in ("__init__", "forward")]
+    names += [f"{mod}:{prefix}PreTrainedModel._shift_right",
+              f"{_M}{name}.configuration_{name}:{prefix}Config.__post_init__"]
+    return tuple(names)
+
+
 FAMILIES: Dict[str, Tuple[str, ...]] = {
     "bart": _family("bart.modeling_bart", "Bart", "BartForConditionalGeneration", ("shift_tokens_right",)),
     "marian": _family("marian.modeling_marian", "Marian", "MarianMTModel", ("shift_tokens_right",)),
@@ -54,6 +70,11 @@ FAMILIES: Dict[str, Tuple[str, ...]] = {
                        ("shift_tokens_right",)),
     "whisper": _family("whisper.modeling_whisper", "Whisper", "WhisperForConditionalGeneration",
                        ("shift_tokens_right",)),
+    "pegasus": _family("pegasus.modeling_pegasus", "Pegasus", "PegasusForConditionalGeneration",
+                       ("shift_tokens_right",)),
+    "t5": _t5_family("t5", "T5"),
+    "mt5": _t5_family("mt5", "MT5"),
+    "umt5": _t5_family("umt5", "UMT5"),
 }
 
 

@@ -101,7 +101,7 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
         raise ValueError(f"Labels' sequence length {labels.shape[1]} cannot exceed the maximum allowed length of "
                          f"{model.max_target_positions} tokens.")
     if a.get("decoder_input_ids") is None and (spec.shift_ignores_embeds or a.get("decoder_inputs_embeds") is None):
-        a["decoder_input_ids"] = spec.shift(modeling, labels, model.config)
+        a["decoder_input_ids"] = spec.shift(modeling, labels, model)
     if spec.no_cache_with_labels:
         if a.get("use_cache"):
             logger.warning("The `use_cache` argument is changed to `False` since `labels` is provided.")
@@ -110,7 +110,10 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
         a["use_cache"] = False  # nothing decodes from a training forward's cache, which would hold every position
     if a.get("decoder_attention_mask") is None and not a["use_cache"] and may_pack():
         a["decoder_attention_mask"] = _unused_target_tail(labels, model.config)
-    outputs = getattr(model, model.base_model_prefix)(**a, return_dict=True)
+    if spec.base_forward is not None:
+        outputs = spec.base_forward(modeling, model, a)
+    else:
+        outputs = getattr(model, model.base_model_prefix)(**a, return_dict=True)
     hidden = outputs.last_hidden_state
     head = model.get_output_embeddings()
     bias = head.bias
@@ -124,6 +127,9 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
     select = may_pack() if torch.compiler.is_compiling() else not bool(keep.all()) and bool(keep.any())
     if select:
         hidden, labels = hidden[keep], labels[keep]  # (n, E), (n,)
+    scale = spec.head_scale(model) if spec.head_scale is not None else None
+    if scale is not None:  # T5's tied head: the decoder output scaled first (on the kept rows only)
+        hidden = hidden * scale
     loss = ops.linear_cross_entropy(hidden, head.weight, labels, linear_bias=bias, label_smoothing=label_smoothing)
     out = Seq2SeqLMOutput(
         loss=loss, logits=None, cache=outputs.cache,

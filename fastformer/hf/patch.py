@@ -14,6 +14,7 @@ from .. import backends, ops
 from ..internal import validation
 from . import layers as _layers
 from . import loss as _loss
+from . import t5 as _t5
 
 
 @dataclass(frozen=True)
@@ -21,23 +22,54 @@ class ModelSpec:
     module: str                     # transformers' modeling module
     encoder_layer: str
     decoder_layer: str
-    norm: str                       # "post" (BART, Marian) or "pre" (mBART, M2M100, Whisper)
+    norm: str                       # "post" (BART, Marian) or "pre" (mBART, M2M100, Whisper, Pegasus, T5)
     lm_models: Tuple[str, ...]      # the *ForConditionalGeneration class(es): the fused loss
     base_models: Tuple[str, ...]    # the bare *Model class(es): layers and attention only
-    shift: Callable                 # (modeling module, labels, config) -> decoder_input_ids, as the model's forward
+    shift: Callable                 # (modeling module, labels, model) -> decoder_input_ids, as the model's forward
     final_logits_bias: bool
     no_cache_with_labels: bool      # the model's forward sets use_cache=False when labels are given
     shift_ignores_embeds: bool = False  # M2M100 shifts labels whenever decoder_input_ids is None
     max_target_check: bool = False      # Whisper refuses labels longer than max_target_positions
+    t5: Optional[_t5.Layout] = None     # T5-shaped blocks (t5.py) instead of BART-shaped layers (layers.py)
+    # (modeling module, model, arguments) -> the base model's output, where the LM class has no base
+    # model attribute to call (T5's encoder and decoder are its own); None: model.<base_model_prefix>
+    base_forward: Optional[Callable] = None
+    head_scale: Optional[Callable] = None  # model -> the factor on the decoder output before the head, or None
 
 
 # The module is handed in, imported at convert(): an import in forward would break a torch.compile graph.
-def _shift3(mod, labels, config):
-    return mod.shift_tokens_right(labels, config.pad_token_id, config.decoder_start_token_id)
+def _shift3(mod, labels, model):
+    return mod.shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
 
 
-def _shift_mbart(mod, labels, config):
-    return mod.shift_tokens_right(labels, config.pad_token_id)  # no start token: it wraps the language id
+def _shift_mbart(mod, labels, model):
+    return mod.shift_tokens_right(labels, model.config.pad_token_id)  # no start token: it wraps the language id
+
+
+def _shift_t5(mod, labels, model):
+    return model._shift_right(labels)
+
+
+def _t5_base(prefix):
+    """The LM forward's encoder and decoder calls: ``{prefix}ForConditionalGeneration.forward`` runs
+    exactly ``{prefix}Model.forward``'s before its head (both fingerprinted), and the LM class has the
+    ``encoder`` and ``decoder`` that forward reads, so it runs on the LM model itself."""
+    def base(mod, model, a):
+        return getattr(mod, prefix + "Model").forward(model, **a, return_dict=True)
+    return base
+
+
+def _scale_if_configured(model):
+    """T5's and UMT5's rule: the decoder output times d_model ** -0.5 before the (tied) head when
+    ``config.scale_decoder_outputs`` (what ``tie_word_embeddings`` was given as). mT5's forward has none."""
+    return model.model_dim ** -0.5 if model.config.scale_decoder_outputs else None
+
+
+def _t5_spec(name, prefix, umt5=False, scale=True):
+    return ModelSpec(_M + f"{name}.modeling_{name}", prefix + "Block", prefix + "Block", "pre",
+                     (prefix + "ForConditionalGeneration",), (prefix + "Model", prefix + "EncoderModel"), _shift_t5,
+                     final_logits_bias=False, no_cache_with_labels=False, t5=_t5.Layout(prefix, umt5),
+                     base_forward=_t5_base(prefix), head_scale=_scale_if_configured if scale else None)
 
 
 _M = "transformers.models."
@@ -59,6 +91,12 @@ SPECS = {
                          ("WhisperForConditionalGeneration",), ("WhisperModel",),
                          _shift3, final_logits_bias=False,
                          no_cache_with_labels=False, max_target_check=True),
+    "pegasus": ModelSpec(_M + "pegasus.modeling_pegasus", "PegasusEncoderLayer", "PegasusDecoderLayer", "pre",
+                         ("PegasusForConditionalGeneration",), ("PegasusModel",), _shift3,
+                         final_logits_bias=True, no_cache_with_labels=True),
+    "t5": _t5_spec("t5", "T5"),
+    "mt5": _t5_spec("mt5", "MT5", scale=False),
+    "umt5": _t5_spec("umt5", "UMT5", umt5=True),
 }
 
 
@@ -80,17 +118,19 @@ def activation_name(fn) -> Optional[str]:
 _probed = {}
 
 
-def activation_works(activation: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``feed_forward`` runs ``activation`` on ``device``/``dtype`` with the backend chosen now and
-    agrees with its reference (so an op or extension that lacks it, e.g. a build from before ``silu``,
-    never gives a wrong model: its layers keep transformers' code instead)."""
-    key = (activation, device.type, dtype, backends.get_backend(), os.environ.get("FASTFORMER_EXT_LIBRARY"))
+def activation_works(activation: str, device: torch.device, dtype: torch.dtype, gated: bool = False) -> bool:
+    """Whether ``feed_forward`` runs ``activation`` (``gated``: with ``w3``, T5's gated form) on
+    ``device``/``dtype`` with the backend chosen now and agrees with its reference (so an op or extension
+    that lacks it, e.g. a build from before ``silu``, never gives a wrong model: its layers keep
+    transformers' code instead)."""
+    key = (activation, gated, device.type, dtype, backends.get_backend(), os.environ.get("FASTFORMER_EXT_LIBRARY"))
     if key not in _probed:
         g = torch.Generator().manual_seed(0)
         t = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in ((3, 8), (5, 8), (5,), (8, 5), (8,))]
+        gate = dict(w3=torch.randn(5, 8, generator=g).to(device=device, dtype=dtype)) if gated else {}
         try:
-            got = ops.feed_forward(*t, activation=activation)
-            want = ops.reference.feed_forward(*t, activation=activation)
+            got = ops.feed_forward(*t, activation=activation, **gate)
+            want = ops.reference.feed_forward(*t, activation=activation, **gate)
             tol = 1e-4 if dtype == torch.float32 else 5e-2
             _probed[key] = bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
         except Exception:  # noqa: BLE001 (any refusal means: not available here)
@@ -114,8 +154,27 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _fuse_layers(model, spec, mod, activation) -> dict:
+    """Fuse the BART-shaped encoder and decoder layers of ``model``; ``{activation name: why}`` for those
+    left to transformers."""
+    enc_cls, dec_cls = getattr(mod, spec.encoder_layer), getattr(mod, spec.decoder_layer)
+    unsupported = {}
+    for m in model.modules():
+        kind = "encoder" if type(m) is enc_cls else "decoder" if type(m) is dec_cls else None
+        if kind is None:
+            continue  # not a layer, or one fused already
+        act, why = activation(m.activation_fn)
+        if act is None:
+            name = getattr(model.config, "activation_function", None) or type(m.activation_fn).__name__
+            unsupported[name] = why
+            continue
+        _layers.fuse_layer(m, spec.norm, kind, act)
+    return unsupported
+
+
 def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float] = None):
-    """Fuse a transformers BART / Marian / mBART / M2M100 / Whisper model in place (see fastformer.convert)."""
+    """Fuse a transformers BART / Marian / mBART / M2M100 / Whisper / Pegasus / T5 / mT5 / UMT5 model in place
+    (see fastformer.convert)."""
     import transformers
 
     from .fingerprint import check
@@ -145,25 +204,28 @@ def convert_model(model, *, copy: bool = False, label_smoothing: Optional[float]
     register()
     model.set_attn_implementation(NAME)
 
-    enc_cls, dec_cls = getattr(mod, spec.encoder_layer), getattr(mod, spec.decoder_layer)
     device, dtype = _param_device_dtype(model)
-    unsupported = {}
-    for m in model.modules():
-        kind = "encoder" if type(m) is enc_cls else "decoder" if type(m) is dec_cls else None
-        if kind is None:
-            continue  # not a layer, or one fused already
-        act = activation_name(m.activation_fn)
-        if act is None or not activation_works(act, device, dtype):
-            name = getattr(model.config, "activation_function", None) or type(m.activation_fn).__name__
-            unsupported[name] = "fastformer's feed_forward has no such activation" if act is None else \
-                f"fastformer's feed_forward cannot run {act!r} here (backend {backends.get_backend()!r}, " \
-                f"{device.type}, {dtype})"
-            continue
-        _layers.fuse_layer(m, spec.norm, kind, act)
+
+    def activation(fn, gated=False):
+        """(fastformer's name for the activation module ``fn``, None) where feed_forward runs it, else (None, why)."""
+        act = activation_name(fn)
+        if act is None:
+            return None, "fastformer's feed_forward has no such activation"
+        if not activation_works(act, device, dtype, gated):
+            return None, (f"fastformer's feed_forward cannot run {act!r} here (backend {backends.get_backend()!r}, "
+                          f"{device.type}, {dtype})")
+        return act, None
+
+    if spec.t5 is not None:
+        unsupported = _t5.fuse(model, spec.t5, mod, activation)
+        keeps = "feed-forward keeps transformers' own code (the rest of each block is fused)"
+    else:
+        unsupported = _fuse_layers(model, spec, mod, activation)
+        keeps = "encoder and decoder layers keep transformers' own forward (their attention still runs " \
+                "fastformer's kernel)"
     for name, why in unsupported.items():
         warnings.warn(f"fastformer.convert(): activation {name!r} of this {type(model).__name__}: {why}; its "
-                      f"encoder and decoder layers keep transformers' own forward (their attention still runs "
-                      f"fastformer's kernel)", stacklevel=_user_stacklevel())
+                      f"{keeps}", stacklevel=_user_stacklevel())
     if cls in lm_classes:
         ls = label_smoothing if label_smoothing is not None else getattr(model, "_fastformer_label_smoothing", 0.0)
         _loss.fuse_lm_loss(model, spec, ls)
