@@ -54,7 +54,7 @@ _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for
 _ATTENTION_OPS = ("attention", "attention_varlen")
 _NO_REL_BIAS_CPU = []  # the CPU kernels take a relative position bias
 _NO_REL_BIAS_TRITON = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
-_NO_REL_BIAS_CUDA = []  # the FMA kernels take it (the tensor-core ones decline such calls)
+_NO_REL_BIAS_CUDA = []  # every forward takes it; the backward runs on the FMA kernels (the tensor-core one declines)
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
 
 REFERENCE = register(Backend("reference", anywhere=True))
