@@ -53,7 +53,7 @@ _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for
 # what a backend's attention kernels cannot take yet (each backend's own list)
 _ATTENTION_OPS = ("attention", "attention_varlen")
 _NO_REL_BIAS_CPU = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
-_NO_REL_BIAS_TRITON = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
+_NO_REL_BIAS_TRITON = []  # the Triton kernels take it (triton_kernels/attention.py)
 _NO_REL_BIAS_CUDA = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
 
