@@ -524,3 +524,169 @@ test_other_thread_schedule = other_simt_schedules_test(
     ("test_attention_rel_bias.py",), SCHEDULE_SUBSETS,
     "The rel_bias kernels' subset under the harness's other schedules: a missing barrier within a warp's "
     "reach or between warps fails it.")
+
+
+TRITON = [b for b in BACKENDS if b.values[0] == "triton"]
+
+
+def _dense_by_distance(rel, Sq, Sk, pos0):
+    """(H, Sq, Sk): rel (H, 2R + 1) gathered at clamp(j - i - pos0, -R, R) + R, differentiable."""
+    R = (rel.shape[1] - 1) // 2
+    i = torch.arange(Sq, device=rel.device)[:, None] + pos0
+    j = torch.arange(Sk, device=rel.device)[None, :]
+    return rel[:, (j - i).clamp(-R, R) + R]
+
+
+# (B, Sq, Sk, R, rel_shift, causal, kpm): rows past R on both sides (whole tiles past each clamp,
+# the dK/dV programs' window moving over tiles it skipped), R = 0 (one bin for both clamps), a
+# negative and a positive shift, R past every distance; 16 x 16 tiles and non-square ones (the
+# dK/dV window's width follows the larger side)
+TILE_CASES = {
+    "clamped_tiles": (2, 45, 45, 3, 0, False, True),
+    "one_bin": (1, 40, 40, 0, 0, False, False),
+    "decoding_shift": (1, 19, 50, 5, -7, True, False),
+    "past_every_distance": (1, 50, 19, 70, 4, False, False),
+}
+
+
+@pytest.mark.parametrize("case, blocks", [
+    ("clamped_tiles", (16, 16)), ("clamped_tiles", (16, 32)), ("clamped_tiles", (32, 16)),
+    ("one_bin", (16, 32)), ("decoding_shift", (32, 16)), ("past_every_distance", (16, 16)),
+], ids=lambda x: x if isinstance(x, str) else f"m{x[0]}n{x[1]}")
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_kernels_across_tiles(backend, case, blocks, monkeypatch):
+    """The Triton kernels (attention_fwd / attention_bwd with rel_bias, rel_shift) over many tiles
+    against the reference with the same bias made dense as an additive mask: every gradient,
+    the bias's too, and the bias's gradient bit-equal across runs."""
+    A = pytest.importorskip("fastformer.triton_kernels.attention")
+    if A.INTERPRET:
+        monkeypatch.setitem(A.INTERPRET_BLOCKS, "BLOCK_M", blocks[0])
+        monkeypatch.setitem(A.INTERPRET_BLOCKS, "BLOCK_N", blocks[1])
+    B, Sq, Sk, R, shift, causal, with_kpm = TILE_CASES[case]
+    device = device_for(backend)
+    q, k, v, dout = _qkv(B, 2, Sq, Sk, 16, device=device)
+    rel = (torch.randn(2, 2 * R + 1, generator=torch.Generator().manual_seed(3)) * 0.7).to(device)
+    kpm = None
+    if with_kpm:
+        kpm = torch.zeros(B, Sk, dtype=torch.bool, device=device)
+        kpm[-1, Sk - 9:] = True
+    rng = philox.pack(0, 0)
+
+    out, lse = A.attention_fwd(q, k, v, kpm, None, causal, 0.5, 0.0, rng, rel, shift)
+    dq, dk, dv, drel = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, causal, 0.5, 0.0, rng, rel, shift)
+    again = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, causal, 0.5, 0.0, rng, rel, shift)[3]
+    assert torch.equal(drel, again)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, rel)]
+    bias = _dense_by_distance(leaves[3], Sq, Sk, Sk - Sq + shift)[None].expand(B, -1, -1, -1)
+    want = reference.attention(*leaves[:3], key_padding_mask=kpm, attn_mask=bias, is_causal=causal, scale=0.5)
+    grads = torch.autograd.grad(want, leaves, dout)
+    for name, g, w in zip(NAMES, (out, dq, dk, dv, drel), (want.detach(), *grads)):
+        assert_close(name, g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_varlen_across_tiles(backend, causal, small_blocks):
+    """Packed sequences spanning several 16-row tiles, R shorter than the rows: each sequence
+    equals attention on it alone, the bias's gradient too."""
+    lengths_q, lengths_k = [37, 0, 5, 20], [30, 3, 41, 20]
+    H, D = 2, 16
+    device = device_for(backend)
+    (q, k, v, dout), (cq, ck) = _packed(lengths_q, lengths_k, H, D, torch.float32, device)
+    table = _table(8, H, device=device)
+    rel = dict(bidirectional=not causal, relative_attention_max_distance=6)
+
+    def packed(q, k, v, t):
+        with fastformer.use_backend(backend):
+            return attention_varlen(q, k, v, cq, ck, max(lengths_q), max(lengths_k), is_causal=causal, scale=0.5,
+                                    relative_attention_bias=t, **rel)
+
+    def per_sequence(q, k, v, t):
+        return reference.attention_varlen(q, k, v, cq, ck, max(lengths_q), max(lengths_k), is_causal=causal,
+                                          scale=0.5, relative_attention_bias=t, **rel)
+
+    for name, g, w in zip(NAMES, _run(packed, q, k, v, table, dout), _run(per_sequence, q, k, v, table, dout)):
+        assert_close(name, g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rel_bias, rel_shift, error, match", [
+    (lambda H: torch.zeros(H, 4), 0, ValueError, r"rel_bias must have shape \(H, 2R \+ 1\)"),
+    (lambda H: torch.zeros(H + 1, 5), 0, ValueError, r"rel_bias must have shape \(H, 2R \+ 1\)"),
+    (lambda H: torch.zeros(H, 5, dtype=torch.float64), 0, TypeError, "rel_bias must be float32"),
+    (lambda H: torch.zeros(5, H).t(), 0, ValueError, "rel_bias must be contiguous"),
+    (lambda H: torch.zeros(H, 5), 1 << 31, ValueError, r"rel_shift must be in \[-2\^30, 2\^30\]"),
+])
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_checks_name_the_bad_rel_bias(backend, rel_bias, rel_shift, error, match):
+    device = device_for(backend)
+    q, k, v, _ = _qkv(1, 2, 4, 4, 8, device=device)
+    kern = fastformer.backends.Kernels(backend)
+    with pytest.raises(error, match=match):
+        kern.attention_fwd(q, k, v, None, None, False, 1.0, 0.0, philox.pack(0, 0), rel_bias(2).to(device), rel_shift)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_registered_ops_opcheck_with_rel_bias(backend):
+    """Schema, fake and dispatch of the Triton ops given a rel_bias (the backward's fourth result
+    its gradient), padded and packed."""
+    A = pytest.importorskip("fastformer.triton_kernels.attention")
+    V = pytest.importorskip("fastformer.triton_kernels.attention_varlen")
+    device = device_for(backend)
+    q, k, v, dout = _qkv(1, 2, 5, 7, 16, device=device)
+    rel = torch.randn(2, 7, device=device)
+    fwd_args = (q, k, v, None, None, True, 0.5, 0.0, philox.pack(0, 0), rel, 3)
+    torch.library.opcheck(A.attention_fwd.op, fwd_args)
+    out, lse = A.attention_fwd(*fwd_args)
+    torch.library.opcheck(A.attention_bwd.op, (dout, q, k, v, out, lse, *fwd_args[3:]))
+    (q, k, v, dout), (cq, ck) = _packed([3, 4], [5, 2], 2, 16, torch.float32, device)
+    args = (q, k, v, cq, ck, 4, 5, False, 0.5, 0.0, philox.pack(0, 0), rel)
+    torch.library.opcheck(V.attention_varlen_fwd.op, args)
+    out, lse = V.attention_varlen_fwd(*args)
+    torch.library.opcheck(V.attention_varlen_bwd.op, (dout, q, k, v, out, lse, *args[3:]))
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_aot_specs_cover_the_bias_launches(backend):
+    """Every (dtype, BLOCK_D bucket, kernel, autotune config) a launch with a rel_bias can take has
+    an ahead-of-time spec of the "rel" class, padded and packed, with the bias's pointers typed."""
+    A = pytest.importorskip("fastformer.triton_kernels.attention")
+    V = pytest.importorskip("fastformer.triton_kernels.attention_varlen")
+    for module, prefix, varlen in ((A, "attention", False), (V, "attention_varlen", True)):
+        specs = {s["name"]: s for s in module.aot_specs()}
+        for dtype, ptr in A._PTR.items():
+            elt = torch.empty((), dtype=dtype).element_size()
+            for block_d in A.BLOCK_D_BUCKETS:
+                for kind in ("fwd", "dkdv", "dq"):
+                    for cfg in A._configs(kind, block_d, elt, True, varlen, True):
+                        name = (f"{prefix}_{kind}_{ptr[1:]}_d{block_d}_rel_m{cfg.kwargs['BLOCK_M']}"
+                                f"_n{cfg.kwargs['BLOCK_N']}_w{cfg.num_warps}_s{cfg.num_stages}")
+                        spec = specs[name]
+                        assert spec["constexprs"]["HAS_REL"] and spec["signature"]["RelBias"] == "*fp32"
+                        assert kind != "dkdv" or spec["signature"]["DRel"] == "*fp32"
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_triton_first_choice_tiles(backend, monkeypatch):
+    """The interpreter runs the kernels' first-choice GPU tiles of a launch with a bias (fp32 d128:
+    dK/dV's own 16 x 16 lead, _CONFIGS_REL; fwd / dQ 16 x 32), lengths ending mid-tile, R shorter
+    than the rows, a shift: the bias's gradient sized for and summed over those tiles."""
+    A = pytest.importorskip("fastformer.triton_kernels.attention")
+    if not A.INTERPRET:
+        pytest.skip("the interpreter alone runs a fixed config; a GPU autotunes")
+    monkeypatch.setattr(A, "INTERPRET_FIRST_CHOICE", True)
+    used = []
+    first = A._first_config
+    monkeypatch.setattr(A, "_first_config", lambda kind, *a: used.append((kind, *a)) or first(kind, *a))
+    Sq, Sk, D, R, shift = 21, 37, 100, 6, 2
+    q, k, v, dout = _qkv(1, 1, Sq, Sk, D, device=device_for(backend), seed=5)
+    rel = torch.randn(1, 2 * R + 1, generator=torch.Generator().manual_seed(6))
+    rng = philox.pack(0, 0)
+    out, lse = A.attention_fwd(q, k, v, None, None, True, 0.1, 0.0, rng, rel, shift)
+    dq, dk, dv, drel = A.attention_bwd(dout, q, k, v, out, lse, None, None, True, 0.1, 0.0, rng, rel, shift)
+    assert [u[0] for u in used] == ["fwd", "dkdv", "dq"] and all(u[-1] for u in used), used  # rel's configs
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, rel)]
+    bias = _dense_by_distance(leaves[3], Sq, Sk, Sk - Sq + shift)[None]
+    want = reference.attention(*leaves[:3], attn_mask=bias, is_causal=True, scale=0.1)
+    for name, g, w in zip(NAMES, (out, dq, dk, dv, drel), (want.detach(), *torch.autograd.grad(want, leaves, dout))):
+        assert_close(name, g, w, atol=1e-4, rtol=1e-4)

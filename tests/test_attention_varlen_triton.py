@@ -254,7 +254,7 @@ def test_torch_compile_traces_without_graph_break():
     cu_q, cu_k = _cu(lq), _cu(lk)
 
     def f(q, k, v):
-        return AttentionVarlenFunction.apply("q,k,v", cu_q, cu_k, 9, 9, True, 0.25, 0.0, V, q, k, v)
+        return AttentionVarlenFunction.apply("q,k,v", cu_q, cu_k, 9, 9, True, 0.25, 0.0, V, None, q, k, v)
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, fullgraph=True, backend=counter)

@@ -215,7 +215,7 @@ def test_attention_varlen_matches_python_function(kernels, fixed_draw, case, p, 
     scale = 0.9 / math.sqrt(D)
 
     def py(*xs):
-        return autograd.AttentionVarlenFunction.apply(layout, cu_q, cu_k, mq, mk, causal, scale, p, kernels, *xs)
+        return autograd.AttentionVarlenFunction.apply(layout, cu_q, cu_k, mq, mk, causal, scale, p, kernels, None, *xs)
 
     def cpp(*xs):
         return FF.attention_varlen(layout, cu_q, cu_k, mq, mk, causal, scale, p, philox.draw(p), *xs)

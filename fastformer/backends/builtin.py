@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _ext, op_table
-from .declaration import Backend, Device, Lacks, Limit, OpLibrary, PythonModules, Requirement, register
+from .declaration import Backend, Device, Limit, OpLibrary, PythonModules, Requirement, register
 
 CPP_MAX_HEAD_DIM = 256  # kMaxHeadDim in csrc/checks/attention.h, checked by the cpu and cuda kernels
 TRITON_PACKAGE = "fastformer.triton_kernels"
@@ -50,11 +50,6 @@ def _cpu_note() -> str:
 
 
 _CPP_HEAD_DIM = [Limit(op, "head_dim", "head dim", lambda: CPP_MAX_HEAD_DIM) for op in ("attention", "attention_varlen")]
-# what a backend's attention kernels cannot take yet (each backend's own list)
-_ATTENTION_OPS = ("attention", "attention_varlen")
-_NO_REL_BIAS_CPU = []  # the CPU kernels take a relative position bias
-_NO_REL_BIAS_TRITON = [Lacks(op, "relative_bias", "a relative position bias") for op in _ATTENTION_OPS]
-_NO_REL_BIAS_CUDA = []  # every forward takes it; the backward runs on the FMA kernels (the tensor-core one declines)
 _triton_modules = PythonModules(TRITON_PACKAGE, TRITON_MODULE_OF)
 
 REFERENCE = register(Backend("reference", anywhere=True))
@@ -62,7 +57,7 @@ CPU = register(Backend(
     "cpu",
     devices=[Device("cpu", (torch.float32, torch.float64, torch.bfloat16),
                     OpLibrary("fastformer", "CPU", "fastformer._C"), needs=(EXTENSION,))],
-    limits=_CPP_HEAD_DIM + _NO_REL_BIAS_CPU,
+    limits=_CPP_HEAD_DIM,
     note=_cpu_note))
 TRITON_BACKEND = register(Backend(
     "triton",
@@ -71,9 +66,9 @@ TRITON_BACKEND = register(Backend(
     limits=[Limit(op, "head_dim", "head dim", lambda: _triton_modules.module("attention").MAX_HEAD_DIM)
             for op in ("attention", "attention_varlen")] + [
             Limit("add_layer_norm", "hidden_size", "hidden size",
-                  lambda: _triton_modules.module("add_layer_norm").MAX_C)] + _NO_REL_BIAS_TRITON))
+                  lambda: _triton_modules.module("add_layer_norm").MAX_C)]))
 CUDA = register(Backend(
     "cuda",
     devices=[Device("cuda", GPU_DTYPES, OpLibrary("fastformer", "CUDA", "fastformer._C"),
                     needs=(CUDA_GPU, EXTENSION, CUDA_KERNELS))],
-    limits=_CPP_HEAD_DIM + _NO_REL_BIAS_CUDA))
+    limits=_CPP_HEAD_DIM))

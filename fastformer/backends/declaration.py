@@ -77,21 +77,6 @@ class Limit:
         return None
 
 
-@dataclass(frozen=True)
-class Lacks:
-    """A capability of an op's call that a backend's kernels do not have (yet), e.g. attention's
-    relative position bias: the op passes the fact as a flag (``relative_bias=True``) and the
-    backend declines such a call, saying so; the choice then falls to another backend."""
-    op: str
-    fact: str
-    noun: str
-
-    def exceeded(self, backend: str, facts: Mapping[str, int]) -> Optional[str]:
-        if facts.get(self.fact):
-            return f"the {backend} backend's kernels do not take {self.noun} yet"
-        return None
-
-
 class OpLibrary:
     """Kernels registered as torch ops ``torch.ops.<namespace>.<op>_fwd`` / ``_bwd`` for one dispatch key."""
 

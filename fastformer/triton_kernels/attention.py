@@ -10,6 +10,9 @@ kernels' ``KV_GROUP``; dK / dV are written per query head in fp32 and each group
 key ``j`` is hidden from query ``i`` when it is padded, when
 ``is_causal`` and ``j > i + Sk - Sq`` (bottom-right aligned), or when ``attn_mask`` is -inf.
 A query row with no visible key outputs 0, its lse is +inf and it gets zero gradient.
+A relative position bias by distance ``rel_bias`` (H, 2R + 1) (csrc/schemas.h; ``HAS_REL``) adds
+``rel_bias[h, clamp(j - i - (Sk - Sq) - rel_shift, -R, R) + R]`` to the scaled score; the
+backward returns its gradient, summed deterministically (attention_backward.py).
 Dropout is fastformer/philox.py's with rows of ``C = Sk``: element ``(b, h, i, j)`` takes its 16 bits
 from the Philox call on counter ``offset + ((b*H + h)*Sq + i) * ceil(Sk / 8) + j // 8``.
 
@@ -30,7 +33,7 @@ import triton.language as tl
 
 from . import attention_backward as kernels
 from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
-                              key_tile_scores, load_rows, program_sequence, stats_row, store_rows)
+                              key_tile_scores, load_rows, program_sequence, rel_row, stats_row, store_rows)
 from .matmul import input_precision
 from .registration import kernel, register_op
 from .utils import (INTERPRET, cdiv, dropout_threshold, first_config_only, load_philox, next_power_of_2,
@@ -46,15 +49,17 @@ MAX_HEAD_DIM = 256
 def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
                         k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
                         am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
-                        seed, rng_base, drop_cols, drop_threshold, drop_scale,
+                        seed, rng_base, drop_cols, drop_threshold, drop_scale, rel_base, R, pos0,
                         MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+                        HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """One key tile of the online softmax: returns the updated (acc, l_i, m_i). ``Sq``, ``Sk``: this
-    sequence's lengths; ``drop_cols``: the dropout rows' width (keep_tile's ``Sk``)."""
+    sequence's lengths; ``drop_cols``: the dropout rows' width (keep_tile's ``Sk``); ``rel_base``,
+    ``R``, ``pos0``: the relative position bias (masked_scores)."""
     k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
-                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, MASK_EDGE,
-                              EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, INPUT_PRECISION, LARGE_OFFSETS)
+                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
+                              pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,
+                              LARGE_OFFSETS)
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible so far
     alpha = tl.exp2(m_i - m_safe)
@@ -67,13 +72,14 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold", "rel_shift"])
 def _attention_fwd(
     Q,  # (B, H, Sq, D) queries, last dim contiguous; VARLEN: (total_q, H, D) packed sequences
     K,  # (B, H_kv, Sk, D) keys, last dim contiguous; VARLEN: (total_k, H_kv, D)
     V,  # (B, H_kv, Sk, D) values, last dim contiguous; VARLEN: (total_k, H_kv, D)
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
+    RelBias,  # (H, 2R + 1) fp32 contiguous relative position bias by distance (None without HAS_REL)
     CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
     CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
     Out,  # (B, H, Sq, D) output; VARLEN: (total_q, H, D)
@@ -108,6 +114,8 @@ def _attention_fwd(
     rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
     drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
+    R,  # the relative position bias's largest distance (0 without HAS_REL)
+    rel_shift,  # query i of a sequence is at position i + Lk - Lq + rel_shift (0 with VARLEN)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
     TUNE_SK,  # autotune key only: Sk bucket (power of two)
     BLOCK_M: tl.constexpr,  # queries per program
@@ -118,6 +126,7 @@ def _attention_fwd(
     HAS_MASK: tl.constexpr,  # an additive mask is given
     IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    HAS_REL: tl.constexpr,  # a relative position bias is given
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
@@ -138,6 +147,8 @@ def _attention_fwd(
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP)
+    rel_base = rel_row(RelBias, b64, h64, R)
+    pos0 = Lk - Lq + rel_shift
     qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -148,14 +159,14 @@ def _attention_fwd(
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
-            rng_base, Sk, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
-            HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
+            rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM, HAS_MASK,
+            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
-            rng_base, Sk, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL,
-            HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
+            rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM, HAS_MASK,
+            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
 
     empty = l_i == 0.0  # no visible key: output 0, lse +inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -229,6 +240,22 @@ _CONFIGS_VARLEN = {
     ("dkdv", 256, 4, True): [(16, 16, 8, 1)],
 }
 
+# A relative position bias (HAS_REL: a per-score gather, and dK/dV's diagonal sums and their
+# window) runs in the heavy class; where that class's first choice spills with it, its own lead
+# (kind, BLOCK_D, element size, varlen): padded, the fp32 dK/dV at d128 (16x16 with 8 warps spilled
+# on sm_90) and d256 (2 stages spilled with tf32 dots); packed, the fp16 / bf16 dK/dV at d32 (3
+# stages spilled on sm_80) and d128 (32x32 spilled on sm_90), the fp32 forward at d64 and dK/dV at
+# d128 (sm_90) and the fp32 dQ at d256 (4 warps spilled with tf32 dots on sm_90).
+_CONFIGS_REL = {
+    ("dkdv", 128, 4, False): [(16, 16, 4, 2)],
+    ("dkdv", 256, 4, False): [(16, 16, 8, 1)],
+    ("fwd", 64, 4, True): [(16, 32, 8, 2)],
+    ("dkdv", 32, 2, True): [(32, 64, 8, 2)],
+    ("dkdv", 128, 2, True): [(32, 16, 8, 2)],
+    ("dkdv", 128, 4, True): [(16, 16, 4, 2)],
+    ("dq", 256, 4, True): [(16, 16, 8, 2)],
+}
+
 
 def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: int, elt: int,
                    has_mask: bool) -> int:
@@ -249,11 +276,15 @@ def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: 
 
 
 @functools.lru_cache(maxsize=None)
-def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False) -> Tuple[triton.Config, ...]:
+def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False,
+             rel: bool = False) -> Tuple[triton.Config, ...]:
     """Autotune configs for one kernel, BLOCK_D bucket, element size, feature class (heavy =
-    dropout or an additive mask) and layout, pruned to fit sm_80's shared memory: a config that
-    would not fit loses pipeline stages first, and is dropped if even one stage is too much."""
-    if varlen and (kind, block_d, elt, heavy) in _CONFIGS_VARLEN:
+    dropout, an additive mask or a relative position bias; ``rel``: the last, see _CONFIGS_REL)
+    and layout, pruned to fit sm_80's shared memory: a config that would not fit loses pipeline
+    stages first, and is dropped if even one stage is too much."""
+    if rel and (kind, block_d, elt, varlen) in _CONFIGS_REL:
+        candidates = _CONFIGS_REL[kind, block_d, elt, varlen]
+    elif varlen and (kind, block_d, elt, heavy) in _CONFIGS_VARLEN:
         candidates = _CONFIGS_VARLEN[kind, block_d, elt, heavy]
     elif elt == 4:
         candidates = [_CONFIGS_FP32[kind][block_d]]
@@ -273,13 +304,16 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
 _TUNERS = {}
 
 
-def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False):
+def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False):
     """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
-    layout), keyed on the sequence-length buckets and the head dim."""
-    key = (kind, block_d, elt, heavy, varlen)
+    layout, bias or not), keyed on the sequence-length buckets and the head dim."""
+    key = (kind, block_d, elt, heavy, varlen, rel)
     if key not in _TUNERS:
-        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen)),
-                                       key=["TUNE_SQ", "TUNE_SK", "D"])(fn)
+        # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
+        # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
+        reset = ["DRel"] if rel and kind == "dkdv" else None
+        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel)),
+                                       key=["TUNE_SQ", "TUNE_SK", "D"], reset_to_zero=reset)(fn)
     return _TUNERS[key]
 
 
@@ -365,10 +399,27 @@ def _dropout_args(dropout_p: float):
 
 
 @functools.lru_cache(maxsize=None)
-def _first_config(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool) -> dict:
+def _first_config(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool, rel: bool = False) -> dict:
     """The launch keywords (tiles, warps, stages) of a kernel's first-choice config, built once."""
-    cfg = _configs(kind, block_d, elt, heavy, varlen)[0]
+    cfg = _configs(kind, block_d, elt, heavy, varlen, rel)[0]
     return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _heavy(meta: dict) -> bool:
+    """The feature class of a launch: dropout, an additive mask or a relative position bias (its
+    per-score gather, and dK/dV's diagonal sums) want the smaller "heavy" tiles."""
+    return bool(meta["HAS_MASK"] or meta["HAS_DROPOUT"] or meta.get("HAS_REL", False))
+
+
+def _rel_tiles(Sk: int, block_d: int, elt: int, meta: dict) -> int:
+    """Rows per head of the dK/dV kernel's rel_bias gradient scratch: its grid's key tiles under
+    the smallest BLOCK_N any config of the launch may take (the autotuner picks after allocation)."""
+    if INTERPRET and not INTERPRET_FIRST_CHOICE:
+        block_n = INTERPRET_BLOCKS["BLOCK_N"]
+    else:
+        block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _configs("dkdv", block_d, elt, _heavy(meta),
+                                                                  meta.get("VARLEN", False), True))
+    return cdiv(Sk, block_n)
 
 
 def _launch(kind, fn, grid_of, block_d, elt, args, meta):
@@ -379,13 +430,14 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
     if INTERPRET and not INTERPRET_FIRST_CHOICE:
         kernel(fn)[grid_of(INTERPRET_BLOCKS)](*args, **meta, **INTERPRET_BLOCKS)
     else:
-        heavy = meta["HAS_MASK"] or meta["HAS_DROPOUT"]
+        heavy = _heavy(meta)
         varlen = meta.get("VARLEN", False)
+        rel = meta.get("HAS_REL", False)
         if INTERPRET or first_config_only():  # the first (best-guess) config, no autotuning
-            launch = _first_config(kind, block_d, elt, heavy, varlen)
+            launch = _first_config(kind, block_d, elt, heavy, varlen, rel)
             kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
-            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen))[grid_of](*args, **meta)
+            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
@@ -432,19 +484,28 @@ def kv_group(layout: Layout, k: torch.Tensor) -> int:
 
 
 def _meta(q, layout: Layout, block_d: int, key_padding_mask, attn_mask, is_causal: bool, has_dropout: bool,
-          large: bool, group: int) -> dict:
+          large: bool, group: int, rel_bias: Optional[torch.Tensor]) -> dict:
     """The constexprs every attention kernel but the preprocess takes."""
     return dict(BLOCK_D=block_d, EVEN_D=layout.D == block_d, HAS_KPM=key_padding_mask is not None,
                 HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal), HAS_DROPOUT=has_dropout,
-                INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large, VARLEN=layout.varlen,
-                KV_GROUP=group)
+                HAS_REL=rel_bias is not None, INPUT_PRECISION=input_precision(q.dtype), LARGE_OFFSETS=large,
+                VARLEN=layout.varlen, KV_GROUP=group)
+
+
+def _rel_args(rel_bias: Optional[torch.Tensor], rel_shift: int) -> Tuple[Optional[torch.Tensor], int, int]:
+    """(RelBias, R, rel_shift) of the kernels: a checked (H, 2R + 1) bias or None (and zeros)."""
+    if rel_bias is None:
+        return None, 0, 0
+    return rel_bias, (rel_bias.shape[1] - 1) // 2, rel_shift
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
             key_padding_mask: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], is_causal: bool,
-            scale: float, dropout_p: float, philox: torch.Tensor, op: str) -> Tuple[torch.Tensor, torch.Tensor]:
+            scale: float, dropout_p: float, philox: torch.Tensor, op: str, rel_bias: Optional[torch.Tensor] = None,
+            rel_shift: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Checked inputs in ``layout`` -> out (q's shape, contiguous) and lse (``layout.lse_shape()``);
-    ``philox`` the op's (``op`` names it in errors), see utils.philox_args."""
+    ``philox`` the op's (``op`` names it in errors), see utils.philox_args; ``rel_bias`` a checked
+    (H, 2R + 1) relative position bias or None, ``rel_shift`` its queries' shift."""
     B, H, Sq, Sk, D = layout.B, layout.H, layout.Sq, layout.Sk, layout.D
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
@@ -456,11 +517,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     rng = philox_args(philox, q.device, op, has_dropout)
     block_d = _block_d(D)
     qs, ks, vs, outs = (layout.strides(t) for t in (q, k, v, out))
-    args = (q, k, v, kpm, am, layout.cu_q, layout.cu_k, out, lse, *qs, *ks, *vs, *outs,
+    rel, R, rel_shift = _rel_args(rel_bias, rel_shift)
+    args = (q, k, v, kpm, am, rel, layout.cu_q, layout.cu_k, out, lse, *qs, *ks, *vs, *outs,
             *kpm_strides, *am_strides, H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng,
-            threshold, drop_scale, _tune_bucket(Sq), _tune_bucket(Sk))
+            threshold, drop_scale, R, rel_shift, _tune_bucket(Sq), _tune_bucket(Sk))
     large = _large_offsets(Sq, Sk, (qs[2], outs[2]), (ks[2], vs[2]), am_strides, kpm_strides)
-    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, kv_group(layout, k))
+    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, kv_group(layout, k),
+                 rel_bias)
     _launch("fwd", _attention_fwd, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
             q.element_size(), args, meta)
     return out, lse
@@ -469,8 +532,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, layout: Layout, key_padding_mask: Optional[torch.Tensor],
              attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, dropout_p: float,
-             philox: torch.Tensor, op: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked inputs in ``layout`` -> dq, dk, dv laid out like ``empty_like(q / k / v)``."""
+             philox: torch.Tensor, op: str, rel_bias: Optional[torch.Tensor] = None,
+             rel_shift: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked inputs in ``layout`` -> dq, dk, dv laid out like ``empty_like(q / k / v)``, and
+    rel_bias's gradient (rel_bias_grad's empty tensor without one)."""
     has_dropout, threshold, drop_scale = _dropout_args(dropout_p)
     rng = philox_args(philox, q.device, op, has_dropout)
     B, H, Sq, Sk, D = layout.B, layout.H, layout.Sq, layout.Sk, layout.D
@@ -480,10 +545,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dq, dk_out = _grad_like(q), _grad_like(k)
     dv_out = _grad_like(v)
     group = kv_group(layout, k)
+    drel = rel_bias_grad(q, rel_bias)  # zeros, the gradient where no kernel runs
     if B * H == 0 or D == 0:
-        return dq, dk_out, dv_out
+        return dq, dk_out, dv_out, drel
     if Sq == 0 or layout.total_q == 0:  # no query: every key gets zero gradient
-        return dq, dk_out.zero_(), dv_out.zero_()
+        return dq, dk_out.zero_(), dv_out.zero_(), drel
     if group > 1:
         # grouped-query: dK / dV per query head in fp32, each group summed after (FlashAttention-2's
         # way: deterministic, no atomics)
@@ -506,17 +572,25 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out, dout, delta, *outs, *dos, H, pre_rows, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=D == block_d,
         LARGE_OFFSETS=pre_large)
 
-    common = (q, k, v, dout, lse, delta, kpm, am, layout.cu_q, layout.cu_k)
+    rel, R, rel_shift = _rel_args(rel_bias, rel_shift)
+    common = (q, k, v, dout, lse, delta, kpm, am, rel, layout.cu_q, layout.cu_k)
     strides = (*qs, *ks, *vs, *dos, *kpm_strides, *am_strides)
-    scalars = (H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng, threshold, drop_scale,
-               _tune_bucket(Sq), _tune_bucket(Sk))
-    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, group)
+    scalars = (H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng, threshold, drop_scale, R, rel_shift)
+    buckets = (_tune_bucket(Sq), _tune_bucket(Sk))
+    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, group, rel_bias)
     elt = q.element_size()
     if Sk > 0:
+        # rel_bias's gradient: each dK/dV program's own row of sums by distance, summed here in a
+        # fixed order (no atomics: the same bits every run)
+        rel_tiles = _rel_tiles(Sk, block_d, elt, meta) if rel is not None else 0
+        drel_rows = (torch.zeros((B, H, rel_tiles, 2 * R + 1), dtype=torch.float32, device=q.device)
+                     if rel is not None else None)
         _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (cdiv(Sk, META["BLOCK_N"]), H, B),
-                block_d, elt, (*common, dk, dv, *strides, *dks, *scalars), meta)
+                block_d, elt, (*common, dk, dv, drel_rows, *strides, *dks, *scalars, rel_tiles, *buckets), meta)
+        if rel is not None:
+            drel = drel_rows.sum(dim=(0, 2))
     _launch("dq", kernels._attention_bwd_dq, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B),
-            block_d, elt, (*common, dq, *strides, *dqs, *scalars), meta)
+            block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta)
     if group > 1:
         groups = (*k.shape[:1], k.shape[1], group, *k.shape[2:])  # (.., H_kv, G, ..)
         if Sk > 0:
@@ -524,18 +598,36 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             dv_out.copy_(dv.view(groups).sum(2))
     elif dv is not dv_out:
         dv_out.copy_(dv)
-    return dq, dk_out, dv_out
+    return dq, dk_out, dv_out, drel
 
 
-def _check_rel_bias(op: str, q: torch.Tensor, rel_bias: Optional[torch.Tensor]) -> None:
-    """rel_bias (csrc/schemas.h): not taken by these kernels yet (the backend declares so)."""
-    if rel_bias is not None:
-        raise ValueError(f"{op}: rel_bias is not supported by the Triton kernels yet")
+MAX_REL_SHIFT = 1 << 30  # csrc/checks/attention.h's bound: positions stay far from int32 overflow
+
+
+def check_rel_bias(op: str, q: torch.Tensor, rel_bias: Optional[torch.Tensor], H: int, rel_shift: int = 0) -> None:
+    """rel_bias and rel_shift (csrc/schemas.h), as csrc/checks/attention.h's check_rel_bias: an
+    (H, 2R + 1) fp32 contiguous tensor on q's device (the kernels' only stat dtype), or None."""
+    if not -MAX_REL_SHIFT <= rel_shift <= MAX_REL_SHIFT:
+        raise ValueError(f"{op}: rel_shift must be in [-2^30, 2^30], got {rel_shift}")
+    if rel_bias is None:
+        return
+    if rel_bias.device != q.device:
+        raise ValueError(f"{op}: rel_bias is on {rel_bias.device} but q is on {q.device}")
+    if rel_bias.dtype != torch.float32:
+        raise TypeError(f"{op}: rel_bias must be float32, got {rel_bias.dtype}")
+    if rel_bias.dim() != 2 or rel_bias.shape[0] != H or rel_bias.shape[1] % 2 != 1 or rel_bias.shape[1] > MAX_REL_SHIFT:
+        raise ValueError(f"{op}: rel_bias must have shape (H, 2R + 1) = ({H}, an odd size), got "
+                         f"{tuple(rel_bias.shape)}")
+    if not rel_bias.is_contiguous():
+        raise ValueError(f"{op}: rel_bias must be contiguous, got strides {rel_bias.stride()}")
 
 
 def rel_bias_grad(q: torch.Tensor, rel_bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The backward's fourth result without a rel_bias: an empty (0,) fp32 tensor."""
-    return torch.empty(0, dtype=torch.float32, device=q.device)
+    """The backward's fourth result: (H, 2R + 1) fp32 zeros for a rel_bias (the gradient where
+    no kernel runs), an empty (0,) fp32 tensor without one."""
+    if rel_bias is None:
+        return torch.empty(0, dtype=torch.float32, device=q.device)
+    return torch.zeros(rel_bias.shape, dtype=torch.float32, device=q.device)
 
 
 @on_device_of_first_tensor
@@ -545,9 +637,9 @@ def _attention_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         philox: torch.Tensor, rel_bias: Optional[torch.Tensor] = None,
                         rel_shift: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
-    _check_rel_bias("attention_fwd", q, rel_bias)
+    check_rel_bias("attention_fwd", q, rel_bias, q.shape[1], rel_shift)
     return forward(q, k, v, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale, dropout_p, philox,
-                   "attention_fwd")
+                   "attention_fwd", rel_bias, rel_shift)
 
 
 @on_device_of_first_tensor
@@ -557,7 +649,7 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         dropout_p: float, philox: torch.Tensor, rel_bias: Optional[torch.Tensor] = None,
                         rel_shift: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, v, key_padding_mask, attn_mask)
-    _check_rel_bias("attention_bwd", q, rel_bias)
+    check_rel_bias("attention_bwd", q, rel_bias, q.shape[1], rel_shift)
     B, H, Sq, D = q.shape
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (B, H, Sq):
         raise ValueError(f"attention_bwd: dout and out must have q's shape {tuple(q.shape)} and lse "
@@ -566,8 +658,8 @@ def _attention_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         raise ValueError("attention_bwd: dout and out must have a contiguous last dimension")
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("attention_bwd: lse must be a contiguous fp32 (B, H, Sq) tensor")
-    return (*backward(dout, q, k, v, out, lse, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale,
-                      dropout_p, philox, "attention_bwd"), rel_bias_grad(q, rel_bias))
+    return backward(dout, q, k, v, out, lse, padded_layout(q, k), key_padding_mask, attn_mask, is_causal, scale,
+                    dropout_p, philox, "attention_bwd", rel_bias, rel_shift)
 
 
 # q, k, v (B, H, S, D) -> out (B, H, Sq, D), lse (B, H, Sq) fp32
@@ -630,11 +722,12 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                                     KV_GROUP=1,
                                     **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
-                        for cfg in _configs(kind, block_d, elt, heavy, varlen):
+                        for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"]):
                             bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
                             name = (f"{prefix}_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}_d{block_d}"
                                     f"_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}")
-                            specs.append(_spec(name, fn, types, {**features, **cfg.kwargs}, cfg.num_warps,
+                            constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel: dK/dV's
+                            specs.append(_spec(name, fn, types, {**constexprs, **cfg.kwargs}, cfg.num_warps,
                                                cfg.num_stages))
     return specs
 
@@ -650,6 +743,8 @@ def _absent_pointers(features: dict) -> dict:
         absent.update(CuSeqlensQ=None, CuSeqlensK=None)
     if not features["HAS_DROPOUT"]:
         absent["Philox"] = None
+    if not features["HAS_REL"]:
+        absent.update(RelBias=None, DRel=None)
     return absent
 
 
@@ -657,17 +752,23 @@ def _types(ptr: str) -> dict:
     types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
     types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32", "KPM": "*u8",
                   "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
-                  "Philox": "*i64"})
+                  "Philox": "*i64", "RelBias": "*fp32", "DRel": "*fp32"})
     return types
 
 
 def aot_specs() -> List[dict]:
     """One spec per kernel specialisation the padded op's host code launches on a GPU (see
-    kernel_specs): "light" = padding mask + causal, "heavy" = those + additive mask + dropout.
-    The preprocess kernel (the varlen op's too) runs at its one fixed block."""
+    kernel_specs): "light" = padding mask + causal, "heavy" = those + additive mask + dropout,
+    "rel" = padding mask + causal + dropout + relative position bias (T5's call; with an additive
+    mask too, the largest fp32 tiles may spill a few bytes). The preprocess kernel (the varlen
+    op's too) runs at its one fixed block."""
     specs = kernel_specs("attention", {
-        "light": (False, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, VARLEN=False)),
-        "heavy": (True, dict(HAS_KPM=True, HAS_MASK=True, IS_CAUSAL=True, HAS_DROPOUT=True, VARLEN=False))})
+        "light": (False, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
+                              VARLEN=False)),
+        "heavy": (True, dict(HAS_KPM=True, HAS_MASK=True, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
+                             VARLEN=False)),
+        "rel": (True, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
+                           VARLEN=False))})
     for ptr in _PTR.values():
         for block_d in BLOCK_D_BUCKETS:
             specs.append(_spec(f"attention_bwd_preprocess_{ptr[1:]}_d{block_d}", kernels._attention_bwd_preprocess,

@@ -9,8 +9,17 @@ With P = softmax(S) recomputed from the saved lse, Z the dropout keep-mask scale
     dK = scale * dS^T Q                         (_attention_bwd_dkdv, one program per key tile)
     dQ = scale * dS K                           (_attention_bwd_dq,   one program per query tile)
 
-The masks (padding, bottom-right causal, additive, dropout) are regenerated exactly as the
-forward made them; rows with lse = +inf (nothing visible) get P = 0, hence zero gradients.
+The masks (padding, bottom-right causal, additive, dropout) and the relative position bias are
+regenerated exactly as the forward made them; rows with lse = +inf (nothing visible) get P = 0,
+hence zero gradients.
+
+The bias's gradient (HAS_REL) is the sum of dS over each distance, clamped to [-R, R]. Each dK/dV
+program (one key tile, its query tiles in order) sums it privately, without atomics: a query
+tile's dS turns into its diagonal sums (one tl.gather), held in a register window of REL_W
+distances that only moves down as the query tiles advance (_rel_grad_tile); a distance leaving
+the window is final and stored once to the program's own row of an fp32 scratch
+(B, H, key tiles, 2R + 1), the clamped ones summed into the two end bins. The host sums the rows
+in a fixed order (attention.backward): the same bits every run.
 With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
 preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
 """
@@ -18,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
-                              key_tile_scores, load_rows, mask_bases, masked_scores, program_sequence, stats_row,
-                              store_rows)
+                              key_tile_scores, load_rows, mask_bases, masked_scores, program_sequence, rel_row,
+                              stats_row, store_rows)
 from .utils import load_philox
 
 
@@ -68,20 +77,22 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
                              q_base, stride_qm, do_base, stride_dom, lse_row, delta_row,
                              kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n,
                              Sq, Sk, D, qk_scale, seed, rng_base, drop_cols, drop_threshold, drop_scale,
+                             rel_base, R, pos0,
                              MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                              HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                             HAS_DROPOUT: tl.constexpr,
+                             HAS_DROPOUT: tl.constexpr, HAS_REL: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one query tile's contribution to this key tile's dK and dV (``Sq``, ``Sk``: this
-    sequence's lengths; ``drop_cols``: the dropout rows' width)."""
+    sequence's lengths; ``drop_cols``: the dropout rows' width); also returns the tile's dS^T
+    (BN, BM), which the relative position bias's gradient reads (unused, it folds away)."""
     qm = start_m + offs_m
     q = load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     do = load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     lse2, delta = _load_row_stats(lse_row, delta_row, qm, Sq)  # (BM,)
     qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     s_t = masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
-                         stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                         IS_CAUSAL, LARGE_OFFSETS)
+                         stride_am_m, stride_am_n, Sq, Sk, qk_scale, rel_base, R, pos0, MASK_EDGE, HAS_KPM,
+                         HAS_MASK, IS_CAUSAL, HAS_REL, LARGE_OFFSETS)
     p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
     dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     if HAS_DROPOUT:
@@ -93,10 +104,50 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
         dv = dot(cast(p_t, do.dtype), do, dv, INPUT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
     dk = dot(cast(ds_t, q.dtype), q, dk, INPUT_PRECISION)
-    return dk, dv
+    return dk, dv, ds_t
 
 
-@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+@triton.jit
+def _rel_flush(acc, win, below, drel_row, R, lo, hi, REL_W: tl.constexpr):
+    """Store the distances of the window ``acc`` (slot u holds the distance d = u mod REL_W in
+    [win, win + REL_W)) that the window starting at ``below`` no longer holds (d >= below + REL_W):
+    each to its bin d + R of ``drel_row``, those at or past a clamp added to ``lo`` / ``hi``
+    instead (the end bins, stored once at the end). Returns (acc with those slots zeroed, lo, hi)."""
+    d = win + ((tl.arange(0, REL_W) - win) & (REL_W - 1))
+    out = d >= below + REL_W
+    tl.store(drel_row + d + R, acc, mask=out & (d > -R) & (d < R))
+    lo += tl.sum(tl.where(out & (d <= -R), acc, 0.0), 0)
+    hi += tl.sum(tl.where(out & (d >= R) & (d > -R), acc, 0.0), 0)  # R == 0: d = 0 is lo's
+    return tl.where(out, 0.0, acc), lo, hi
+
+
+@triton.jit
+def _rel_grad_tile(acc, win, lo, hi, ds_t, drel_row, start_m, start_n, offs_n, Sk, R, pos0,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REL_W: tl.constexpr):
+    """Add one (BN, BM) dS^T tile (keys ``offs_n``, queries from ``start_m``) to the relative
+    position bias's gradient by distance d = j - i - pos0: tiles wholly past a clamp add their
+    sum to ``lo`` / ``hi``; the others move the window down to the tile's smallest distance
+    (flushing what leaves it, _rel_flush) and add their diagonal sums, one per distance, at the
+    slots d mod REL_W. Returns the new (acc, win, lo, hi)."""
+    ds_t = tl.where(offs_n[:, None] < Sk, ds_t, 0.0)  # keys past Sk: never stored, their dS unmasked
+    d0 = start_n - (start_m + BLOCK_M - 1) - pos0  # the tile's smallest distance
+    if d0 >= R:
+        hi += tl.sum(tl.sum(ds_t, 1), 0)
+    elif d0 + BLOCK_M + BLOCK_N - 2 <= -R:
+        lo += tl.sum(tl.sum(ds_t, 1), 0)
+    else:
+        acc, lo, hi = _rel_flush(acc, win, d0, drel_row, R, lo, hi, REL_W)
+        win = d0
+        # slot u gets distance d0 + w: query i's key on that diagonal is j = w + i - (BM - 1)
+        w = (tl.arange(0, REL_W) - d0) & (REL_W - 1)
+        j = w[:, None] + tl.arange(0, BLOCK_M)[None, :] - (BLOCK_M - 1)  # (REL_W, BM)
+        on = (j >= 0) & (j < BLOCK_N)
+        diag = tl.gather(ds_t, tl.minimum(tl.maximum(j, 0), BLOCK_N - 1), 0)  # diag[u, i] = dS^T[j, i]
+        acc += tl.sum(tl.where(on, diag, 0.0), 1)
+    return acc, win, lo, hi
+
+
+@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold", "rel_shift"])
 def _attention_bwd_dkdv(
     Q,  # (B, H, Sq, D) queries; VARLEN: (total_q, H, D) packed sequences
     K,  # (B, H, Sk, D) keys; VARLEN: (total_k, H, D)
@@ -106,10 +157,12 @@ def _attention_bwd_dkdv(
     Delta,  # fp32 rowsum(dO * O), laid out as Lse
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
+    RelBias,  # (H, 2R + 1) fp32 contiguous relative position bias by distance (None without HAS_REL)
     CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
     CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
     DK,  # (B, H, Sk, D) gradient of k per query head; VARLEN: (total_k, H, D) (a group's summed after)
     DV,  # (B, H, Sk, D) gradient of v per query head; VARLEN: (total_k, H, D)
+    DRel,  # (B, H, rel_tiles, 2R + 1) fp32 zeros: each program's gradient of RelBias (None without HAS_REL)
     stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
     stride_qm,  # q row stride
@@ -143,6 +196,9 @@ def _attention_bwd_dkdv(
     rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
     drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
+    R,  # the relative position bias's largest distance (0 without HAS_REL)
+    rel_shift,  # query i of a sequence is at position i + Lk - Lq + rel_shift (0 with VARLEN)
+    rel_tiles,  # DRel's rows per head (>= the key tiles of the grid)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
     TUNE_SK,  # autotune key only: Sk bucket (power of two)
     BLOCK_M: tl.constexpr,  # queries per loop step
@@ -153,6 +209,7 @@ def _attention_bwd_dkdv(
     HAS_MASK: tl.constexpr,  # an additive mask is given
     IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    HAS_REL: tl.constexpr,  # a relative position bias is given
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
@@ -179,30 +236,55 @@ def _attention_bwd_dkdv(
     seed, rng_offset = load_philox(Philox, seed, rng_offset)
     kpm_base, am_base, rng_base = mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b,
                                              stride_am_b, stride_am_h)
+    rel_base = rel_row(RelBias, b64, h64, R)
+    pos0 = Lk - Lq + rel_shift
     qk_scale = scale * LOG2E
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if HAS_REL:
+        # the window holds every distance of a tile (BM + BN - 1), a power of two
+        REL_W: tl.constexpr = 2 * BLOCK_M if BLOCK_M > BLOCK_N else 2 * BLOCK_N
+        drel_row = DRel + ((b64 * H + h) * rel_tiles + start_n // BLOCK_N) * (2 * R + 1)
+        rel_acc = tl.zeros([REL_W], dtype=tl.float32)
+        rel_win = start_n - (BLOCK_M - 1) - pos0  # no tile's distances start above it: the window only descends
+        rel_lo = tl.zeros([], dtype=tl.float32)  # dS at distances <= -R
+        rel_hi = tl.zeros([], dtype=tl.float32)  # dS at distances >= R (> -R)
     if IS_CAUSAL:
         # query i sees key j iff i >= j - (Lk - Lq): earlier query tiles are skipped whole, and
         # from full_lo on every query of a tile sees every key of this tile
         lo = tl.maximum(start_n + Lq - Lk, 0) // BLOCK_M * BLOCK_M
         full_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N - 1 + Lq - Lk, BLOCK_M) * BLOCK_M, lo)
         for start_m in range(lo, tl.minimum(full_lo, Lq), BLOCK_M):
-            dk, dv = _attention_bwd_dkdv_tile(
+            dk, dv, ds_t = _attention_bwd_dkdv_tile(
                 dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
                 lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
-                qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK,
-                IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
+                qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM,
+                HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+            if HAS_REL:
+                rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
+                    rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
+                    BLOCK_M, BLOCK_N, REL_W)
     else:
         full_lo = 0
     # query rows past Lq have lse = +inf (P = 0) and keys past Lk are never stored: no edge mask
     for start_m in range(full_lo, Lq, BLOCK_M):
-        dk, dv = _attention_bwd_dkdv_tile(
+        dk, dv, ds_t = _attention_bwd_dkdv_tile(
             dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
             lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
-            qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK,
-            IS_CAUSAL, HAS_DROPOUT, INPUT_PRECISION, LARGE_OFFSETS)
+            qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM,
+            HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+        if HAS_REL:
+            rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
+                rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
+                BLOCK_M, BLOCK_N, REL_W)
+    if HAS_REL:  # what the window still holds, then the two end bins
+        rel_acc, rel_lo, rel_hi = _rel_flush(rel_acc, rel_win, rel_win - REL_W, drel_row, R, rel_lo, rel_hi, REL_W)
+        if R == 0:
+            tl.store(drel_row, rel_lo + rel_hi)
+        else:
+            tl.store(drel_row, rel_lo)
+            tl.store(drel_row + 2 * R, rel_hi)
 
     dk = dk * scale
     store_rows(head_base(DK, b64, h64, stride_dkb, stride_dkh, k0, stride_dkn), cast(dk, DK.dtype.element_ty),
@@ -215,15 +297,16 @@ def _attention_bwd_dkdv(
 def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d,
                            k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
                            am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
-                           seed, rng_base, drop_cols, drop_threshold, drop_scale,
+                           seed, rng_base, drop_cols, drop_threshold, drop_scale, rel_base, R, pos0,
                            MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                            HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+                           HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one key tile's contribution to this query tile's dQ (``Sq``, ``Sk``: this
     sequence's lengths; ``drop_cols``: the dropout rows' width)."""
     k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
-                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, MASK_EDGE,
-                              EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, INPUT_PRECISION, LARGE_OFFSETS)
+                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
+                              pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,
+                              LARGE_OFFSETS)
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     if HAS_DROPOUT:
@@ -233,7 +316,7 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
     return dot(cast(ds, k.dtype), k, dq, INPUT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold", "rel_shift"])
 def _attention_bwd_dq(
     Q,  # (B, H, Sq, D) queries; VARLEN: (total_q, H, D) packed sequences
     K,  # (B, H, Sk, D) keys; VARLEN: (total_k, H, D)
@@ -243,6 +326,7 @@ def _attention_bwd_dq(
     Delta,  # fp32 rowsum(dO * O), laid out as Lse
     KPM,  # (B, Sk) u8 key padding mask, nonzero = padded (None without HAS_KPM)
     AM,  # fp32 additive mask viewed as (B, H, Sq, Sk) (None without HAS_MASK)
+    RelBias,  # (H, 2R + 1) fp32 contiguous relative position bias by distance (None without HAS_REL)
     CuSeqlensQ,  # VARLEN: (B + 1,) int32 first query row of each sequence (None otherwise)
     CuSeqlensK,  # VARLEN: (B + 1,) int32 first key row of each sequence (None otherwise)
     DQ,  # (B, H, Sq, D) gradient of q; VARLEN: (total_q, H, D)
@@ -279,6 +363,8 @@ def _attention_bwd_dq(
     rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
     drop_threshold,  # i32 round(dropout_p * 2**16)
     drop_scale,  # fp32 1 / (1 - dropout_p)
+    R,  # the relative position bias's largest distance (0 without HAS_REL)
+    rel_shift,  # query i of a sequence is at position i + Lk - Lq + rel_shift (0 with VARLEN)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
     TUNE_SK,  # autotune key only: Sk bucket (power of two)
     BLOCK_M: tl.constexpr,  # queries per program
@@ -289,6 +375,7 @@ def _attention_bwd_dq(
     HAS_MASK: tl.constexpr,  # an additive mask is given
     IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
     HAS_DROPOUT: tl.constexpr,  # dropout_p > 0
+    HAS_REL: tl.constexpr,  # a relative position bias is given
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision of fp32 operands: "ieee" | "tf32"
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
@@ -313,6 +400,8 @@ def _attention_bwd_dq(
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP)
+    rel_base = rel_row(RelBias, b64, h64, R)
+    pos0 = Lk - Lq + rel_shift
     qk_scale = scale * LOG2E
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -321,14 +410,14 @@ def _attention_bwd_dq(
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
-            rng_base, Sk, drop_threshold, drop_scale, False, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
-            INPUT_PRECISION, LARGE_OFFSETS)
+            rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM, HAS_MASK,
+            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
-            rng_base, Sk, drop_threshold, drop_scale, True, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_DROPOUT,
-            INPUT_PRECISION, LARGE_OFFSETS)
+            rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM, HAS_MASK,
+            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
 
     dq = dq * scale
     store_rows(head_base(DQ, b64, h64, stride_dqb, stride_dqh, q0, stride_dqm), cast(dq, DQ.dtype.element_ty),

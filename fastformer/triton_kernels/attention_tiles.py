@@ -4,6 +4,11 @@ bottom-right causal, additive) to a score tile, regenerate the dropout keep-mask
 key range and set up a program's sequence and head pointers through these, so the three kernels
 see one definition of the masks and the dropout stream, for the padded (B, H, S, D) layout and
 the packed varlen one alike. Scores live in log2 units (``s * log2(e)``).
+
+A relative position bias by distance (``HAS_REL``, csrc/schemas.h's ``rel_bias``: ``(H, 2R + 1)``
+fp32) is added in masked_scores: query i (at position ``i + pos0``, ``pos0 = Lk - Lq + rel_shift``)
+and key j read ``rel_bias[h, clamp(j - i - pos0, -R, R) + R]`` from the head's row (rel_row), a
+gather from a small vector that stays in cache; no (Sq, Sk) bias exists.
 """
 import triton
 import triton.language as tl
@@ -89,13 +94,21 @@ def masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed (
                    Sq,  # number of queries
                    Sk,  # number of keys
                    qk_scale,  # scale * log2(e)
+                   rel_base,  # rel_bias row of this head (fp32, 2R + 1 values; see rel_row)
+                   R,  # the bias's largest distance
+                   pos0,  # query i's position is i + pos0 (Lk - Lq + rel_shift)
                    MASK_EDGE: tl.constexpr,  # apply the causal and key-bound masks (edge tiles)
                    HAS_KPM: tl.constexpr,  # apply the key padding mask
                    HAS_MASK: tl.constexpr,  # add the additive mask
                    IS_CAUSAL: tl.constexpr,  # bottom-right causal masking
+                   HAS_REL: tl.constexpr,  # add the relative position bias
                    LARGE_OFFSETS: tl.constexpr):  # int64 mask offsets (the mask passes 2**31)
-    """Scores in log2 units with every mask applied: -inf where key ``kj`` is hidden from ``qi``."""
+    """Scores in log2 units with the bias added and every mask applied: -inf where key ``kj`` is
+    hidden from ``qi``."""
     s = qk * qk_scale
+    if HAS_REL:  # the clamp keeps every index in [0, 2R], also for rows and columns past Sq / Sk
+        rel = tl.minimum(tl.maximum(kj - qi - pos0, -R), R) + R
+        s = s + tl.load(rel_base + rel) * LOG2E
     if HAS_MASK:
         # -inf hides the key whatever its score (also a NaN score: NaN + -inf would stay NaN); tile
         # rows and columns past Sq / Sk read -inf, so a NaN key never leaks into a padding row's P
@@ -222,6 +235,16 @@ def mask_bases(KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, stride_kpm_b, stride
 
 
 @triton.jit
+def rel_row(RelBias, b64, h64, R):
+    """The relative position bias of query head h: row h of the (H, 2R + 1) ``RelBias``; ``b64``
+    in its place without one (launched as None, never read: HAS_REL is off), as mask_bases."""
+    rel_base = b64
+    if RelBias is not None:
+        rel_base = RelBias + h64 * (2 * R + 1)
+    return rel_base
+
+
+@triton.jit
 def key_bases(K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP: tl.constexpr):
     """The key side of query head (b, h), which every kernel reads: (k rows, v rows, key padding
@@ -236,9 +259,10 @@ def key_bases(K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, 
 
 @triton.jit
 def key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
-                    stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, MASK_EDGE: tl.constexpr,
-                    EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+                    stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R, pos0,
+                    MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr, HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                    LARGE_OFFSETS: tl.constexpr):
     """Key tile ``start_n`` of a query tile ``q`` (BM, BD), the head of the forward's and dQ's
     loop steps: its keys and values (BN, BD) and the masked scores (BM, BN) in log2 units."""
     kn = start_n + offs_n
@@ -246,6 +270,6 @@ def key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_bas
     v = load_rows(v_base, kn, stride_vn, offs_d, Sk, D, EVEN_D, LARGE_OFFSETS)  # (BN, BD)
     qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     s = masked_scores(qk, offs_m[:, None], kn[None, :], kpm_base, stride_kpm_n, am_base,
-                      stride_am_m, stride_am_n, Sq, Sk, qk_scale, MASK_EDGE, HAS_KPM, HAS_MASK,
-                      IS_CAUSAL, LARGE_OFFSETS)
+                      stride_am_m, stride_am_n, Sq, Sk, qk_scale, rel_base, R, pos0, MASK_EDGE, HAS_KPM,
+                      HAS_MASK, IS_CAUSAL, HAS_REL, LARGE_OFFSETS)
     return k, v, s

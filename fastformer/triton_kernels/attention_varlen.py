@@ -75,8 +75,9 @@ def _attention_varlen_fwd_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float, dropout_p: float, philox: torch.Tensor,
                                rel_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     layout = _check_inputs("attention_varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    attention._check_rel_bias("attention_varlen_fwd", q, rel_bias)
-    return attention.forward(q, k, v, layout, None, None, is_causal, scale, dropout_p, philox, "attention_varlen_fwd")
+    attention.check_rel_bias("attention_varlen_fwd", q, rel_bias, layout.H)
+    return attention.forward(q, k, v, layout, None, None, is_causal, scale, dropout_p, philox, "attention_varlen_fwd",
+                             rel_bias)
 
 
 @on_device_of_first_tensor
@@ -88,7 +89,7 @@ def _attention_varlen_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "attention_varlen_bwd"
     layout = _check_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    attention._check_rel_bias(op, q, rel_bias)
+    attention.check_rel_bias(op, q, rel_bias, layout.H)
     if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != layout.lse_shape():
         raise ValueError(f"{op}: dout and out must have q's shape {tuple(q.shape)} and lse (H, total_q) = "
                          f"{layout.lse_shape()}; got {tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
@@ -98,8 +99,8 @@ def _attention_varlen_bwd_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
     _check_last_dim(op, "out", out)
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be a contiguous fp32 (H, total_q) tensor")
-    return (*attention.backward(dout, q, k, v, out, lse, layout, None, None, is_causal, scale, dropout_p, philox, op),
-            attention.rel_bias_grad(q, rel_bias))
+    return attention.backward(dout, q, k, v, out, lse, layout, None, None, is_causal, scale, dropout_p, philox, op,
+                              rel_bias)
 
 
 # q (total_q, H, D), k / v (total_k, H, D) -> out (total_q, H, D), lse (H, total_q) fp32
@@ -111,8 +112,13 @@ attention_varlen_bwd = register_op("attention_varlen_bwd", _attention_varlen_bwd
 def aot_specs() -> List[dict]:
     """The padded op's forward, dK/dV and dQ kernels with VARLEN, one spec per specialisation the
     host launches (attention.kernel_specs): "light" = causal, "heavy" = causal + dropout (no masks
-    exist here). The delta preprocess is attention.py's own spec."""
+    exist here), "rel" = those + a relative position bias. The delta preprocess is attention.py's
+    own spec."""
     return attention.kernel_specs("attention_varlen", {
-        "light": (False, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, VARLEN=True)),
-        "heavy": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, VARLEN=True))},
+        "light": (False, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
+                              VARLEN=True)),
+        "heavy": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
+                             VARLEN=True)),
+        "rel": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
+                           VARLEN=True))},
         varlen=True)
