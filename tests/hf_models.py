@@ -6,6 +6,9 @@ target and the labels."""
 import pytest
 import torch
 
+import fastformer
+from utils import assert_close
+
 transformers = pytest.importorskip("transformers", reason="the Hugging Face integration tests need transformers")
 
 MODEL_TYPES = ("bart", "marian", "mbart", "m2m_100", "whisper", "pegasus")
@@ -255,3 +258,62 @@ def packs_when_traced(model):
     import fastformer
     return fastformer.backends.select("attention_varlen", torch.device("cpu"), torch.float32,
                                       head_dim=model.config.d_kv, relative_bias=True) is not None
+
+
+# ---- comparisons the family test files share (tests/test_hf_models.py, test_hf_t5.py, *_generate.py)
+
+NEW_TOKENS = 6  # generate()'s new tokens: with T5's tiny tables, the decoder reaches its log buckets
+
+
+def grads(model):
+    """The gradient of every parameter that has one, by name."""
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_match(model, ref, atol, rtol, what="grad"):
+    """Every gradient of the converted ``model`` is ``ref``'s (both after backward); returns them."""
+    got, want = grads(model), grads(ref)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for name, g in want.items():
+        assert_close(f"{what} {name}", got[name], g, atol, rtol)
+    return got
+
+
+def assert_eval_matches(model, ref, batch, backend, atol, rtol):
+    """In eval mode, without grad: the converted model's logits and loss are ``ref``'s."""
+    model.eval(), ref.eval()
+    with torch.no_grad(), fastformer.use_backend(backend):
+        out = model(**batch)
+    with torch.no_grad():
+        want = ref(**batch)
+    assert_close("logits", out.logits, want.logits, atol, rtol)
+    assert_close("eval loss", out.loss, want.loss, atol, rtol)
+
+
+def spy_rows(monkeypatch, *names):
+    """The rows (numel / last dim) of the first argument of each call to these fastformer.ops."""
+    rows = {name: [] for name in names}
+    for name, seen in rows.items():
+        def spy(x, *args, _fn=getattr(fastformer.ops, name), _seen=seen, **kwargs):
+            _seen.append(x.numel() // x.shape[-1])
+            return _fn(x, *args, **kwargs)
+        monkeypatch.setattr(fastformer.ops, name, spy)
+    return rows
+
+
+def generate(model, batch, **kwargs):
+    """Greedy (or beam, with ``num_beams``) decoding of NEW_TOKENS tokens, with the scores."""
+    return model.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                          return_dict_in_generate=True, output_scores=True, **kwargs)
+
+
+def assert_same_generation(got, want, num_beams):
+    """The same tokens, and each step's finite scores (and beam scores) within fp32 tolerance."""
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == NEW_TOKENS
+    for step, (a, b) in enumerate(zip(got.scores, want.scores)):
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), step
+        assert_close(f"scores of step {step}", a[finite], b[finite], 1e-4, 1e-4)
+    if num_beams > 1:
+        assert_close("sequence scores", got.sequences_scores, want.sequences_scores, 1e-5, 1e-4)

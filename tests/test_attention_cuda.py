@@ -13,7 +13,8 @@ import fastformer
 from fastformer import backends, philox
 from fastformer.ops import attention, reference
 from test_attention import check_bwd_glue
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends, other_simt_schedules_test
+from utils import (assert_close, assert_close_lowp, device_for, kernel_backends, other_simt_schedules_test,
+                   peak_allocated)
 
 CUDA = kernel_backends("cuda")
 CPU_OK = backends.availability("cpu", "cpu")
@@ -217,19 +218,7 @@ def test_no_sq_by_sk_buffer(backend):
         out, lse = kern.attention_fwd(q, k, v, *args)
         return kern.attention_bwd(dout, q, k, v, out, lse, *args)
 
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        grads = run()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            grads = run()
-        peak = max((e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty")), default=0)
+    grads, peak = peak_allocated(run, device)
     assert 0 < peak < square / 4, f"{peak} bytes allocated at once; an Sq x Sk fp32 matrix is {square}"
     assert grads[3].shape == (0,)  # no rel_bias: its gradient is empty
     assert all(torch.isfinite(g).all() and g.abs().amax() > 0 for g in grads[:3])

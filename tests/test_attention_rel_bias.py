@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import fastformer
 from fastformer import philox
 from fastformer.ops import attention, attention_varlen, reference, relative_position
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends, other_simt_schedules_test
+from utils import (assert_close, assert_close_lowp, device_for, kernel_backends, other_simt_schedules_test,
+                   peak_allocated)
 
 BACKENDS = kernel_backends()
 TOL = {torch.float32: (2e-5, 1e-4), torch.float64: (1e-10, 1e-10)}
@@ -494,19 +495,7 @@ def test_cuda_no_sq_by_sk_buffer(backend, R):
         out, lse = kern.attention_fwd(q, k, v, *args)
         return kern.attention_bwd(dout, q, k, v, out, lse, *args)
 
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        grads = run()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            grads = run()
-        peak = max((e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty")), default=0)
+    grads, peak = peak_allocated(run, device)
     limit = square / 4 + (2 * R + 1) * 4 * H  # the gradient itself is (H, 2R + 1)
     assert 0 < peak < limit, f"{peak} bytes allocated at once; an Sq x Sk fp32 matrix is {square}"
     assert all(torch.isfinite(g).all() for g in grads)

@@ -14,7 +14,7 @@ from fastformer import backends, philox
 from fastformer.ops import attention_varlen, reference
 from utils import (
     assert_close, assert_close_lowp, device_for, kernel_backends,
-    other_simt_schedules_test, skip_without_kernels)
+    other_simt_schedules_test, peak_allocated, skip_without_kernels)
 
 CUDA = kernel_backends("cuda")
 TOL = {"out": (2e-5, 1e-4), "grad": (1e-4, 1e-4)}  # fp32 (atol, rtol)
@@ -193,19 +193,7 @@ def test_no_lq_by_lk_buffer(backend):
         out, lse = kern.attention_varlen_fwd(*qkv, *args)
         return kern.attention_varlen_bwd(dout, *qkv, out, lse, *args)
 
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run()
-        peak = max((e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty")), default=0)
+    _, peak = peak_allocated(run, device)
     assert 0 < peak < square / 4, f"{peak} bytes allocated at once; an Lq x Lk fp32 matrix is {square}"
 
 

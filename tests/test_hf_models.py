@@ -28,10 +28,6 @@ def _layers(backend):
     return dict(encoder_layers=1, decoder_layers=1) if backend == "triton" and not torch.cuda.is_available() else {}
 
 
-def _grads(model):
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_type", H.MODEL_TYPES)
 def test_lm_loss_logits_and_grads_match(model_type, backend, monkeypatch):
@@ -53,19 +49,11 @@ def test_lm_loss_logits_and_grads_match(model_type, backend, monkeypatch):
     assert out.logits is None
     assert_close("loss", out.loss, want.loss, atol, rtol)
     assert dict(calls) == {k: v for k, v in H.expected_calls(model, fused, loss=True).items() if v}
-    got, ref_grads = _grads(model), _grads(ref)
-    assert got.keys() == ref_grads.keys() and len(got) == sum(p.requires_grad for p in ref.parameters())
-    for name, g in ref_grads.items():
-        assert_close(f"grad {name}", got[name], g, atol, rtol)
+    got = H.assert_grads_match(model, ref, atol, rtol)
+    assert len(got) == sum(p.requires_grad for p in ref.parameters())
 
     # evaluation: the model's own head, logits and loss as before
-    model.eval(), ref.eval()
-    with torch.no_grad(), fastformer.use_backend(backend):
-        out = model(**batch)
-    with torch.no_grad():
-        want = ref(**batch)
-    assert_close("logits", out.logits, want.logits, atol, rtol)
-    assert_close("eval loss", out.loss, want.loss, atol, rtol)
+    H.assert_eval_matches(model, ref, batch, backend, atol, rtol)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + kernel_backends("cpu"))
@@ -93,9 +81,7 @@ def test_bare_model_outputs_and_grads_match(model_type, backend, monkeypatch):
     assert_close("encoder output", out.encoder_last_hidden_state[real], want.encoder_last_hidden_state[real],
                  atol, rtol)
     assert dict(calls) == {k: v for k, v in H.expected_calls(model, H.ffn_fusable(model_type, backend)).items() if v}
-    got = _grads(model)
-    for name, grad in _grads(ref).items():
-        assert_close(f"grad {name}", got[name], grad, atol, rtol)
+    H.assert_grads_match(model, ref, atol, rtol)
 
 
 @pytest.mark.parametrize("model_type", ["bart", "mbart"])  # post-LN and pre-LN
@@ -175,17 +161,6 @@ def test_swapped_or_hooked_submodules_are_called(monkeypatch):
                            "feed_forward": full["feed_forward"] - 1}
 
 
-def _spy_rows(monkeypatch, *names):
-    """The rows (numel / last dim) of the first argument of each call to these fastformer.ops."""
-    rows = {name: [] for name in names}
-    for name, seen in rows.items():
-        def spy(x, *args, _fn=getattr(fastformer.ops, name), _seen=seen, **kwargs):
-            _seen.append(x.numel() // x.shape[-1])
-            return _fn(x, *args, **kwargs)
-        monkeypatch.setattr(fastformer.ops, name, spy)
-    return rows
-
-
 @pytest.mark.parametrize("model_type", ["bart", "mbart"])  # post-LN and pre-LN
 def test_padding_is_skipped_by_every_layer_op_and_the_loss(model_type, monkeypatch):
     """The encoder's ops, attention included, take the real source tokens only, the decoder's the target
@@ -193,7 +168,7 @@ def test_padding_is_skipped_by_every_layer_op_and_the_loss(model_type, monkeypat
     runs from the decoder's packed rows to the encoder's."""
     model = H.convert(H.build(model_type).train())
     batch = H.batch(model_type)
-    rows = _spy_rows(monkeypatch, "add_layer_norm", "feed_forward", "linear_cross_entropy")
+    rows = H.spy_rows(monkeypatch, "add_layer_norm", "feed_forward", "linear_cross_entropy")
     calls, attention = H.count_op_calls(monkeypatch)
     model(**batch).loss.backward()
     n_src, n_tgt = int(batch["attention_mask"].sum()), batch["labels"].numel()
@@ -222,7 +197,7 @@ def test_decoder_skips_only_the_positions_after_the_last_label(model_type, monke
     labels[3, 1] = labels[3, 3:] = -100  # inside and at the end
     if model_type == "mbart":  # its shift_tokens_right fails on a row without labels: inputs of its own
         batch["decoder_input_ids"] = torch.randint(4, H.VOCAB, labels.shape, generator=torch.Generator().manual_seed(1))
-    rows = _spy_rows(monkeypatch, "feed_forward")
+    rows = H.spy_rows(monkeypatch, "feed_forward")
     _, attention = H.count_op_calls(monkeypatch)
     got, want = model(**batch).loss, ref(**batch).loss
     got.backward(), want.backward()

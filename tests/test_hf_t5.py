@@ -27,10 +27,6 @@ CASES += [pytest.param("t5", *b.values, id=f"t5-{b.id}", marks=b.marks) for b in
 S = 9  # source length: distances up to 8, past the tiny configs' max distance 6 (the clamped buckets)
 
 
-def _grads(model):
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _self_tables(stack, umt5):
     """The table each block's self-attention must get: T5's first block's (shared), UMT5's own."""
     table = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
@@ -78,21 +74,13 @@ def test_lm_loss_logits_and_grads_match(model_type, backend, monkeypatch):
     assert_close("loss", out.loss, want.loss, atol, rtol)
     assert dict(calls) == {k: v for k, v in H.expected_calls(model, loss=True).items() if v}
     assert _same(_bias_seen(attention), _expected_bias(model))
-    got, ref_grads = _grads(model), _grads(ref)
-    assert got.keys() == ref_grads.keys() and len(got) == sum(p.requires_grad for p in ref.parameters())
+    got = H.assert_grads_match(model, ref, atol, rtol)
+    assert len(got) == sum(p.requires_grad for p in ref.parameters())
     tables = [n for n in got if "relative_attention_bias" in n]
     assert len(tables) == (sum(H.layer_counts(model)) if model_type == "umt5" else 2)  # UMT5: one a block
-    for name, g in ref_grads.items():
-        assert_close(f"grad {name}", got[name], g, atol, rtol)
 
     # evaluation: the model's own head, logits and loss as before
-    model.eval(), ref.eval()
-    with torch.no_grad(), fastformer.use_backend(backend):
-        out = model(**batch)
-    with torch.no_grad():
-        want = ref(**batch)
-    assert_close("logits", out.logits, want.logits, atol, rtol)
-    assert_close("eval loss", out.loss, want.loss, atol, rtol)
+    H.assert_eval_matches(model, ref, batch, backend, atol, rtol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -131,20 +119,7 @@ def test_bare_and_encoder_models_match(model_type, backend, monkeypatch):
         assert_close("encoder output", enc_got[real], enc_want[real], atol, rtol)
         assert dict(calls) == {k: v for k, v in H.expected_calls(model).items() if v}
         assert _same(_bias_seen(attention), _expected_bias(model))
-        got = _grads(model)
-        for name, grad in _grads(ref).items():
-            assert_close(f"{kind} grad {name}", got[name], grad, atol, rtol)
-
-
-def _spy_rows(monkeypatch, *names):
-    """The rows (numel / last dim) of the first argument of each call to these fastformer.ops."""
-    rows = {name: [] for name in names}
-    for name, seen in rows.items():
-        def spy(x, *args, _fn=getattr(fastformer.ops, name), _seen=seen, **kwargs):
-            _seen.append(x.numel() // x.shape[-1])
-            return _fn(x, *args, **kwargs)
-        monkeypatch.setattr(fastformer.ops, name, spy)
-    return rows
+        H.assert_grads_match(model, ref, atol, rtol, what=f"{kind} grad")
 
 
 def _step(model, ref, batch, tol=(2e-5, 1e-4)):
@@ -166,7 +141,7 @@ def test_padding_is_skipped_by_every_block_op_and_the_loss(model_type, monkeypat
     batch = H.batch(model_type, B=4, S=S)
     batch["attention_mask"][3] = 0
     batch["attention_mask"][3, 3:] = 1  # left padding: its tokens keep their distances
-    rows = _spy_rows(monkeypatch, "add_layer_norm", "feed_forward", "linear_cross_entropy")
+    rows = H.spy_rows(monkeypatch, "add_layer_norm", "feed_forward", "linear_cross_entropy")
     _, attention = H.count_op_calls(monkeypatch)
     _step(model, ref, batch)
     n_src, n_labels = int(batch["attention_mask"].sum()), int(batch["labels"].ne(-100).sum())
@@ -187,7 +162,7 @@ def test_a_hole_in_the_source_mask_keeps_the_encoder_padded(monkeypatch):
     model = H.convert(copy.deepcopy(ref))
     batch = H.batch("t5", S=S)
     batch["attention_mask"][0, 3:5] = 0
-    rows = _spy_rows(monkeypatch, "feed_forward")
+    rows = H.spy_rows(monkeypatch, "feed_forward")
     _, attention = H.count_op_calls(monkeypatch)
     _step(model, ref, batch)
     E, L = H.layer_counts(model)

@@ -61,6 +61,24 @@ def assert_close_lowp(name, out, ref_fp32, ref_lowp, factor=2.0, atol=1e-5):
         f"{name}: kernel error {err:.3e} > {factor} x reference low-precision error {ref_err:.3e} + {atol:.0e}")
 
 
+def peak_allocated(run, device):
+    """``run()``'s result and the most bytes it held at once (a CUDA device: the allocator's peak;
+    the CPU: the largest single allocation the profiler saw, which is what a buffer of Sq x Sk
+    elements would show)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = run()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    return result, max((e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty")), default=0)
+
+
 def assert_close(name, out, ref, atol, rtol):
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
