@@ -19,6 +19,8 @@ attention implementation) and swaps the elementwise tail for fastformer's fused 
 The layer object stays (parameters, hooks, submodules); its class becomes a subclass of its transformers
 class that only overrides ``forward`` (:func:`fused_subclass`).
 """
+import sys
+
 import torch
 from torch import nn
 
@@ -36,6 +38,14 @@ def plain(module, cls) -> bool:
     may read its parameters in its place. A module swapped or wrapped after transformers built it (a PEFT
     LoRA ``fc1``, a quantised Linear, accelerate's offloading hooks) is called instead, as transformers does."""
     return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def fsdp_unit(module) -> bool:
+    """Whether FSDP2's ``fully_shard`` made ``module`` a unit of its own (an ``FSDPModule``: its
+    parameters unsharded from its forward's start to its end, and again for its backward). FSDP is
+    looked up among the imported modules, never imported: where it is not, nothing is sharded."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return fsdp_module is not None and isinstance(module, fsdp_module)
 
 
 def _aln(layer, x, residual, ln, prenorm=False, x_bias=None):

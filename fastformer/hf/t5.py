@@ -36,7 +36,7 @@ from .. import backends, ops
 from ..internal import validation
 from .attention import RELATIVE, VARLEN, fastformer_attention_forward
 from .layers import (_cache_kwarg, _decoder_packing, _layer_packing, _memory_packing, _padded, _rows,
-                     fused_subclass, plain)
+                     fsdp_unit, fused_subclass, plain)
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,10 @@ def _block(self, hidden_states, attention_mask, position_bias, memory, memory_ma
     else:
         x, residual = _add_norm(self, self_layer, out, residual, ln)
     h = _clamp_fp16(residual + ff_layer.dropout(_dense(self, ff_layer.DenseReluDense, x)))
+    if isinstance(position_bias, nn.Parameter) and fsdp_unit(self):
+        # the block's own table, which FSDP2 frees with the unit's other unsharded parameters once this
+        # forward returns: the later blocks get a copy (buckets x H)
+        position_bias = position_bias.clone()
     return _padded(packing, h), position_bias, cross_bias
 
 
