@@ -7,6 +7,14 @@ the ``(B, T, V)`` logits are never materialised (nor the rows of ignored labels)
 the tuple of ``return_dict=False``, as transformers drops None fields). Everywhere else (evaluation,
 generation, no labels, an output projection that is not a plain hook-free ``nn.Linear``) it is the
 model's own forward, logits included.
+
+Under FSDP2 (``torch.distributed.fsdp.fully_shard``) the fused loss reads the head's full weight: a
+head sharded with a parent unit (the root, say: tied heads must be) is a plain ``nn.Linear`` whose
+weight the parent's forward has unsharded; a head sharded on its own (``FSDPLinear``, whose only
+hooks are FSDP's) is called with its forward redirected to the fused loss (:func:`_call_as_forward`),
+so FSDP's hooks unshard the weight before, reshard it after and reduce-scatter its gradient in the
+backward. That redirection runs in eager mode only: under ``torch.compile`` such a head takes the
+model's own (unfused) forward.
 """
 import functools
 import importlib
@@ -21,7 +29,7 @@ from torch import nn
 from .. import ops
 from ..nn.packing import may_pack
 from .attention import _PARTS, NAME, ROWS_UNUSED, fastformer_mask
-from .layers import fused_subclass, plain
+from .layers import fsdp_unit, fused_subclass, plain
 
 logger = logging.getLogger("fastformer.hf")
 IGNORE_INDEX = -100  # transformers' CrossEntropyLoss default, what its seq2seq models pad labels with
@@ -87,10 +95,44 @@ def _unused_target_tail(labels, config):
     return mask
 
 
-def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
+def _fsdp_head(head) -> bool:
+    """Whether ``head`` is an ``nn.Linear`` that FSDP2's ``fully_shard`` made a unit of its own (alone or
+    in a group), its forward ``nn.Linear``'s and its only forward hooks FSDP's."""
+    if not fsdp_unit(head) or not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return False
+    hooks = [*head._forward_pre_hooks.values(), *head._forward_hooks.values()]
+    return all(getattr(h, "__module__", "").startswith("torch.distributed.fsdp.") for h in hooks)
+
+
+def _call_as_forward(module, fn, *args):
+    """``fn(*args)`` run as ``module``'s forward: ``module(*args)`` with ``module.forward`` swapped for
+    ``fn`` during the call, so the module's hooks run around it (FSDP2's: unshard the parameters
+    before, reshard after, and the backward hooks on the inputs and the output that unshard again and
+    reduce-scatter the gradients), as PyTorch Lightning's ``_ForwardRedirection`` does."""
+    own = module.__dict__.get("forward")  # an instance attribute forward, to put back
+
+    def restore():
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = own
+
+    def forward(*a):
+        restore()  # a call of the module from inside fn gets its own forward
+        return fn(*a)
+
+    module.forward = forward
+    try:
+        return module(*args)
+    finally:
+        restore()
+
+
+def _fused_loss_forward(model, spec, modeling, a, label_smoothing, sharded_head=False):
     """The model's own forward with labels, its ``lm_head(h) + final_logits_bias`` and
     ``CrossEntropyLoss`` replaced by one ``linear_cross_entropy``; returns ``Seq2SeqLMOutput`` with
-    ``logits=None`` (or its tuple when ``return_dict`` is False)."""
+    ``logits=None`` (or its tuple when ``return_dict`` is False). ``sharded_head``: the head is an
+    FSDP2 unit of its own (:func:`_fsdp_head`), the loss computed as its forward."""
     from transformers.modeling_outputs import Seq2SeqLMOutput
 
     labels = a.pop("labels")
@@ -116,11 +158,9 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
         outputs = getattr(model, model.base_model_prefix)(**a, return_dict=True)
     hidden = outputs.last_hidden_state
     head = model.get_output_embeddings()
-    bias = head.bias
     extra = getattr(model, "final_logits_bias", None) if spec.final_logits_bias else None
     if extra is not None:
         extra = extra.reshape(-1).to(hidden.device)
-        bias = extra if bias is None else bias + extra
     labels = labels.to(hidden.device)
     keep = labels.ne(IGNORE_INDEX)  # (B, T): the head's GEMMs skip the ignored (padded) target rows
     # traced: no branch on the data, and the row count is data, a size only where dynamo may capture it
@@ -130,7 +170,16 @@ def _fused_loss_forward(model, spec, modeling, a, label_smoothing):
     scale = spec.head_scale(model) if spec.head_scale is not None else None
     if scale is not None:  # T5's tied head: the decoder output scaled first (on the kept rows only)
         hidden = hidden * scale
-    loss = ops.linear_cross_entropy(hidden, head.weight, labels, linear_bias=bias, label_smoothing=label_smoothing)
+
+    def head_loss(hidden, labels, extra):  # the head's parameters read here: under FSDP, once unsharded
+        bias = head.bias if extra is None else extra if head.bias is None else head.bias + extra
+        return ops.linear_cross_entropy(hidden, head.weight, labels, linear_bias=bias,
+                                        label_smoothing=label_smoothing)
+
+    if sharded_head:
+        loss = _call_as_forward(head, head_loss, hidden, labels, extra)
+    else:
+        loss = head_loss(hidden, labels, extra)
     out = Seq2SeqLMOutput(
         loss=loss, logits=None, cache=outputs.cache,
         decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
@@ -152,8 +201,12 @@ def _make_forward(cls, spec):
         a = _flat_arguments(bound)
         labels = a.get("labels")
         ls = getattr(self, "_fastformer_label_smoothing", 0.0)
-        if labels is not None and self.training and plain(self.get_output_embeddings(), nn.Linear):
-            return _fused_loss_forward(self, spec, modeling, a, ls)
+        if labels is not None and self.training:
+            head = self.get_output_embeddings()
+            if plain(head, nn.Linear):
+                return _fused_loss_forward(self, spec, modeling, a, ls)
+            if not torch.compiler.is_compiling() and _fsdp_head(head):  # the redirection runs in eager only
+                return _fused_loss_forward(self, spec, modeling, a, ls, sharded_head=True)
         if labels is None and self.training and not getattr(self, "_fastformer_trainer_warned", False) \
                 and _trainer_smooths():
             self._fastformer_trainer_warned = True
