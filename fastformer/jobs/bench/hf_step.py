@@ -80,6 +80,7 @@ class Family:
     config: Callable[[Dict], object]  # shape -> the transformers config
     shift: Callable[[torch.Tensor, object], torch.Tensor]  # (labels, config) -> decoder_input_ids
     gemms: Callable[[Dict, int, int, int], List[Tuple[int, int, int, int]]]  # (shape, B, S, T) -> products
+    finish: Optional[Callable[[object], None]] = None  # what the built model still needs, in place
 
 
 def _bart_config(shape: Dict):
@@ -118,6 +119,16 @@ def _t5_config(shape: Dict):
         pad_token_id=T5_PAD, eos_token_id=T5_EOS, decoder_start_token_id=T5_PAD, use_cache=False)
 
 
+def _t5_untie_head(model) -> None:
+    """A v1.1 checkpoint's own LM head. transformers 5 reads ``tie_word_embeddings=False`` as "do not
+    rescale the decoder output" (``config.scale_decoder_outputs``) and ties the head to the shared
+    embedding anyway; only ``from_pretrained`` of a checkpoint whose two differ (v1.1's) unties them.
+    The head gets its own weight, drawn as ``T5PreTrainedModel._init_weights`` draws an untied one."""
+    weight = torch.empty_like(model.shared.weight).normal_(0.0, model.config.initializer_factor)
+    model.lm_head.weight = torch.nn.Parameter(weight)
+    model.all_tied_weights_keys.pop("lm_head.weight", None)  # (what from_pretrained does when it unties)
+
+
 def _t5_shift(labels: torch.Tensor, config) -> torch.Tensor:
     from transformers import T5ForConditionalGeneration
 
@@ -147,7 +158,7 @@ def _t5_gemms(shape: Dict, B: int, S: int, T: int) -> List[Tuple[int, int, int, 
 BART = Family(OP, "BART", "bart", "BartForConditionalGeneration", PAD, EOS, BOS,
               _bart_config, _bart_shift, _bart_gemms)
 T5 = Family("hf_t5_step", "T5 v1.1", "t5", "T5ForConditionalGeneration", T5_PAD, T5_EOS, None,
-            _t5_config, _t5_shift, _t5_gemms)
+            _t5_config, _t5_shift, _t5_gemms, _t5_untie_head)
 FAMILIES = {f.op: f for f in (BART, T5)}  # op -> family
 OPS = list(FAMILIES)
 
@@ -235,7 +246,10 @@ def build_model(shape: Dict, device: torch.device, seed: int = 0, family: Family
 
     config = family.config(shape)
     torch.manual_seed(seed)
-    return getattr(transformers, family.model_class)(config).to(device).train()
+    model = getattr(transformers, family.model_class)(config)
+    if family.finish is not None:
+        family.finish(model)
+    return model.to(device).train()
 
 
 def loss_fn(provider: str, model, shape: Dict, batch: Dict[str, torch.Tensor]):
