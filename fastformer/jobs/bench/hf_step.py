@@ -333,10 +333,12 @@ def bench_hf_step(device: torch.device, size: str, providers: Optional[List[str]
         shape_label = label(shape, family)
         if shapes is not None and not set(shapes) <= set(shape_label.split()):
             continue
-        flops = gemm_flops(shape, make_batch(shape, device, family=family), family)
+        reasons = {p: why_not(p, device, family) for p in names}
+        # the batch needs transformers (the family's shift): none where no provider can run
+        runnable = any(reason is None for reason in reasons.values())
+        flops = gemm_flops(shape, make_batch(shape, device, family=family), family) if runnable else None
         for dtype in chosen:
-            builders = {p: why_not(p, device, family) or (lambda p=p: build_step(p, shape, device, dtype, family))
-                        for p in names}
+            builders = {p: reasons[p] or (lambda p=p: build_step(p, shape, device, dtype, family)) for p in names}
             recs = time_steps(family.op, shape, shape_label, dtype, size, device, builders, flops, reps=reps)
             emit(records, recs, log, f"{family.op} {dtype}", 1)
     return records
