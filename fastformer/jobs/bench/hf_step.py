@@ -32,9 +32,10 @@ FFN activations, as ``torch.nn.Transformer``'s dropout of the ``train_step`` ben
 smoothing 0.1. T5's step is the same size in the T5 v1.1 layout (:data:`T5`): 4 heads of d_kv 64,
 a gated-gelu feed-forward of d_ff 1024 (``wi_0``, ``wi_1``, ``wo``, no biases), RMSNorm, the
 relative position bias (32 buckets, max distance 128), an untied LM head, dropout 0.1 where
-T5 has it; its source rows have no ``<s>``, its decoder starts at the padding id.
-A :class:`Family` holds what differs between the two; everything else is shared. The ``gpu-check`` sweep (``make gpu-check``, bf16 autocast there) is the training
-step's GPU sizes (``train_step.GPU_SHAPES``: d_model 512 and 1024, 6+6 layers, 64 x 128 tokens).
+T5 has it; its source rows have no ``<s>``, its decoder starts at the padding id. A
+:class:`Family` holds what differs between the two; everything else is shared. The ``gpu-check``
+sweep (``make gpu-check``, bf16 autocast there) is the training step's GPU sizes
+(``train_step.GPU_SHAPES``: d_model 512 and 1024, 6+6 layers, 64 x 128 tokens).
 
 transformers is optional: without it, :func:`why_not` says so for every provider and the bench
 records that reason instead of a time.
