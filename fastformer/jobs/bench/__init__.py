@@ -1,8 +1,9 @@
 """``python -m fastformer bench``: every op (forward, backward, forward+backward) and the
 end-to-end training step, for every provider that can run here, over a sweep of shapes; and
-Hugging Face transformers' BART training step (``hf_bart_step``: plain, ``torch.compile``d, and
-after ``fastformer.convert``, eager and compiled; see :mod:`fastformer.jobs.bench.hf_step`) where
-transformers is installed (where it is not, its records say so).
+Hugging Face transformers' BART and T5 v1.1 training steps (``hf_bart_step``, ``hf_t5_step``: plain,
+``torch.compile``d, and after ``fastformer.convert``, eager and compiled; see
+:mod:`fastformer.jobs.bench.hf_step`) where transformers is installed (where it is not, their
+records say so).
 
 Providers (see :mod:`fastformer.jobs.bench.providers`): the fastformer backends that
 ``fastformer.available_backends()`` allows on the device (triton only on a GPU), eager PyTorch
@@ -36,7 +37,7 @@ from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
 from .records import TIMING, emit, error_status, new_record, relate, set_timed, time_all, time_steps, with_reps
 from .timing import peak_memory_bytes
 
-ALL_OPS = list(OPS) + ["train_step", hf_step.OP, overhead.OP]
+ALL_OPS = list(OPS) + ["train_step", *hf_step.OPS, overhead.OP]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -56,11 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ops to run (default all): {' '.join(ALL_OPS)}")
     p.add_argument("--providers", nargs="+", default=None, metavar="NAME",
                    help=f"providers to run (default: all that can run here): {' '.join(REGISTRY)}; "
-                        f"{hf_step.OP}: {' '.join(hf_step.PROVIDERS)}")
+                        f"{' and '.join(hf_step.OPS)}: {' '.join(hf_step.PROVIDERS)}")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="op modes (default all)")
     p.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), default=None,
                    help="op dtypes (default fp32 on CPU, bf16 on CUDA); the training step always runs "
-                        "fp32 and bf16 autocast; hf_bart_step runs fp32, and bf16 autocast when named")
+                        "fp32 and bf16 autocast; hf_bart_step and hf_t5_step run fp32, and bf16 autocast when "
+                        "named")
     p.add_argument("--sweep", choices=sorted(TIMING), default=None,
                    help="shape sweep and sample counts (default: quick with --quick, else full)")
     p.add_argument("--reps", type=_reps, default=None, metavar="N",
@@ -221,8 +223,9 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
             log(f"bench {op} ({size} sweep on {dev})")
         if op == "train_step":
             records += bench_train_step(dev, size, providers, log, dtypes=dtypes, reps=reps, shapes=shapes)
-        elif op == hf_step.OP:
-            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes, reps=reps, shapes=shapes)
+        elif op in hf_step.FAMILIES:
+            records += hf_step.bench_hf_step(dev, size, providers, log, dtypes=dtypes, reps=reps, shapes=shapes,
+                                             family=hf_step.FAMILIES[op])
         elif op == overhead.OP:
             records += overhead.bench(dev, reps=reps, log=log)
         else:

@@ -220,6 +220,9 @@ def write_json(path: str, machine: Dict, settings: Dict, records: List[Dict], pe
     return doc
 
 
+STEP_OPS = ("train_step", "hf_bart_step", "hf_t5_step")  # one shape each: a bar per provider, not a sweep
+
+
 def plot_op(path: str, op: str, records: List[Dict], title_suffix: str = "") -> None:
     """One PNG for an op: throughput (higher is better) over the shape sweep, a line per provider
     (and dtype), a panel per mode; error bars span the inter-quartile range."""
@@ -229,7 +232,7 @@ def plot_op(path: str, op: str, records: List[Dict], title_suffix: str = "") -> 
     import matplotlib.pyplot as plt
 
     rows = [r for r in records if r["op"] == op and r["status"] == "ok"]
-    if op in ("train_step", "hf_bart_step"):
+    if op in STEP_OPS:
         return _plot_train_step(path, rows, title_suffix, plt)
     modes = list(dict.fromkeys(r["mode"] for r in rows)) or ["fwd"]
     labels = list(dict.fromkeys(r["label"] for r in records if r["op"] == op))
