@@ -42,7 +42,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,8 +53,8 @@ from fastformer.jobs.data import EOS_ID, PAD_ID
 Pair = Tuple[str, str]
 IGNORE = -100
 
-# (d_model, layers per side, heads, FFN, batch, steps, training pairs, held-out pairs, learning rate);
-# a family's own defaults (Family.full, Family.quick) go over these
+# (d_model, layers per side, heads, FFN, batch, steps, training pairs, held-out pairs, learning rate):
+# both families' defaults
 FULL = dict(d_model=256, layers=3, heads=4, ffn=1024, batch_size=64, steps=1200, train_pairs=40000,
             test_pairs=500, lr=1e-3, vocab_size=1000)
 QUICK = dict(d_model=128, layers=2, heads=4, ffn=512, batch_size=32, steps=300, train_pairs=10000,
@@ -73,8 +73,7 @@ class Family:
     build_config: Callable                  # (args, vocab_size) -> the transformers config
     build_model: Callable                   # config -> the model, freshly initialised
     layers: Callable                        # model -> its Transformer layers (encoder's, then decoder's)
-    full: Dict = field(default_factory=dict)   # defaults over FULL / QUICK
-    quick: Dict = field(default_factory=dict)
+    activation: str                         # the default --activation
 
     def collate(self, examples: List[Dict]) -> Dict[str, torch.Tensor]:
         return collate(examples, self.pad_id)
@@ -177,11 +176,10 @@ FAMILIES = {
     "marian": Family("marian", "MarianMTModel", pad_id=PAD_ID, eos_id=EOS_ID, vocabulary=marian_vocabulary,
                      build_config=marian_config, build_model=marian_model,
                      layers=lambda m: list(m.model.encoder.layers) + list(m.model.decoder.layers),
-                     full=dict(activation="swish"), quick=dict(activation="swish")),
+                     activation="swish"),
     "t5": Family("t5", "T5ForConditionalGeneration (v1.1-shaped)", pad_id=T5_PAD_ID, eos_id=T5_EOS_ID,
                  vocabulary=T5Vocabulary, build_config=t5_config, build_model=t5_model,
-                 layers=lambda m: list(m.encoder.block) + list(m.decoder.block),
-                 full=dict(activation="gated-gelu"), quick=dict(activation="gated-gelu")),
+                 layers=lambda m: list(m.encoder.block) + list(m.decoder.block), activation="gated-gelu"),
 }
 
 
@@ -217,8 +215,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                      "10%%, at least 3)")
     m.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    family = FAMILIES[args.model]
-    for key, value in dict(QUICK, **family.quick).items() if args.quick else dict(FULL, **family.full).items():
+    for key, value in dict(QUICK if args.quick else FULL, activation=FAMILIES[args.model].activation).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.steps < 1:
