@@ -1,17 +1,28 @@
-"""Train a small Hugging Face MarianMTModel with transformers' Seq2SeqTrainer on fastformer's built-in
+"""Train a small Hugging Face seq2seq model with transformers' Seq2SeqTrainer on fastformer's built-in
 dates task ("the 21st of March, 1999" -> "1999-03-21"), twice: plain, and after
 ``fastformer.convert(model, label_smoothing=0.1)``; report the time per training step, and exact
 match and BLEU on held-out dates, of each::
 
-    python examples/hf_marian_dates.py                    # a few minutes on a 2-core CPU
-    python examples/hf_marian_dates.py --quick            # a minute or two
-    python examples/hf_marian_dates.py --steps 3000 --threads 4 --out marian_dates.json
-    python examples/hf_marian_dates.py --only-fastformer  # (or --no-fastformer) one run only
+    python examples/hf_seq2seq_dates.py                    # Marian; a few minutes on a 2-core CPU
+    python examples/hf_seq2seq_dates.py --model t5         # T5 v1.1-shaped
+    python examples/hf_seq2seq_dates.py --quick            # a minute or two
+    python examples/hf_seq2seq_dates.py --steps 3000 --threads 4 --out marian_dates.json
+    python examples/hf_seq2seq_dates.py --only-fastformer  # (or --no-fastformer) one run only
 
 Needs transformers, tokenizers and sacrebleu (``pip install transformers accelerate tokenizers
-sacrebleu``); nothing is downloaded: the model is built from a ``MarianConfig`` (OPUS-MT's layout:
-post-LN, swish activation, scaled sinusoidal embeddings shared by both sides and the output layer)
-and the vocabulary is a byte-level BPE trained on the task's own pairs with ``tokenizers``.
+sacrebleu``); nothing is downloaded: the model is built from a config and the vocabulary is a
+byte-level BPE trained on the task's own pairs with ``tokenizers``. The model families (``--model``):
+
+* ``marian`` (default): a ``MarianMTModel`` from a ``MarianConfig`` in OPUS-MT's layout: post-LN,
+  swish activation, scaled sinusoidal embeddings shared by both sides and the output layer; the
+  vocabulary's specials at fastformer's ids (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, ``<unk>`` 3).
+* ``t5``: a ``T5ForConditionalGeneration`` from a ``T5Config`` in T5 v1.1's layout: RMSNorm pre-norm,
+  gated-gelu feed-forward, a learned relative position bias, no biases, an output layer untied from
+  the embeddings; the specials at T5's ids (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2; no ``<s>``).
+
+Both take the source as "text </s>" and the labels as "text </s>", and start the decoder from
+``<pad>``; each family is a :class:`Family` (config, special ids, vocabulary, collate), the rest is
+shared.
 
 Both runs optimise the same objective, cross-entropy with label smoothing 0.1 over the non-pad
 target tokens: the converted model computes it in fastformer's fused LM-head loss (the logits are
@@ -31,23 +42,151 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from fastformer.jobs.data import EOS_ID, PAD_ID
+
 Pair = Tuple[str, str]
 IGNORE = -100
 
-# (d_model, layers per side, heads, FFN, batch, steps, training pairs, held-out pairs, learning rate)
+# (d_model, layers per side, heads, FFN, batch, steps, training pairs, held-out pairs, learning rate):
+# both families' defaults
 FULL = dict(d_model=256, layers=3, heads=4, ffn=1024, batch_size=64, steps=1200, train_pairs=40000,
             test_pairs=500, lr=1e-3, vocab_size=1000)
 QUICK = dict(d_model=128, layers=2, heads=4, ffn=512, batch_size=32, steps=300, train_pairs=10000,
              test_pairs=200, lr=2e-3, vocab_size=600)
 
 
+# -- the model families ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    """What differs between model families; training, evaluation, timing and the report are shared."""
+    name: str                               # the --model choice
+    title: str                              # the report's name of the model
+    pad_id: int                             # also the decoder's start token (both families)
+    eos_id: int
+    vocabulary: Callable                    # (texts, vocab_size) -> tokenizer: vocab_size, encode, decode
+    build_config: Callable                  # (args, vocab_size) -> the transformers config
+    build_model: Callable                   # config -> the model, freshly initialised
+    layers: Callable                        # model -> its Transformer layers (encoder's, then decoder's)
+    activation: str                         # the default --activation
+
+    def collate(self, examples: List[Dict]) -> Dict[str, torch.Tensor]:
+        return collate(examples, self.pad_id)
+
+
+def marian_vocabulary(texts: List[str], vocab_size: int):
+    from fastformer.jobs.data import BPETokenizer
+
+    return BPETokenizer.train(texts, vocab_size=vocab_size)
+
+
+def marian_config(args, vocab_size: int):
+    from transformers import MarianConfig
+
+    return MarianConfig(
+        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=args.d_model,
+        encoder_layers=args.layers, decoder_layers=args.layers,
+        encoder_attention_heads=args.heads, decoder_attention_heads=args.heads,
+        encoder_ffn_dim=args.ffn, decoder_ffn_dim=args.ffn, activation_function=args.activation,
+        dropout=args.dropout, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=128,
+        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=PAD_ID,
+        # from scratch: weights ~ N(0, 1/d_model) (transformers' 0.02 suits fine-tuning; here it leaves the
+        # decoder ignoring the source for hundreds of steps)
+        init_std=args.d_model ** -0.5,
+        use_cache=False)  # training: no key/value cache (the plain run's forward gets no labels to say so)
+
+
+def marian_model(config):
+    from transformers import MarianMTModel
+
+    return MarianMTModel(config)
+
+
+T5_PAD_ID, T5_EOS_ID, T5_UNK_ID = 0, 1, 2
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")
+
+
+class T5Vocabulary:
+    """A byte-level BPE trained with ``tokenizers`` as fastformer's ``BPETokenizer`` trains Marian's,
+    with the specials at T5's ids: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2 (T5 has no ``<s>``)."""
+
+    def __init__(self, texts: List[str], vocab_size: int):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(T5_SPECIALS),
+                                      show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer=trainer)
+        got = [tok.token_to_id(name) for name in T5_SPECIALS]
+        if got != [T5_PAD_ID, T5_EOS_ID, T5_UNK_ID]:  # tokenizers places the specials first, in order
+            raise RuntimeError(f"the T5 vocabulary put {T5_SPECIALS} at {got}, not T5's ids 0, 1, 2")
+        self._tok = tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text up to the first ``</s>``, without ``<pad>``."""
+        ids = [int(i) for i in ids]
+        if T5_EOS_ID in ids:
+            ids = ids[:ids.index(T5_EOS_ID)]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def t5_config(args, vocab_size: int):
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=vocab_size, d_model=args.d_model, d_kv=args.d_model // args.heads, d_ff=args.ffn,
+        num_layers=args.layers, num_decoder_layers=args.layers, num_heads=args.heads,
+        feed_forward_proj=args.activation,  # v1.1: gated-gelu (v1.0 had relu)
+        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=args.dropout,
+        tie_word_embeddings=False,  # v1.1: the output layer has its own weights (and no d_model**-0.5 scaling)
+        pad_token_id=T5_PAD_ID, eos_token_id=T5_EOS_ID, decoder_start_token_id=T5_PAD_ID,
+        use_cache=False)  # training: no key/value cache (the plain run's forward gets no labels to say so)
+
+
+def t5_model(config):
+    from transformers import T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(config)
+    # v1.1's output layer is its own weight. transformers 5 forces ``config.tie_word_embeddings`` to True for
+    # T5 (``tie_word_embeddings=False`` only turns off the d_model**-0.5 scaling of the decoder's output) and
+    # unties the head only when a checkpoint holds two different weights: untie it as that does. Its init is
+    # T5X's fan-in N(0, 1/d_model); transformers' N(0, 1) for an untied head (for a checkpoint to overwrite)
+    # starts the logits ~sqrt(d_model) wide, a loss near 30.
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.shared.weight) * config.d_model ** -0.5)
+    model.all_tied_weights_keys.pop("lm_head.weight", None)
+    return model
+
+
+FAMILIES = {
+    "marian": Family("marian", "MarianMTModel", pad_id=PAD_ID, eos_id=EOS_ID, vocabulary=marian_vocabulary,
+                     build_config=marian_config, build_model=marian_model,
+                     layers=lambda m: list(m.model.encoder.layers) + list(m.model.decoder.layers),
+                     activation="swish"),
+    "t5": Family("t5", "T5ForConditionalGeneration (v1.1-shaped)", pad_id=T5_PAD_ID, eos_id=T5_EOS_ID,
+                 vocabulary=T5Vocabulary, build_config=t5_config, build_model=t5_model,
+                 layers=lambda m: list(m.encoder.block) + list(m.decoder.block), activation="gated-gelu"),
+}
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=sorted(FAMILIES), default="marian",
+                   help="the model family (default marian; t5: T5 v1.1-shaped)")
     p.add_argument("--quick", action="store_true",
                    help="a smaller model and a short run (a minute or two on a 2-core CPU)")
     p.add_argument("--steps", type=int, help=f"training steps per run (default {FULL['steps']}, "
@@ -57,13 +196,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     one.add_argument("--no-fastformer", action="store_true", help="only the plain transformers run")
     one.add_argument("--only-fastformer", action="store_true", help="only the fastformer.convert run")
     p.add_argument("--out", metavar="FILE.json", help="write the report as JSON here (default: nothing saved)")
-    m = p.add_argument_group("model and data (defaults depend on --quick)")
+    m = p.add_argument_group("model and data (defaults depend on --model and --quick)")
     m.add_argument("--d-model", type=int)
     m.add_argument("--layers", type=int, help="encoder layers = decoder layers")
-    m.add_argument("--heads", type=int)
+    m.add_argument("--heads", type=int, help="attention heads (T5: d_kv = d_model / heads)")
     m.add_argument("--ffn", type=int, help="feed-forward width")
-    m.add_argument("--activation", default="swish", help="transformers activation name (default swish, "
-                                                          "as OPUS-MT)")
+    m.add_argument("--activation", help="the activation: transformers' name for Marian (default swish, as "
+                                        "OPUS-MT), feed_forward_proj for T5 (default gated-gelu, as v1.1)")
     m.add_argument("--vocab-size", type=int, help="BPE vocabulary size (both sides share it)")
     m.add_argument("--batch-size", type=int)
     m.add_argument("--lr", type=float, help="peak learning rate (linear warm-up over 10%% of the steps, "
@@ -76,43 +215,43 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                      "10%%, at least 3)")
     m.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
+    for key, value in dict(QUICK if args.quick else FULL, activation=FAMILIES[args.model].activation).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.d_model % args.heads:
+        p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if args.timing_warmup is None:
         args.timing_warmup = min(max(3, args.steps // 10), args.steps - 1)
     return args
 
 
 # -- data: fastformer's built-in task, a BPE vocabulary trained on it ------------------------------
-def make_data(args) -> Tuple[object, List[Dict], List[Pair]]:
+def make_data(args, family: Family) -> Tuple[object, List[Dict], List[Pair]]:
     """The tokenizer, the encoded training examples and the held-out pairs."""
-    from fastformer.jobs.data import EOS_ID, BPETokenizer, make_task
+    from fastformer.jobs.data import make_task
 
     train_pairs, test_pairs = make_task("dates", n_train=args.train_pairs, n_test=args.test_pairs, seed=args.seed)
     # one vocabulary for both sides (Marian shares the embeddings of encoder, decoder and output layer)
-    tok = BPETokenizer.train([s for s, _ in train_pairs] + [t for _, t in train_pairs], vocab_size=args.vocab_size)
-    # Marian's format: source "text </s>", labels "text </s>"; the decoder starts from <pad>
-    examples = [{"input_ids": tok.encode(s)[:126] + [EOS_ID], "labels": tok.encode(t)[:126] + [EOS_ID]}
+    tok = family.vocabulary([s for s, _ in train_pairs] + [t for _, t in train_pairs], args.vocab_size)
+    # source "text </s>", labels "text </s>"; the decoder starts from <pad>
+    examples = [{"input_ids": tok.encode(s)[:126] + [family.eos_id], "labels": tok.encode(t)[:126] + [family.eos_id]}
                 for s, t in train_pairs]
     return tok, examples, test_pairs
 
 
-def collate(examples: List[Dict]) -> Dict[str, torch.Tensor]:
+def collate(examples: List[Dict], pad_id: int) -> Dict[str, torch.Tensor]:
     """Right-padded ``input_ids``/``attention_mask``, ``labels`` padded with -100 and the
-    ``decoder_input_ids`` the model would shift from them (``<pad>`` first, as Marian does): given
-    here because the plain run's loss takes the labels away from the model."""
-    from fastformer.jobs.data import PAD_ID
-
+    ``decoder_input_ids`` the model would shift from them (``<pad>`` first, as Marian and T5 do):
+    given here because the plain run's loss takes the labels away from the model."""
     B = len(examples)
     Ls = max(len(e["input_ids"]) for e in examples)
     Lt = max(len(e["labels"]) for e in examples)
-    input_ids = torch.full((B, Ls), PAD_ID, dtype=torch.long)
+    input_ids = torch.full((B, Ls), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, Ls), dtype=torch.long)
     labels = torch.full((B, Lt), IGNORE, dtype=torch.long)
-    decoder_input_ids = torch.full((B, Lt), PAD_ID, dtype=torch.long)
+    decoder_input_ids = torch.full((B, Lt), pad_id, dtype=torch.long)
     for i, e in enumerate(examples):
         s, t = e["input_ids"], e["labels"]
         input_ids[i, :len(s)] = torch.tensor(s)
@@ -124,38 +263,26 @@ def collate(examples: List[Dict]) -> Dict[str, torch.Tensor]:
 
 
 # -- the model -------------------------------------------------------------------------------------
-def build_model(args, vocab_size: int):
-    from transformers import GenerationConfig, MarianConfig, MarianMTModel, set_seed
+def build_model(args, family: Family, vocab_size: int):
+    from transformers import GenerationConfig, set_seed
 
-    from fastformer.jobs.data import EOS_ID, PAD_ID
-
-    config = MarianConfig(
-        vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=args.d_model,
-        encoder_layers=args.layers, decoder_layers=args.layers,
-        encoder_attention_heads=args.heads, decoder_attention_heads=args.heads,
-        encoder_ffn_dim=args.ffn, decoder_ffn_dim=args.ffn, activation_function=args.activation,
-        dropout=args.dropout, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=128,
-        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
-        pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=PAD_ID,
-        # from scratch: weights ~ N(0, 1/d_model) (transformers' 0.02 suits fine-tuning; here it leaves the
-        # decoder ignoring the source for hundreds of steps)
-        init_std=args.d_model ** -0.5,
-        use_cache=False)  # training: no key/value cache (the plain run's forward gets no labels to say so)
+    config = family.build_config(args, vocab_size)
     set_seed(args.seed)  # the same initial weights for both runs
-    model = MarianMTModel(config)
+    model = family.build_model(config)
+    pad, eos = family.pad_id, family.eos_id
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=PAD_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, bad_words_ids=[[PAD_ID]],
+        decoder_start_token_id=pad, eos_token_id=eos, pad_token_id=pad, bad_words_ids=[[pad]],
         num_beams=1, do_sample=False, max_new_tokens=24, use_cache=True)
     return model
 
 
-def fusion_summary(model) -> Dict:
+def fusion_summary(model, family: Family) -> Dict:
     """What ``fastformer.convert`` did to the model: its attention implementation, how many of its
     Transformer layers run fastformer's fused forward, and whether its training loss is fastformer's."""
     def fastformers(obj) -> bool:
         return type(obj).__module__.startswith("fastformer")
 
-    layers = list(model.model.encoder.layers) + list(model.model.decoder.layers)
+    layers = family.layers(model)
     return {"attn_implementation": getattr(model.config, "_attn_implementation", None),
             "fused_layers": sum(map(fastformers, layers)), "transformer_layers": len(layers),
             "fused_loss": fastformers(model)}
@@ -197,7 +324,7 @@ def smoothed_loss(smoothing: float):
     return loss
 
 
-def train(args, model, examples: List[Dict], fused: bool, workdir: str) -> Dict:
+def train(args, family: Family, model, examples: List[Dict], fused: bool, workdir: str) -> Dict:
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     targs = Seq2SeqTrainingArguments(
@@ -210,7 +337,7 @@ def train(args, model, examples: List[Dict], fused: bool, workdir: str) -> Dict:
         dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), seed=args.seed,
         data_seed=args.seed)
     timer = step_timer()
-    trainer = Seq2SeqTrainer(model=model, args=targs, train_dataset=examples, data_collator=collate,
+    trainer = Seq2SeqTrainer(model=model, args=targs, train_dataset=examples, data_collator=family.collate,
                              compute_loss_func=None if fused else smoothed_loss(args.label_smoothing),
                              callbacks=[timer])
     out = trainer.train()
@@ -223,21 +350,19 @@ def train(args, model, examples: List[Dict], fused: bool, workdir: str) -> Dict:
 
 # -- evaluation ------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, tok, pairs: List[Pair], batch_size: int = 100) -> Dict:
+def evaluate(model, family: Family, tok, pairs: List[Pair], batch_size: int = 100) -> Dict:
     """Greedy ``generate()`` of the held-out sources: exact match (a fraction in [0, 1]) and BLEU."""
     import sacrebleu
-
-    from fastformer.jobs.data import EOS_ID, PAD_ID
 
     model.eval()
     device = next(model.parameters()).device
     hyps: List[str] = []
     t0 = time.perf_counter()
     for i in range(0, len(pairs), batch_size):
-        ids = [tok.encode(s)[:126] + [EOS_ID] for s, _ in pairs[i:i + batch_size]]
+        ids = [tok.encode(s)[:126] + [family.eos_id] for s, _ in pairs[i:i + batch_size]]
         L = max(map(len, ids))
-        input_ids = torch.tensor([x + [PAD_ID] * (L - len(x)) for x in ids], device=device)
-        out = model.generate(input_ids=input_ids, attention_mask=(input_ids != PAD_ID).long())
+        input_ids = torch.tensor([x + [family.pad_id] * (L - len(x)) for x in ids], device=device)
+        out = model.generate(input_ids=input_ids, attention_mask=(input_ids != family.pad_id).long())
         hyps += [tok.decode(row.tolist()).strip() for row in out]
     refs = [t for _, t in pairs]
     exact = sum(h == r for h, r in zip(hyps, refs)) / len(refs)
@@ -247,25 +372,25 @@ def evaluate(model, tok, pairs: List[Pair], batch_size: int = 100) -> Dict:
                          for (s, r), h in list(zip(pairs, hyps))[:3]]}
 
 
-def run_one(args, tok, examples, test_pairs, fused: bool) -> Dict:
+def run_one(args, family: Family, tok, examples, test_pairs, fused: bool) -> Dict:
     """One run: build the model (same seed each time), convert it when ``fused``, train, evaluate."""
     import fastformer
 
-    model = build_model(args, tok.vocab_size)
+    model = build_model(args, family, tok.vocab_size)
     result: Dict = {"name": "fastformer" if fused else "transformers"}
     if fused:
         model = fastformer.convert(model, label_smoothing=args.label_smoothing)
-        result["fusion"] = fusion_summary(model)
-    with tempfile.TemporaryDirectory(prefix="hf_marian_dates-") as workdir:  # the Trainer's output_dir; kept empty
-        result.update(train(args, model, examples, fused, workdir))
-    result.update(evaluate(model, tok, test_pairs))
+        result["fusion"] = fusion_summary(model, family)
+    with tempfile.TemporaryDirectory(prefix="hf_seq2seq_dates-") as workdir:  # the Trainer's output_dir; kept empty
+        result.update(train(args, family, model, examples, fused, workdir))
+    result.update(evaluate(model, family, tok, test_pairs))
     return result
 
 
 def report_text(report: Dict) -> str:
     s = report["settings"]
-    lines = [f"MarianMTModel d_model {s['d_model']}, {s['layers']}+{s['layers']} layers, {s['heads']} heads, "
-             f"FFN {s['ffn']}, {s['activation']}, vocabulary {s['vocab_size']} (BPE), batch {s['batch_size']}, "
+    lines = [f"{FAMILIES[s['model']].title} d_model {s['d_model']}, {s['layers']}+{s['layers']} layers, "
+             f"{s['heads']} heads, FFN {s['ffn']}, {s['activation']}, vocabulary {s['vocab_size']} (BPE), batch {s['batch_size']}, "
              f"{s['steps']} steps, label smoothing {s['label_smoothing']}, {s['threads']} threads on "
              f"{report['machine']['cpu']}", "",
              f"| run | step ms (median of steps {s['timing_warmup'] + 1}-{s['steps']}) | mean ms | train s "
@@ -293,12 +418,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    tok, examples, test_pairs = make_data(args)
+    family = FAMILIES[args.model]
+    tok, examples, test_pairs = make_data(args, family)
     runs = []
     if not args.only_fastformer:
-        runs.append(run_one(args, tok, examples, test_pairs, fused=False))
+        runs.append(run_one(args, family, tok, examples, test_pairs, fused=False))
     if not args.no_fastformer:
-        runs.append(run_one(args, tok, examples, test_pairs, fused=True))
+        runs.append(run_one(args, family, tok, examples, test_pairs, fused=True))
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     settings.update(vocab_size=tok.vocab_size, threads=torch.get_num_threads())
     report = {"settings": settings, "runs": runs, "seconds": time.perf_counter() - t0,
