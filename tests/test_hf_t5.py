@@ -257,3 +257,33 @@ def test_copies_and_pickles_stay_fused(monkeypatch):
         assert type(c.decoder.block[1]) is type(model.decoder.block[1])
         assert torch.equal(c(**batch).loss, want)
         assert dict(calls) == {k: v for k, v in H.expected_calls(c, loss=True).items() if v}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_end_dropout_is_fastformers_and_exact(backend, monkeypatch):
+    """A block's last residual add, ``residual + dropout(out)`` (its norm is the next block's), runs
+    fastformer's dropout in training: each element of ``h - residual`` is 0 or ``out / (1 - p)``, about
+    ``p`` of them 0, the gradients are the mask's, and the norm weight it borrows gets none; torch's
+    dropout is not called. In eval it is the plain sum."""
+    from fastformer.hf import t5
+
+    backend = H.t5_backend(backend)
+    model = H.convert(H.build("t5", dropout_rate=0.25).train(), backend)
+    block = model.encoder.block[0]
+    ff_layer = block.layer[-1]
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda *a, **k: pytest.fail("torch's dropout ran"))
+    out = torch.full((64, 32, block.layer[0].layer_norm.weight.numel()), 2.0, requires_grad=True)
+    residual = torch.randn(out.shape, requires_grad=True)
+    with fastformer.use_backend(backend):
+        h = t5._add(block, ff_layer, out, residual)
+    kept = (h - residual).detach()
+    assert torch.all((kept == 0) | torch.isclose(kept, torch.tensor(2.0 / 0.75)))
+    assert abs(float((kept == 0).float().mean()) - 0.25) < 0.02
+    h.backward(torch.ones_like(h))
+    assert torch.equal(out.grad, (kept != 0).float() / 0.75)
+    assert torch.equal(residual.grad, torch.ones_like(residual))
+    assert ff_layer.layer_norm.weight.grad is None
+    monkeypatch.undo()
+    model.eval()
+    with fastformer.use_backend(backend):
+        assert torch.equal(t5._add(block, ff_layer, out, residual), residual + out)

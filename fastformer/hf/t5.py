@@ -96,6 +96,20 @@ def _add_norm(block, sub, out, residual, ln):
     return _norm(block, ln, h), h
 
 
+def _add(block, sub, out, residual):
+    """``residual + dropout(out)``, the end of a block's last sub-layer ``sub``, whose norm is the next
+    block's. In training with dropout it runs through ``add_layer_norm``, whose dropout costs a
+    fraction of torch's (``bernoulli_`` is most of a T5 block's elementwise time on a CPU); its
+    normalised output, by ``sub``'s own norm weight detached (no gradient to it), is not used."""
+    p = _dropout_p(sub.dropout)
+    ln = sub.layer_norm
+    if (p is not None and _p(sub, p) > 0.0 and residual.dtype != torch.float16
+            and _norm_fusable(block, ln, out, residual)):
+        return ops.add_layer_norm(out, residual, ln.weight.detach(), None, ln.variance_epsilon, p, prenorm=True,
+                                  rms_norm=True)[1]
+    return _clamp_fp16(residual + sub.dropout(out))
+
+
 def _dense(block, dense, x):
     """The feed-forward ``DenseReluDense`` (``T5DenseActDense`` or ``T5DenseGatedActDense``) on ``x``."""
     act = block._fastformer_activation
@@ -271,7 +285,7 @@ def _block(self, hidden_states, attention_mask, position_bias, memory, memory_ma
         x, residual = _add_norm(self, cross, out, residual, ln)
     else:
         x, residual = _add_norm(self, self_layer, out, residual, ln)
-    h = _clamp_fp16(residual + ff_layer.dropout(_dense(self, ff_layer.DenseReluDense, x)))
+    h = _add(self, ff_layer, _dense(self, ff_layer.DenseReluDense, x), residual)
     if isinstance(position_bias, nn.Parameter) and fsdp_unit(self):
         # the block's own table, which FSDP2 frees with the unit's other unsharded parameters once this
         # forward returns: the later blocks get a copy (buckets x H)
