@@ -12,6 +12,8 @@ import torch
 from fastformer.jobs.bench import hf_step
 from fastformer.jobs.cli import main
 
+import hf_models as H
+
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes: no thread start-up on 2 shared cores
 
 NEEDS_TRANSFORMERS = "transformers is an optional dependency (pip install transformers)"
@@ -102,25 +104,18 @@ def test_fastformer_provider_runs_fastformers_ops(monkeypatch):
     reason = hf_step.why_not("transformers-fastformer", CPU)
     if reason is not None:
         pytest.skip(reason)
-    import fastformer
-
-    calls = {}
-    for name in ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "linear_cross_entropy"):
-        def counted(*args, _op=getattr(fastformer.ops, name), _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _op(*args, **kwargs)
-        monkeypatch.setattr(fastformer.ops, name, counted)
+    calls, attention = H.count_op_calls(monkeypatch)
     shape = hf_step.sweep("cpu", "smoke")[0]
     hf_step.build_step("transformers", shape, CPU).run()
-    assert calls == {}  # plain transformers runs none of them
+    assert not calls  # plain transformers runs none of them
     step = hf_step.build_step("transformers-fastformer", shape, CPU)
     calls.clear()  # convert()'s probe of feed_forward's activations, when this process has not run it yet
     step.run()
     L = shape["layers"]
     assert calls.get("linear_cross_entropy") == 1
     # encoder self, decoder self and cross-attention, on the packed rows (the batch has padding both sides)
-    assert calls.get("attention_varlen") == 3 * L and "attention" not in calls
-    assert calls.get("feed_forward") == 2 * L and calls.get("add_layer_norm", 0) >= 5 * L
+    assert calls["attention"] == 3 * L and all(a.get("varlen") for a in attention)
+    assert calls["feed_forward"] == 2 * L and calls["add_layer_norm"] >= 5 * L
 
 
 def test_gemm_flops_are_the_bart_models_matrix_products():

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from fastformer.jobs.bench import hf_step
 from fastformer.jobs.cli import main
 
+import hf_models as H
+
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny shapes: no thread start-up on 2 shared cores
 
 NEEDS_TRANSFORMERS = "transformers is an optional dependency (pip install transformers)"
@@ -115,22 +117,17 @@ def test_converted_step_runs_fastformers_ops(monkeypatch):
     reason = hf_step.why_not("transformers-fastformer", CPU, T5)
     if reason is not None:
         pytest.skip(reason)
-    import fastformer
-
-    calls = {}
-    for name in ("attention", "attention_varlen", "add_layer_norm", "feed_forward", "linear_cross_entropy"):
-        def counted(*args, _op=getattr(fastformer.ops, name), _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _op(*args, **kwargs)
-        monkeypatch.setattr(fastformer.ops, name, counted)
+    calls, attention = H.count_op_calls(monkeypatch)
     shape = _smoke()
     step = hf_step.build_step("transformers-fastformer", shape, CPU, family=T5)
     calls.clear()  # convert()'s probe of feed_forward's activations
     step.run()
     L = shape["layers"]
-    assert calls.get("linear_cross_entropy") == 1 and calls.get("feed_forward") == 2 * L
-    assert calls.get("attention_varlen", 0) + calls.get("attention", 0) == 3 * L
-    assert calls.get("add_layer_norm", 0) >= 5 * L
+    assert calls["linear_cross_entropy"] == 1 and calls["feed_forward"] == 2 * L
+    assert calls["attention"] == 3 * L and len(attention) == 3 * L
+    # self-attention of both stacks with the relative bias table, cross-attention without
+    assert sum(a.get("relative_attention_bias") is not None for a in attention) == 2 * L
+    assert calls["add_layer_norm"] >= 5 * L
 
 
 def test_gemm_flops_are_the_t5_models_matrix_products():
