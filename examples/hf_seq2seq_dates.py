@@ -117,14 +117,9 @@ class T5Vocabulary:
     with the specials at T5's ids: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2 (T5 has no ``<s>``)."""
 
     def __init__(self, texts: List[str], vocab_size: int):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from fastformer.jobs.data.tokenizer import train_byte_level_bpe
 
-        tok = Tokenizer(models.BPE(unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(T5_SPECIALS),
-                                      show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(texts, trainer=trainer)
+        tok = train_byte_level_bpe(texts, vocab_size, T5_SPECIALS)
         got = [tok.token_to_id(name) for name in T5_SPECIALS]
         if got != [T5_PAD_ID, T5_EOS_ID, T5_UNK_ID]:  # tokenizers places the specials first, in order
             raise RuntimeError(f"the T5 vocabulary put {T5_SPECIALS} at {got}, not T5's ids 0, 1, 2")

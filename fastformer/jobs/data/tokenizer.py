@@ -103,17 +103,7 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> "BPETokenizer":
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
-        tok = HFTokenizer(models.BPE(unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                      special_tokens=list(SPECIALS), show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(list(texts), trainer=trainer)
-        return cls(tok)
+        return cls(train_byte_level_bpe(texts, vocab_size, SPECIALS, min_frequency))
 
     @classmethod
     def from_json(cls, text: str) -> "BPETokenizer":
@@ -133,6 +123,21 @@ class BPETokenizer(Tokenizer):
 
     def to_dict(self) -> Dict:
         return {"kind": "bpe", "json": self._tok.to_str()}
+
+
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, specials: Sequence[str], min_frequency: int = 2):
+    """A ``tokenizers`` byte-level BPE trained on ``texts``, ``specials`` at ids 0, 1, ... in order
+    (``"<unk>"`` among them)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(specials),
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return tok
 
 
 def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 8000) -> Tokenizer:
