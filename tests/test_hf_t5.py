@@ -204,13 +204,14 @@ def test_head_scaling_follows_the_config(tie):
 
 def test_blocks_and_attention_are_fused_where_expected():
     """Every block and attention module becomes its fused subclass (same class name, same object); the
-    LM class too; norms, embeddings and the head stay transformers' modules."""
+    LM class and the stacks' dropout too; norms, embeddings and the head stay transformers' modules."""
     model = H.build("t5")
     before = {n: type(m) for n, m in model.named_modules()}
     H.convert(model)
     for name, m in model.named_modules():
         changed = type(m) is not before[name]
-        fused = name == "" or before[name].__name__ in ("T5Block", "T5Attention")
+        fused = name in ("", "encoder.dropout", "decoder.dropout") or before[name].__name__ in ("T5Block",
+                                                                                                 "T5Attention")
         assert changed == fused, name
         if changed:
             assert type(m).__name__ == before[name].__name__ and isinstance(m, before[name])
@@ -287,3 +288,27 @@ def test_block_end_dropout_is_fastformers_and_exact(backend, monkeypatch):
     model.eval()
     with fastformer.use_backend(backend):
         assert torch.equal(t5._add(block, ff_layer, out, residual), residual + out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_type", ["t5", "umt5"])
+def test_no_torch_dropout_in_a_converted_training_step(model_type, backend, monkeypatch):
+    """With dropout 0.25 everywhere, a converted model's training step calls no torch dropout: the
+    stacks' dropout (of the embeddings, after the final norm) is fastformer's, each element 0 or
+    ``x / (1 - p)``, about ``p`` of them 0, its gradient the mask's; in eval it is the identity."""
+    backend = H.t5_backend(backend)
+    model = H.convert(H.build(model_type, dropout_rate=0.25).train(), backend)
+    batch = H.batch(model_type, S=S)
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda *a, **k: pytest.fail("torch's dropout ran"))
+    with fastformer.use_backend(backend):
+        model(**batch).loss.backward()
+        x = torch.full((64, 32, model.config.d_model), 3.0, requires_grad=True)
+        y = model.encoder.dropout(x)
+    assert type(model.encoder.dropout).__name__ == "Dropout"
+    assert torch.all((y == 0) | torch.isclose(y, torch.tensor(3.0 / 0.75)))
+    assert abs(float((y == 0).float().mean()) - 0.25) < 0.02
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, (y != 0).float() / 0.75)
+    monkeypatch.undo()
+    model.eval()
+    assert torch.equal(model.decoder.dropout(x), x)

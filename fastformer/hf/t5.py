@@ -110,6 +110,17 @@ def _add(block, sub, out, residual):
     return _clamp_fp16(residual + sub.dropout(out))
 
 
+def stack_dropout_forward(self, x):
+    """``T5Stack.dropout`` (an ``nn.Dropout``, of the embeddings and of the final norm's output) in
+    training: fastformer's Philox dropout through ``add_layer_norm`` (``h = dropout(x)``; the normalised
+    output is not used), a fraction of torch's ``bernoulli_`` on a CPU. Otherwise torch's own."""
+    if (self.training and 0.0 < self.p < 1.0 and not self.inplace and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() >= 1 and x.shape[-1] > 0 and not torch.is_autocast_enabled(x.device.type)):
+        ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        return ops.add_layer_norm(x, None, ones, None, 1e-6, self.p, prenorm=True, rms_norm=True)[1]
+    return nn.Dropout.forward(self, x)
+
+
 def _dense(block, dense, x):
     """The feed-forward ``DenseReluDense`` (``T5DenseActDense`` or ``T5DenseGatedActDense``) on ``x``."""
     act = block._fastformer_activation
@@ -320,13 +331,16 @@ def umt5_block_forward(self, hidden_states, attention_mask=None, encoder_hidden_
 
 def fuse(model, layout: Layout, mod, activation) -> dict:
     """Fuse (in place) every block and attention module of ``model`` of the family ``layout`` of the
-    modeling module ``mod``. ``activation(fn, gated)`` -> fastformer's name for the activation module
+    modeling module ``mod``, and its stacks' dropout (:func:`stack_dropout_forward`). ``activation(fn, gated)`` -> fastformer's name for the activation module
     ``fn`` or ``(None, why)``. Returns ``{activation name: why}`` for feed-forwards left to transformers."""
     block_cls, attn_cls, norm_cls = (layout.cls(mod, n) for n in ("Block", "Attention", "LayerNorm"))
     block_forward = umt5_block_forward if layout.umt5 else t5_block_forward
     attn_forward = umt5_attention_forward if layout.umt5 else t5_attention_forward
     unsupported = {}
+    stack_cls = layout.cls(mod, "Stack")
     for m in model.modules():
+        if type(m) is stack_cls and plain(getattr(m, "dropout", None), nn.Dropout):
+            m.dropout.__class__ = fused_subclass(nn.Dropout, stack_dropout_forward, "_t5_stack")
         if type(m) is attn_cls:
             m.__class__ = fused_subclass(attn_cls, attn_forward, "_t5")
         elif type(m) is block_cls:
