@@ -11,4 +11,8 @@ constexpr uint32_t kPhiloxRoundA = 0xD2511F53u, kPhiloxRoundB = 0xCD9E8D57u;  //
 constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;      // key increments
 constexpr int kDropoutGroup = 8;  // columns per Philox call (16 bits each from its 4 words)
 
+// Attention's dropout ("v3", fastformer/philox.py): 16 x 32 tiles of probabilities, 32 Philox calls
+// (lanes) a tile, 16 one-byte decisions a call, in the layout of an m16 x n32 mma.sync accumulator.
+constexpr int kAttnDropRows = 16, kAttnDropCols = 32, kAttnDropLanes = 32;
+
 }  // namespace fastformer

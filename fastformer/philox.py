@@ -118,6 +118,67 @@ def dropout(x: torch.Tensor, p: float, seed, offset) -> torch.Tensor:
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
+
+# ------------------------------------------------------------------ attention's dropout (v3)
+# Attention drops probabilities at FlashAttention-2's price: 16 decisions a Philox call, each
+# from one byte, made where a tensor-core kernel's scores live. The probabilities of head-row
+# bh = b * H + h (a (B, H, Sq, Sk) op; a varlen op uses the padded op's (B, H, max_seqlen_q,
+# max_seqlen_k)) are cut into 16 x 32 tiles (query block qb = i // 16, key block kb = j // 32;
+# QB = ceil(Sq / 16), KB = ceil(Sk / 32) of them). Tile (bh, qb, kb) makes 32 Philox calls,
+# lanes l = 0 .. 31, with counter n = offset + ((bh * QB + qb) * KB + kb) * 32 + l. Within the tile,
+# element (r, c) = (i % 16, j % 32) is
+#     lane l = 4 * (r % 8) + (c % 8) // 2,  byte  b = 4 * (c // 8) + 2 * (r // 8) + c % 2
+# of its call's 16 bytes (w0's low byte first): exactly the elements lane l of a warp holds in
+# the accumulators of an m16 x n32 product (mma.sync m16n8: n8 tile t = c // 8, accumulator
+# 2 * (r // 8) + c % 2), so lane l's call makes its 16 decisions and nothing moves between lanes.
+# The element is kept iff its byte >= T = round(p * 256) (half up), and kept values are scaled by
+# 256 / (256 - T): the realised keep probability is (256 - T) / 256, so dropout stays unbiased,
+# and the rate a user gets is T / 256 (0.1 -> 26 / 256 = 0.1015625; p < 1 / 512 drops nothing).
+ATTN_TILE_ROWS, ATTN_TILE_COLS, ATTN_LANES = 16, 32, 32
+
+
+def attention_threshold(p: float) -> int:
+    """Attention's 8-bit threshold: a probability is kept iff its byte is ``>= attention_threshold(p)``."""
+    return min(int(p * 256 + 0.5), 256)  # round half up (p * 256 is exact in binary floating point)
+
+
+def attention_drop_rate(p: float) -> float:
+    """The dropout rate attention applies for a requested ``p``: ``attention_threshold(p) / 256``."""
+    return attention_threshold(p) / 256.0
+
+
+def attention_keep_scale(p: float) -> float:
+    """What a kept probability is multiplied by: 1 / the realised keep probability (0 if none is kept)."""
+    t = attention_threshold(p)
+    return 256.0 / (256 - t) if t < 256 else 0.0
+
+
+def attention_counters_used(shape: Sequence[int]) -> int:
+    """Philox counters attention dropout over probabilities of ``shape`` (..., Sq, Sk) consumes."""
+    *lead, Sq, Sk = (int(s) for s in shape)
+    return math.prod(lead) * (-(-Sq // ATTN_TILE_ROWS)) * (-(-Sk // ATTN_TILE_COLS)) * ATTN_LANES
+
+
+def attention_random8(shape: Sequence[int], seed: int, offset: int, device=None) -> torch.Tensor:
+    """The random byte of every attention probability of ``shape`` (..., Sq, Sk): int64 in [0, 256)."""
+    *lead, Sq, Sk = (int(s) for s in shape)
+    BH = math.prod(lead)
+    QB, KB = -(-Sq // ATTN_TILE_ROWS), -(-Sk // ATTN_TILE_COLS)
+    words = philox4x32(BH * QB * KB * ATTN_LANES, seed, offset, device=device)  # (calls, 4)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=words.device)
+    bytes_ = (words[:, :, None] >> shifts) & 0xFF  # (calls, 4 words, 4 bytes): byte b = 4 * word + byte
+    # (BH, QB, KB, lane = (a, q), byte = (t, hi, e)) with r = 8 hi + a, c = 8 t + 2 q + e
+    x = bytes_.reshape(BH, QB, KB, 8, 4, 4, 2, 2)  # (bh, qb, kb, a, q, t, hi, e)
+    x = x.permute(0, 1, 6, 3, 2, 5, 4, 7)  # (bh, qb, hi, a, kb, t, q, e)
+    x = x.reshape(BH, QB * ATTN_TILE_ROWS, KB * ATTN_TILE_COLS)[:, :Sq, :Sk]
+    return x.reshape(*lead, Sq, Sk)
+
+
+def attention_keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, device=None) -> torch.Tensor:
+    """Bool keep-mask of attention probabilities of ``shape`` (..., Sq, Sk) for dropout ``p``."""
+    return attention_random8(shape, seed, offset, device=device) >= attention_threshold(p)
+
+
 _CPU = torch.device("cpu")
 
 

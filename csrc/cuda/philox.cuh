@@ -24,6 +24,8 @@
 constexpr uint32_t kFfPhiloxRoundA = fastformer::kPhiloxRoundA, kFfPhiloxRoundB = fastformer::kPhiloxRoundB;
 constexpr uint32_t kFfPhiloxKeyA = fastformer::kPhiloxKeyA, kFfPhiloxKeyB = fastformer::kPhiloxKeyB;
 constexpr int kFfDropoutGroup = fastformer::kDropoutGroup;
+constexpr int kAttnDropRowsCu = fastformer::kAttnDropRows, kAttnDropColsCu = fastformer::kAttnDropCols;
+constexpr int kAttnDropLanesCu = fastformer::kAttnDropLanes;
 
 struct FfPhilox4 {
   uint32_t w[4];
@@ -156,6 +158,58 @@ FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const u
     }
     keep[e] = static_cast<uint8_t>(bits);
   }
+}
+
+// ---------------------------------------------------------------- attention's dropout (v3)
+// Defined in fastformer/philox.py (attention_random8): the probabilities of head-row bh = b H + h
+// (padded (B, H, Sq, Sk); varlen: the padded op's (B, H, max_seqlen_q, max_seqlen_k)) in 16 x 32
+// tiles, tile (bh, qb, kb) of QB = ceil(Sq / 16) x KB = ceil(Sk / 32) making 32 Philox calls
+// (lanes l), counter offset + ((bh QB + qb) KB + kb) 32 + l. Element (r, c) of a tile is lane
+// 4 (r % 8) + (c % 8) / 2, byte 4 (c / 8) + 2 (r / 8) + c % 2 of that call: a warp lane's own
+// accumulator elements of an m16 x n32 mma.sync product (n8 tile t = c / 8, register 2 (r / 8) +
+// c % 2), so lane l's call makes its 16 decisions. Kept iff the byte >= T8 = round(p 256) (half
+// up); kept values are scaled by 256 / (256 - T8) (the realised keep probability).
+//
+//   uint64_t n = ff_attn_dropout_counter(offset, bh, qb, kb, QB, KB) + lane;
+//   uint32_t keep = ff_attn_dropout_keep16(seed, n, T8);   bit 4 t + 2 hi + e: n8 tile t, row
+//                                                           group hi (rows 8 hi + lane / 4), column
+//                                                           8 t + 2 (lane % 4) + e
+//   ff_attn_dropout_lane(r, c), ff_attn_dropout_byte(r, c)  where element (r, c) of a tile lives
+//   ff_attn_dropout_threshold(p), ff_attn_dropout_scale(p)  host side, once per launch
+
+FF_HOST_DEVICE uint64_t ff_attn_dropout_counter(uint64_t offset, int64_t bh, int64_t qb, int64_t kb, int64_t QB,
+                                                int64_t KB) {
+  return offset + ((static_cast<uint64_t>(bh) * static_cast<uint64_t>(QB) + static_cast<uint64_t>(qb)) *
+                       static_cast<uint64_t>(KB) +
+                   static_cast<uint64_t>(kb)) *
+                      static_cast<uint64_t>(kAttnDropLanesCu);
+}
+
+FF_HOST_DEVICE int ff_attn_dropout_lane(int r, int c) { return 4 * (r % 8) + (c % 8) / 2; }
+FF_HOST_DEVICE int ff_attn_dropout_byte(int r, int c) { return 4 * (c / 8) + 2 * (r / 8) + c % 2; }
+
+// The 16 keep decisions of counter n: bit b set iff byte b (w[b / 4] >> 8 (b % 4)) >= T8. T8 = 0
+// keeps all 16 without a Philox call.
+FF_HOST_DEVICE uint32_t ff_attn_dropout_keep16(uint64_t seed, uint64_t n, uint32_t T8) {
+  if (T8 == 0u) return 0xFFFFu;
+  const FfPhilox4 w = ff_philox4x32_10(seed, n);
+  uint32_t keep = 0u;
+#pragma unroll
+  for (int b = 0; b < 16; ++b) keep |= (((w.w[b >> 2] >> (8 * (b & 3))) & 0xFFu) >= T8 ? 1u : 0u) << b;
+  return keep;
+}
+
+// T8 = round(p * 256), half up, in [0, 256] (p * 256 is exact in double), for p in [0, 1).
+inline uint32_t ff_attn_dropout_threshold(double p) {
+  const double t = p * 256.0 + 0.5;
+  if (!(t >= 1.0)) return 0u;
+  return t >= 256.0 ? 256u : static_cast<uint32_t>(t);
+}
+
+// What a kept probability is multiplied by: 256 / (256 - T8), 0 when nothing is kept.
+inline float ff_attn_dropout_scale(double p) {
+  const uint32_t t = ff_attn_dropout_threshold(p);
+  return t >= 256u ? 0.0f : static_cast<float>(256.0 / (256.0 - t));
 }
 
 // T = round(p * 2^16), half up, in [0, 65536] (p * 2^16 is exact in double), for p in [0, 1).

@@ -81,7 +81,7 @@ def attention(q, k, v, *, key_padding_mask=None, attn_mask=None, is_causal=False
     keep = None
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng, q.device)
-        keep = philox.keep_mask(s.shape, dropout_p, seed, offset, device=s.device)
+        keep = philox.attention_keep_mask(s.shape, dropout_p, seed, offset, device=s.device)
     return _masked_softmax_v(s, hidden, v, dropout_p, keep)
 
 
@@ -110,7 +110,7 @@ def _masked_softmax_v(s, hidden, v, dropout_p, keep):
     e = torch.exp(s)
     p = e / e.sum(dim=-1, keepdim=True) * row_visible
     if keep is not None:
-        p = p * keep.to(p.dtype) * (1.0 / (1.0 - dropout_p))
+        p = p * keep.to(p.dtype) * philox.attention_keep_scale(dropout_p)  # 1 / the realised keep rate
     # a row with no visible key is 0 even where v holds NaN or inf (its weights are all 0)
     return torch.where(row_visible, torch.matmul(p.to(v.dtype), v), 0.0)
 
@@ -134,7 +134,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     stat_dtype = torch.promote_types(q.dtype, torch.float32)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    G = philox.groups_per_row(max_seqlen_k)
+    per_seq = philox.attention_counters_used((H, max_seqlen_q, max_seqlen_k))  # a padded sequence's counters
     if dropout_p > 0.0:
         seed, offset = _rng(dropout_p, rng, q.device)
     pieces = []  # each sequence's (Lq, H, D) rows, in order: together the (total_q, H, D) output
@@ -154,8 +154,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                                  relative_attention_max_distance).to(stat_dtype)
         keep = None
         if dropout_p > 0.0:  # the padded op's rows (b, h, i < Lq) of (B, H, max_seqlen_q, max_seqlen_k)
-            keep = philox.keep_mask((H, max_seqlen_q, max_seqlen_k), dropout_p, seed,
-                                    offset + b * H * max_seqlen_q * G, device=q.device)[:, :Lq, :Lk]
+            keep = philox.attention_keep_mask((H, max_seqlen_q, max_seqlen_k), dropout_p, seed,
+                                              offset + b * per_seq, device=q.device)[:, :Lq, :Lk]
         pieces.append(_masked_softmax_v(s, hidden, vb, dropout_p, keep).transpose(0, 1))
     if not pieces:  # no query row at all: an empty output that is still part of the graph
         return q.new_zeros(q.shape[:2] + v.shape[2:]) + 0.0 * (q.sum() + k.sum() + v.sum())
