@@ -12,102 +12,17 @@ every failure message. Skipped, with the reason, only where nvcc is not installe
 """
 import glob
 import os
-import re
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from cuda_build import NO_NVCC, NVCC, _demangle, _short, compile_cu, parse_ptxas
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason=NO_NVCC)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) + [
     os.path.join(ROOT, "tests", "simt", "mma_selftest.cu")]
-ARCHS = ("80", "90")
-TIMEOUT_S = 600  # a guard against hangs; a file takes 10-60 s on two busy cores
-
-
-def _nvcc():
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    path = os.path.join(home, "bin", "nvcc")
-    return path if os.path.exists(path) else None
-
-
-NVCC = _nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed (not on PATH, "
-                                "not in $CUDA_HOME/bin or /usr/local/cuda/bin)")
-
-
-def _demangle(names):
-    try:
-        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
-                             timeout=60)
-        lines = out.stdout.splitlines()
-        if out.returncode == 0 and len(lines) == len(names):
-            return dict(zip(names, lines))
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {n: n for n in names}
-
-
-def parse_ptxas(text):
-    """ptxas -v output -> [{name, arch, registers, stack, spill_stores, spill_loads, smem}]."""
-    rows, current = [], None
-    for line in text.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\d+)'", line)
-        if m:
-            current = {"name": m.group(1), "arch": m.group(2), "registers": 0, "stack": 0,
-                       "spill_stores": 0, "spill_loads": 0, "smem": 0}
-            rows.append(current)
-            continue
-        m = re.search(r"Function properties for (\S+)", line)
-        if m and (current is None or current["name"] != m.group(1)):
-            # a non-inlined device function: its spills count as well
-            current = {"name": m.group(1), "arch": rows[-1]["arch"] if rows else "?",
-                       "registers": 0, "stack": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0}
-            rows.append(current)
-            continue
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and current is not None:
-            current["stack"], current["spill_stores"], current["spill_loads"] = map(int, m.groups())
-            continue
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current is not None:
-            current["registers"] = int(m.group(1))
-            s = re.search(r"(\d+) bytes smem", line)
-            current["smem"] = int(s.group(1)) if s else 0
-    return rows
-
-
-def _compile(cu, out_dir):
-    obj = os.path.join(out_dir, os.path.basename(cu) + ".o")
-    cmd = [NVCC, "-c", "-O3", "-std=c++17"]
-    for a in ARCHS:
-        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    cmd += ["-Xptxas", "-v", cu, "-o", obj]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"cmd": cmd, "rc": None, "output": f"timed out after {TIMEOUT_S} s", "rows": []}
-    output = proc.stdout + proc.stderr
-    return {"cmd": cmd, "rc": proc.returncode, "output": output, "rows": parse_ptxas(output)}
-
-
-def _short(name):
-    """A demangled kernel name without its return type, anonymous namespace and parameters."""
-    name = name.replace("(anonymous namespace)::", "")
-    if name.startswith("void "):
-        name = name[5:]
-    depth = 0
-    for i, ch in enumerate(name):
-        depth += ch == "<"
-        depth -= ch == ">"
-        if ch == "(" and depth == 0 and i > 0:
-            return name[:i]
-    return name
 
 
 def _table(cu, result):
@@ -127,10 +42,9 @@ def compiled(request):
     files = [cu for cu in CU_FILES
              if any(getattr(item, "callspec", None) is not None and item.callspec.params.get("cu") == cu
                     for item in request.session.items)]
-    with tempfile.TemporaryDirectory() as out_dir:
-        jobs = max(1, min(len(files), os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            results = dict(zip(files, pool.map(lambda cu: _compile(cu, out_dir), files)))
+    jobs = max(1, min(len(files), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # objects kept for tests/test_cuda_sass.py
+        results = dict(zip(files, pool.map(compile_cu, files)))
     for cu, result in results.items():
         print(_table(cu, result))
     return results
