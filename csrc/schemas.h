@@ -12,6 +12,10 @@
 //     offset + r * ceil(C / 8) + g and key seed, column 8 g + j takes the 16 bits
 //     u = (w[j / 2] >> (16 * (j % 2))) & 0xFFFF and is kept iff u >= round(dropout_p * 2^16);
 //     kept values are scaled by 1 / (1 - dropout_p).
+//     Attention (attention*, attention_varlen*) drops by "v3" instead, at FlashAttention-2's price:
+//     16 x 32 tiles of each head's (Sq, Sk) probabilities, 32 Philox calls a tile whose 16 bytes are
+//     a warp lane's m16 x n32 accumulator elements, kept iff byte >= round(dropout_p * 256), kept
+//     values scaled by 256 / (256 - that threshold) (fastformer/philox.py, philox.cuh).
 //   * `Tensor philox` is (seed, offset): an int64 CPU tensor of shape (2,), both values >= 0,
 //     drawn by fastformer::next_seed() (defined from Python in fastformer/philox.py, so that
 //     torch.compile keeps the draws in the graph). Kernels read the two values on the host

@@ -1,4 +1,5 @@
-"""The dropout random numbers every backend shares: Philox 4x32-10, eight decisions a call.
+"""The dropout random numbers every backend shares: Philox 4x32-10, eight decisions a call
+(the elementwise ops), sixteen for attention (its own layout, "v3", below: attention_keep_mask).
 
 An op's dropout tensor is viewed as rows of length ``C``, its last dimension (attention's
 probabilities ``(B, H, Sq, Sk)``: ``C = Sk`` and a row per query; add_layer_norm ``(N, C)``;

@@ -56,7 +56,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             is top-left aligned (``j <= i``): the two agree when ``Sq == Sk``; for ``Sq != Sk``
             pass ``attn_mask=causal_upper_left(Sq, Sk)`` to get SDPA's.
         scale: score scale, default ``1 / sqrt(D)``.
-        dropout_p: dropout probability on the attention probabilities (pass 0 in eval).
+        dropout_p: dropout probability on the attention probabilities (pass 0 in eval). The
+            kernels decide with one random byte a probability, as FlashAttention-2: the rate
+            applied is ``round(256 * dropout_p) / 256`` (0.1 -> 0.1016; below 1/512 nothing is
+            dropped), and kept values are scaled by the inverse of the rate actually kept, so the
+            output stays unbiased (:func:`fastformer.philox.attention_drop_rate`).
         relative_attention_bias: T5's learned relative position bias, the ``(num_buckets, H)``
             table (``T5Attention.relative_attention_bias.weight``): query ``i`` and key ``j`` of
             head ``h`` add ``table[bucket(j - (i + query_offset)), h]`` to their scaled score
