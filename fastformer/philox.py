@@ -180,6 +180,15 @@ def attention_keep_mask(shape: Sequence[int], p: float, seed: int, offset: int, 
     return attention_random8(shape, seed, offset, device=device) >= attention_threshold(p)
 
 
+def attention_dropout(probs: torch.Tensor, p: float, seed, offset) -> torch.Tensor:
+    """Attention's dropout of probabilities ``probs`` (..., Sq, Sk), differentiable: exactly what
+    the attention ops drop (seed and offset as :func:`dropout` takes them)."""
+    if p == 0.0:
+        return probs
+    keep = attention_keep_mask(probs.shape, p, seed, offset, device=probs.device)
+    return probs * keep.to(probs.dtype) * attention_keep_scale(p)
+
+
 _CPU = torch.device("cpu")
 
 

@@ -206,6 +206,23 @@ def test_mha_need_weights_with_dropout_returns_the_weights_used():
     assert_close("output from returned weights", out, m.out_proj(heads), 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_mha_need_weights_drops_what_the_fused_op_drops(backend):
+    """With the same generator state the weights path (dropout applied to returned weights) and the
+    fused op drop the same probabilities: the output is the same either way."""
+    m = fnn.MultiheadAttention(E, H, dropout=0.3, batch_first=True)
+    q, kv = torch.randn(B, L, E), torch.randn(B, S, E)
+    with fastformer.use_backend(backend):
+        torch.manual_seed(5)
+        with_weights = m(q, kv, kv, need_weights=True)[0]
+        torch.manual_seed(5)
+        fused = m(q, kv, kv, need_weights=False)[0]
+        torch.manual_seed(6)
+        other = m(q, kv, kv, need_weights=False)[0]
+    assert_close("output, weights path vs fused", with_weights, fused, 1e-5, 1e-5)
+    assert not torch.allclose(fused, other), "another seed dropped the same probabilities"
+
+
 def test_mha_errors_name_the_argument():
     m = fnn.MultiheadAttention(E, H, batch_first=True)
     q = torch.randn(B, L, E)

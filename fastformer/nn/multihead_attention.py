@@ -242,7 +242,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             weights = attention_probs(q, k, kpm, mask, causal, scale)  # (B, H, L, S)
             if dropout_p > 0.0:
                 rng = philox.draw(dropout_p, q.device)  # (2,) tensor: no .item(), so no graph break
-                weights = philox.dropout(weights, dropout_p, rng[0], rng[1])
+                weights = philox.attention_dropout(weights, dropout_p, rng[0], rng[1])  # the fused op's mask
                 out = torch.matmul(weights, v)
         if weights is None or dropout_p == 0.0:
             out = ops.attention(q, k, v, key_padding_mask=kpm, attn_mask=mask, is_causal=causal,
