@@ -427,6 +427,37 @@ def attention_table(records: List[Dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def attention_dropout_table(records: List[Dict]) -> str:
+    """What dropout costs each provider in the attention grid: a row per (shape without the
+    dropout, dtype, mode), each provider's best time with dropout minus its best time without (ms),
+    and fastformer's costs over SDPA flash's (issue 45's target: at most 1.00x); "-" where a
+    provider lacks either time."""
+    rows = [r for r in records if r["op"] == "attention" and r["status"] == "ok"]
+    best = {}
+    for r in rows:
+        shape, _, p = r["label"].rpartition(" p")
+        best[shape, r["dtype"], r["mode"], r["provider"], float(p)] = r["min_ms"]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    keys = list(dict.fromkeys(k[:3] for k in best if k[4] > 0.0))
+    cost = {}
+    for shape, dtype, mode, provider, p in best:
+        if p > 0.0 and (shape, dtype, mode, provider, 0.0) in best:
+            cost[shape, dtype, mode, provider] = (best[shape, dtype, mode, provider, p]
+                                                  - best[shape, dtype, mode, provider, 0.0])
+    ratios = [p for p in ("fastformer-cuda", "fastformer-triton") if p in providers]
+    head = ["shape", "dtype", "mode"] + [f"{p} +ms" for p in providers] + [f"{p} / flash" for p in ratios]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        cells = list(key) + [f"{cost[key + (p,)]:+.3f}" if key + (p,) in cost else "-" for p in providers]
+        flash = cost.get(key + ("sdpa-flash",))
+        for p in ratios:
+            ours = cost.get(key + (p,))
+            ok = ours is not None and flash is not None and flash > 0.0
+            cells.append(f"{ours / flash:.2f}x" if ok else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> None:
     """``summary.md`` (each step's status and seconds, then the attention grid), and
     ``results.md`` rewritten from ``results.json`` with every op's table (each bench run wrote only
@@ -441,9 +472,11 @@ def write_results(out: str, gpu: str, results: List[Tuple[str, str, float]]) -> 
     text = "\n".join(lines) + "\n"
     if any(r["op"] == "attention" for r in records):
         table = attention_table(records)
+        drop = attention_dropout_table(records)
         with open(os.path.join(out, "attention.md"), "w") as f:
-            f.write(f"# attention on {gpu}: TFLOP/s from the best of 10 timed calls (CUDA events)\n\n{table}")
-        text += f"\n## attention\n\n{table}"
+            f.write(f"# attention on {gpu}: TFLOP/s from the best of 10 timed calls (CUDA events)\n\n{table}"
+                    f"\n## what dropout 0.1 costs (ms added to the best time)\n\n{drop}")
+        text += f"\n## attention\n\n{table}\n## attention: what dropout costs\n\n{drop}"
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     if records:

@@ -167,6 +167,20 @@ def test_attention_table_has_a_row_per_shape_and_mode_and_ratios_to_flash():
     assert lines[3] == "| S512 full p0 | bf16 | bwd | 50.0 | error: RuntimeError: out of memory | 25.0 | - | 0.50x |"
 
 
+def test_dropout_table_subtracts_each_providers_time_without_dropout():
+    records = [_rec("S512 full p0", "fwd", "sdpa-flash", 1.0), _rec("S512 full p0.1", "fwd", "sdpa-flash", 1.25),
+               _rec("S512 full p0", "fwd", "fastformer-cuda", 2.0), _rec("S512 full p0.1", "fwd", "fastformer-cuda", 2.5),
+               _rec("S512 full p0", "bwd", "sdpa-flash", 2.0), _rec("S512 full p0.1", "bwd", "sdpa-flash", 2.5),
+               _rec("S512 full p0", "bwd", "fastformer-cuda", 3.0),
+               _rec("S512 full p0.1", "bwd", "fastformer-cuda", 0, status="error: RuntimeError: out of memory"),
+               _rec("S2048 causal p0.1", "fwd", "sdpa-flash", 9.0)]  # no run without dropout: no row
+    lines = gpu_check.attention_dropout_table(records).splitlines()
+    assert lines[0] == "| shape | dtype | mode | sdpa-flash +ms | fastformer-cuda +ms | fastformer-cuda / flash |"
+    assert lines[2] == "| S512 full | bf16 | fwd | +0.250 | +0.500 | 2.00x |"
+    assert lines[3] == "| S512 full | bf16 | bwd | +0.500 | - | - |"
+    assert lines[4].startswith("| S2048 causal | bf16 | fwd | - |") and len(lines) == 5
+
+
 def test_results_are_written_as_tables_beside_the_json(tmp_path):
     records = [_rec("S512 full p0", "fwd", "sdpa-flash", 1.0), _rec("S512 full p0", "fwd", "fastformer-cuda", 2.0)]
     (tmp_path / "results.json").write_text(json.dumps({"machine": {}, "settings": {}, "results": records}))
@@ -176,6 +190,7 @@ def test_results_are_written_as_tables_beside_the_json(tmp_path):
     assert "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 0.50x |" in summary
     assert "| S512 full p0 | bf16 | fwd | 100.0 | 50.0 | 0.50x |" in (tmp_path / "attention.md").read_text()
     assert "### attention" in (tmp_path / "results.md").read_text()
+    assert "what dropout costs" in summary
 
 
 def test_abi_report_names_the_one_libstdcxx_of_a_healthy_process():
