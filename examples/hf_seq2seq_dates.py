@@ -156,14 +156,10 @@ def t5_config(args, vocab_size: int):
 def t5_model(config):
     from transformers import T5ForConditionalGeneration
 
+    from fastformer.hf.t5 import untie_lm_head
+
     model = T5ForConditionalGeneration(config)
-    # v1.1's output layer is its own weight. transformers 5 forces ``config.tie_word_embeddings`` to True for
-    # T5 (``tie_word_embeddings=False`` only turns off the d_model**-0.5 scaling of the decoder's output) and
-    # unties the head only when a checkpoint holds two different weights: untie it as that does. Its init is
-    # T5X's fan-in N(0, 1/d_model); transformers' N(0, 1) for an untied head (for a checkpoint to overwrite)
-    # starts the logits ~sqrt(d_model) wide, a loss near 30.
-    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.shared.weight) * config.d_model ** -0.5)
-    model.all_tied_weights_keys.pop("lm_head.weight", None)
+    untie_lm_head(model)  # v1.1's own output layer (transformers 5 ties a config-built T5's regardless)
     return model
 
 

@@ -202,6 +202,24 @@ def test_head_scaling_follows_the_config(tie):
     _step(H.convert(copy.deepcopy(ref)), ref, H.batch("t5", S=S))
 
 
+def test_untie_lm_head_gives_v1_1_its_own_head_at_fan_in_scale():
+    """transformers 5 ties a config-built T5's head even with tie_word_embeddings=False; untie_lm_head
+    makes it a Parameter of its own, drawn N(0, 1/d_model), that training moves apart from the
+    embedding, and converted and plain copies still agree on a step."""
+    from fastformer.hf.t5 import untie_lm_head
+
+    torch.manual_seed(0)
+    ref = H.build("t5", tie_word_embeddings=False).train()
+    assert ref.lm_head.weight is ref.shared.weight  # the transformers behaviour this works around
+    untie_lm_head(ref)
+    head, shared = ref.lm_head.weight, ref.shared.weight
+    assert head is not shared and "lm_head.weight" not in ref.all_tied_weights_keys
+    d = ref.config.d_model
+    assert abs(head.std().item() * d ** 0.5 - 1.0) < 0.1, head.std().item()
+    assert head in set(ref.parameters()) and shared in set(ref.parameters())
+    _step(H.convert(copy.deepcopy(ref)), ref, H.batch("t5", S=S))
+
+
 def test_blocks_and_attention_are_fused_where_expected():
     """Every block and attention module becomes its fused subclass (same class name, same object); the
     LM class and the stacks' dropout too; norms, embeddings and the head stay transformers' modules."""

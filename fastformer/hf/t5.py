@@ -138,6 +138,19 @@ def _dense(block, dense, x):
 
 
 # ---- attention ----------------------------------------------------------------------------------
+def untie_lm_head(model) -> None:
+    """Give a config-built T5 v1.1-style model (``tie_word_embeddings=False``) its own LM head, as a
+    v1.1 checkpoint has. transformers 5 reads the flag only as "do not rescale the decoder output"
+    and ties the head to the shared embedding anyway; ``from_pretrained`` unties it only when a
+    checkpoint holds two different weights. This unties it the way that path does (its own
+    Parameter, dropped from ``all_tied_weights_keys``), drawn as T5X draws it: fan-in N(0, 1/d_model)
+    (transformers' N(0, 1) for an untied head, there for a checkpoint to overwrite, starts the
+    logits ~sqrt(d_model) wide: a first loss near 30)."""
+    weight = torch.randn_like(model.shared.weight) * model.config.d_model ** -0.5
+    model.lm_head.weight = nn.Parameter(weight)
+    model.all_tied_weights_keys.pop("lm_head.weight", None)
+
+
 def _own_table(attn):
     """The attention's ``(num_buckets, H)`` relative bias table where the op may read it (a hook-free
     ``nn.Embedding``), else None."""

@@ -121,13 +121,9 @@ def _t5_config(shape: Dict):
 
 
 def _t5_untie_head(model) -> None:
-    """A v1.1 checkpoint's own LM head. transformers 5 reads ``tie_word_embeddings=False`` as "do not
-    rescale the decoder output" (``config.scale_decoder_outputs``) and ties the head to the shared
-    embedding anyway; only ``from_pretrained`` of a checkpoint whose two differ (v1.1's) unties them.
-    The head gets its own weight, drawn as ``T5PreTrainedModel._init_weights`` draws an untied one."""
-    weight = torch.empty_like(model.shared.weight).normal_(0.0, model.config.initializer_factor)
-    model.lm_head.weight = torch.nn.Parameter(weight)
-    model.all_tied_weights_keys.pop("lm_head.weight", None)  # (what from_pretrained does when it unties)
+    from fastformer.hf.t5 import untie_lm_head
+
+    untie_lm_head(model)  # v1.1's own head (transformers 5 ties a config-built T5's regardless)
 
 
 def _t5_shift(labels: torch.Tensor, config) -> torch.Tensor:
