@@ -185,7 +185,7 @@ def test_reference_matches_explicit_softmax_composition(p):
         hidden = causal | masks["key_padding_mask"][:, None, None, :]
         probs = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
         if p > 0:
-            probs = probs * philox.keep_mask(probs.shape, p, *rng) / (1 - p)
+            probs = probs * philox.attention_keep_mask(probs.shape, p, *rng) * philox.attention_keep_scale(p)
         return probs @ v
 
     got = _grads(lambda q, k, v: reference.attention(q, k, v, scale=scale, dropout_p=p, rng=rng, **masks),
@@ -345,13 +345,13 @@ def test_non_contiguous_inputs(backend):
 
 def _dropout_probe(backend, B, H, Sq, Sk, p, seed, offset):
     """The dropout keep-mask read back through the kernel: with q = 0 every visible key gets
-    probability 1 / Sk, and v = identity makes out[b, h, i, j] = keep[b, h, i, j] / (Sk (1 - p))."""
+    probability 1 / Sk, and v = identity makes out[b, h, i, j] = keep[b, h, i, j] attention_keep_scale(p) / Sk."""
     device = device_for(backend)
     q = torch.zeros(B, H, Sq, Sk, device=device)
     k = torch.randn(B, H, Sk, Sk, device=device)
     v = torch.eye(Sk, device=device).expand(B, H, Sk, Sk)
     out, _ = backends.Kernels(backend).attention_fwd(q, k, v, None, None, False, 1.0, p, philox.pack(seed, offset))
-    scaled = out * Sk * (1 - p)
+    scaled = out * Sk / philox.attention_keep_scale(p)
     keep = scaled > 0.5
     assert_close("kept values", scaled[keep], torch.ones_like(scaled[keep]), atol=1e-5, rtol=1e-5)
     return keep
@@ -364,8 +364,9 @@ def test_dropout_statistics_and_repeatability(backend, p):
     keep = _dropout_probe(backend, B, H, Sq, Sk, p, 11, 0)
     n = keep.numel()
     rate = keep.double().mean().item()
-    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), f"keep rate {rate} for p={p}"
-    assert torch.equal(keep.cpu(), philox.keep_mask((B, H, Sq, Sk), p, 11, 0))
+    drop = philox.attention_drop_rate(p)  # the rate the 8-bit threshold realises
+    assert abs(rate - (1 - drop)) < 5 * math.sqrt(drop * (1 - drop) / n), f"keep rate {rate} for p={p}"
+    assert torch.equal(keep.cpu(), philox.attention_keep_mask((B, H, Sq, Sk), p, 11, 0))
     # same seed: same mask; another seed or offset: another mask
     assert torch.equal(_dropout_probe(backend, B, H, Sq, Sk, p, 11, 0), keep)
     assert not torch.equal(_dropout_probe(backend, B, H, Sq, Sk, p, 12, 0), keep)
@@ -374,11 +375,12 @@ def test_dropout_statistics_and_repeatability(backend, p):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_counters_past_32_bits(backend):
-    """Group counters offset + row * G + g whose low word wraps carry into the high word (philox.py)."""
+    """Tile counters offset + ((bh QB + qb) KB + kb) 32 + lane whose low word wraps carry into the
+    high word (philox.py)."""
     B, H, Sq, Sk = 1, 2, 3, 40
-    offset = 2**32 - 17  # 5 counters a row: the wrap falls inside row 3, the first of head 1
+    offset = 2**32 - 45  # 2 tiles of 32 counters a head: the wrap falls at lane 13 of head 0's second tile
     keep = _dropout_probe(backend, B, H, Sq, Sk, 0.5, 9, offset)
-    assert torch.equal(keep.cpu(), philox.keep_mask((B, H, Sq, Sk), 0.5, 9, offset))
+    assert torch.equal(keep.cpu(), philox.attention_keep_mask((B, H, Sq, Sk), 0.5, 9, offset))
 
 
 def _visible(B, Sq, Sk, kpm, causal):
@@ -390,7 +392,7 @@ def _visible(B, Sq, Sk, kpm, causal):
 
 def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
     """The keep-masks the CPU forward and backward apply, read back exactly, with left key padding
-    (so tiles start at keys that are not a multiple of 8) and, optionally, the causal mask.
+    (so key blocks start at keys that are not a multiple of 8 or 32) and, optionally, the causal mask.
     Forward: q = 0 gives every visible key probability 1 / nvis, and v[j, d] = 2**(j % 8) where
     d = j // 8 sums each group of eight keys' keep bits into one exact integer of out[..., d].
     Backward: dout = I (D = Sq) makes dv[j, i] = P[i, j] Z[i, j]."""
@@ -406,7 +408,8 @@ def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
     k = torch.randn(B, H, Sk, G, generator=gen)
     out, _ = kern.attention_fwd(torch.zeros(B, H, Sq, G), k, v.expand(B, H, Sk, G), kpm, None, causal,
                                 1.0, p, philox.pack(seed, offset))
-    sums = (out.double() * nvis * (1 - p)).round().long()  # (B, H, Sq, G): 8 keep bits per group
+    scale = philox.attention_keep_scale(p)
+    sums = (out.double() * nvis / scale).round().long()  # (B, H, Sq, G): 8 keep bits per group
     fwd = ((sums.repeat_interleave(8, dim=-1)[..., :Sk] >> (j % 8)) & 1).bool()
     D = Sq
     q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (Sq, Sk, Sk))
@@ -415,7 +418,7 @@ def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
     dout = torch.eye(Sq).expand(B, H, Sq, Sq).contiguous()
     _, _, dv, _ = kern.attention_bwd(dout, q, k, v, o, lse, kpm, None, causal, 1.0, p, philox.pack(seed, offset))
     bwd = dv.transpose(-1, -2) != 0  # (B, H, Sq, Sk)
-    assert_close("kept dv", (dv.transpose(-1, -2).double() * nvis * (1 - p))[bwd],
+    assert_close("kept dv", (dv.transpose(-1, -2).double() * nvis / scale)[bwd],
                  torch.ones(int(bwd.sum()), dtype=torch.float64), atol=1e-5, rtol=1e-5)
     return fwd, bwd, vis
 
@@ -424,15 +427,15 @@ def _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal):
 @pytest.mark.parametrize("backend", CPU)
 @pytest.mark.slow
 def test_cpu_dropout_mask_is_the_reference_mask_for_odd_rows(backend, Sk):
-    """Rows of Sk keys (one per query, row-major over (B, H, Sq)) of any length, tiles starting
-    off a group boundary, Sq != Sk, causal or not, offsets whose low word wraps mid-tensor:
-    forward and backward apply exactly philox.keep_mask on the visible keys."""
-    B, H, Sq = 2, 3, 70  # Sq > kBlockQ: two query blocks
-    G = (Sk + 7) // 8
-    for p, seed, offset, causal in ((0.3, 5, 0, False), (0.5, 2**40 + 1, 2**32 - B * H * Sq * G // 2, True),
+    """Rows of Sk keys of any length (partial 16 x 32 tiles at the ends of both dimensions), key
+    blocks starting off a tile boundary, Sq != Sk, causal or not, offsets whose low word wraps
+    mid-tensor: forward and backward apply exactly philox.attention_keep_mask on the visible keys."""
+    B, H, Sq = 2, 3, 70  # Sq > kBlockQ: two query blocks, the last 16-row group partial
+    used = philox.attention_counters_used((B, H, Sq, Sk))
+    for p, seed, offset, causal in ((0.3, 5, 0, False), (0.5, 2**40 + 1, 2**32 - used // 2, True),
                                     (0.9, 77, 2**33 - 7, Sk > 8)):
         fwd, bwd, vis = _dropout_masks(B, H, Sq, Sk, p, seed, offset, causal)
-        want = philox.keep_mask((B, H, Sq, Sk), p, seed, offset) & vis
+        want = philox.attention_keep_mask((B, H, Sq, Sk), p, seed, offset) & vis
         assert torch.equal(fwd, want), f"forward mask, p={p} offset={offset} causal={causal}"
         assert torch.equal(bwd, want), f"backward mask, p={p} offset={offset} causal={causal}"
 

@@ -82,10 +82,9 @@ def run(name, fn, ref, inputs, tol):
         out[f"{name}.{what}"] = a.double().flatten().tolist()
 
 
-def mask(name, kept, shape, seed, offset):
-    # the kernel's dropout mask, exactly the reference's
-    want = philox.keep_mask(shape, P, seed, offset)
-    assert torch.equal(kept.reshape(shape), want), f"{name}: the dropout mask differs from philox.keep_mask"
+def mask(name, kept, want):
+    # the kernel's dropout mask, exactly the reference's (philox.keep_mask, attention_keep_mask)
+    assert torch.equal(kept.reshape(want.shape), want), f"{name}: the dropout mask differs from the reference's"
     out[f"{name}.mask"] = kept.flatten().int().tolist()
 
 
@@ -120,17 +119,35 @@ for i, (attn, ln, ff, ce, lce) in enumerate([((2, 3, 13, 17, 40), (7, 203), (9, 
         lambda h, w, b, rng: reference.linear_cross_entropy(h, w, t2, linear_bias=b, label_smoothing=0.1, reduction="sum"),
         [r(N, D), r(V, D) / 5, r(V)], 2e-5)
 
+# attention at shapes of partial 16 x 32 dropout tiles: forward and gradients (the backward
+# regenerates the forward's mask) against the reference
+for i, (B, H, Sq, Sk, D) in enumerate([(1, 1, 1, 1023, 16), (2, 3, 37, 70, 24)]):
+    run(f"attention_tiles{i}", lambda q, k, v, rng: ops.attention(q, k, v, dropout_p=P),
+        lambda q, k, v, rng: reference.attention(q, k, v, dropout_p=P, rng=rng),
+        [r(B, H, Sq, D), r(B, H, Sk, D), r(B, H, Sk, D)], 2e-5)
+
 # The raw ops' masks, made visible: uniform attention over v = I, h = dropout(1), a = dropout(relu(1)) I.
 seed, offset = 12345, 678
 pk = philox.pack(seed, offset)
 zq, eye = torch.zeros(1, 2, 5, 37), torch.eye(37).expand(1, 2, 37, 37)
 o, _ = torch.ops.fastformer.attention_fwd(zq, torch.zeros(1, 2, 37, 37), eye, None, None, False, 1.0, P, pk)
-mask("attention", o != 0, (1, 2, 5, 37), seed, offset)
+mask("attention", o != 0, philox.attention_keep_mask((1, 2, 5, 37), P, seed, offset))
+# attention's tiles at odd shapes: q = 0 gives every key 1 / Sk, and v[j, j // 8] = 2 ** (j % 8)
+# sums each eight keys' keep bits into one exact integer of out
+for B, H, Sq, Sk in [(1, 1, 1, 1023), (2, 3, 37, 70)]:
+    G, j = (Sk + 7) // 8, torch.arange(Sk)
+    v8 = torch.zeros(Sk, G)
+    v8[j, j // 8] = 2.0 ** (j % 8)
+    o, _ = torch.ops.fastformer.attention_fwd(torch.zeros(B, H, Sq, G), torch.zeros(B, H, Sk, G), v8.expand(B, H, Sk, G),
+                                              None, None, False, 1.0, P, pk)
+    sums = (o.double() * Sk / philox.attention_keep_scale(P)).round().long()
+    kept = ((sums.repeat_interleave(8, dim=-1)[..., :Sk] >> (j % 8)) & 1).bool()
+    mask(f"attention_{B}x{H}x{Sq}x{Sk}", kept, philox.attention_keep_mask((B, H, Sq, Sk), P, seed, offset))
 _, h, _, _ = torch.ops.fastformer.add_layer_norm_fwd(torch.ones(6, 77), None, torch.ones(77), torch.zeros(77), 1e-5, P, pk)
-mask("add_layer_norm", h != 0, (6, 77), seed, offset)
+mask("add_layer_norm", h != 0, philox.keep_mask((6, 77), P, seed, offset))
 a, _ = torch.ops.fastformer.feed_forward_fwd(torch.zeros(4, 69), torch.zeros(69, 69), torch.ones(69), torch.eye(69),
                                              None, "relu", P, pk)
-mask("feed_forward", a != 0, (4, 69), seed, offset)
+mask("feed_forward", a != 0, philox.keep_mask((4, 69), P, seed, offset))
 json.dump(out, sys.stdout)
 """
 
@@ -152,7 +169,7 @@ def results():
     for lv in LEVELS])
 @pytest.mark.slow
 def test_forced_level_runs_and_matches_the_reference(results, level):
-    # the child asserted the ops against the reference and the masks against philox.keep_mask
+    # the child asserted the ops against the reference and the masks against philox's
     assert results[level]["level"] == level.upper()
 
 

@@ -2,7 +2,8 @@
 // (one Problem for both, attention_problem.h), compiled once per ISA level (isa.h).
 //
 // Backward recomputes P = exp(S - lse) tile by tile and regenerates the dropout mask from
-// (seed, offset): with Z the dropout multipliers (0 or 1 / (1 - p)) and delta = rowsum(dO * O),
+// (seed, offset): with Z the dropout multipliers (0 or 256 / (256 - T8), attention's dropout v3,
+// philox.h; each tile's bits made once for its dQ, dK and dV) and delta = rowsum(dO * O),
 //   dV += (P Z)^T dO,  dP = (dO V^T) Z,  dS = scale P (dP - delta),  dQ += dS K,  dK += dS^T Q.
 // Two race-free schedules, chosen per sequence:
 //   * one task per (sequence, head) computing dQ, dK and dV together (five products per tile),
@@ -32,6 +33,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -74,7 +76,10 @@ struct BwdScratch {
   std::vector<acc_t> dq, dk, dv;       // accumulators of the rows a task owns (leading dim D)
   std::vector<acc_t> x, y;             // bf16: a dout and an out row converted (head_deltas)
   OperandTile<scalar_t> q, k, v, dout;
-  BwdScratch(bool dropout, int64_t D, int64_t dq_rows, int64_t dkv_rows)
+  AttentionDropout<acc_t> drop;        // the keep bits of the tile at hand (dropout only)
+  BwdScratch(const Problem<scalar_t>& p, int64_t dq_rows, int64_t dkv_rows)
+      : BwdScratch(p.dropout.drop, p.D, dq_rows, dkv_rows, p.dropout_tiles(static_cast<acc_t>(p.dropout.scale))) {}
+  BwdScratch(bool dropout, int64_t D, int64_t dq_rows, int64_t dkv_rows, AttentionDropout<acc_t> tiles)
       : S(kBlockQ * kBlockK),
         dP(kBlockQ * kBlockK),
         keep(dropout ? kBlockQ * kBlockK : 0),
@@ -90,7 +95,8 @@ struct BwdScratch {
         q(kBlockQ, D),
         k(kBlockK, D),
         v(kBlockK, D),
-        dout(kBlockQ, D) {}
+        dout(kBlockQ, D),
+        drop(std::move(tiles)) {}
 
   // K_j, V_j (nk, D) of the k/v head query head (b, h) reads and their transposes into KT, VT.
   void load_keys(const Problem<scalar_t>& p, int64_t b, int64_t h, int64_t j0, int64_t nk,
@@ -118,13 +124,13 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   const acc_t* lse = g.lse.row(b, h, i0);
   const acc_t* delta = g.delta.row(b, h, i0);
   const bool dropout = p.dropout.drop;
-  const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, static_cast<acc_t>(p.dropout.scale));
   int64_t ldq, lddo;
   const acc_t* Qi = w.q.get(p.q, b, h, i0, mq, ldq);            // (mq, D)
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
 
   if (dropout) {  // before the product: the multipliers' stores are done when the rows read them
-    for (int64_t r = 0; r < mq; ++r) p.dropout_row(drop, b, h, i0 + r, j0, nk, npad, w.keep.data() + r * kBlockK);
+    w.drop.block(b * p.H + h, i0, mq, j0, nk);  // once per tile: dK, dV and dQ of a tile share it
+    for (int64_t r = 0; r < mq; ++r) w.drop.row(r, nk, npad, w.keep.data() + r * kBlockK);
   }
   // P (mq, nk) = exp(scale * Q_i K_j^T + mask - lse)
   attn::matmul(mq, npad, D, Qi, ldq, w.KT.data(), kBlockK, w.S.data(), kBlockK, false);
@@ -304,7 +310,6 @@ template <typename scalar_t>
 void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, at::opmath_type<scalar_t>* drel) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, threads = at::get_num_threads();
-  const bool dropout = p.dropout.drop;
 
   // The bias gradient's slots, (H, key blocks of all sequences, 2R + 1): sequence b's key block kb
   // of head h is slot h * key_blocks + block0[b] + kb, written by one task only (zeros where no
@@ -363,7 +368,7 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
   // Pass 1: each whole-head task owns its dQ, dK, dV rows, each key-block task its dK, dV rows.
   parallel_tasks(pass1.size(), pass1.work(), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
-    BwdScratch<scalar_t> w(dropout, D, whole_rows, kBlockK);
+    BwdScratch<scalar_t> w(p, whole_rows, kBlockK);
     for (int64_t task; tasks.pop(task);) {
       int64_t h;
       const TaskList::Item& it = pass1.item(task, h);
@@ -394,7 +399,7 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
   // Pass 2: dQ of the split heads, each (sequence, head, query block) task owning its rows.
   parallel_tasks(pass2.size(), pass2.work(), [&](TaskQueue& tasks) {
     attn::BlasSingleThread blas;
-    BwdScratch<scalar_t> w(dropout, D, kBlockQ, 0);
+    BwdScratch<scalar_t> w(p, kBlockQ, 0);
     for (int64_t task; tasks.pop(task);) {
       int64_t h;
       const TaskList::Item& it = pass2.item(task, h);

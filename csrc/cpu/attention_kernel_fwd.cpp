@@ -3,7 +3,8 @@
 //
 // Forward, per (sequence, head, block of kBlockQ queries): S = Q K^T for one block of kBlockK keys
 // at a time, scale and masks applied while the tile is hot, an online softmax (running max m and
-// sum l per row), dropout on the probabilities from the shared Philox stream, and O += P V. A
+// sum l per row), dropout on the probabilities from the shared Philox stream (attention's v3
+// tiles, philox.h: each 16 x 32 tile's bits made once per query block), and O += P V. A
 // relative position bias is added to each score row with the scale (a window of the head's bias
 // by distance, RelRow).
 // Only the per-row log-sum-exp lse = m + log(l) is kept for backward (+inf for a row with no
@@ -57,7 +58,7 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
     std::vector<acc_t> S(kBlockQ * kBlockK), KT(D * kBlockK), acc(kBlockQ * D), m(kBlockQ), l(kBlockQ),
         keep(kGroup * kBlockK);  // a row group's dropout multipliers
     std::array<Vec<acc_t>, kGroup> part;  // a row group's lane-wise maxima, then sums
-    const DropoutScales<acc_t> drop(p.seed, p.dropout.threshold, acc_t(1));  // scaled at the end
+    AttentionDropout<acc_t> drop = p.dropout_tiles(acc_t(1));  // scaled at the end
     OperandTile<scalar_t> q_tile(kBlockQ, D), k_tile(kBlockK, D), v_tile(kBlockK, D);
     // online softmax: rescale what row r accumulated under its old max
     auto rescale = [&](int64_t r, acc_t m_new) {
@@ -106,13 +107,14 @@ void attention_fwd_kernel(const Problem<scalar_t>& p, const Rows<scalar_t>& out,
         attn::transpose(Kj, ldk, nk, D, KT.data(), kBlockK);         // (D, nk)
         // S (mq, nk) = Q_i K_j^T, computed npad wide (see kPad)
         attn::matmul(mq, npad, D, Qi, ldq, KT.data(), kBlockK, S.data(), kBlockK, false);
+        if (dropout) drop.block(b * p.H + h, i0, mq, j0, nk);  // the block's keep bits
         // the softmax rows in groups of kGroup, their maxima and sums reduced together
         for (int64_t g0 = 0; g0 < mq; g0 += kGroup) {
           const int64_t rows = std::min(kGroup, mq - g0);
           acc_t* s0 = S.data() + g0 * kBlockK;
           if (dropout) {  // first: the multipliers' stores are done when the rows read them
             for (int64_t r = 0; r < rows; ++r) {
-              p.dropout_row(drop, b, h, i0 + g0 + r, j0, nk, npad, keep.data() + r * kBlockK);
+              drop.row(g0 + r, nk, npad, keep.data() + r * kBlockK);
             }
           }
           for (int64_t r = 0; r < rows; ++r) {

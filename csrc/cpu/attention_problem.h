@@ -93,7 +93,7 @@ struct Problem {
   int64_t kv_group = 1;  // query heads per k/v head (grouped-query attention when > 1)
   Masks mask;
   acc_t scale;
-  DropoutParams dropout;
+  DropoutParams dropout;  // attention_dropout_params (v3)
   uint64_t seed, offset;
   const acc_t* rel = nullptr;  // the relative position bias (H, 2R + 1) (RelBias); nullptr: none
   int64_t rel_R = 0, rel_shift = 0;
@@ -148,17 +148,11 @@ struct Problem {
     const auto [kbegin, kend] = key_span(b, i0 + mq);
     return mq * (kend - kbegin) * D;
   }
-  // out[0, nk) = the dropout multipliers (drop's value or 0) of keys [j0, j0 + nk) of query
-  // (b, h, i), then up to npad multipliers of the next columns or zeros: out holds kBlockK, and
-  // the last Philox call's columns are written whole there instead of through a copy (padding
-  // columns only ever multiply P = 0). The probabilities (B, H, Sq, Sk) are rows of Sk, one per
-  // query, row-major.
+  // A thread's dropout multipliers (AttentionDropout, dropout_scales.h) of value or 0, for blocks
+  // of up to kBlockQ queries and kBlockK keys; the tile grid is (B, H, Sq, Sk).
   template <typename A>
-  void dropout_row(const DropoutScales<A>& drop, int64_t b, int64_t h, int64_t i, int64_t j0,
-                   int64_t nk, int64_t npad, A* out) const {
-    const int64_t n = std::min(round_up(nk, dropout_detail::kMinFill), kBlockK);
-    drop.fill(out, j0, n, dropout_row_counter(offset, (b * H + h) * Sq + i, Sk));
-    if (n < npad) std::fill(out + n, out + npad, A(0));
+  AttentionDropout<A> dropout_tiles(A value) const {
+    return AttentionDropout<A>(dropout, seed, offset, Sq, Sk, value, kBlockQ, kBlockK);
   }
 };
 
@@ -181,7 +175,7 @@ Problem<scalar_t> make_problem(const std::array<int64_t, 5>& dims, const Rows<sc
   p.v = v;
   p.mask = mask;
   p.scale = static_cast<at::opmath_type<scalar_t>>(scale);
-  p.dropout = dropout_params(dropout_p);
+  p.dropout = attention_dropout_params(dropout_p);  // v3: 8-bit threshold, 256 / (256 - T8)
   p.seed = seed;
   p.offset = offset;
   p.rel = static_cast<const at::opmath_type<scalar_t>*>(rel.data);  // stat_dtype(q): the math type

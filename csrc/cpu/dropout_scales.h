@@ -21,6 +21,8 @@
 #endif
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "philox.h"
 
@@ -321,6 +323,249 @@ class DropoutScales {
   dropout_detail::Keys key_;
   uint32_t threshold_;
   A scale_;
+};
+
+
+// ---------------------------------------------------------------- attention's dropout (v3)
+// The tiles of philox.h's attention section, vectorised: tile_keep(keys, n0, T8, rows, stride)
+// writes rows[r * stride] = the 32 keep bits of row r of the 16 x 32 tile whose first counter is
+// n0 (attention_tile_keep's values). AVX512: two batches of 16 lanes, AVX2: four of 8, DEFAULT:
+// the scalar definition. Each batch's four words are regrouped so that one 128-bit chunk holds one
+// n8 tile's word of lanes 4 a .. 4 a + 3 (rows a and 8 + a), a byte shuffle puts each row's 8
+// bytes of that n8 tile together, a 64-bit permute each row's 32 bytes in column order, and one
+// unsigned byte compare against T8 gives two rows' masks.
+namespace attention_detail {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+// The four words of counters n0 .. n0 + 15, dword k of w[t] = word t of counter n0 + k.
+inline void philox16(const dropout_detail::RoundKeys& key, uint64_t n0, __m512i (&w)[4]) {
+  const __m512i ma = _mm512_set1_epi64(kPhiloxRoundA);
+  const __m512i mb = _mm512_set1_epi64(kPhiloxRoundB);
+  const __m512i base = _mm512_set1_epi64(static_cast<long long>(n0));
+  // even counters in register 0, odd in register 1; each word in the low half of a 64-bit lane
+  const __m512i n[2] = {_mm512_add_epi64(base, _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14)),
+                        _mm512_add_epi64(base, _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15))};
+  __m512i c0[2], c1[2], c2[2], c3[2];
+  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
+    const __m512i pa = _mm512_mul_epu32(n[h], ma);
+    c0[h] = _mm512_xor_si512(_mm512_srli_epi64(n[h], 32), key.k0[0]);
+    c1[h] = _mm512_setzero_si512();
+    c2[h] = _mm512_xor_si512(_mm512_srli_epi64(pa, 32), key.k1[0]);
+    c3[h] = pa;
+  }
+  for (int round = 1; round < 10; ++round) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i pb = _mm512_mul_epu32(c2[h], mb);
+      const __m512i pa = _mm512_mul_epu32(c0[h], ma);
+      c0[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pb, 32), c1[h], key.k0[round], 0x96);
+      c2[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pa, 32), c3[h], key.k1[round], 0x96);
+      c1[h] = pb;
+      c3[h] = pa;
+    }
+  }
+  const __m512i* c[4] = {c0, c1, c2, c3};
+  for (int t = 0; t < 4; ++t) w[t] = _mm512_mask_blend_epi32(0xAAAA, c[t][0], _mm512_slli_epi64(c[t][1], 32));
+}
+
+inline void tile_keep(const dropout_detail::RoundKeys& key, uint64_t n0, uint32_t threshold, uint32_t* rows,
+                      int64_t stride) {
+  const __m512i t8 = _mm512_set1_epi8(static_cast<char>(threshold));
+  // per 128-bit chunk: the bytes of rows a (bytes 0, 1 of each dword) and 8 + a (bytes 2, 3)
+  const __m512i split = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int batch = 0; batch < 2; ++batch) {  // lanes 16 batch .. 16 batch + 15: a = 4 batch + chunk
+    __m512i w[4];
+    philox16(key, n0 + 16 * batch, w);
+    // x[a'] chunk t = w[t] chunk a': a 4 x 4 transpose of 128-bit chunks
+    const __m512i lo01 = _mm512_shuffle_i32x4(w[0], w[1], 0x44), hi01 = _mm512_shuffle_i32x4(w[0], w[1], 0xEE);
+    const __m512i lo23 = _mm512_shuffle_i32x4(w[2], w[3], 0x44), hi23 = _mm512_shuffle_i32x4(w[2], w[3], 0xEE);
+    const __m512i x[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(lo01, lo23, 0xDD),
+                          _mm512_shuffle_i32x4(hi01, hi23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
+    for (int k = 0; k < 4; ++k) {
+      const __m512i y = _mm512_permutexvar_epi64(order, _mm512_shuffle_epi8(x[k], split));
+      const uint64_t m = _mm512_cmpge_epu8_mask(y, t8);  // low half row a, high half row 8 + a
+      const int a = 4 * batch + k;
+      rows[a * stride] = static_cast<uint32_t>(m);
+      rows[(8 + a) * stride] = static_cast<uint32_t>(m >> 32);
+    }
+  }
+}
+
+#elif defined(__AVX2__)
+
+// The four words of counters n0 .. n0 + 7, dword k of w[t] = word t of counter n0 + k.
+inline void philox8(const dropout_detail::RoundKeys& key, uint64_t n0, __m256i (&w)[4]) {
+  const __m256i ma = _mm256_set1_epi64x(kPhiloxRoundA);
+  const __m256i mb = _mm256_set1_epi64x(kPhiloxRoundB);
+  const __m256i base = _mm256_set1_epi64x(static_cast<long long>(n0));
+  const __m256i n[2] = {_mm256_add_epi64(base, _mm256_setr_epi64x(0, 2, 4, 6)),
+                        _mm256_add_epi64(base, _mm256_setr_epi64x(1, 3, 5, 7))};
+  __m256i c0[2], c1[2], c2[2], c3[2];
+  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
+    const __m256i pa = _mm256_mul_epu32(n[h], ma);
+    c0[h] = _mm256_xor_si256(_mm256_srli_epi64(n[h], 32), key.k0[0]);
+    c1[h] = _mm256_setzero_si256();
+    c2[h] = _mm256_xor_si256(_mm256_srli_epi64(pa, 32), key.k1[0]);
+    c3[h] = pa;
+  }
+  for (int round = 1; round < 10; ++round) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i pb = _mm256_mul_epu32(c2[h], mb);
+      const __m256i pa = _mm256_mul_epu32(c0[h], ma);
+      c0[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pb, 32), c1[h]), key.k0[round]);
+      c2[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pa, 32), c3[h]), key.k1[round]);
+      c1[h] = pb;
+      c3[h] = pa;
+    }
+  }
+  const __m256i* c[4] = {c0, c1, c2, c3};
+  for (int t = 0; t < 4; ++t) w[t] = _mm256_blend_epi32(c[t][0], _mm256_slli_epi64(c[t][1], 32), 0xAA);
+}
+
+inline void tile_keep(const dropout_detail::RoundKeys& key, uint64_t n0, uint32_t threshold, uint32_t* rows,
+                      int64_t stride) {
+  const __m256i t8 = _mm256_set1_epi8(static_cast<char>(threshold));
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  // kept bytes of y as a 32-bit mask (x >= T8 unsigned: max(x, T8) == x)
+  auto keep = [&](__m256i y) {
+    y = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(y, split), 0xD8);  // qwords 0, 2, 1, 3
+    return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(y, t8), y)));
+  };
+  for (int batch = 0; batch < 4; ++batch) {  // lanes 8 batch .. 8 batch + 7: a = 2 batch + chunk
+    __m256i w[4];
+    philox8(key, n0 + 8 * batch, w);
+    for (int k = 0; k < 2; ++k) {
+      const int sel = k == 0 ? 0x20 : 0x31;
+      // n8 tiles 0, 1 and 2, 3: low 16 bits row a, high 16 bits row 8 + a
+      const uint32_t m01 = keep(_mm256_permute2x128_si256(w[0], w[1], sel));
+      const uint32_t m23 = keep(_mm256_permute2x128_si256(w[2], w[3], sel));
+      const int a = 2 * batch + k;
+      rows[a * stride] = (m01 & 0xFFFFu) | m23 << 16;
+      rows[(8 + a) * stride] = m01 >> 16 | (m23 & 0xFFFF0000u);
+    }
+  }
+}
+
+#else
+
+inline void tile_keep(uint64_t seed, uint64_t n0, uint32_t threshold, uint32_t* rows, int64_t stride) {
+  attention_tile_keep(seed, n0, threshold, rows, stride);
+}
+
+#endif
+
+// out[0, V) = value where bit k of bits is set, else 0 (V = Vectorized<A>::size()).
+template <typename A>
+inline void expand(A* out, uint32_t bits, A value) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<A, float>) {
+    _mm512_storeu_ps(out, _mm512_maskz_mov_ps(static_cast<__mmask16>(bits), _mm512_set1_ps(value)));
+  } else {
+    _mm512_storeu_pd(out, _mm512_maskz_mov_pd(static_cast<__mmask8>(bits), _mm512_set1_pd(value)));
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel);
+    _mm256_storeu_ps(out, _mm256_and_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(value)));
+  } else {
+    const __m256i sel = _mm256_setr_epi64x(1, 2, 4, 8);
+    const __m256i m = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(bits), sel), sel);
+    _mm256_storeu_pd(out, _mm256_and_pd(_mm256_castsi256_pd(m), _mm256_set1_pd(value)));
+  }
+#else
+  constexpr int kLanes = 16 / sizeof(A);  // SSE width, as at::vec's DEFAULT Vectorized
+  for (int k = 0; k < kLanes; ++k) out[k] = (bits >> k) & 1u ? value : A(0);
+#endif
+}
+
+#if defined(__AVX512F__)
+template <typename A>
+constexpr int64_t kExpandLanes = 64 / sizeof(A);
+#elif defined(__AVX2__)
+template <typename A>
+constexpr int64_t kExpandLanes = 32 / sizeof(A);
+#else
+template <typename A>
+constexpr int64_t kExpandLanes = 16 / sizeof(A);
+#endif
+
+}  // namespace attention_detail
+
+// Attention's dropout multipliers for one thread: block() makes the keep bits of a block of
+// queries [i0, i0 + mq) x keys [j0, j0 + nk) of one head-row (whole tiles: the 16-row groups and
+// 32-column tiles the block touches; i0, j0 need not be aligned), row() expands a row of them
+// into multipliers. Consecutive blocks of the same rows sharing a tile (a key block starting
+// inside a tile, after key padding) take it from the previous block instead of making it again.
+template <typename A>
+class AttentionDropout {
+ public:
+  static constexpr int64_t kMaxTiles = 16;  // 32-column tiles a block may touch (+ a zero word)
+
+  // Sq, Sk: the tile grid's (padded) lengths; max_rows, max_cols: the largest block.
+  AttentionDropout(const DropoutParams& dp, uint64_t seed, uint64_t offset, int64_t Sq, int64_t Sk, A value,
+                   int64_t max_rows, int64_t max_cols)
+      : key_(seed),
+        threshold_(dp.threshold),
+        value_(value),
+        offset_(offset),
+        QB_((Sq + kAttnDropRows - 1) / kAttnDropRows),
+        KB_((Sk + kAttnDropCols - 1) / kAttnDropCols),
+        words_((max_cols + kAttnDropCols - 1) / kAttnDropCols + 2),
+        bits_(((max_rows + 2 * kAttnDropRows - 2) / kAttnDropRows * kAttnDropRows) * words_) {}
+
+  void block(int64_t bh, int64_t i0, int64_t mq, int64_t j0, int64_t nk) {
+    const int64_t qb0 = i0 / kAttnDropRows, qb1 = (i0 + mq + kAttnDropRows - 1) / kAttnDropRows;
+    const int64_t kb0 = j0 / kAttnDropCols, kb1 = (j0 + nk + kAttnDropCols - 1) / kAttnDropCols;
+    int64_t kb = kb0;  // the first tile column to make
+    if (bh == bh_ && qb0 == qb0_ && qb1 == qb1_ && kb0 == kb1_ - 1 && kb0 > kb0_) {
+      // the previous block's last tile column is this block's first
+      for (int64_t r = 0; r < (qb1 - qb0) * kAttnDropRows; ++r) bits_[r * words_] = bits_[r * words_ + kb0 - kb0_];
+      ++kb;
+    }
+    bh_ = bh, qb0_ = qb0, qb1_ = qb1, kb0_ = kb0, kb1_ = kb1, r0_ = i0 - qb0 * kAttnDropRows;
+    shift_ = j0 - kb0 * kAttnDropCols;
+    for (int64_t qb = qb0; qb < qb1; ++qb) {
+      uint32_t* rows = bits_.data() + (qb - qb0) * kAttnDropRows * words_;
+      for (int64_t t = kb; t < kb1; ++t) {
+        if (threshold_ >= 256) {  // nothing kept
+          for (int64_t r = 0; r < kAttnDropRows; ++r) rows[r * words_ + t - kb0] = 0;
+          continue;
+        }
+        attention_detail::tile_keep(key_, attention_tile_counter(offset_, bh, qb, t, QB_, KB_), threshold_,
+                                    rows + t - kb0, words_);
+      }
+      for (int64_t r = 0; r < kAttnDropRows; ++r) rows[r * words_ + kb1 - kb0] = 0;  // past the block
+    }
+  }
+
+  // out[0, npad) = the multipliers of row r of the block (query i0 + r) against keys j0 .., value
+  // or 0; 0 past column nk (npad: a multiple of the vector width).
+  void row(int64_t r, int64_t nk, int64_t npad, A* out) const {
+    constexpr int64_t V = attention_detail::kExpandLanes<A>;
+    const uint32_t* w = bits_.data() + (r0_ + r) * words_;
+    for (int64_t c = 0; c < npad; c += V) {
+      uint32_t bits = 0;
+      if (c < nk) {  // then bit / 32 + 1 is at most the zero word after the block's tiles
+        const int64_t bit = shift_ + c;
+        const uint64_t window = w[bit / 32] | static_cast<uint64_t>(w[bit / 32 + 1]) << 32;
+        bits = static_cast<uint32_t>(window >> (bit % 32));
+        if (c + V > nk) bits &= (1u << (nk - c)) - 1;
+      }
+      attention_detail::expand(out + c, bits, value_);
+    }
+  }
+
+ private:
+  dropout_detail::Keys key_;
+  uint32_t threshold_;
+  A value_;
+  uint64_t offset_;
+  int64_t QB_, KB_, words_;
+  std::vector<uint32_t> bits_;  // rows of the block's 16-row groups, words_ 32-bit words each
+  int64_t bh_ = -1, qb0_ = 0, qb1_ = 0, kb0_ = 0, kb1_ = 0, r0_ = 0, shift_ = 0;
 };
 
 }  // namespace CPU_CAPABILITY

@@ -12,6 +12,7 @@
 // is compiled into every ISA level's kernels (isa.h) and into baseline code, and each must keep
 // its own copy (one shared inline copy would be taken from whichever object the linker saw first).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "../philox_constants.h"
@@ -84,6 +85,47 @@ static inline uint32_t dropout_random16(uint64_t seed, uint64_t row_counter, int
 
 static inline bool dropout_keep(uint64_t seed, uint64_t row_counter, int64_t c, uint32_t threshold) {
   return dropout_random16(seed, row_counter, c) >= threshold;
+}
+
+
+// ---------------------------------------------------------------- attention's dropout (v3)
+// Defined in fastformer/philox.py (attention_random8; csrc/cuda/philox.cuh has the CUDA copy):
+// the probabilities of head-row bh = b H + h (padded (B, H, Sq, Sk); varlen: the padded op's
+// (B, H, max_seqlen_q, max_seqlen_k)) in 16 x 32 tiles, tile (bh, qb, kb) of QB = ceil(Sq / 16) x
+// KB = ceil(Sk / 32) making 32 Philox calls (lanes l), counter offset + ((bh QB + qb) KB + kb) 32 + l.
+// Element (r, c) of a tile is byte 4 (c / 8) + 2 (r / 8) + c % 2 of lane 4 (r % 8) + (c % 8) / 2's
+// call; it is kept iff that byte >= T8 = round(p 256) (half up), and kept values are scaled by
+// 256 / (256 - T8). The CPU kernels hold a tile as 16 row masks of 32 bits (bit c: column c kept);
+// attention_tile_keep is the scalar definition of them, dropout_scales.h's AttentionTileBits the
+// vector one.
+
+// The first counter of tile (bh, qb, kb).
+static inline uint64_t attention_tile_counter(uint64_t offset, int64_t bh, int64_t qb, int64_t kb, int64_t QB,
+                                              int64_t KB) {
+  return offset + ((static_cast<uint64_t>(bh) * static_cast<uint64_t>(QB) + static_cast<uint64_t>(qb)) *
+                       static_cast<uint64_t>(KB) + static_cast<uint64_t>(kb)) * static_cast<uint64_t>(kAttnDropLanes);
+}
+
+// What attention needs of dropout probability p: whether it drops at all (T8 > 0), T8 in [0, 256]
+// (256 keeps nothing) and the kept value 256 / (256 - T8) (0 when nothing is kept).
+static inline DropoutParams attention_dropout_params(double p) {
+  const uint32_t t = std::min<uint32_t>(static_cast<uint32_t>(p * 256.0 + 0.5), 256u);
+  return {t > 0, t, t < 256 ? 256.0 / (256 - t) : 0.0};
+}
+
+// rows[r * stride] = the keep bits (bit c: column c) of row r of the tile whose first counter is n0.
+static inline void attention_tile_keep(uint64_t seed, uint64_t n0, uint32_t threshold, uint32_t* rows,
+                                       int64_t stride) {
+  for (int r = 0; r < kAttnDropRows; ++r) rows[r * stride] = 0;
+  for (int l = 0; l < kAttnDropLanes; ++l) {
+    const PhiloxWords w = philox4x32(seed, n0 + static_cast<uint64_t>(l));
+    for (int b = 0; b < 16; ++b) {  // byte b = 4 t + 2 hi + e: row 8 hi + l / 4, column 8 t + 2 (l % 4) + e
+      const int t = b >> 2, hi = (b >> 1) & 1, e = b & 1;
+      if (((w.w[t] >> (8 * (b & 3))) & 0xFFu) >= threshold) {
+        rows[(8 * hi + l / 4) * stride] |= 1u << (8 * t + 2 * (l % 4) + e);
+      }
+    }
+  }
 }
 
 }  // namespace fastformer

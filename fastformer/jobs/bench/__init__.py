@@ -31,13 +31,13 @@ import torch
 
 from ...internal.validation import positive_int
 from ..devices import THREADS_HELP, machine_load, pick_device, pick_threads
-from . import hf_step, overhead, report, train_step
+from . import dropout_cost, hf_step, overhead, report, train_step
 from .ops import MODES, OPS
 from .providers import COPY, REGISTRY, build_case, default_dtypes, providers_for
 from .records import TIMING, emit, error_status, new_record, relate, set_timed, time_all, time_steps, with_reps
 from .timing import peak_memory_bytes
 
-ALL_OPS = list(OPS) + ["train_step", *hf_step.OPS, overhead.OP]
+ALL_OPS = list(OPS) + ["train_step", *hf_step.OPS, overhead.OP, dropout_cost.OP]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -228,6 +228,8 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
                                              family=hf_step.FAMILIES[op])
         elif op == overhead.OP:
             records += overhead.bench(dev, reps=reps, log=log)
+        elif op == dropout_cost.OP:
+            records += dropout_cost.bench(dev, reps=reps, log=log, dtypes=dtypes)
         else:
             records += bench_op(op, dev, torch_dtypes, size, chosen, modes, log, shapes=shapes, reps=reps)
     report.add_speedups(records)
@@ -257,9 +259,12 @@ def run(ops: Optional[List[str]] = None, providers: Optional[List[str]] = None, 
         with open(os.path.join(out, "overhead_profile.md"), "w") as f:
             f.write(f"# Where an op call's host time goes ({machine['cpu']})\n\n")
             f.write("".join(overhead.profile(c) for c in overhead.cases() if c.p > 0 or c.op.endswith("entropy")))
+    if any(r["op"] == dropout_cost.OP and r["status"] == "ok" for r in records):
+        table += "\n### dropout's cost (attention + add_layer_norm, forward + backward, cpu backend)\n\n" + \
+            dropout_cost.markdown(records)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(header + table)
-    plotted = [op for op in ops if op != overhead.OP]  # (the overhead table is its own figure: no sweep to plot)
+    plotted = [op for op in ops if op not in (overhead.OP, dropout_cost.OP)]  # (tables of their own: no sweep to plot)
     if plots:
         for op in plotted:
             report.plot_op(os.path.join(out, f"{op}.png"), op, records,
