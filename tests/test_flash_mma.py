@@ -506,7 +506,7 @@ def tf32_reference(q, k, v, scale, causal, p=0.0, rng=None):
     prob = torch.softmax(s, -1).nan_to_num(0.0)
     if p > 0:
         from fastformer import philox
-        prob = prob * philox.keep_mask(prob.shape, p, *rng).double() / (1 - p)
+        prob = prob * philox.attention_keep_mask(prob.shape, p, *rng).double() * philox.attention_keep_scale(p)
     return tf32(prob.float()).double() @ v
 
 

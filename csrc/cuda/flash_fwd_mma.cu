@@ -71,11 +71,13 @@
 // barrier (kRelBytes more), and a lane reads it at one base a row plus immediate offsets (per-element
 // global loads and clamps spilled at kD = 128). The backward of such a call runs the FMA kernels.
 //
-// Dropout (Philox v2, philox.cuh): row r = (b H + h) Sq + i, key j in group j / 8 of G =
-// ceil(Sk / 8) a row, counter offset + r G + j / 8. An n8 score tile is one group per row; the
-// four lanes of a quad share its two rows, so lane t computes the groups of the tiles j = t mod 4
-// (both rows, packed in one word) and the quad exchanges them with __shfl_sync. l sums the kept
-// and dropped probabilities alike; kept ones enter O unscaled and O is scaled by 1 / (1 - p) once.
+// Dropout (attention's v3, philox.cuh): the probabilities of head-row b H + h in 16 x 32 tiles of
+// the padded op's (p.Sq, p.Sk) rows (varlen: the maxima), tile (qb, kb) making 32 Philox calls
+// whose lane l decides the 16 elements lane l holds in an m16 x n32 accumulator slab. A warp's 16
+// rows (m0 + 16 warp, a multiple of 16) and a 32-key chunk of the tile are one such tile: each
+// lane makes its own call and tests its bits in registers (bit 4 (j % 4) + 2 hi + e of score
+// s[j][2 hi + e]), kept iff the byte >= T8. l sums the kept and dropped probabilities alike; kept
+// ones enter O unscaled and O is scaled by 256 / (256 - T8) once.
 #include "common.cuh"
 #include "flash_mma.h"
 #include "flash_tiles.cuh"
@@ -124,12 +126,13 @@ struct Params {
   int64_t H, Sq, Sk, D, m_tiles;
   int64_t kv_group;  // query head h reads k/v head h / kv_group (grouped-query attention)
   int causal, dropout, out_vec;  // out_vec: out rows take 16-byte stores (D % 8 == 0)
-  float scale_log2, keep_scale;  // scale log2(e); 1 / (1 - p)
+  float scale_log2, keep_scale;  // scale log2(e); 256 / (256 - T8)
   const bool* kpm;
   int64_t kpm_sb;
   const float* am;
   int64_t am_sb, am_sh, am_sq;  // the key stride is 1
-  uint32_t threshold;
+  uint32_t threshold;       // dropout v3: T8 = round(256 p)
+  int64_t drop_qb, drop_kb;  // its 16 x 32 tiles a head-row: ceil(p.Sq / 16) x ceil(p.Sk / 32)
   uint64_t seed, offset;
   const int64_t* philox;  // device (seed, offset), read per Philox call below instead, or null
   void* out;
@@ -354,29 +357,26 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
       }
     }
 
-    // ---- dropout keep bits: lane t computes the groups of the n8 tiles j = t mod 4, both rows
-    uint32_t keep_own[(kNT + 3) / 4];
+    // ---- dropout keep bits (v3): the warp's 16 rows and a 32-key chunk of the tile are one
+    // 16 x 32 dropout tile, whose lane-l Philox call makes exactly this lane's 16 decisions (bit
+    // 4 (j % 4) + 2 hi + e for s[j][2 hi + e]): one call a lane per chunk, no exchange
+    uint32_t keep[BN / 32];
     if (p.dropout) {
-      const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(p.Sk));
+      const int qb = (m0 + 16 * warp) / 16;  // query block of the padded (max) rows
 #pragma unroll
-      for (int q = 0; q < (kNT + 3) / 4; ++q) {
-        const int j = 4 * q + t, key = n0 + 8 * j;
-        uint32_t bits = 0u;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (j < kNT && row_i[r] < Sq && key < Sk) {
-            const uint64_t row = static_cast<uint64_t>((b * p.H + h) * p.Sq + row_i[r]);
-            // a device philox is read right here, per Philox call (two volatile loads, L1 hits):
-            // the unrolled calls then keep no shared round keys live, as with p.seed, which
-            // ptxas rematerialises from parameter space (read once before the loop: +39 registers
-            // on sm_80 for D <= 64, and spills on sm_90)
-            uint64_t rng_seed = p.seed, rng_offset = p.offset;
-            ff_philox_resolve(p.philox, rng_seed, rng_offset);
-            bits |= ff_dropout_keep8(rng_seed, rng_offset + row * G + static_cast<uint64_t>(key / 8),
-                                     p.threshold) << (8 * r);
-          }
+      for (int c = 0; c < BN / 32; ++c) {
+        keep[c] = 0xFFFFu;
+        const int key = n0 + 32 * c;
+        if (m0 + 16 * warp < Sq && key < Sk) {
+          // a device philox is read right here, per Philox call (two volatile loads, L1 hits):
+          // the unrolled calls then keep no shared round keys live, as with p.seed, which
+          // ptxas rematerialises from parameter space (read once before the loop: +39 registers
+          // on sm_80 for D <= 64, and spills on sm_90)
+          uint64_t rng_seed = p.seed, rng_offset = p.offset;
+          ff_philox_resolve(p.philox, rng_seed, rng_offset);
+          const uint64_t n = ff_attn_dropout_counter(rng_offset, b * p.H + h, qb, key / 32, p.drop_qb, p.drop_kb);
+          keep[c] = ff_attn_dropout_keep16(rng_seed, n + static_cast<uint64_t>(lane), p.threshold);
         }
-        keep_own[q] = bits;
       }
     }
 
@@ -412,10 +412,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_mma_kernel(Params p) {
     if (p.dropout) {
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        const uint32_t bits = __shfl_sync(kFfFullMask, keep_own[j / 4], (lane & ~3) | (j & 3));
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (!((bits >> (8 * (e >> 1) + 2 * t + (e & 1))) & 1u)) s[j][e] = 0.0f;
+          if (!((keep[j / 4] >> (4 * (j % 4) + e)) & 1u)) s[j][e] = 0.0f;
         }
       }
     }
@@ -630,7 +629,9 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.D = w * a.D;
   p.m_tiles = m_tiles;
   p.causal = a.causal ? 1 : 0;
-  p.threshold = ff_dropout_threshold(a.dropout_p);
+  p.threshold = ff_attn_dropout_threshold(a.dropout_p);
+  p.drop_qb = (a.Sq + kAttnDropRowsCu - 1) / kAttnDropRowsCu;
+  p.drop_kb = (a.Sk + kAttnDropColsCu - 1) / kAttnDropColsCu;
   p.dropout = p.threshold != 0u ? 1 : 0;
   // out / lse strides: the given ones, or (all 0) the padded op's contiguous layout
   const bool out_given = (a.out_sb | a.out_sh | a.out_ss) != 0;
@@ -647,7 +648,7 @@ const char* launch_flash_fwd_mma(const FfFlashFwdArgs& a, void* out, float* lse,
   p.total_k = a.total_k;
   p.out_vec = p.D % 8 == 0 && aligned16(out) && (p.out_sb | p.out_sh | p.out_ss) % 8 == 0 ? 1 : 0;
   p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
-  p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
+  p.keep_scale = ff_attn_dropout_scale(a.dropout_p);
   p.kpm = a.kpm;
   p.kpm_sb = a.kpm_sb;
   p.am = a.am;
