@@ -53,7 +53,7 @@
 // bank groups (kD >= 64: at least 8 chunks a row); LdOffsets keeps those addresses in 4 registers
 // per operand. 16-bit: kD 64 48 KiB, 128 64 KiB, 256 96 KiB (tf32: 40 / 80 / 96 KiB), + 8 or 16
 // bytes of key bits: under sm_80's 163 KiB opt-in (static_assert). Registers (ptxas -v, CUDA 13,
-// sm_80 / sm_90): 16-bit 64: 240-255, 128: 250-254, 256: 241-249; tf32: 128-166; no spill
+// sm_80 / sm_90): 16-bit 64: 240-255, 128: 250-255, 256: 241-249; tf32: 128-185; no spill
 // (tests/test_cuda_compile.py); 128 threads a block, 2 blocks (8 warps) an SM. Counts and the
 // expected speed: flash_fwd_mma.md; tests/test_cuda_sass_fwd.py checks the instruction mix.
 // Key padding: a thread's flag of key n0 + x is loaded a tile ahead of its __ballot_sync, so the
