@@ -147,6 +147,18 @@ def test_values_far_from_one_and_a_large_scale(dtype):
     run_case(dtype, B, H, Sq, Sk, D, qkv=[q, k, v], scale=0.5)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_negative_scale(causal):
+    """A negative scale flips which raw score is a row's largest: unmasked tiles, whose exponent
+    folds the scale into one FFMA after the max of the raw scores, must not take it (the kernel
+    scales first then, as in masked tiles). Scores spread over a few hundred: subtracting the
+    smallest instead of the largest would overflow exp2 to inf (NaN rows)."""
+    dtype, B, H, Sq, Sk, D = torch.bfloat16, 1, 2, 70, 130, 64
+    qkv = [(torch.randn(B, H, S, D) * 4).to(dtype) for S in (Sq, Sk, Sk)]
+    out, _ = run_case(dtype, B, H, Sq, Sk, D, causal=causal, scale=-0.3, qkv=qkv)
+    assert torch.isfinite(out).all()
+
+
 # ---------------------------------------------------------------- masks and rows that see nothing
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -506,7 +518,7 @@ def tf32_reference(q, k, v, scale, causal, p=0.0, rng=None):
     prob = torch.softmax(s, -1).nan_to_num(0.0)
     if p > 0:
         from fastformer import philox
-        prob = prob * philox.keep_mask(prob.shape, p, *rng).double() / (1 - p)
+        prob = prob * philox.attention_keep_mask(prob.shape, p, *rng).double() * philox.attention_keep_scale(p)
     return tf32(prob.float()).double() @ v
 
 

@@ -21,7 +21,7 @@
 // (0 strides broadcast batch, head and query; am_sk must be 1), or null; causal: key j visible to
 // query i iff j <= i + Sk - Sq. A key is hidden where a mask says so (am -inf included); a row
 // with no visible key gives out 0, lse +inf.
-// Dropout: Philox v2 with rows of C = Sk columns, row r = (b H + h) Sq + i (philox.cuh).
+// Dropout: attention's v3 (philox.cuh), 16 x 32 tiles of the padded (B, H, Sq, Sk) probabilities.
 // Varlen (attention_varlen's packed rows, as FfAttentionArgs in launchers.h): cu_seqlens_q / _k
 // int32 (B + 1,) on the device, read there only, each sequence clamped to [0, total) and to
 // Sq / Sk, which are then max_seqlen_q / _k (the grid, and the padded op's dropout counters);
