@@ -42,9 +42,10 @@
 // lse = +inf: P = 0, zero gradients. Query rows past Sq are hidden in the dK dV kernel (they
 // would add to dK / dV); in the dQ kernel they are never stored.
 //
-// Dropout: the forward's bits (Philox v2, philox.cuh, row r = (b H + h) Sq + i, group j / 8 of
-// G = ceil(Sk / 8)): each streamed tile's keep bytes (a byte per query and 8-key group) are
-// computed into shared memory with its copies, one Philox call per group spread over the block.
+// Dropout: the forward's bits (attention's v3, philox.cuh: 16 x 32 tiles of head-row b H + h of
+// the padded op's (p.Sq, p.Sk), a byte a probability, kept iff >= T8, scaled by 256 / (256 - T8)):
+// each streamed tile's keep bytes (a byte per query and 8-key group) are computed into shared
+// memory with its copies by ff_attn_dropout_keep_tile, the calls spread over the block.
 #include "common.cuh"
 #include "flash_mma.h"
 #include "flash_tiles.cuh"
@@ -125,8 +126,8 @@ struct Params {
 template <int kRows, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0,
                          int Sq, int Sk) {
-  ff_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.Sq, p.Sk,
-                                               q0, Sq, k0, Sk);
+  ff_attn_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.Sq,
+                                                    p.Sk, q0, Sq, k0, Sk);
 }
 
 // Rows [row0, row0 + 16) x head dims [col0, col0 + 8 kDT) of a gradient from C-layout
@@ -658,7 +659,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.Sk = f.Sk;
   p.D = f.D;
   p.causal = f.causal ? 1 : 0;
-  p.threshold = ff_dropout_threshold(f.dropout_p);
+  p.threshold = ff_attn_dropout_threshold(f.dropout_p);
   p.dropout = p.threshold != 0u ? 1 : 0;
   p.pairs = f.D % 2 == 0 && aligned4(a.dq) && aligned4(a.dk) && aligned4(a.dv) &&
                     (a.dq_sb | a.dq_sh | a.dq_ss | a.dk_sb | a.dk_sh | a.dk_ss | a.dv_sb | a.dv_sh |
@@ -667,7 +668,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
                 : 0;
   p.scale = static_cast<float>(f.scale);
   p.scale_log2 = static_cast<float>(f.scale * 1.4426950408889634);
-  p.keep_scale = static_cast<float>(1.0 / (1.0 - f.dropout_p));
+  p.keep_scale = ff_attn_dropout_scale(f.dropout_p);
   p.kpm = f.kpm;
   p.kpm_sb = f.kpm_sb;
   p.am = f.am;
