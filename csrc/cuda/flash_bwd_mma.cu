@@ -79,6 +79,9 @@ struct Cfg {
   static constexpr int kOwn = 16 * kWarps / kSplit;  // rows a block owns: 64, 64, 32
   static constexpr int kStream = kD == 64 ? 64 : 32; // rows a streamed tile
   static constexpr int kOwnElems = kOwn * kD, kStreamElems = kStream * kD;
+  // the owned rows' A fragments (K, V in dK dV; Q, dO in dQ) held in registers across the
+  // streamed tiles: 2 x kD / 16 x 4 registers a lane, room for them only at kD = 64 (32)
+  static constexpr bool kKeepA = kD == 64;
   // dK dV: K, V; Q, dO (2 stages); lse, Dsum (2 x kStream fp32); keep (2 x kStream x kOwn / 8)
   static constexpr size_t kDkdvSmem =
       (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * 2 * kStream * 4 + 2 * kStream * (kOwn / 8);
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   uint16_t* const vs = ks + C::kOwnElems;
   uint16_t* const qs = vs + C::kOwnElems;            // 2 stages
   uint16_t* const dos = qs + 2 * C::kStreamElems;    // 2 stages
-  float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, log2 domain
+  float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, natural log
   float* const dl_s = lse_s + 2 * BM;                                        // 2 x BM
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
 
@@ -237,6 +240,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
   const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
 
+  constexpr int kKeptA = C::kKeepA ? kQK : 1;
+  uint32_t kf[kKeptA][4], vf[kKeptA][4];  // kKeepA: the warp's K, V A fragments, all tiles
   float dk[kDT][4], dv[kDT][4];
 #pragma unroll
   for (int d = 0; d < kDT; ++d) {
@@ -248,10 +253,13 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
     const int i0 = i_begin + tile * BM;
     load_tile<kD, BM, kAligned>(qs + stage * C::kStreamElems, qg + i0 * p.q_ss, p.q_ss, Sq - i0, D);
     load_tile<kD, BM, kAligned>(dos + stage * C::kStreamElems, dog + i0 * p.do_ss, p.do_ss, Sq - i0, D);
-    for (int e = threadIdx.x; e < BM; e += kThreads) {
-      const bool in = i0 + e < Sq;
-      lse_s[stage * BM + e] = in ? lse_g[i0 + e] * kLog2e : INFINITY;
-      dl_s[stage * BM + e] = in ? dl_g[i0 + e] : 0.0f;
+    // lse and Dsum by cp.async with the tile (a thread a value; no load waited on here). Rows
+    // past Sq get 0: they are hidden (need_mask holds for a tile that reaches past Sq)
+    if (static_cast<int>(threadIdx.x) < 2 * BM) {
+      const int e = static_cast<int>(threadIdx.x) % BM;
+      const bool is_dl = static_cast<int>(threadIdx.x) >= BM, in = i0 + e < Sq;
+      ff_cp_async_4_zfill((is_dl ? dl_s : lse_s) + stage * BM + e, (is_dl ? dl_g : lse_g) + (in ? i0 + e : 0),
+                          in ? 4 : 0);
     }
     if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, i0, n0, Sq, Sk);
     ff_cp_async_commit();
@@ -282,11 +290,23 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
     }
+    if (C::kKeepA && it == 0) {  // K and V came with query tile 0
+#pragma unroll
+      for (int kk = 0; kk < kQK; ++kk) {
+        ff_ldmatrix_x4(kf[kk], ks + a_at(kk, 16 * kg));
+        ff_ldmatrix_x4(vf[kk], vs + a_at(kk, 16 * kg));
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t ak[4], av[4];
-      ff_ldmatrix_x4(ak, ks + a_at(kk, 16 * kg));
-      ff_ldmatrix_x4(av, vs + a_at(kk, 16 * kg));
+      if (C::kKeepA) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ak[e] = kf[kk % kKeptA][e], av[e] = vf[kk % kKeptA][e];
+      } else {
+        ff_ldmatrix_x4(ak, ks + a_at(kk, 16 * kg));
+        ff_ldmatrix_x4(av, vs + a_at(kk, 16 * kg));
+      }
 #pragma unroll
       for (int jp = 0; jp < kNT / 2; ++jp) {
         uint32_t bf[4];
@@ -309,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int il = 8 * j + 2 * t + e, i = i0 + il;
-        const float lse2 = lse_s[stage * BM + il], dl = dl_s[stage * BM + il];
+        const float nlse2 = lse_s[stage * BM + il] * -kLog2e, dl = dl_s[stage * BM + il];
         uint32_t kb = 0u;
         if (p.dropout) kb = keep_s[stage * BM * kKG + il * kKG + 2 * kg];  // keys 16 kg .. + 7
         uint32_t kb8 = 0u;
@@ -326,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
             }
             if (!vis) x = -INFINITY;
           }
-          const float pr = exp2f(x - lse2);  // hidden: 0 (NaN in a NaN row); no visible key: 0
+          const float pr = exp2f(x + nlse2);  // hidden: 0 (NaN in a NaN row); no visible key: 0
           float z = 1.0f;
           if (p.dropout) z = (((r ? kb8 : kb) >> g) & 1u) ? p.keep_scale : 0.0f;
           s[j][2 * r + e] = pr * z;
@@ -424,6 +444,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
   const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
 
+  constexpr int kKeptA = C::kKeepA ? kQK : 1;
+  uint32_t qf[kKeptA][4], df[kKeptA][4];  // kKeepA: the warp's Q, dO A fragments, all tiles
   float dq[kDT][4];
 #pragma unroll
   for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.0f;
@@ -467,11 +489,23 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
     }
+    if (C::kKeepA && it == 0) {  // Q and dO came with key tile 0
+#pragma unroll
+      for (int kk = 0; kk < kQK; ++kk) {
+        ff_ldmatrix_x4(qf[kk], qs + a_at(kk, 16 * qg16));
+        ff_ldmatrix_x4(df[kk], dos + a_at(kk, 16 * qg16));
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t aq[4], ad[4];
-      ff_ldmatrix_x4(aq, qs + a_at(kk, 16 * qg16));
-      ff_ldmatrix_x4(ad, dos + a_at(kk, 16 * qg16));
+      if (C::kKeepA) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) aq[e] = qf[kk % kKeptA][e], ad[e] = df[kk % kKeptA][e];
+      } else {
+        ff_ldmatrix_x4(aq, qs + a_at(kk, 16 * qg16));
+        ff_ldmatrix_x4(ad, dos + a_at(kk, 16 * qg16));
+      }
 #pragma unroll
       for (int jp = 0; jp < kNT / 2; ++jp) {
         uint32_t bf[4];
