@@ -43,9 +43,13 @@
 // would add to dK / dV); in the dQ kernel they are never stored.
 //
 // Dropout: the forward's bits (attention's v3, philox.cuh: 16 x 32 tiles of head-row b H + h of
-// the padded op's (p.Sq, p.Sk), a byte a probability, kept iff >= T8, scaled by 256 / (256 - T8)):
-// each streamed tile's keep bytes (a byte per query and 8-key group) are computed into shared
-// memory with its copies by ff_attn_dropout_keep_tile, the calls spread over the block.
+// the padded op's (p.Sq, p.Sk), a byte a probability, kept iff >= T8, scaled by 256 / (256 - T8)).
+// The dQ kernel's S has the queries as the mma's M side, 16-aligned a warp, and key tiles at
+// multiples of 32, so each lane makes its own elements' bits, one Philox call a 16 x 32 tile, in
+// registers (FlashAttention-2's price). The dK dV kernel's S^T has the keys as M (a lane's elements
+// are other lanes' calls) and, under causal, query tiles from n0 - (Sk - Sq): each streamed tile's
+// keep bytes (a byte per query and 8-key group) are made into shared memory with its copies by
+// ff_attn_dropout_keep_tile, the calls spread over the block.
 #include "common.cuh"
 #include "flash_mma.h"
 #include "flash_tiles.cuh"
@@ -85,9 +89,9 @@ struct Cfg {
   // dK dV: K, V; Q, dO (2 stages); lse, Dsum (2 x kStream fp32); keep (2 x kStream x kOwn / 8)
   static constexpr size_t kDkdvSmem =
       (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * 2 * kStream * 4 + 2 * kStream * (kOwn / 8);
-  // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32); keep (2 x kOwn x kStream / 8)
-  static constexpr size_t kDqSmem =
-      (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4 + 2 * kOwn * (kStream / 8);
+  // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32) (its dropout bits are the
+  // lanes' own, in registers)
+  static constexpr size_t kDqSmem = (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4;
   static_assert(kDkdvSmem <= 166912 && kDqSmem <= 166912, "fits sm_80's opt-in maximum");
   static_assert(kStream % 32 == 0 && kOwn % 16 == 0, "whole warps flag keys; 16-row mma tiles");
 };
@@ -401,14 +405,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   constexpr int kQK = kD / 16;
   constexpr int kDT = C::kDW / 8;
   constexpr int kPV = BN / 16;
-  constexpr int kKG = BN / 8;
   FF_DYNAMIC_SMEM(uint16_t, smem);
   uint16_t* const qs = smem;
   uint16_t* const dos = qs + C::kOwnElems;
   uint16_t* const ks = dos + C::kOwnElems;          // 2 stages
   uint16_t* const vs = ks + 2 * C::kStreamElems;    // 2 stages
   uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kStreamElems);  // 2 x BN / 32
-  uint8_t* const keep_s = reinterpret_cast<uint8_t*>(hid + 2 * (BN / 32));      // 2 x BM x kKG
 
   const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
   // the last query tiles first: under causal they see the most keys
@@ -460,7 +462,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
       const unsigned bits = __ballot_sync(kFfFullMask, hidden);
       if (lane == 0) hid[stage * (BN / 32) + warp] = bits;
     }
-    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, m0, n0, Sq, Sk);
     ff_cp_async_commit();
   };
 
@@ -520,6 +521,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
       }
     }
 
+    // ---- dropout bits, the lane's own (v3): the warp's 16 queries are one 16-row tile block
+    // (m0 + 16 qg16 a multiple of 16) and n0 a multiple of 32, so lane l's call of each 16 x 32
+    // tile decides exactly the 16 elements it holds of S (bit 4 (j % 4) + 2 r + e of n8 tile j):
+    // one call a lane and 32 keys, no shared memory, no barrier. Rows past Sq and keys past Sk get
+    // bits too; they are never stored / hidden.
+    uint32_t keep[kNT / 4] = {};
+    if (p.dropout) {
+      uint64_t key = p.seed, first = p.offset;
+      ff_philox_resolve(p.philox, key, first);
+      const int64_t QB = (p.Sq + kAttnDropRowsCu - 1) / kAttnDropRowsCu;
+      const int64_t KB = (p.Sk + kAttnDropColsCu - 1) / kAttnDropColsCu;
+#pragma unroll
+      for (int c = 0; c < kNT / 4; ++c) {
+        const uint64_t n = ff_attn_dropout_counter(first, b * p.H + h, (m0 + 16 * qg16) / kAttnDropRowsCu,
+                                                   (n0 + 32 * c) / kAttnDropColsCu, QB, KB);
+        keep[c] = ff_attn_dropout_keep16(key, n + static_cast<uint64_t>(lane), p.threshold);
+      }
+    }
+
     // ---- masks (as the forward), dS into dp
     const bool need_mask = p.kpm != nullptr || p.am != nullptr || n0 + BN > Sk ||
                            (p.causal && n0 + BN - 1 > m0 + shift);  // block-uniform
@@ -533,11 +553,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
       if (p.am != nullptr && row_i[r] < Sq) {
         am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + (n0 + 2 * t);
       }
-      const int il = 16 * qg16 + g + 8 * r;  // the row in the block's keep bytes
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        uint32_t kb = 0u;
-        if (p.dropout) kb = keep_s[stage * BM * kKG + il * kKG + j] >> (2 * t);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float x = s[j][2 * r + e] * p.scale_log2;
@@ -553,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
           }
           const float pr = exp2f(x - lse2[r]);
           float z = 1.0f;
-          if (p.dropout) z = ((kb >> e) & 1u) ? p.keep_scale : 0.0f;
+          if (p.dropout) z = ((keep[j / 4] >> (4 * (j % 4) + 2 * r + e)) & 1u) ? p.keep_scale : 0.0f;
           dp[j][2 * r + e] = x == -INFINITY ? 0.0f : pr * (dp[j][2 * r + e] * z - dl[r]);
         }
       }
