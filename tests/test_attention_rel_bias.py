@@ -415,8 +415,9 @@ def test_cuda_kernels_at_tile_boundaries(backend, case, dtype):
         kv = [t.repeat_interleave(group, 1) for t in leaves[1:3]]
         prob = _dense_reference(leaves[0], kv[0], kv[1], leaves[3], shift, causal, kpm,
                                 None if am is None else am.to(ref_dtype), scale)
-        if p > 0:  # the kernels' mask: Philox v2 over the (B, H, Sq, Sk) probabilities
-            prob = prob * philox.keep_mask((B, H, Sq, Sk), p, 11, 4).to(ref_dtype) / (1 - p)
+        if p > 0:  # the kernels' mask: attention's dropout v3 over the (B, H, Sq, Sk) probabilities
+            keep = philox.attention_keep_mask((B, H, Sq, Sk), p, 11, 4).to(ref_dtype)
+            prob = prob * keep * philox.attention_keep_scale(p)
         want = prob @ kv[1]
         return (want, *torch.autograd.grad(want, leaves, dout.to(ref_dtype)))
 
