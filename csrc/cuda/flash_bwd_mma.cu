@@ -21,7 +21,7 @@
 //           (kStream rows; Q, dO, lse, Dsum and the dropout bits double-buffered, cp.async). A
 //           warp computes, for its 16 keys, S^T = K Q^T and dP^T = V dO^T (keys are the mma's M
 //           rows, queries its N columns), P^T = exp2(S^T scale log2 e + mask log2 e - lse log2 e),
-//           dS^T = P^T (dP^T z - Dsum) (z: 1 / (1 - p) where kept, 0 where dropped), then
+//           dS^T = P^T (dP^T z - Dsum) (z: 256 / (256 - T8) where kept, 0 where dropped), then
 //           dV += (P z)^T dO and dK += dS^T Q with P z and dS^T straight from the accumulators as
 //           A fragments (the C layout of two adjacent n8 tiles is one k16 A fragment, as the
 //           forward's P), dO and Q as k-major B through ldmatrix .trans.
@@ -216,7 +216,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   const int kg = warp / C::kSplit, dpart = warp % C::kSplit;  // 16-key group, head-dim part
   const int shift = Sk - Sq;
   // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the block's keys
-  int i_begin = p.causal ? n0 - shift : 0;
+  // (rounded down to a multiple of 16, the dropout tiles' rows: each tile's keep bytes are then
+  // whole 16 x 32 tiles, one Philox call per 16 decisions; the rows added are hidden by causal,
+  // so they add exact zeros)
+  int i_begin = p.causal ? (n0 - shift) & ~(kAttnDropRowsCu - 1) : 0;
   if (i_begin < 0) i_begin = 0;
   const int m_tiles = i_begin < Sq ? (Sq - i_begin + BM - 1) / BM : 0;
 
