@@ -176,6 +176,8 @@ FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const u
 //                                                           8 t + 2 (lane % 4) + e
 //   ff_attn_dropout_lane(r, c), ff_attn_dropout_byte(r, c)  where element (r, c) of a tile lives
 //   ff_attn_dropout_threshold(p), ff_attn_dropout_scale(p)  host side, once per launch
+//   ff_attn_dropout_keep_tile<kRows, kCols, kThreads>(...)   a region's keep bits, by a whole block,
+//                                                           in ff_dropout_keep_tile's layout
 
 FF_HOST_DEVICE uint64_t ff_attn_dropout_counter(uint64_t offset, int64_t bh, int64_t qb, int64_t kb, int64_t QB,
                                                 int64_t KB) {
