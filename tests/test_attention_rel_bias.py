@@ -416,7 +416,8 @@ def test_cuda_kernels_at_tile_boundaries(backend, case, dtype):
         prob = _dense_reference(leaves[0], kv[0], kv[1], leaves[3], shift, causal, kpm,
                                 None if am is None else am.to(ref_dtype), scale)
         if p > 0:  # the kernels' mask: attention's dropout v3 over the (B, H, Sq, Sk) probabilities
-            prob = prob * philox.attention_keep_mask((B, H, Sq, Sk), p, 11, 4).to(ref_dtype) * philox.attention_keep_scale(p)
+            keep = philox.attention_keep_mask((B, H, Sq, Sk), p, 11, 4).to(ref_dtype)
+            prob = prob * keep * philox.attention_keep_scale(p)
         want = prob @ kv[1]
         return (want, *torch.autograd.grad(want, leaves, dout.to(ref_dtype)))
 

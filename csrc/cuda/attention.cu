@@ -58,11 +58,12 @@
 // tile's bias is a window of its distances in shared memory. attention_bwd_dq sums its gradient
 // (dS by distance bin) per block into a scratch row, which the glue sums over blocks with torch.
 //
-// Dropout (Philox v2, philox.cuh), the padded op's counters on (B, H, max_seqlen_q, max_seqlen_k):
-// query i of head h of sequence b is row r = (b H + h) max_seqlen_q + i, key j of the sequence
-// column j, group j / 8 of G = ceil(max_seqlen_k / 8) a row. Every kernel computes the keep bits of
-// its current (queries x keys) tile into shared memory first (one Philox call per group of 8 keys,
-// spread over the block's threads); key tiles start at multiples of 8.
+// Dropout (attention's v3, philox.cuh and fastformer/philox.py), the padded op's counters on
+// (B, H, max_seqlen_q, max_seqlen_k): 16 x 32 tiles of head-row b H + h, 32 Philox calls a tile,
+// one byte a probability, kept iff the byte >= T8 = round(256 p), kept values scaled by
+// 256 / (256 - T8). Every kernel computes the keep bits of its current (queries x keys) tile into
+// shared memory first (ff_attn_dropout_keep_tile: a quad's 4 calls decide two rows of a 16 x 32
+// tile, spread over the block's threads); key tiles start at multiples of 8.
 #include "common.cuh"
 #include "philox.cuh"
 
@@ -178,8 +179,8 @@ FF_DEVICE void load_tile(float* dst, const T* base, int64_t stride, int64_t firs
 template <int kRowsQ, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int64_t q0,
                          int64_t q_len, int64_t k0, int64_t k_len) {
-  ff_dropout_keep_tile<kRowsQ, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.max_q,
-                                                p.max_k, q0, q_len, k0, k_len);
+  ff_attn_dropout_keep_tile<kRowsQ, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H,
+                                                     p.max_q, p.max_k, q0, q_len, k0, k_len);
 }
 
 // The block's (tile, head, sequence) from the flat blockIdx.x = tile + tiles (h + H b).
@@ -642,10 +643,10 @@ Params make_params(const FfAttentionArgs& a) {
   p.am_sq = a.am_sq;
   p.am_sk = a.am_sk;
   p.causal = a.causal ? 1 : 0;
-  p.dropout = a.dropout_p > 0.0 ? 1 : 0;
+  p.threshold = ff_attn_dropout_threshold(a.dropout_p);
+  p.dropout = p.threshold != 0u ? 1 : 0;  // p < 1 / 512 drops nothing (v3's 8-bit threshold)
   p.scale = static_cast<float>(a.scale);
-  p.keep_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
-  p.threshold = ff_dropout_threshold(a.dropout_p);
+  p.keep_scale = ff_attn_dropout_scale(a.dropout_p);
   p.seed = a.seed;
   p.offset = a.offset;
   p.philox = p.dropout ? a.philox : nullptr;

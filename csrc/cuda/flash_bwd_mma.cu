@@ -21,7 +21,7 @@
 //           (kStream rows; Q, dO, lse, Dsum and the dropout bits double-buffered, cp.async). A
 //           warp computes, for its 16 keys, S^T = K Q^T and dP^T = V dO^T (keys are the mma's M
 //           rows, queries its N columns), P^T = exp2(S^T scale log2 e + mask log2 e - lse log2 e),
-//           dS^T = P^T (dP^T z - Dsum) (z: 1 / (1 - p) where kept, 0 where dropped), then
+//           dS^T = P^T (dP^T z - Dsum) (z: 256 / (256 - T8) where kept, 0 where dropped), then
 //           dV += (P z)^T dO and dK += dS^T Q with P z and dS^T straight from the accumulators as
 //           A fragments (the C layout of two adjacent n8 tiles is one k16 A fragment, as the
 //           forward's P), dO and Q as k-major B through ldmatrix .trans.
@@ -42,9 +42,14 @@
 // lse = +inf: P = 0, zero gradients. Query rows past Sq are hidden in the dK dV kernel (they
 // would add to dK / dV); in the dQ kernel they are never stored.
 //
-// Dropout: the forward's bits (Philox v2, philox.cuh, row r = (b H + h) Sq + i, group j / 8 of
-// G = ceil(Sk / 8)): each streamed tile's keep bytes (a byte per query and 8-key group) are
-// computed into shared memory with its copies, one Philox call per group spread over the block.
+// Dropout: the forward's bits (attention's v3, philox.cuh: 16 x 32 tiles of head-row b H + h of
+// the padded op's (p.Sq, p.Sk), a byte a probability, kept iff >= T8, scaled by 256 / (256 - T8)).
+// The dQ kernel's S has the queries as the mma's M side, 16-aligned a warp, and key tiles at
+// multiples of 32, so each lane makes its own elements' bits, one Philox call a 16 x 32 tile, in
+// registers (FlashAttention-2's price). The dK dV kernel's S^T has the keys as M (a lane's elements
+// are other lanes' calls) and, under causal, query tiles from n0 - (Sk - Sq): each streamed tile's
+// keep bytes (a byte per query and 8-key group) are made into shared memory with its copies by
+// ff_attn_dropout_keep_tile, the calls spread over the block.
 #include "common.cuh"
 #include "flash_mma.h"
 #include "flash_tiles.cuh"
@@ -78,12 +83,15 @@ struct Cfg {
   static constexpr int kOwn = 16 * kWarps / kSplit;  // rows a block owns: 64, 64, 32
   static constexpr int kStream = kD == 64 ? 64 : 32; // rows a streamed tile
   static constexpr int kOwnElems = kOwn * kD, kStreamElems = kStream * kD;
+  // the owned rows' A fragments (K, V in dK dV; Q, dO in dQ) held in registers across the
+  // streamed tiles: 2 x kD / 16 x 4 registers a lane, room for them only at kD = 64 (32)
+  static constexpr bool kKeepA = kD == 64;
   // dK dV: K, V; Q, dO (2 stages); lse, Dsum (2 x kStream fp32); keep (2 x kStream x kOwn / 8)
   static constexpr size_t kDkdvSmem =
       (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * 2 * kStream * 4 + 2 * kStream * (kOwn / 8);
-  // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32); keep (2 x kOwn x kStream / 8)
-  static constexpr size_t kDqSmem =
-      (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4 + 2 * kOwn * (kStream / 8);
+  // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32) (its dropout bits are the
+  // lanes' own, in registers)
+  static constexpr size_t kDqSmem = (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4;
   static_assert(kDkdvSmem <= 166912 && kDqSmem <= 166912, "fits sm_80's opt-in maximum");
   static_assert(kStream % 32 == 0 && kOwn % 16 == 0, "whole warps flag keys; 16-row mma tiles");
 };
@@ -125,8 +133,8 @@ struct Params {
 template <int kRows, int kCols>
 FF_DEVICE void fill_keep(uint8_t* keep, const Params& p, int64_t b, int64_t h, int q0, int k0,
                          int Sq, int Sk) {
-  ff_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.Sq, p.Sk,
-                                               q0, Sq, k0, Sk);
+  ff_attn_dropout_keep_tile<kRows, kCols, kThreads>(keep, p.seed, p.offset, p.philox, p.threshold, b, h, p.H, p.Sq,
+                                                    p.Sk, q0, Sq, k0, Sk);
 }
 
 // Rows [row0, row0 + 16) x head dims [col0, col0 + 8 kDT) of a gradient from C-layout
@@ -193,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   uint16_t* const vs = ks + C::kOwnElems;
   uint16_t* const qs = vs + C::kOwnElems;            // 2 stages
   uint16_t* const dos = qs + 2 * C::kStreamElems;    // 2 stages
-  float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, log2 domain
+  float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, natural log
   float* const dl_s = lse_s + 2 * BM;                                        // 2 x BM
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
 
@@ -208,7 +216,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   const int kg = warp / C::kSplit, dpart = warp % C::kSplit;  // 16-key group, head-dim part
   const int shift = Sk - Sq;
   // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the block's keys
-  int i_begin = p.causal ? n0 - shift : 0;
+  // (rounded down to a multiple of 16, the dropout tiles' rows: each tile's keep bytes are then
+  // whole 16 x 32 tiles, one Philox call per 16 decisions; the rows added are hidden by causal,
+  // so they add exact zeros)
+  int i_begin = p.causal ? (n0 - shift) & ~(kAttnDropRowsCu - 1) : 0;
   if (i_begin < 0) i_begin = 0;
   const int m_tiles = i_begin < Sq ? (Sq - i_begin + BM - 1) / BM : 0;
 
@@ -236,6 +247,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
   const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
 
+  constexpr int kKeptA = C::kKeepA ? kQK : 1;
+  uint32_t kf[kKeptA][4], vf[kKeptA][4];  // kKeepA: the warp's K, V A fragments, all tiles
   float dk[kDT][4], dv[kDT][4];
 #pragma unroll
   for (int d = 0; d < kDT; ++d) {
@@ -247,10 +260,13 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
     const int i0 = i_begin + tile * BM;
     load_tile<kD, BM, kAligned>(qs + stage * C::kStreamElems, qg + i0 * p.q_ss, p.q_ss, Sq - i0, D);
     load_tile<kD, BM, kAligned>(dos + stage * C::kStreamElems, dog + i0 * p.do_ss, p.do_ss, Sq - i0, D);
-    for (int e = threadIdx.x; e < BM; e += kThreads) {
-      const bool in = i0 + e < Sq;
-      lse_s[stage * BM + e] = in ? lse_g[i0 + e] * kLog2e : INFINITY;
-      dl_s[stage * BM + e] = in ? dl_g[i0 + e] : 0.0f;
+    // lse and Dsum by cp.async with the tile (a thread a value; no load waited on here). Rows
+    // past Sq get 0: they are hidden (need_mask holds for a tile that reaches past Sq)
+    if (static_cast<int>(threadIdx.x) < 2 * BM) {
+      const int e = static_cast<int>(threadIdx.x) % BM;
+      const bool is_dl = static_cast<int>(threadIdx.x) >= BM, in = i0 + e < Sq;
+      ff_cp_async_4_zfill((is_dl ? dl_s : lse_s) + stage * BM + e, (is_dl ? dl_g : lse_g) + (in ? i0 + e : 0),
+                          in ? 4 : 0);
     }
     if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, i0, n0, Sq, Sk);
     ff_cp_async_commit();
@@ -281,11 +297,23 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
     }
+    if (C::kKeepA && it == 0) {  // K and V came with query tile 0
+#pragma unroll
+      for (int kk = 0; kk < kQK; ++kk) {
+        ff_ldmatrix_x4(kf[kk], ks + a_at(kk, 16 * kg));
+        ff_ldmatrix_x4(vf[kk], vs + a_at(kk, 16 * kg));
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t ak[4], av[4];
-      ff_ldmatrix_x4(ak, ks + a_at(kk, 16 * kg));
-      ff_ldmatrix_x4(av, vs + a_at(kk, 16 * kg));
+      if (C::kKeepA) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ak[e] = kf[kk % kKeptA][e], av[e] = vf[kk % kKeptA][e];
+      } else {
+        ff_ldmatrix_x4(ak, ks + a_at(kk, 16 * kg));
+        ff_ldmatrix_x4(av, vs + a_at(kk, 16 * kg));
+      }
 #pragma unroll
       for (int jp = 0; jp < kNT / 2; ++jp) {
         uint32_t bf[4];
@@ -308,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int il = 8 * j + 2 * t + e, i = i0 + il;
-        const float lse2 = lse_s[stage * BM + il], dl = dl_s[stage * BM + il];
+        const float nlse2 = lse_s[stage * BM + il] * -kLog2e, dl = dl_s[stage * BM + il];
         uint32_t kb = 0u;
         if (p.dropout) kb = keep_s[stage * BM * kKG + il * kKG + 2 * kg];  // keys 16 kg .. + 7
         uint32_t kb8 = 0u;
@@ -325,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
             }
             if (!vis) x = -INFINITY;
           }
-          const float pr = exp2f(x - lse2);  // hidden: 0 (NaN in a NaN row); no visible key: 0
+          const float pr = exp2f(x + nlse2);  // hidden: 0 (NaN in a NaN row); no visible key: 0
           float z = 1.0f;
           if (p.dropout) z = (((r ? kb8 : kb) >> g) & 1u) ? p.keep_scale : 0.0f;
           s[j][2 * r + e] = pr * z;
@@ -380,14 +408,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   constexpr int kQK = kD / 16;
   constexpr int kDT = C::kDW / 8;
   constexpr int kPV = BN / 16;
-  constexpr int kKG = BN / 8;
   FF_DYNAMIC_SMEM(uint16_t, smem);
   uint16_t* const qs = smem;
   uint16_t* const dos = qs + C::kOwnElems;
   uint16_t* const ks = dos + C::kOwnElems;          // 2 stages
   uint16_t* const vs = ks + 2 * C::kStreamElems;    // 2 stages
   uint32_t* const hid = reinterpret_cast<uint32_t*>(vs + 2 * C::kStreamElems);  // 2 x BN / 32
-  uint8_t* const keep_s = reinterpret_cast<uint8_t*>(hid + 2 * (BN / 32));      // 2 x BM x kKG
 
   const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
   // the last query tiles first: under causal they see the most keys
@@ -423,6 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
   const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
   const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
 
+  constexpr int kKeptA = C::kKeepA ? kQK : 1;
+  uint32_t qf[kKeptA][4], df[kKeptA][4];  // kKeepA: the warp's Q, dO A fragments, all tiles
   float dq[kDT][4];
 #pragma unroll
   for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.0f;
@@ -437,7 +465,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
       const unsigned bits = __ballot_sync(kFfFullMask, hidden);
       if (lane == 0) hid[stage * (BN / 32) + warp] = bits;
     }
-    if (p.dropout) fill_keep<BM, BN>(keep_s + stage * BM * kKG, p, b, h, m0, n0, Sq, Sk);
     ff_cp_async_commit();
   };
 
@@ -466,11 +493,23 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
     }
+    if (C::kKeepA && it == 0) {  // Q and dO came with key tile 0
+#pragma unroll
+      for (int kk = 0; kk < kQK; ++kk) {
+        ff_ldmatrix_x4(qf[kk], qs + a_at(kk, 16 * qg16));
+        ff_ldmatrix_x4(df[kk], dos + a_at(kk, 16 * qg16));
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t aq[4], ad[4];
-      ff_ldmatrix_x4(aq, qs + a_at(kk, 16 * qg16));
-      ff_ldmatrix_x4(ad, dos + a_at(kk, 16 * qg16));
+      if (C::kKeepA) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) aq[e] = qf[kk % kKeptA][e], ad[e] = df[kk % kKeptA][e];
+      } else {
+        ff_ldmatrix_x4(aq, qs + a_at(kk, 16 * qg16));
+        ff_ldmatrix_x4(ad, dos + a_at(kk, 16 * qg16));
+      }
 #pragma unroll
       for (int jp = 0; jp < kNT / 2; ++jp) {
         uint32_t bf[4];
@@ -482,6 +521,25 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
         const uint32_t d0[2] = {bf[0], bf[1]}, d1[2] = {bf[2], bf[3]};
         ff_mma_m16n8k16<T>(dp[2 * jp], ad, d0);
         ff_mma_m16n8k16<T>(dp[2 * jp + 1], ad, d1);
+      }
+    }
+
+    // ---- dropout bits, the lane's own (v3): the warp's 16 queries are one 16-row tile block
+    // (m0 + 16 qg16 a multiple of 16) and n0 a multiple of 32, so lane l's call of each 16 x 32
+    // tile decides exactly the 16 elements it holds of S (bit 4 (j % 4) + 2 r + e of n8 tile j):
+    // one call a lane and 32 keys, no shared memory, no barrier. Rows past Sq and keys past Sk get
+    // bits too; they are never stored / hidden.
+    uint32_t keep[kNT / 4] = {};
+    if (p.dropout) {
+      uint64_t key = p.seed, first = p.offset;
+      ff_philox_resolve(p.philox, key, first);
+      const int64_t QB = (p.Sq + kAttnDropRowsCu - 1) / kAttnDropRowsCu;
+      const int64_t KB = (p.Sk + kAttnDropColsCu - 1) / kAttnDropColsCu;
+#pragma unroll
+      for (int c = 0; c < kNT / 4; ++c) {
+        const uint64_t n = ff_attn_dropout_counter(first, b * p.H + h, (m0 + 16 * qg16) / kAttnDropRowsCu,
+                                                   (n0 + 32 * c) / kAttnDropColsCu, QB, KB);
+        keep[c] = ff_attn_dropout_keep16(key, n + static_cast<uint64_t>(lane), p.threshold);
       }
     }
 
@@ -498,11 +556,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
       if (p.am != nullptr && row_i[r] < Sq) {
         am_row = p.am + b * p.am_sb + h * p.am_sh + row_i[r] * p.am_sq + (n0 + 2 * t);
       }
-      const int il = 16 * qg16 + g + 8 * r;  // the row in the block's keep bytes
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
-        uint32_t kb = 0u;
-        if (p.dropout) kb = keep_s[stage * BM * kKG + il * kKG + j] >> (2 * t);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float x = s[j][2 * r + e] * p.scale_log2;
@@ -518,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_bwd_dq_kernel(Params p) {
           }
           const float pr = exp2f(x - lse2[r]);
           float z = 1.0f;
-          if (p.dropout) z = ((kb >> e) & 1u) ? p.keep_scale : 0.0f;
+          if (p.dropout) z = ((keep[j / 4] >> (4 * (j % 4) + 2 * r + e)) & 1u) ? p.keep_scale : 0.0f;
           dp[j][2 * r + e] = x == -INFINITY ? 0.0f : pr * (dp[j][2 * r + e] * z - dl[r]);
         }
       }
@@ -658,7 +713,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.Sk = f.Sk;
   p.D = f.D;
   p.causal = f.causal ? 1 : 0;
-  p.threshold = ff_dropout_threshold(f.dropout_p);
+  p.threshold = ff_attn_dropout_threshold(f.dropout_p);
   p.dropout = p.threshold != 0u ? 1 : 0;
   p.pairs = f.D % 2 == 0 && aligned4(a.dq) && aligned4(a.dk) && aligned4(a.dv) &&
                     (a.dq_sb | a.dq_sh | a.dq_ss | a.dk_sb | a.dk_sh | a.dk_ss | a.dv_sb | a.dv_sh |
@@ -667,7 +722,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
                 : 0;
   p.scale = static_cast<float>(f.scale);
   p.scale_log2 = static_cast<float>(f.scale * 1.4426950408889634);
-  p.keep_scale = static_cast<float>(1.0 / (1.0 - f.dropout_p));
+  p.keep_scale = ff_attn_dropout_scale(f.dropout_p);
   p.kpm = f.kpm;
   p.kpm_sb = f.kpm_sb;
   p.am = f.am;

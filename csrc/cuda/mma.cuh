@@ -170,6 +170,18 @@ FF_DEVICE void ff_cp_async_16(void* dst, const void* src) {
 #endif
 }
 
+// 4 bytes (a row's lse or Dsum; .cg takes only 16, so .ca), the destination zero-filled past
+// src_bytes (0 or 4).
+FF_DEVICE void ff_cp_async_4_zfill(void* dst, const void* src, int src_bytes) {
+#ifdef FF_MMA_UNSUPPORTED
+  __trap();
+#else
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(ff_smem_address(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
+               : "memory");
+#endif
+}
+
 FF_DEVICE void ff_cp_async_commit() {
 #ifndef FF_MMA_UNSUPPORTED
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -330,6 +342,9 @@ inline void ff_cp_async_16_zfill(void* dst, const void* src, int src_bytes) {
   ff_simt::cp_async(dst, src, 16, src_bytes);
 }
 inline void ff_cp_async_16(void* dst, const void* src) { ff_simt::cp_async(dst, src, 16, 16); }
+inline void ff_cp_async_4_zfill(void* dst, const void* src, int src_bytes) {
+  ff_simt::cp_async(dst, src, 4, src_bytes);
+}
 inline void ff_cp_async_commit() { ff_simt::cp_async_commit(); }
 template <int N>
 inline void ff_cp_async_wait() {

@@ -176,6 +176,8 @@ FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const u
 //                                                           8 t + 2 (lane % 4) + e
 //   ff_attn_dropout_lane(r, c), ff_attn_dropout_byte(r, c)  where element (r, c) of a tile lives
 //   ff_attn_dropout_threshold(p), ff_attn_dropout_scale(p)  host side, once per launch
+//   ff_attn_dropout_keep_tile<kRows, kCols, kThreads>(...)   a region's keep bits, by a whole block,
+//                                                           in ff_dropout_keep_tile's layout
 
 FF_HOST_DEVICE uint64_t ff_attn_dropout_counter(uint64_t offset, int64_t bh, int64_t qb, int64_t kb, int64_t QB,
                                                 int64_t KB) {
@@ -197,6 +199,68 @@ FF_HOST_DEVICE uint32_t ff_attn_dropout_keep16(uint64_t seed, uint64_t n, uint32
 #pragma unroll
   for (int b = 0; b < 16; ++b) keep |= (((w.w[b >> 2] >> (8 * (b & 3))) & 0xFFu) >= T8 ? 1u : 0u) << b;
   return keep;
+}
+
+// The keep bits of a region of attention probabilities (v3) in ff_dropout_keep_tile's layout, so
+// that a v2 caller switches by name: keep[i (kCols / 8) + c], bit e, for key k0 + 8 c + e of query
+// q0 + i, i < kRows (0 for a query >= q_len or a key group past k_len), k0 a multiple of 8, the
+// counters those of head-row b H + h of (Sq, Sk) probabilities (varlen: the maxima). The region
+// need not be tile-aligned (a causal dK dV kernel streams queries from n0 - (Sk - Sq)): a unit of
+// work is one row pair (a, a + 8) of a covering 16 x 32 tile, its 4 lanes' calls (a quad of an
+// mma accumulator), which decide those two rows' 32 columns wholly, so each byte of the region
+// is written once, by one thread, without atomics; units outside the region's bytes are skipped.
+// Aligned regions (16-row, 32-column multiples) make exactly the tiles' 32 calls each. Every
+// thread of the block calls it; the parameters come by reference as ff_dropout_keep_tile's do.
+template <int kRows, int kCols, int kThreads, typename I>
+FF_DEVICE void ff_attn_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const uint64_t& offset,
+                                         const int64_t* const& philox, const uint32_t& T8, int64_t b, int64_t h,
+                                         const int64_t& H, const int64_t& Sq, const int64_t& Sk, I q0, I q_len,
+                                         I k0, I k_len) {
+  static_assert(kCols % kFfDropoutGroup == 0, "whole bytes of 8 keys a row");
+  constexpr int kR = kAttnDropRowsCu, kC = kAttnDropColsCu, kGC = kCols / 8;
+  const int64_t QB = (Sq + kR - 1) / kR, KB = (Sk + kC - 1) / kC, bh = b * H + h;
+  uint64_t key = seed, first = offset;
+  ff_philox_resolve(philox, key, first);
+  const I qb0 = q0 / kR, kb0 = k0 / kC;
+  const int nq = static_cast<int>((q0 + kRows - 1) / kR - qb0) + 1;
+  const int nk = static_cast<int>((k0 + kCols - 1) / kC - kb0) + 1;
+  for (int u = threadIdx.x; u < nq * 8 * nk; u += kThreads) {
+    const int kbi = u % nk, a = (u / nk) % 8, qbi = u / (8 * nk);
+    const I qb = qb0 + qbi, kb = kb0 + kbi;
+    const I row0 = qb * kR + a, col0 = kb * kC;  // rows row0, row0 + 8; columns col0 + 8 t + ...
+    bool live = false;                             // a byte of the region this unit decides
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const I row = row0 + 8 * hi;
+      live |= row >= q0 && row < q0 + kRows && row < q_len;
+    }
+    live = live && col0 < k_len;
+    uint64_t bytes = 0u;  // byte 4 hi + t: row row0 + 8 hi, columns col0 + 8 t .. + 7
+    if (live) {
+      const uint64_t n0 = ff_attn_dropout_counter(first, bh, qb, kb, QB, KB) + 4u * static_cast<uint64_t>(a);
+#pragma unroll 1
+      for (int q = 0; q < 4; ++q) {  // lane 4 a + q: columns 8 t + 2 q + e
+        const uint32_t bits = ff_attn_dropout_keep16(key, n0 + static_cast<uint64_t>(q), T8);
+#pragma unroll
+        for (int x = 0; x < 16; ++x) {  // bit x = 4 t + 2 hi + e
+          const int t = x / 4, hi = (x / 2) % 2, e = x % 2;
+          bytes |= static_cast<uint64_t>((bits >> x) & 1u) << (8 * (4 * hi + t) + 2 * q + e);
+        }
+      }
+    }
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const I row = row0 + 8 * hi;
+      if (row < q0 || row >= q0 + kRows) continue;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const I col = col0 + 8 * t;
+        if (col < k0 || col >= k0 + kCols) continue;
+        const bool in = row < q_len && col < k_len;
+        keep[(row - q0) * kGC + (col - k0) / 8] = in ? static_cast<uint8_t>(bytes >> (8 * (4 * hi + t))) : 0u;
+      }
+    }
+  }
 }
 
 // T8 = round(p * 256), half up, in [0, 256] (p * 256 is exact in double), for p in [0, 1).
