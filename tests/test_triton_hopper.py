@@ -191,6 +191,9 @@ def test_launch_picks_the_family_of_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: {0: (9, 0), 1: (8, 0), 2: (12, 0)}[index])
     try:
         assert [A._arch(torch.device("cuda", i)) for i in range(3)] == [90, 80, 80]
+        A._cuda_arch.cache_clear()
+        monkeypatch.setattr(torch.version, "hip", "6.2")  # a gfx9 GPU under ROCm: capability 9.x, no wgmma
+        assert A._arch(torch.device("cuda", 0)) == 80
     finally:
         A._cuda_arch.cache_clear()
     calls = []

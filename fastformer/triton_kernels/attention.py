@@ -316,7 +316,8 @@ def _arch(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_arch(index: int) -> int:
-    return 90 if torch.cuda.get_device_capability(index)[0] == 9 else 80
+    # ROCm reports its gfx9 GPUs as capability 9.x too: no wgmma there
+    return 90 if torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9 else 80
 
 
 MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0 (axes 1 and 2: 65,535)
