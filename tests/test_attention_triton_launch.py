@@ -110,8 +110,9 @@ def test_fp32_dot_precision_follows_torch(monkeypatch, precision, want):
     kernel does; fp16 always passes "ieee" (its dots run on tensor cores either way)."""
     seen = []
     launch = A._launch
-    monkeypatch.setattr(A, "_launch", lambda kind, fn, grid, bd, elt, args, meta:
-                        seen.append((kind, meta["INPUT_PRECISION"])) or launch(kind, fn, grid, bd, elt, args, meta))
+    monkeypatch.setattr(A, "_launch", lambda kind, fn, grid, bd, elt, args, meta, *rest:
+                        seen.append((kind, meta["INPUT_PRECISION"])) or launch(kind, fn, grid, bd, elt, args, meta,
+                                                                              *rest))
     q, k, v, kpm, am, dout = _inputs(1, 1, 9, 11, 16)
     with _float32_matmul_precision(precision):
         assert torch.backends.cuda.matmul.allow_tf32 == (want == "tf32")

@@ -139,14 +139,15 @@ def test_first_choice_tiles_against_reference(monkeypatch, dtype, D, heavy):
 
 
 def test_launch_grids_cover_the_longest_sequence(monkeypatch):
-    """Forward and dQ: (cdiv(max_seqlen_q, BLOCK_M), H, B) programs, dK/dV: (cdiv(max_seqlen_k,
-    BLOCK_N), H, B), all with VARLEN and neither mask; the preprocess runs on the packed rows."""
+    """Forward and dQ: cdiv(max_seqlen_q, BLOCK_M) programs per head, dK/dV: cdiv(max_seqlen_k,
+    BLOCK_N), of the B * H heads on one grid axis, all with VARLEN and neither mask; the
+    preprocess runs on the packed rows."""
     seen = []
     launch = A._launch
 
-    def spy(kind, fn, grid_of, block_d, elt, args, meta):
+    def spy(kind, fn, grid_of, block_d, elt, args, meta, *rest):
         seen.append((kind, grid_of(dict(A.INTERPRET_BLOCKS)), meta["VARLEN"], meta["HAS_KPM"], meta["HAS_MASK"]))
-        return launch(kind, fn, grid_of, block_d, elt, args, meta)
+        return launch(kind, fn, grid_of, block_d, elt, args, meta, *rest)
 
     monkeypatch.setattr(A, "_launch", spy)
     H, D, lq, lk = LENGTHS
@@ -154,9 +155,9 @@ def test_launch_grids_cover_the_longest_sequence(monkeypatch):
     _kernels(q, k, v, dout, lq, lk, True, 0.3)
     bm, bn = A.INTERPRET_BLOCKS["BLOCK_M"], A.INTERPRET_BLOCKS["BLOCK_N"]
     B = len(lq)
-    assert seen == [("fwd", (math.ceil(max(lq) / bm), H, B), True, False, False),
-                    ("dkdv", (math.ceil(max(lk) / bn), H, B), True, False, False),
-                    ("dq", (math.ceil(max(lq) / bm), H, B), True, False, False)], seen
+    assert seen == [("fwd", (math.ceil(max(lq) / bm) * H * B, 1, 1), True, False, False),
+                    ("dkdv", (math.ceil(max(lk) / bn) * H * B, 1, 1), True, False, False),
+                    ("dq", (math.ceil(max(lq) / bm) * H * B, 1, 1), True, False, False)], seen
 
 
 def test_packed_projection_views_and_gradient_layout(small_blocks):

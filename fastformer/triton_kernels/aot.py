@@ -16,9 +16,12 @@ specialisation its host functions can launch, with keys
     first_choice      (optional) True for the configuration the host launches first for this
                       specialisation (the first entry of the kernel's config list: what runs
                       without autotuning, and what the interpreter tests force)
+    ccs               (optional) the compute capabilities the host launches this spec on (a config
+                      family of one target, as attention's sm_90 configs); compiled for those of
+                      the requested ``--cc`` only. Default: every requested target
 
 A *specialisation* is one kernel with one signature and its non-tile constexprs (dtype, feature
-flags, head-dim or hidden-size bucket); its *configs* are the tile constexprs in ``TILE_CONSTEXPRS``
+flags, head-dim or hidden-size bucket) and its ``ccs``; its *configs* are the tile constexprs in ``TILE_CONSTEXPRS``
 with num_warps / num_stages. ``--configs first`` (the default, and what ``make test`` runs)
 compiles each specialisation's first-choice config only; ``--configs all`` compiles every
 autotune candidate (full validation). Without a ``first_choice`` key, the first spec of each
@@ -75,12 +78,18 @@ def load_specs(module_name):
 
 
 def _specialisation(spec):
-    """What a spec computes, without its tile config: kernel, signature, non-tile constexprs."""
+    """What a spec computes, without its tile config: kernel, signature, non-tile constexprs, and
+    the targets it is for."""
     fn = spec["fn"]
     name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", repr(fn))
     constexprs = tuple(sorted((k, repr(v)) for k, v in (spec.get("constexprs") or {}).items()
                               if k not in TILE_CONSTEXPRS))
-    return name, tuple(sorted(spec["signature"].items())), constexprs
+    return name, tuple(sorted(spec["signature"].items())), constexprs, tuple(spec.get("ccs") or ())
+
+
+def targets(spec, ccs):
+    """The requested compute capabilities ``ccs`` that ``spec`` is compiled for (its ``ccs``)."""
+    return [cc for cc in ccs if not spec.get("ccs") or cc in spec["ccs"]]
 
 
 def first_choice_indices(specs):
@@ -215,8 +224,9 @@ def compile_one(module_name, index, cc):
 
 def run(ccs, modules=None, jobs=2, progress=None, configs="first"):
     """Compile the specs of every module for every cc: each specialisation's first-choice config
-    (``configs="first"``) or every spec (``"all"``). Returns ``{"modules": {name: {"specs": n,
-    "selected": [index, ...], "error": str|None}}, "kernels": [row, ...]}``."""
+    (``configs="first"``) or every spec (``"all"``), each for the targets of its ``ccs``. Returns
+    ``{"modules": {name: {"specs": n, "selected": [index, ...], "targets": [[index, cc], ...],
+    "error": str|None}}, "kernels": [row, ...]}``."""
     if configs not in ("first", "all"):
         raise ValueError(f"configs must be 'first' or 'all', got {configs!r}")
     _no_interpreter()
@@ -231,8 +241,10 @@ def run(ccs, modules=None, jobs=2, progress=None, configs="first"):
                 error = "no spec is marked first_choice"
         except Exception as exc:
             specs, selected, error = [], [], f"{type(exc).__name__}: {exc}"
-        report["modules"][name] = {"specs": len(specs), "selected": selected, "error": error}
-        work += [(name, i, cc) for i in selected for cc in ccs]
+        pairs = [(i, cc) for i in selected for cc in targets(specs[i], ccs)]
+        report["modules"][name] = {"specs": len(specs), "selected": selected, "targets": [list(p) for p in pairs],
+                                   "error": error}
+        work += [(name, i, cc) for i, cc in pairs]
     if jobs <= 1:
         rows = (compile_one(*w) for w in work)
         for done, row in enumerate(rows, 1):

@@ -132,8 +132,8 @@ def _attention_fwd(
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
 ):
-    start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
-                                                           BLOCK_M, IS_CAUSAL, VARLEN)
+    start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
+                                                           BLOCK_M, False, IS_CAUSAL, VARLEN)
     if VARLEN:
         if start_m >= Lq:  # the grid covers the longest sequence: this one ends before the tile
             return
@@ -257,6 +257,83 @@ _CONFIGS_REL = {
 }
 
 
+# sm_90 (Hopper) runs a dot on wgmma (HGMMA in the SASS) when its M side (the accumulator's rows:
+# BLOCK_M of the forward's and dQ's dots, BLOCK_N of dK/dV's) is at least 64, a warpgroup's; below
+# that it runs on sm_80's mma.sync (HMMA). Where sm_80's fp16 / bf16 first choice has a dot below
+# 64 rows, the sm_90 family leads with its own, by (kind, BLOCK_D, class: "light" / "heavy" /
+# "rel"; rel takes heavy's unless listed), for the padded and packed layouts alike; then sm_80's
+# candidates. None: none fits, every 64-row tile tried spilled on sm_90 (dK/dV at d256, where dK and
+# dV alone are 2 x 64 x 256 fp32 accumulators; dK/dV at d128 with dropout; dQ at d256 with dropout),
+# so sm_80's first choice (mma.sync) stays. fp32 keeps its one config (FMA or tf32 dots). The sm_90
+# compiles behind these (registers, spills, HGMMA per kernel): triton_kernels/HOPPER.md.
+_CONFIGS_SM90 = {
+    ("dkdv", 64, "heavy"): (32, 64, 8, 3),
+    ("dq", 64, "heavy"): (64, 32, 4, 3),
+    ("dkdv", 128, "heavy"): None,
+    ("fwd", 256, "heavy"): (64, 16, 8, 2),
+    ("dq", 256, "light"): (64, 32, 8, 2),
+    ("dkdv", 256, "light"): None,
+    ("dkdv", 256, "heavy"): None,
+    ("dq", 256, "heavy"): None,
+}
+
+# Short sequences (both lengths <= SHORT_LENGTH, where encoder-decoders train) also try these
+# fp16 / bf16 candidates, by (kind, BLOCK_D, heavy), after the others: a key range in one or two
+# wide tiles (the light forward: 128 keys a step) and 64-row tiles (wgmma on sm_90; twice the
+# programs of a 128-row tile when B * H alone does not fill the GPU), 2 stages (little to pipeline
+# in a short loop); each compiles without spills on sm_80 and sm_90 (fp16, all classes, padded and
+# packed); the other kernels' tries spilled on one of them (HOPPER.md lists them). Longer or
+# symbolic lengths do not try them (_short).
+SHORT_LENGTH = 512
+_CONFIGS_SHORT = {
+    ("fwd", 32, False): [(64, 128, 8, 2)],
+    ("fwd", 128, False): [(64, 128, 8, 2)],
+    ("fwd", 32, True): [(64, 32, 4, 2)],
+    ("fwd", 64, True): [(64, 32, 4, 2)],
+    ("dq", 32, False): [(64, 64, 4, 2)],
+    ("dq", 64, False): [(64, 64, 8, 2)],
+    ("dq", 128, False): [(64, 32, 4, 2)],
+    ("dq", 32, True): [(64, 32, 4, 2)],
+    ("dkdv", 32, False): [(64, 64, 4, 2)],
+}
+
+
+def _sm90_lead(kind: str, block_d: int, heavy: bool, rel: bool):
+    """sm_90's first choice of a kernel (_CONFIGS_SM90), or None where sm_80's stays first."""
+    cls = "rel" if rel else "heavy" if heavy else "light"
+    if (kind, block_d, cls) in _CONFIGS_SM90:
+        return _CONFIGS_SM90[kind, block_d, cls]
+    return _CONFIGS_SM90.get((kind, block_d, "heavy")) if rel else None
+
+
+def _arch(device: torch.device) -> int:
+    """The config family of ``device``: 90 on a Hopper GPU (sm_90's wgmma), 80 otherwise (sm_80's
+    mma.sync tiles; also the interpreter's CPU tensors). Asked at launch, never at import."""
+    if device.type != "cuda":
+        return 80
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> int:
+    # ROCm reports its gfx9 GPUs as capability 9.x too: no wgmma there
+    return 90 if torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9 else 80
+
+
+MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0 (axes 1 and 2: 65,535)
+
+
+def attention_grid(n_rows, block: int, H: int, B: int) -> Tuple[int, int, int]:
+    """The grid of a kernel over ``cdiv(n_rows, block)`` tiles of each of the B * H heads: one axis
+    (attention_tiles.program_ids decodes it), so B and H are bounded by axis 0's 2**31 - 1
+    programs in all, not by axis 1 / 2's 65,535 each."""
+    n = cdiv(n_rows, block) * H * B
+    if isinstance(n, int) and n > MAX_PROGRAMS:
+        raise ValueError(f"attention: {cdiv(n_rows, block)} tiles x H={H} heads x B={B} sequences = {n} programs, "
+                         f"more than a CUDA grid's {MAX_PROGRAMS}")
+    return (n, 1, 1)
+
+
 def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: int, elt: int,
                    has_mask: bool) -> int:
     """Shared memory (bytes) a configuration needs: the software pipeliner keeps ``stages - 1``
@@ -275,13 +352,26 @@ def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: 
     return max(stages - 1, 1) * (streamed + mask) + kept + staging + 1024
 
 
+def _prune(kind: str, candidates, block_d: int, elt: int, heavy: bool, smem_limit: int) -> List[triton.Config]:
+    """``candidates`` as Configs, pruned to ``smem_limit``: a config that would not fit loses
+    pipeline stages first, and is dropped if even one stage is too much."""
+    keep = []
+    for bm, bn, warps, stages in candidates:
+        while stages > 1 and _smem_estimate(kind, bm, bn, block_d, stages, elt, heavy) > smem_limit:
+            stages -= 1
+        if _smem_estimate(kind, bm, bn, block_d, stages, elt, heavy) <= smem_limit:
+            keep.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return keep
+
+
 @functools.lru_cache(maxsize=None)
 def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False,
-             rel: bool = False) -> Tuple[triton.Config, ...]:
+             rel: bool = False, arch: int = 80, short: bool = False) -> Tuple[triton.Config, ...]:
     """Autotune configs for one kernel, BLOCK_D bucket, element size, feature class (heavy =
-    dropout, an additive mask or a relative position bias; ``rel``: the last, see _CONFIGS_REL)
-    and layout, pruned to fit sm_80's shared memory: a config that would not fit loses pipeline
-    stages first, and is dropped if even one stage is too much."""
+    dropout, an additive mask or a relative position bias; ``rel``: the last, see _CONFIGS_REL),
+    layout and config family (``arch``: _arch's 80 or 90; 90 leads with _CONFIGS_SM90's first
+    choice), pruned to fit sm_80's shared memory (sm_90's for its own first choice). ``short``
+    appends the short-length candidates (_CONFIGS_SHORT) after the first choice and the others."""
     if rel and (kind, block_d, elt, varlen) in _CONFIGS_REL:
         candidates = _CONFIGS_REL[kind, block_d, elt, varlen]
     elif varlen and (kind, block_d, elt, heavy) in _CONFIGS_VARLEN:
@@ -290,31 +380,43 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
         candidates = [_CONFIGS_FP32[kind][block_d]]
     else:
         candidates = _CONFIGS_LOWP[kind][block_d]["heavy" if heavy else "light"]
-    keep = []
-    for bm, bn, warps, stages in candidates:
-        while stages > 1 and _smem_estimate(kind, bm, bn, block_d, stages, elt, heavy) > SMEM_LIMIT[80]:
-            stages -= 1
-        if _smem_estimate(kind, bm, bn, block_d, stages, elt, heavy) <= SMEM_LIMIT[80]:
-            keep.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    keep = _prune(kind, candidates, block_d, elt, heavy, SMEM_LIMIT[80])
+    if short and elt == 2:
+        keep += _prune(kind, _CONFIGS_SHORT.get((kind, block_d, heavy), ()), block_d, elt, heavy, SMEM_LIMIT[80])
+    if arch == 90 and elt == 2:
+        lead = _sm90_lead(kind, block_d, heavy, rel)
+        if lead is not None:
+            keep = _prune(kind, [lead], block_d, elt, heavy, SMEM_LIMIT[90]) + keep
     if not keep:  # the smallest tile fits everything
         keep.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1))
-    return tuple(keep)
+    unique = {}
+    for cfg in keep:  # a config listed twice is benchmarked once
+        unique.setdefault((tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages), cfg)
+    return tuple(unique.values())
 
 
 _TUNERS = {}
 
 
-def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False):
+def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False,
+           arch: int = 80, short: bool = False):
     """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
-    layout, bias or not), keyed on the sequence-length buckets and the head dim."""
-    key = (kind, block_d, elt, heavy, varlen, rel)
+    layout, bias or not, config family, short lengths or not), keyed on the sequence-length
+    buckets and the head dim."""
+    key = (kind, block_d, elt, heavy, varlen, rel, arch, short)
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
         # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
         reset = ["DRel"] if rel and kind == "dkdv" else None
-        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel)),
+        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short)),
                                        key=["TUNE_SQ", "TUNE_SK", "D"], reset_to_zero=reset)(fn)
     return _TUNERS[key]
+
+
+def _short(Sq, Sk) -> bool:
+    """Whether a launch tries the short-length candidates: both lengths known (not symbolic under
+    torch.compile's dynamic shapes) and at most SHORT_LENGTH."""
+    return isinstance(Sq, int) and isinstance(Sk, int) and max(Sq, Sk) <= SHORT_LENGTH
 
 
 def _tune_bucket(n) -> int:
@@ -399,9 +501,10 @@ def _dropout_args(dropout_p: float):
 
 
 @functools.lru_cache(maxsize=None)
-def _first_config(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool, rel: bool = False) -> dict:
+def _first_config(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool, rel: bool = False,
+                  arch: int = 80) -> dict:
     """The launch keywords (tiles, warps, stages) of a kernel's first-choice config, built once."""
-    cfg = _configs(kind, block_d, elt, heavy, varlen, rel)[0]
+    cfg = _configs(kind, block_d, elt, heavy, varlen, rel, arch)[0]
     return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -411,22 +514,23 @@ def _heavy(meta: dict) -> bool:
     return bool(meta["HAS_MASK"] or meta["HAS_DROPOUT"] or meta.get("HAS_REL", False))
 
 
-def _rel_tiles(Sk: int, block_d: int, elt: int, meta: dict) -> int:
+def _rel_tiles(Sk: int, block_d: int, elt: int, meta: dict, arch: int = 80, short: bool = False) -> int:
     """Rows per head of the dK/dV kernel's rel_bias gradient scratch: its grid's key tiles under
     the smallest BLOCK_N any config of the launch may take (the autotuner picks after allocation)."""
     if INTERPRET and not INTERPRET_FIRST_CHOICE:
         block_n = INTERPRET_BLOCKS["BLOCK_N"]
     else:
         block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _configs("dkdv", block_d, elt, _heavy(meta),
-                                                                  meta.get("VARLEN", False), True))
+                                                                  meta.get("VARLEN", False), True, arch, short))
     return cdiv(Sk, block_n)
 
 
-def _launch(kind, fn, grid_of, block_d, elt, args, meta):
+def _launch(kind, fn, grid_of, block_d, elt, args, meta, arch=80, short=False):
     """Launch ``fn`` through ``wrap_triton`` (inside a traced op torch.compile captures the kernel;
     on the eager path it is the kernel itself): autotuned on a GPU (its first config where
     ``utils.first_config_only()``), the fixed interpreter blocks on CPU. ``grid_of(launch keywords)``:
-    the grid of a config."""
+    the grid of a config; ``arch``: the device's config family (_arch); ``short``: the lengths try
+    the short-length candidates too (_short)."""
     if INTERPRET and not INTERPRET_FIRST_CHOICE:
         kernel(fn)[grid_of(INTERPRET_BLOCKS)](*args, **meta, **INTERPRET_BLOCKS)
     else:
@@ -434,10 +538,10 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta):
         varlen = meta.get("VARLEN", False)
         rel = meta.get("HAS_REL", False)
         if INTERPRET or first_config_only():  # the first (best-guess) config, no autotuning
-            launch = _first_config(kind, block_d, elt, heavy, varlen, rel)
+            launch = _first_config(kind, block_d, elt, heavy, varlen, rel, arch)
             kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
-            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel))[grid_of](*args, **meta)
+            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
@@ -524,8 +628,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     large = _large_offsets(Sq, Sk, (qs[2], outs[2]), (ks[2], vs[2]), am_strides, kpm_strides)
     meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, kv_group(layout, k),
                  rel_bias)
-    _launch("fwd", _attention_fwd, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B), block_d,
-            q.element_size(), args, meta)
+    _launch("fwd", _attention_fwd, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B), block_d,
+            q.element_size(), args, meta, _arch(q.device), _short(Sq, Sk))
     return out, lse
 
 
@@ -568,7 +672,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     pre_b, pre_rows = (1, layout.total_q) if layout.varlen else (B, Sq)
     pre_large = large or _large_offsets(pre_rows, 1, (outs[2], dos[2]), (), (0, 0, 0, 0), (0, 0))
     pre_block = INTERPRET_BLOCKS["BLOCK_M"] if INTERPRET else PREPROCESS_BLOCK_M
-    kernel(kernels._attention_bwd_preprocess)[(cdiv(pre_rows, pre_block), H, pre_b)](
+    kernel(kernels._attention_bwd_preprocess)[attention_grid(pre_rows, pre_block, H, pre_b)](
         out, dout, delta, *outs, *dos, H, pre_rows, D, BLOCK_M=pre_block, BLOCK_D=block_d, EVEN_D=D == block_d,
         LARGE_OFFSETS=pre_large)
 
@@ -579,18 +683,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     buckets = (_tune_bucket(Sq), _tune_bucket(Sk))
     meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, group, rel_bias)
     elt = q.element_size()
+    arch, short = _arch(q.device), _short(Sq, Sk)
     if Sk > 0:
         # rel_bias's gradient: each dK/dV program's own row of sums by distance, summed here in a
         # fixed order (no atomics: the same bits every run)
-        rel_tiles = _rel_tiles(Sk, block_d, elt, meta) if rel is not None else 0
+        rel_tiles = _rel_tiles(Sk, block_d, elt, meta, arch, short) if rel is not None else 0
         drel_rows = (torch.zeros((B, H, rel_tiles, 2 * R + 1), dtype=torch.float32, device=q.device)
                      if rel is not None else None)
-        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: (cdiv(Sk, META["BLOCK_N"]), H, B),
-                block_d, elt, (*common, dk, dv, drel_rows, *strides, *dks, *scalars, rel_tiles, *buckets), meta)
+        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: attention_grid(Sk, META["BLOCK_N"], H, B),
+                block_d, elt, (*common, dk, dv, drel_rows, *strides, *dks, *scalars, rel_tiles, *buckets), meta,
+                arch, short)
         if rel is not None:
             drel = drel_rows.sum(dim=(0, 2))
-    _launch("dq", kernels._attention_bwd_dq, lambda META: (cdiv(Sq, META["BLOCK_M"]), H, B),
-            block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta)
+    _launch("dq", kernels._attention_bwd_dq, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B),
+            block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta, arch, short)
     if group > 1:
         groups = (*k.shape[:1], k.shape[1], group, *k.shape[2:])  # (.., H_kv, G, ..)
         if Sk > 0:
@@ -671,6 +777,7 @@ attention_bwd = register_op("attention_bwd", _attention_bwd_host)
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compile specs
 # ----------------------------------------------------------------------------------------------
+ARCHS = (80, 90)  # the config families (_arch), each with its AOT target
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
@@ -708,7 +815,9 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
     footprint) with each of its autotune configs. The pointers of absent features (a mask, the
     cu_seqlens of the padded layout, the philox of a launch without dropout) are launched as None:
     constexprs here too. With dropout ``Philox`` is a pointer: the device form of the argument,
-    which loads (seed, offset); the CPU form (scalars) only drops those two loads."""
+    which loads (seed, offset); the CPU form (scalars) only drops those two loads. Each config
+    family (ARCHS: sm_80's, sm_90's) has its specs, with the short-length candidates, compiled for
+    its own target (the spec's ``ccs``; sm_90's names end in ``_sm90``)."""
     specs = []
     kinds = {"fwd": _attention_fwd, "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():
@@ -722,13 +831,17 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                                     KV_GROUP=1,
                                     **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
-                        for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"]):
-                            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-                            name = (f"{prefix}_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}_d{block_d}"
-                                    f"_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}")
-                            constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel: dK/dV's
-                            specs.append(_spec(name, fn, types, {**constexprs, **cfg.kwargs}, cfg.num_warps,
-                                               cfg.num_stages))
+                        for arch in ARCHS:
+                            for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"], arch, True):
+                                bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+                                name = (f"{prefix}_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}"
+                                        f"_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
+                                        f"{'' if arch == 80 else f'_sm{arch}'}")
+                                constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel
+                                spec = _spec(name, fn, types, {**constexprs, **cfg.kwargs}, cfg.num_warps,
+                                             cfg.num_stages)
+                                spec["ccs"] = [arch]  # each family compiles for its own target
+                                specs.append(spec)
     return specs
 
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
-                              key_tile_scores, load_rows, mask_bases, masked_scores, program_sequence, rel_row,
-                              stats_row, store_rows)
+                              key_tile_scores, load_rows, mask_bases, masked_scores, program_ids, program_sequence,
+                              rel_row, stats_row, store_rows)
 from .utils import load_philox
 
 
@@ -51,9 +51,8 @@ def _attention_bwd_preprocess(
     EVEN_D: tl.constexpr,  # D == BLOCK_D
     LARGE_OFFSETS: tl.constexpr,  # a row offset of one head passes 2**31: int64 offsets
 ):
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m, h, b, _ = program_ids(Sq, H, BLOCK_M, False)  # the forward's grid of query tiles
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     o = load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
     do = load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)
@@ -215,8 +214,8 @@ def _attention_bwd_dkdv(
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
 ):
-    start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
-                                                           BLOCK_N, False, VARLEN)
+    start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
+                                                           BLOCK_N, True, False, VARLEN)
     if VARLEN:
         if start_n >= Lk:  # the grid covers the longest sequence: this one ends before the tile
             return
@@ -381,8 +380,8 @@ def _attention_bwd_dq(
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
 ):
-    start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k,
-                                                           BLOCK_M, IS_CAUSAL, VARLEN)
+    start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
+                                                           BLOCK_M, False, IS_CAUSAL, VARLEN)
     if VARLEN:
         if start_m >= Lq:  # the grid covers the longest sequence: this one ends before the tile
             return

@@ -162,16 +162,23 @@ def causal_key_bounds(start_m, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def program_ids(BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    """(start, h, b64, h64) of this program on the grid (tiles, H, B): the first row of its tile
-    along axis 0 and its head and batch (int64 copies for pointer offsets). REVERSE takes the
-    tiles last first: under causal masking the last query tiles see the most keys, heaviest first."""
+def program_ids(n_rows, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """(start, h, b64, h64) of this program on the one-axis grid of ``cdiv(n_rows, BLOCK) * H * B``
+    programs (attention.attention_grid): the first row of its tile and its head and batch entry
+    (int64 copies for pointer offsets). Program ``pid = (b * H + h) * tiles + tile``: a head's tiles
+    are neighbours (they run together and share its k / v in L2, as the (tiles, H, B) grid ran
+    them), and the batch is bounded by axis 0's 2**31 - 1 programs, not by axis 2's 65,535 (a
+    packed batch of more sequences). REVERSE takes each head's tiles last first: under causal
+    masking the last query tiles see the most keys, heaviest first."""
+    tiles = tl.cdiv(n_rows, BLOCK)
     pid = tl.program_id(0)
+    bh = pid // tiles
+    tile = pid - bh * tiles
     if REVERSE:
-        pid = tl.num_programs(0) - 1 - pid
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    return pid * BLOCK, h, b.to(tl.int64), h.to(tl.int64)
+        tile = tiles - 1 - tile
+    b = bh // H
+    h = bh - b * H
+    return tile * BLOCK, h, b.to(tl.int64), h.to(tl.int64)
 
 
 @triton.jit
@@ -192,11 +199,12 @@ def sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN: tl.c
 
 
 @triton.jit
-def program_sequence(CuSeqlensQ, CuSeqlensK, Sq, Sk, total_q, total_k, BLOCK: tl.constexpr,
-                     REVERSE: tl.constexpr, VARLEN: tl.constexpr):
-    """:func:`program_ids` and then :func:`sequence` of its batch entry, the set-up every kernel
-    starts with: (start, h, b64, h64, q0, k0, Lq, Lk)."""
-    start, h, b64, h64 = program_ids(BLOCK, REVERSE)
+def program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k, BLOCK: tl.constexpr,
+                     KEY_TILES: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr):
+    """:func:`program_ids` (tiles of ``BLOCK`` keys with KEY_TILES, as dK/dV's grid, else of
+    queries) and then :func:`sequence` of its batch entry, the set-up every kernel starts with:
+    (start, h, b64, h64, q0, k0, Lq, Lk)."""
+    start, h, b64, h64 = program_ids(Sk if KEY_TILES else Sq, H, BLOCK, REVERSE)
     q0, k0, Lq, Lk = sequence(CuSeqlensQ, CuSeqlensK, b64, Sq, Sk, total_q, total_k, VARLEN)
     return start, h, b64, h64, q0, k0, Lq, Lk
 

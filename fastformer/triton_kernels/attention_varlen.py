@@ -12,10 +12,10 @@ iff ``j <= i + Lk - Lq``). Dropout takes the padded op's counters on
 ``(b*H + h)*max_seqlen_q + i`` of ``ceil(max_seqlen_k / 8)`` Philox groups. lse is
 ``(H, total_q)``, +inf for a row with no key.
 
-Launches: forward and dQ over ``(cdiv(max_seqlen_q, BLOCK_M), H, B)`` query tiles, dK/dV over
-``(cdiv(max_seqlen_k, BLOCK_N), H, B)`` key tiles (a program whose tile starts past its
+Launches: forward and dQ over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles of each of the B * H
+heads, dK/dV over ``cdiv(max_seqlen_k, BLOCK_N)`` key tiles (a program whose tile starts past its
 sequence's end returns at once: no padded position is computed), the delta preprocess over the
-``total_q`` packed rows. The host never reads cu_seqlens (a GPU would synchronise): the kernels
+``total_q`` packed rows; each on one grid axis (attention.attention_grid), so B may pass 65,535. The host never reads cu_seqlens (a GPU would synchronise): the kernels
 clamp each sequence into the tensors' rows and its maximum length instead, and the functional
 op checks the values where it can read them (CPU tensors).
 """
