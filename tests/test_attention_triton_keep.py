@@ -29,12 +29,12 @@ P, SEED, OFFSET = 0.3, 2**40 + 7, 2**32 - 100  # the counters cross 2**32 inside
 
 @triton.jit
 def _keep_kernel(Out, seed, offset, H, Sq, Sk, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KEYS_FIRST: tl.constexpr):
+                 KEYS_FIRST: tl.constexpr, LATE: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     start_n = tl.program_id(1) * BLOCK_N
     bh = tl.program_id(2)
     rng_base = T.dropout_rng_base(offset, (bh // H).to(tl.int64), H, bh % H, Sq, Sk)
-    keep = T.keep_tile(seed, rng_base, start_m, start_n, Sk, threshold, BLOCK_M, BLOCK_N, KEYS_FIRST)
+    keep = T.keep_tile(seed, rng_base, start_m, start_n, Sk, threshold, BLOCK_M, BLOCK_N, KEYS_FIRST, LATE)
     i = start_m + tl.arange(0, BLOCK_M)
     j = start_n + tl.arange(0, BLOCK_N)
     if KEYS_FIRST:  # (BLOCK_N, BLOCK_M)
@@ -45,12 +45,12 @@ def _keep_kernel(Out, seed, offset, H, Sq, Sk, threshold, BLOCK_M: tl.constexpr,
                  mask=(i[:, None] < Sq) & (j[None, :] < Sk))
 
 
-def _keep_tile(shape, p, block_m, block_n, keys_first):
+def _keep_tile(shape, p, block_m, block_n, keys_first, late=True):
     B, H, Sq, Sk = shape
     out = torch.full((B * H, Sq, Sk), -1, dtype=torch.int8, device=DEVICE)
     _keep_kernel[(triton.cdiv(Sq, block_m), triton.cdiv(Sk, block_n), B * H)](
         out, SEED, OFFSET, H, Sq, Sk, philox.attention_threshold(p), BLOCK_M=block_m, BLOCK_N=block_n,
-        KEYS_FIRST=keys_first)
+        KEYS_FIRST=keys_first, LATE=late)
     assert (out >= 0).all(), "some element was not written"
     return out.bool().reshape(shape)
 
@@ -62,10 +62,11 @@ _CASES = ([((2, 3, 37, 50), bm, bn) for bm, bn in _TILES]
           + [((1, 1, 1, 1023), 16, 16), ((1, 1, 1, 1023), 32, 128), ((1, 2, 16, 32), 64, 16)])
 
 
+@pytest.mark.parametrize("late", [True, False], ids=["late", "early"])  # tensor-core / fp32 FMA launches
 @pytest.mark.parametrize("keys_first", [False, True], ids=["queries_first", "keys_first"])
 @pytest.mark.parametrize("shape, block_m, block_n", _CASES, ids=str)
-def test_keep_tile_is_attention_keep_mask(shape, block_m, block_n, keys_first):
-    got = _keep_tile(shape, P, block_m, block_n, keys_first)
+def test_keep_tile_is_attention_keep_mask(shape, block_m, block_n, keys_first, late):
+    got = _keep_tile(shape, P, block_m, block_n, keys_first, late)
     want = philox.attention_keep_mask(shape, P, SEED, OFFSET, device=DEVICE)
     assert torch.equal(got, want)
 

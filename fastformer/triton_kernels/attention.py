@@ -70,7 +70,7 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
         keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0],
-                         False)  # (BM, BN)
+                         False, q.dtype != tl.float32)  # (BM, BN)
         p = tl.where(keep, p * drop_scale, 0.0)
     acc = dot(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
     return acc, l_i, m_new

@@ -97,7 +97,8 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
     dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     if HAS_DROPOUT:
         # the forward's tile of queries qm and keys from start_n, transposed: (BN, BM)
-        keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0], True)
+        keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0], True,
+                         q.dtype != tl.float32)
         dv = dot(cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
         dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
     else:
@@ -308,7 +309,7 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_m, start_n, offs_m, off
         # (the m16n8 accumulators of dQ's launches split the keys over the warps) spilled the
         # heavy dQ at d128 and d256 on sm_80
         keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], offs_n.shape[0],
-                         False)  # (BM, BN)
+                         False, q.dtype != tl.float32)  # (BM, BN)
     k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
                               stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
                               pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,

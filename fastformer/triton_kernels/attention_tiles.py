@@ -140,6 +140,16 @@ def dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
 
 
 @triton.jit
+def _keep_bytes(w, threshold):
+    """The four keep decisions of one Philox word, (..., 2, 2): [hi, e] is byte 2 * hi + e."""
+    k0 = (w & 0xFF).to(tl.int32) >= threshold
+    k1 = ((w >> 8) & 0xFF).to(tl.int32) >= threshold
+    k2 = ((w >> 16) & 0xFF).to(tl.int32) >= threshold
+    k3 = (w >> 24).to(tl.int32) >= threshold
+    return tl.join(tl.join(k0, k2), tl.join(k1, k3))  # join appends an axis: [i, j] = k_{2i + j}
+
+
+@triton.jit
 def _word_bytes(w):
     """(..., 2, 2): the word ``w`` at the places [hi, e] of its four bytes 2 * hi + e (one register
     referenced four times), and those bytes' shifts 8 * (2 * hi + e) (constants)."""
@@ -150,7 +160,7 @@ def _word_bytes(w):
 
 @triton.jit
 def keep_tile(seed, rng_base, start_m, start_n, Sk, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              KEYS_FIRST: tl.constexpr):
+              KEYS_FIRST: tl.constexpr, LATE: tl.constexpr):
     """Keep-mask of queries ``start_m + arange(BLOCK_M)`` and keys ``start_n + arange(BLOCK_N)``:
     (BLOCK_M, BLOCK_N), or its transpose (BLOCK_N, BLOCK_M) with KEYS_FIRST (dK/dV's tiles).
     ``start_m`` and ``start_n`` are multiples of the blocks, themselves multiples of 16 (BLOCK_N 16:
@@ -161,8 +171,10 @@ def keep_tile(seed, rng_base, start_m, start_n, Sk, threshold, BLOCK_M: tl.const
     One Philox call per lane (a, q) = (r % 8, (c % 8) // 2) of each 16 x 32 tile, on counters of
     shape (key tiles, query tiles, 8, 4); each element's word (and its byte's shift) is joined into
     trailing (hi, e, t) axes (r = 8 hi + a, c = 8 t + 2 q + e) and permuted into place, which only
-    relabels registers where the scores have the m16n8 accumulator layout; the bytes are compared
-    there, so 4 registers a call stay live instead of 16 decisions (DROPOUT.md)."""
+    relabels registers where the scores have the m16n8 accumulator layout; with LATE (tensor-core
+    dots) the bytes are compared there, so 4 registers a call stay live instead of 16 decisions;
+    without (fp32 FMA dots: no such layout to match, and moving words spilled) the decisions are
+    made first and moved (DROPOUT.md)."""
     tl.static_assert(BLOCK_M % 16 == 0, "keep_tile: BLOCK_M must be a multiple of 16")
     tl.static_assert(BLOCK_N % 16 == 0, "keep_tile: BLOCK_N must be a multiple of 16")
     QT: tl.constexpr = BLOCK_M // 16  # 16-query tiles
@@ -178,6 +190,18 @@ def keep_tile(seed, rng_base, start_m, start_n, Sk, threshold, BLOCK_M: tl.const
         upper = (start_n % 32) != 0  # keys 16 .. 31 of the tile: words 2 and 3
         w0 = tl.where(upper, w2, w0)
         w1 = tl.where(upper, w3, w1)
+    if not LATE:
+        if BLOCK_N >= 32:
+            keep = tl.join(tl.join(_keep_bytes(w0, threshold), _keep_bytes(w2, threshold)),
+                           tl.join(_keep_bytes(w1, threshold), _keep_bytes(w3, threshold)))
+            keep = tl.reshape(keep, (KT, QT, 8, 4, 2, 2, 4))  # (kt, qt, a, q, hi, e, t)
+        else:
+            keep = tl.join(_keep_bytes(w0, threshold), _keep_bytes(w1, threshold))
+        if KEYS_FIRST:
+            keep = tl.reshape(tl.permute(keep, (0, 6, 3, 5, 1, 4, 2)), (BLOCK_N, BLOCK_M))
+        else:
+            keep = tl.reshape(tl.permute(keep, (1, 4, 2, 0, 6, 3, 5)), (BLOCK_M, BLOCK_N))
+        return keep
     b0, sh = _word_bytes(w0)
     b1, _ = _word_bytes(w1)
     if BLOCK_N >= 32:
