@@ -176,8 +176,9 @@ def test_strided_inputs_and_outputs_layout(small_blocks):
 
 @pytest.mark.parametrize("seed, offset", [(2**62 + 12345, 2**32 - 1000), (7, 3 * 2**31 + 5)])
 def test_dropout_matches_reference_with_64bit_counters(seed, offset, small_blocks):
-    """The keep mask of (b, h, i, j) comes from counter offset + ((b*H + h)*Sq + i)*ceil(Sk/8) + j//8;
-    offsets here cross 2**32 inside the tensor, so a 32-bit counter would drop different elements."""
+    """The keep mask of (b, h, i, j) comes from counter offset + ((bh*ceil(Sq/16) + i//16)*ceil(Sk/32)
+    + j//32)*32 + lane (philox.attention_keep_mask); offsets here cross 2**32 inside the tensor, so
+    a 32-bit counter would drop different elements."""
     B, H, Sq, Sk, D = 2, 2, 19, 33, 32
     q, k, v, kpm, _, dout = _inputs(B, H, Sq, Sk, D, kpm_frac=0.1)
     p = 0.3
@@ -189,7 +190,7 @@ def test_dropout_matches_reference_with_64bit_counters(seed, offset, small_block
     assert (got[0] - no_drop[0]).abs().max() > 1e-2, "dropout changed nothing"
 
 
-@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 16), (32, 8)])
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 16), (16, 64)])
 @pytest.mark.parametrize("Sq, Sk, causal", [(37, 21, True), (13, 50, True), (24, 41, False)])
 def test_dropout_non_square_tiles(block_m, block_n, Sq, Sk, causal, monkeypatch):
     """BLOCK_M != BLOCK_N: dK / dV regenerate the mask on the transposed (keys, queries) tile and
@@ -308,7 +309,8 @@ def test_aot_specs_cover_every_launch():
         for arg, typ in s["signature"].items():
             assert (typ == "constexpr") == (arg in s["constexprs"]), (s["name"], arg)
         assert set(s["divisible_by_16"]) <= set(fn.arg_names)
-    assert A.INTERPRET_BLOCKS["BLOCK_N"] % 8 == 0
+    # keep_tile's dropout tiles: whole 16-query rows, whole or half 32-key tiles
+    assert A.INTERPRET_BLOCKS["BLOCK_M"] % 16 == 0 and A.INTERPRET_BLOCKS["BLOCK_N"] % 16 == 0
     for D in (1, 16, 33, 64, 65, 128, 200, 256):
         assert A._block_d(D) in A.BLOCK_D_BUCKETS and A._block_d(D) >= D
     for dtype, ptr in A._PTR.items():
@@ -319,7 +321,7 @@ def test_aot_specs_cover_every_launch():
                     for cfg in A._configs(kind, block_d, elt, heavy):
                         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
                         assert min(bm, bn, block_d) >= 16  # tl.dot's minimum on sm_80 / sm_90
-                        assert bn % 8 == 0  # key tiles hold whole dropout groups of 8 columns
+                        assert bm % 16 == 0 and bn % 16 == 0  # keep_tile: 16 x 32 dropout tiles, or halves
                         est = A._smem_estimate(kind, bm, bn, block_d, cfg.num_stages, elt, heavy)
                         assert est <= A.SMEM_LIMIT[80]
                         name = (f"attention_{kind}_{ptr[1:]}_d{block_d}_{'heavy' if heavy else 'light'}_m{bm}_n{bn}"

@@ -13,8 +13,10 @@ A query row with no visible key outputs 0, its lse is +inf and it gets zero grad
 A relative position bias by distance ``rel_bias`` (H, 2R + 1) (csrc/schemas.h; ``HAS_REL``) adds
 ``rel_bias[h, clamp(j - i - (Sk - Sq) - rel_shift, -R, R) + R]`` to the scaled score; the
 backward returns its gradient, summed deterministically (attention_backward.py).
-Dropout is fastformer/philox.py's with rows of ``C = Sk``: element ``(b, h, i, j)`` takes its 16 bits
-from the Philox call on counter ``offset + ((b*H + h)*Sq + i) * ceil(Sk / 8) + j // 8``.
+Dropout is fastformer/philox.py's attention dropout (v3): element ``(b, h, i, j)`` takes one byte of
+the Philox call on counter ``offset + ((bh * ceil(Sq / 16) + i // 16) * ceil(Sk / 32) + j // 32) * 32 + lane``
+(``bh = b*H + h``, the lane and byte from ``(i % 16, j % 32)``), kept iff the byte is
+``>= round(256 p)`` and scaled by ``256 / (256 - round(256 p))`` (attention_tiles.keep_tile).
 
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
@@ -36,7 +38,8 @@ from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_bas
                               key_tile_scores, load_rows, program_sequence, rel_row, stats_row, store_rows)
 from .matmul import input_precision
 from .registration import kernel, register_op
-from .utils import (INTERPRET, cdiv, dropout_threshold, first_config_only, load_philox, next_power_of_2,
+from ..philox import attention_keep_scale, attention_threshold
+from .utils import (INTERPRET, cdiv, first_config_only, load_philox, next_power_of_2,
                     on_device_of_first_tensor, philox_args)
 
 MAX_HEAD_DIM = 256
@@ -46,16 +49,16 @@ MAX_HEAD_DIM = 256
 # Forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
+def _attention_fwd_tile(acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs_d,
                         k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
                         am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
                         seed, rng_base, drop_cols, drop_threshold, drop_scale, rel_base, R, pos0,
                         MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                         HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
-    """One key tile of the online softmax: returns the updated (acc, l_i, m_i). ``Sq``, ``Sk``: this
-    sequence's lengths; ``drop_cols``: the dropout rows' width (keep_tile's ``Sk``); ``rel_base``,
-    ``R``, ``pos0``: the relative position bias (masked_scores)."""
+    """One key tile of the online softmax (queries ``offs_m`` from ``start_m``): returns the updated
+    (acc, l_i, m_i). ``Sq``, ``Sk``: this sequence's lengths; ``drop_cols``: the dropout rows' width
+    (keep_tile's ``Sk``); ``rel_base``, ``R``, ``pos0``: the relative position bias (masked_scores)."""
     k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
                               stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
                               pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,
@@ -66,7 +69,8 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d,
     p = tl.exp2(s - m_safe[:, None])  # (BM, BN)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        keep = keep_tile(seed, rng_base, offs_m, start_n, drop_cols, drop_threshold, k.shape[0])  # (BM, BN)
+        keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0],
+                         False, q.dtype != tl.float32)  # (BM, BN)
         p = tl.where(keep, p * drop_scale, 0.0)
     acc = dot(cast(p, v.dtype), v, acc * alpha[:, None], INPUT_PRECISION)
     return acc, l_i, m_new
@@ -112,8 +116,8 @@ def _attention_fwd(
     Philox,  # int64 (2,) = (seed, offset) on the device, loaded once; None: the two scalars below
     seed,  # i64 dropout Philox seed (without Philox)
     rng_offset,  # i64 dropout Philox counter of element 0 (without Philox)
-    drop_threshold,  # i32 round(dropout_p * 2**16)
-    drop_scale,  # fp32 1 / (1 - dropout_p)
+    drop_threshold,  # i32 attention_threshold(dropout_p) = round(dropout_p * 256): keep iff byte >= it
+    drop_scale,  # fp32 attention_keep_scale(dropout_p) = 256 / (256 - drop_threshold)
     R,  # the relative position bias's largest distance (0 without HAS_REL)
     rel_shift,  # query i of a sequence is at position i + Lk - Lq + rel_shift (0 with VARLEN)
     TUNE_SQ,  # autotune key only: Sq bucket (power of two)
@@ -157,13 +161,13 @@ def _attention_fwd(
     full_hi, hi = causal_key_bounds(start_m, Lq, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
             rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM, HAS_MASK,
             IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
             rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM, HAS_MASK,
             IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
@@ -494,10 +498,10 @@ def _large_offsets(Sq, Sk, q_row_strides, k_row_strides, am_strides, kpm_strides
 
 
 def _dropout_args(dropout_p: float):
-    """(HAS_DROPOUT, threshold, scale) for the keep-test ``bits16 >= threshold``."""
+    """(HAS_DROPOUT, threshold, scale) for attention's keep-test ``byte >= threshold`` (philox.py, v3)."""
     if dropout_p <= 0.0:
         return False, 0, 1.0
-    return True, dropout_threshold(dropout_p), (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0)
+    return True, attention_threshold(dropout_p), attention_keep_scale(dropout_p)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,7 +2,7 @@
 of attention_tiles.py that the forward kernel shares.
 
 With P = softmax(S) recomputed from the saved lse, Z the dropout keep-mask scaled by
-1 / (1 - p), and O = (P * Z) V:
+attention_keep_scale(p) = 256 / (256 - round(256 p)), and O = (P * Z) V:
 
     delta = rowsum(dO * O)                      (_attention_bwd_preprocess)
     dV = (P * Z)^T dO,  dP = (dO V^T) * Z,  dS = P * (dP - delta)
@@ -95,8 +95,9 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
     p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
     dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     if HAS_DROPOUT:
-        # the forward's (BM, BN) tile of queries qm and keys from start_n, transposed to (BN, BM)
-        keep = tl.trans(keep_tile(seed, rng_base, qm, start_n, drop_cols, drop_threshold, k.shape[0]))
+        # the forward's tile of queries qm and keys from start_n, transposed: (BN, BM)
+        keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0], True,
+                         q.dtype != tl.float32)
         dv = dot(cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
         dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
     else:
@@ -293,7 +294,7 @@ def _attention_bwd_dkdv(
 
 
 @triton.jit
-def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d,
+def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_m, start_n, offs_m, offs_n, offs_d,
                            k_base, stride_kn, v_base, stride_vn, kpm_base, stride_kpm_n,
                            am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale,
                            seed, rng_base, drop_cols, drop_threshold, drop_scale, rel_base, R, pos0,
@@ -302,6 +303,12 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
                            HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one key tile's contribution to this query tile's dQ (``Sq``, ``Sk``: this
     sequence's lengths; ``drop_cols``: the dropout rows' width)."""
+    if HAS_DROPOUT:
+        # first, while neither P nor dP is live: made after dP, the keep tile's layout conversions
+        # (the m16n8 accumulators of dQ's launches split the keys over the warps) spilled the
+        # heavy dQ at d128 and d256 on sm_80
+        keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], offs_n.shape[0],
+                         False, q.dtype != tl.float32)  # (BM, BN)
     k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
                               stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
                               pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,
@@ -309,7 +316,6 @@ def _attention_bwd_dq_tile(dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs
     p = tl.exp2(s - lse2[:, None])  # (BM, BN)
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
     if HAS_DROPOUT:
-        keep = keep_tile(seed, rng_base, offs_m, start_n, drop_cols, drop_threshold, k.shape[0])  # (BM, BN)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])  # (BM, BN)
     return dot(cast(ds, k.dtype), k, dq, INPUT_PRECISION)
@@ -407,13 +413,13 @@ def _attention_bwd_dq(
     full_hi, hi = causal_key_bounds(start_m, Lq, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):  # tiles every query of the block sees whole
         dq = _attention_bwd_dq_tile(
-            dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            dq, q, do, lse2, delta, start_m, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
             rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM, HAS_MASK,
             IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         dq = _attention_bwd_dq_tile(
-            dq, q, do, lse2, delta, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
+            dq, q, do, lse2, delta, start_m, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
             rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM, HAS_MASK,
             IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)

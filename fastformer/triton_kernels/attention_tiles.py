@@ -13,7 +13,7 @@ gather from a small vector that stays in cache; no (Sq, Sk) bias exists.
 import triton
 import triton.language as tl
 
-from .utils import INTERPRET, dropout_keep_tile
+from .utils import INTERPRET
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
@@ -132,18 +132,94 @@ def masked_scores(qk,  # fp32 tile of q.k dot products, (BM, BN) or transposed (
 
 @triton.jit
 def dropout_rng_base(rng_offset, b64, H, h, Sq, Sk):
-    """Philox counter of head (b, h)'s first group: the probabilities are rows of ``Sk`` keys,
-    ``ceil(Sk / 8)`` counters a row, the ``B*H*Sq`` query rows in order (fastformer/philox.py).
-    Packed sequences (VARLEN) take the padded op's counters: ``Sq``, ``Sk`` the longest lengths."""
-    return rng_offset + (b64 * H + h) * Sq * tl.cdiv(Sk, 8)
+    """Philox counter of head (b, h)'s first dropout tile: the probabilities are cut into 16 x 32
+    tiles, ``ceil(Sq / 16) * ceil(Sk / 32)`` of them a head, 32 counters a tile (fastformer/philox.py,
+    attention's dropout (v3)). Packed sequences (VARLEN) take the padded op's counters: ``Sq``,
+    ``Sk`` the longest lengths."""
+    return rng_offset + (b64 * H + h) * (tl.cdiv(Sq, 16).to(tl.int64) * tl.cdiv(Sk, 32) * 32)
 
 
 @triton.jit
-def keep_tile(seed, rng_base, qi, start_n, Sk, threshold, BLOCK_N: tl.constexpr):
-    """Keep-mask (BM, BLOCK_N) of queries ``qi`` (BM,) and keys ``start_n + arange(BLOCK_N)``
-    (``start_n`` a multiple of BLOCK_N, itself a multiple of 8), ``rng_base`` from
-    :func:`dropout_rng_base` and ``Sk`` the dropout rows' width, as there."""
-    return dropout_keep_tile(seed, rng_base, qi, tl.cdiv(Sk, 8), start_n, threshold, BLOCK_N)
+def _keep_bytes(w, threshold):
+    """The four keep decisions of one Philox word, (..., 2, 2): [hi, e] is byte 2 * hi + e."""
+    k0 = (w & 0xFF).to(tl.int32) >= threshold
+    k1 = ((w >> 8) & 0xFF).to(tl.int32) >= threshold
+    k2 = ((w >> 16) & 0xFF).to(tl.int32) >= threshold
+    k3 = (w >> 24).to(tl.int32) >= threshold
+    return tl.join(tl.join(k0, k2), tl.join(k1, k3))  # join appends an axis: [i, j] = k_{2i + j}
+
+
+@triton.jit
+def _word_bytes(w):
+    """(..., 2, 2): the word ``w`` at the places [hi, e] of its four bytes 2 * hi + e (one register
+    referenced four times), and those bytes' shifts 8 * (2 * hi + e) (constants)."""
+    z = tl.zeros_like(w)
+    # join appends an axis: join(join(a, b), join(c, d))[i, j] is a, b, c, d at [0, 0], [1, 0], [0, 1], [1, 1]
+    return tl.join(tl.join(w, w), tl.join(w, w)), tl.join(tl.join(z, z + 16), tl.join(z + 8, z + 24))
+
+
+@triton.jit
+def keep_tile(seed, rng_base, start_m, start_n, Sk, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              KEYS_FIRST: tl.constexpr, LATE: tl.constexpr):
+    """Keep-mask of queries ``start_m + arange(BLOCK_M)`` and keys ``start_n + arange(BLOCK_N)``:
+    (BLOCK_M, BLOCK_N), or its transpose (BLOCK_N, BLOCK_M) with KEYS_FIRST (dK/dV's tiles).
+    ``start_m`` and ``start_n`` are multiples of the blocks, themselves multiples of 16 (BLOCK_N 16:
+    half a 32-key tile, whose other half's words go unused); ``rng_base`` from :func:`dropout_rng_base`
+    and ``Sk`` the dropout rows' width, as there. Rows and columns past the sequence get bits of
+    other counters: callers mask them.
+
+    One Philox call per lane (a, q) = (r % 8, (c % 8) // 2) of each 16 x 32 tile, on counters of
+    shape (key tiles, query tiles, 8, 4); each element's word (and its byte's shift) is joined into
+    trailing (hi, e, t) axes (r = 8 hi + a, c = 8 t + 2 q + e) and permuted into place, which only
+    relabels registers where the scores have the m16n8 accumulator layout; with LATE (tensor-core
+    dots) the bytes are compared there, so 4 registers a call stay live instead of 16 decisions;
+    without (fp32 FMA dots: no such layout to match, and moving words spilled) the decisions are
+    made first and moved (DROPOUT.md)."""
+    tl.static_assert(BLOCK_M % 16 == 0, "keep_tile: BLOCK_M must be a multiple of 16")
+    tl.static_assert(BLOCK_N % 16 == 0, "keep_tile: BLOCK_N must be a multiple of 16")
+    QT: tl.constexpr = BLOCK_M // 16  # 16-query tiles
+    KT: tl.constexpr = BLOCK_N // 32 if BLOCK_N >= 32 else 1  # 32-key tiles (BLOCK_N 16: half of one)
+    # (KT, QT, 8, 4): Triton's default layout of this shape puts lane 4a + q on (a, q), as the
+    # m16n8 accumulator does, and the warps on the query tiles first, then the key tiles
+    tiles = ((start_n // 32 + tl.arange(0, KT))[:, None]
+             + (start_m // 16 + tl.arange(0, QT)).to(tl.int64)[None, :] * tl.cdiv(Sk, 32))  # (KT, QT)
+    lanes = 4 * tl.arange(0, 8)[:, None] + tl.arange(0, 4)[None, :]  # (8, 4): lane 4a + q
+    ctr = (rng_base + tiles * 32)[:, :, None, None] + lanes[None, None, :, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, ctr)
+    if BLOCK_N < 32:
+        upper = (start_n % 32) != 0  # keys 16 .. 31 of the tile: words 2 and 3
+        w0 = tl.where(upper, w2, w0)
+        w1 = tl.where(upper, w3, w1)
+    if not LATE:
+        if BLOCK_N >= 32:
+            keep = tl.join(tl.join(_keep_bytes(w0, threshold), _keep_bytes(w2, threshold)),
+                           tl.join(_keep_bytes(w1, threshold), _keep_bytes(w3, threshold)))
+            keep = tl.reshape(keep, (KT, QT, 8, 4, 2, 2, 4))  # (kt, qt, a, q, hi, e, t)
+        else:
+            keep = tl.join(_keep_bytes(w0, threshold), _keep_bytes(w1, threshold))
+        if KEYS_FIRST:
+            keep = tl.reshape(tl.permute(keep, (0, 6, 3, 5, 1, 4, 2)), (BLOCK_N, BLOCK_M))
+        else:
+            keep = tl.reshape(tl.permute(keep, (1, 4, 2, 0, 6, 3, 5)), (BLOCK_M, BLOCK_N))
+        return keep
+    b0, sh = _word_bytes(w0)
+    b1, _ = _word_bytes(w1)
+    if BLOCK_N >= 32:
+        # word t holds keys 8t .. 8t + 7 of the tile: [.., hi, e, t1, t0] with t = 2 t1 + t0
+        b2, _ = _word_bytes(w2)
+        b3, _ = _word_bytes(w3)
+        words = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (KT, QT, 8, 4, 2, 2, 4))
+        shifts = tl.reshape(tl.join(tl.join(sh, sh), tl.join(sh, sh)), (KT, QT, 8, 4, 2, 2, 4))
+    else:
+        words = tl.join(b0, b1)  # (kt, qt, a, q, hi, e, t % 2)
+        shifts = tl.join(sh, sh)
+    if KEYS_FIRST:
+        words = tl.reshape(tl.permute(words, (0, 6, 3, 5, 1, 4, 2)), (BLOCK_N, BLOCK_M))  # (kt, t, q, e, qt, hi, a)
+        shifts = tl.reshape(tl.permute(shifts, (0, 6, 3, 5, 1, 4, 2)), (BLOCK_N, BLOCK_M))
+    else:
+        words = tl.reshape(tl.permute(words, (1, 4, 2, 0, 6, 3, 5)), (BLOCK_M, BLOCK_N))  # (qt, hi, a, kt, t, q, e)
+        shifts = tl.reshape(tl.permute(shifts, (1, 4, 2, 0, 6, 3, 5)), (BLOCK_M, BLOCK_N))
+    return ((words >> shifts) & 0xFF).to(tl.int32) >= threshold
 
 
 @triton.jit

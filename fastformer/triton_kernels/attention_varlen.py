@@ -8,9 +8,9 @@ k/v ``(total_k, H_kv, D)`` (H_kv divides H: query head h reads k/v head ``h // (
 sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and
 key rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, and its query i sees its key j (causal:
 iff ``j <= i + Lk - Lq``). Dropout takes the padded op's counters on
-``(B, H, max_seqlen_q, max_seqlen_k)``: query i of head h of sequence b is dropout row
-``(b*H + h)*max_seqlen_q + i`` of ``ceil(max_seqlen_k / 8)`` Philox groups. lse is
-``(H, total_q)``, +inf for a row with no key.
+``(B, H, max_seqlen_q, max_seqlen_k)`` (attention dropout v3, fastformer/philox.py): query i and
+key j of head h of sequence b keep ``attention_keep_mask((B, H, max_seqlen_q, max_seqlen_k))[b, h, i, j]``.
+lse is ``(H, total_q)``, +inf for a row with no key.
 
 Launches: forward and dQ over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles of each of the B * H
 heads, dK/dV over ``cdiv(max_seqlen_k, BLOCK_N)`` key tiles (a program whose tile starts past its
