@@ -124,3 +124,14 @@ def test_saved_tensor_hooks_pack_and_unpack(op):
     assert len(unpacked) == len(packed)
     for g, e in zip(got, want):
         assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_create_graph_gives_the_plain_first_gradients(op):
+    """A double backward's first pass (create_graph) runs the node with grad mode on: the kernels go
+    through their autograd, the gradients are the composition's."""
+    leaves, call, composed, _ = _cases()[op]
+    want = torch.autograd.grad(composed().square().sum(), leaves)
+    got = torch.autograd.grad(call().square().sum(), leaves, create_graph=True)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
