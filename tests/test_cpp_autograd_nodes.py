@@ -135,3 +135,20 @@ def test_create_graph_gives_the_plain_first_gradients(op):
     got = torch.autograd.grad(call().square().sum(), leaves, create_graph=True)
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_output_in_the_input_shape_is_no_autograd_view(op):
+    """The kernels' (N, C) rows come back in the input's shape through a view made below autograd:
+    the output is the node's own, not a differentiable view of a hidden base (whose in-place
+    changes autograd would replay on that base)."""
+    _, call, _, _ = _cases()[op]
+    out = call()
+    assert out.dim() == (2 if op == "embedding" else 3)
+    assert not out._is_view() and out._base is None
+    if op != "embedding":  # the (N,) ids give (N, D) rows as they are: 3-D ids for the view
+        return
+    ids = torch.tensor([[1, 0, 5], [11, 3, 3]])
+    table = torch.randn(V, C, requires_grad=True)
+    out = torch.ops.fastformer.embedding(ids, table, None, None, 1.0, 0.0, -1, philox.NO_DROPOUT)
+    assert out.shape == (2, 3, C) and not out._is_view()

@@ -167,12 +167,14 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
   if (record) ff_check_functorch();
   bool fused;
   Fwd out;
+  Tensor y, h;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
                       rms_norm, &fused);
+    y = in_shape_of(std::get<0>(out), x);  // (below autograd: a plain tensor, not a tracked view)
+    h = in_shape_of(std::get<1>(out), x);
   }
-  Tensor y = in_shape_of(std::get<0>(out), x), h = in_shape_of(std::get<1>(out), x);
   if (!record) return {std::move(y), std::move(h)};
   auto node = c10::make_intrusive<AddLayerNormBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias, x_bias));
