@@ -24,7 +24,9 @@ The C++ op costs 0.6-0.7x the Python Function everywhere. What is left of add_la
 two kernels' own glue (csrc/cpu/add_layer_norm.cpp: checks, four output allocations: about 40% of the
 op's instructions under callgrind), the Python-to-boxed call of the op (argument parsing, ~15%), and
 torch's custom-Function machinery (node, _wrap_outputs, saved variables; CppNode::apply demangles the
-node's name on every backward, ~8%).
+node's name on every backward, ~8%). Since then the node is hand-written (a torch::autograd::Node with
+SavedVariable members, tests/test_cpp_autograd_nodes.py), without that machinery: the figures above
+predate it (benchmarks/results/cpu-amd-epyc-avx512-2t/overhead_hostpath/NOTES.md has the after).
 """
 import contextlib
 import statistics

@@ -1,27 +1,31 @@
 // fastformer::add_layer_norm: the eager training path of add_layer_norm with its autograd in C++.
 // One differentiable op, registered for CompositeImplicitAutograd (so it runs under no_grad and
 // inference_mode too, and on any device): its forward calls add_layer_norm_fwd (or .x_bias)
-// through the dispatcher, its backward node (a torch::autograd::Function) add_layer_norm_bwd (or
-// .x_bias). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
+// through the dispatcher, its backward node (a hand-written torch::autograd::Node) add_layer_norm_bwd
+// (or .x_bias). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
 // the same kernels, saved tensors and special cases, with the caller drawing `philox` (the Python
 // Function's philox.draw(dropout_p)) and passing it in.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include "kernel.h"
 
 #include <atomic>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace fastformer {
 namespace {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 using Fwd = std::tuple<Tensor, Tensor, Tensor, Tensor>;
@@ -85,79 +89,71 @@ OptTensor as_rows(const OptTensor& t) {
   return as_rows(*t);
 }
 
-bool requires_grad(const OptTensor& t) { return t.has_value() && t->defined() && t->requires_grad(); }
-
-// ctx->saved_data keys
-constexpr const char* kP = "p";         // dropout_p
-constexpr const char* kFlags = "flags"; // kResidual | kXBias | kFused | kPrenorm | kRms
 constexpr int64_t kResidual = 1, kXBias = 2, kFused = 4, kPrenorm = 8, kRms = 16;
 
-struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual,
-                               const Tensor& weight, const Tensor& bias, double eps,
-                               double dropout_p, bool prenorm, const Tensor& philox,
-                               const OptTensor& x_bias, bool rms_norm) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
-    const bool has_residual = residual.has_value() && residual->defined();
-    const bool has_x_bias = x_bias.has_value() && x_bias->defined();
-    bool fused;
-    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
-                          rms_norm, &fused);
-    // y and h in x's shape: views made here, below autograd, add no node to the graph
-    Tensor y = std::get<0>(out).view(x.sizes());
-    Tensor h = std::get<1>(out).view(x.sizes());
-    ctx->save_for_backward({h, weight, std::get<2>(out), std::get<3>(out), philox});
-    ctx->saved_data[kP] = dropout_p;
-    ctx->saved_data[kFlags] = (has_residual ? kResidual : 0) | (has_x_bias ? kXBias : 0) |
-                              (fused ? kFused : 0) | (prenorm ? kPrenorm : 0) | (rms_norm ? kRms : 0);
-    ctx->set_materialize_grads(false);  // an unused output's gradient comes undefined, not zeros
-    if (!prenorm) ctx->mark_non_differentiable({h});
-    return {std::move(y), std::move(h)};
+// The backward node, written as torch's generated nodes are (NativeLayerNormBackward0): the saved
+// tensors are SavedVariable members (version-checked, packed by saved-tensor hooks, released after
+// the backward), the rest plain members. philox is kept as a plain tensor: it is the caller's fresh
+// draw, never differentiable and never an activation (16 bytes; no kernel reads it at p = 0).
+// Edges: x, residual, weight, bias, x_bias (an absent one an empty edge).
+struct AddLayerNormBackward final : public torch::autograd::Node {
+  variable_list apply(variable_list&& grads) override;
+  std::string name() const override { return "AddLayerNormBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    h_.reset_data();
+    weight_.reset_data();
+    mean_.reset_data();
+    rstd_.reset_data();
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // the saved tensors first: under activation checkpointing, unpacking them recomputes the
-    // checkpointed forward, which must record its graph (and save its tensors) as the first time
-    const variable_list saved = ctx->get_saved_variables();
-    // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
-    // records the graph, where the kernels' calls go through it as the Python Function's do
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const Tensor& h = saved[0];
-    const Tensor& weight = saved[1];
-    const Tensor& mean = saved[2];
-    const Tensor& rstd = saved[3];
-    const Tensor& philox = saved[4];
-    const double dropout_p = ctx->saved_data[kP].toDouble();
-    const int64_t flags = ctx->saved_data[kFlags].toInt();
-    const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias, rms_norm = flags & kRms;
-    const Tensor h_rows = ff_rows(h);  // (N, C): the kernels' rows (h is in x's shape)
-    Tensor dy = std::move(grads[0]);
-    if (!dy.defined()) dy = at::zeros_like(h);  // prenorm with only h used
-    dy = ff_rows(dy);
-    OptTensor dh;
-    if ((flags & kPrenorm) && grads[1].defined()) dh = ff_rows(grads[1]).contiguous();
-    Tensor dx, dres, dweight, dbias, dx_bias;
-    if (flags & kFused) {
-      std::tie(dx, dres, dweight, dbias, dx_bias) = bwd_x_bias_op().call(
-          dy.contiguous(), dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
-    } else {
-      std::tie(dx, dres, dweight, dbias) = bwd_op().call(dy.contiguous(), dh, h_rows, weight, mean, rstd,
-                                                         dropout_p, philox, has_residual, rms_norm);
-      if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
-    }
-    dx = dx.view(h.sizes());  // back to x's shape
-    if (!has_residual) {
-      dres = Tensor();
-    } else if (dropout_p == 0.0) {  // the kernels return dres empty then
-      dres = dx;
-    } else {
-      dres = dres.view(h.sizes());
-    }
-    // x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias, rms_norm
-    return {dx, dres, dweight, dbias, Tensor(), Tensor(), Tensor(), Tensor(), dx_bias, Tensor()};
-  }
+  SavedVariable h_, weight_, mean_, rstd_;  // h in x's shape (an output when prenorm)
+  Tensor philox;
+  double dropout_p = 0.0;
+  int64_t flags = 0;  // kResidual | kXBias | kFused | kPrenorm | kRms
 };
+
+variable_list AddLayerNormBackward::apply(variable_list&& grads) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // the saved tensors first: under activation checkpointing, unpacking them recomputes the
+  // checkpointed forward, which must record its graph (and save its tensors) as the first time
+  const Tensor h = h_.unpack(getptr());
+  const Tensor weight = weight_.unpack();
+  const Tensor mean = mean_.unpack();
+  const Tensor rstd = rstd_.unpack();
+  // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
+  // records the graph, where the kernels' calls go through it as the Python Function's do
+  std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+  if (!at::GradMode::is_enabled()) below_autograd.emplace();
+  const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias, rms_norm = flags & kRms;
+  const Tensor h_rows = ff_rows(h);  // (N, C): the kernels' rows (h is in x's shape)
+  Tensor dy = std::move(grads[0]);
+  if (!dy.defined()) dy = at::zeros_like(h);  // prenorm with only h used
+  dy = ff_rows(dy).contiguous();
+  OptTensor dh;
+  if ((flags & kPrenorm) && grads.size() > 1 && grads[1].defined()) dh = ff_rows(grads[1]).contiguous();
+  Tensor dx, dres, dweight, dbias, dx_bias;
+  if (flags & kFused) {
+    std::tie(dx, dres, dweight, dbias, dx_bias) =
+        bwd_x_bias_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
+  } else {
+    std::tie(dx, dres, dweight, dbias) =
+        bwd_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
+    if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
+  }
+  if (h.dim() != 2) dx = dx.view(h.sizes());  // back to x's shape
+  if (!has_residual) {
+    dres = Tensor();
+  } else if (dropout_p == 0.0) {  // the kernels return dres empty then
+    dres = dx;
+  } else if (h.dim() != 2) {
+    dres = dres.view(h.sizes());
+  }
+  // the edges: x, residual, weight, bias, x_bias
+  return {std::move(dx), std::move(dres), std::move(dweight), std::move(dbias), std::move(dx_bias)};
+}
+
+// a kernel output (N, C) in x's shape: a view made below autograd (no node), none for 2-D x
+Tensor in_shape_of(const Tensor& out, const Tensor& x) { return x.dim() == 2 ? out : out.view(x.sizes()); }
 
 std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                           const Tensor& weight, const Tensor& bias, double eps,
@@ -166,20 +162,34 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
   TORCH_CHECK(!residual.has_value() || !residual->defined() || residual->sizes() == x.sizes(),
               "fastformer::add_layer_norm: residual must have the shape of x ", x.sizes(), ", got ",
               residual->sizes());
-  if (!at::GradMode::is_enabled() || !(x.requires_grad() || requires_grad(residual) ||
-                                       weight.requires_grad() || bias.requires_grad() ||
-                                       requires_grad(x_bias))) {
-    // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone,
-    // what the Function's forward returns then, without its node
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    bool fused;
-    Fwd out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
-                          rms_norm, &fused);
-    return {std::get<0>(out).view(x.sizes()), std::get<1>(out).view(x.sizes())};
+  // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone
+  const bool record = torch::autograd::compute_requires_grad(x, residual, weight, bias, x_bias);
+  if (record) ff_check_functorch();
+  bool fused;
+  Fwd out;
+  Tensor y, h;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
+    out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
+                      rms_norm, &fused);
+    y = in_shape_of(std::get<0>(out), x);  // (below autograd: a plain tensor, not a tracked view)
+    h = in_shape_of(std::get<1>(out), x);
   }
-  variable_list out = AddLayerNormFunction::apply(x, residual, weight, bias, eps, dropout_p, prenorm,
-                                                  philox, x_bias, rms_norm);
-  return {std::move(out[0]), std::move(out[1])};
+  if (!record) return {std::move(y), std::move(h)};
+  auto node = c10::make_intrusive<AddLayerNormBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias, x_bias));
+  torch::autograd::set_history(y, node);
+  if (prenorm) torch::autograd::set_history(h, node);  // else h is returned non-differentiable
+  node->h_ = SavedVariable(h, /*is_output=*/prenorm);
+  node->weight_ = SavedVariable(weight, false);
+  node->mean_ = SavedVariable(std::get<2>(out), false);
+  node->rstd_ = SavedVariable(std::get<3>(out), false);
+  node->philox = philox;
+  node->dropout_p = dropout_p;
+  node->flags = (residual.has_value() && residual->defined() ? kResidual : 0) |
+                (x_bias.has_value() && x_bias->defined() ? kXBias : 0) | (fused ? kFused : 0) |
+                (prenorm ? kPrenorm : 0) | (rms_norm ? kRms : 0);
+  return {std::move(y), std::move(h)};
 }
 
 }  // namespace

@@ -1,16 +1,19 @@
 // fastformer::feed_forward: the eager training path of feed_forward with its autograd in C++.
 // One differentiable op, registered for CompositeImplicitAutograd (so it runs under no_grad and
 // inference_mode too, and on any device): its forward calls feed_forward_fwd through the
-// dispatcher, its backward node (a torch::autograd::Function) feed_forward_bwd. It is
+// dispatcher, its backward node (a hand-written torch::autograd::Node) feed_forward_bwd. It is
 // fastformer/autograd/feed_forward.py's FeedForwardFunction, step for step, with the caller
 // drawing `philox` (the Python Function's philox.draw(dropout_p)) and passing it in.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include "kernel.h"
 
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -19,7 +22,7 @@ namespace fastformer {
 namespace {
 
 using at::Tensor;
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<Tensor>;
 
@@ -35,12 +38,7 @@ FF_KERNEL(fwd_op, FwdSig, "fastformer::feed_forward_fwd", "")
 FF_KERNEL(bwd_op, BwdSig, "fastformer::feed_forward_bwd", "")
 
 bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
-bool requires_grad(const OptTensor& t) { return present(t) && t->requires_grad(); }
 
-// ctx->saved_data keys
-constexpr const char* kFlags = "flags";  // kB1 | kB2 | kW3 | kB3
-constexpr const char* kActivation = "activation";
-constexpr const char* kP = "p";
 constexpr int64_t kB1 = 1, kB2 = 2, kW3 = 4, kB3 = 8;
 
 // x (..., E) as the kernels' contiguous (N, E) rows: a view where it can be (below autograd: no
@@ -50,64 +48,87 @@ Tensor as_rows(const Tensor& x) {
   return ff_rows(x).contiguous();
 }
 
-struct FeedForwardFunction : public torch::autograd::Function<FeedForwardFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
-                        const Tensor& w2, const OptTensor& b2, c10::string_view activation,
-                        double dropout_p, const Tensor& philox, const OptTensor& w3, const OptTensor& b3) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
-    auto [out, pre] = fwd_op().call(as_rows(x), w1, b1, w2, b2, activation, dropout_p, philox, w3, b3);
-    // x itself is saved (its in-place changes are caught), its rows taken again in the backward
-    // pre: (N, F), gated (N, 2F), the only activations kept
-    ctx->save_for_backward({x, w1, w2, pre, philox, present(w3) ? *w3 : Tensor()});
-    ctx->saved_data[kFlags] = (present(b1) ? kB1 : 0) | (present(b2) ? kB2 : 0) | (present(w3) ? kW3 : 0) |
-                              (present(b3) ? kB3 : 0);
-    ctx->saved_data[kActivation] = std::string(activation);
-    ctx->saved_data[kP] = dropout_p;
-    return out.view(x.sizes());  // in x's shape (a view below autograd: no node)
+// The backward node, written as torch's generated nodes are (no AutogradContext, no IValue
+// dictionary): the saved tensors SavedVariable members, the rest plain members. philox is a plain
+// tensor: the caller's fresh draw, never differentiable, never an activation.
+// Edges: x, w1, b1, w2, b2, w3, b3 (an absent one an empty edge).
+struct FeedForwardBackward final : public torch::autograd::Node {
+  variable_list apply(variable_list&& grads) override;
+  std::string name() const override { return "FeedForwardBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    w1_.reset_data();
+    w2_.reset_data();
+    pre_.reset_data();
+    w3_.reset_data();
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    // the saved tensors first: under activation checkpointing, unpacking them recomputes the
-    // checkpointed forward, which must record its graph (and save its tensors) as the first time
-    const variable_list saved = ctx->get_saved_variables();
-    // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
-    // records the graph, where the kernels' calls go through it as the Python Function's do
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    const int64_t flags = ctx->saved_data[kFlags].toInt();
-    const bool has_b1 = flags & kB1, has_b2 = flags & kB2, gated = flags & kW3, has_b3 = flags & kB3;
-    const Tensor& x = saved[0];
-    auto [dx, dw1, db1, dw2, db2] = bwd_op().call(
-        ff_rows(grads[0]).contiguous(), as_rows(x), saved[1], saved[2], saved[3], has_b1, has_b2,
-        ctx->saved_data[kActivation].toStringRef(), ctx->saved_data[kP].toDouble(), saved[4],
-        gated ? OptTensor(saved[5]) : OptTensor(), has_b3);
-    Tensor dw3, db3;
-    if (gated) {  // [dw1; dw3] (2F, E) and [db1; db3] (2F,): each half a contiguous view
-      const int64_t F = saved[1].size(0);
-      dw3 = dw1.narrow(0, F, F);
-      dw1 = dw1.narrow(0, 0, F);
-      if (has_b3) db3 = db1.narrow(0, F, F);
-      if (has_b1) db1 = db1.narrow(0, 0, F);
-    }
-    // x, w1, b1, w2, b2, activation, dropout_p, philox, w3, b3
-    return {dx.view(x.sizes()), dw1, has_b1 ? db1 : Tensor(), dw2, has_b2 ? db2 : Tensor(), Tensor(), Tensor(),
-            Tensor(), dw3, db3};
-  }
+  // x itself is saved (its in-place changes are caught), its rows taken again in the backward;
+  // pre: (N, F), gated (N, 2F), the only activations kept
+  SavedVariable x_, w1_, w2_, pre_, w3_;
+  Tensor philox;
+  std::string activation;
+  double dropout_p = 0.0;
+  int64_t flags = 0;  // kB1 | kB2 | kW3 | kB3
 };
+
+variable_list FeedForwardBackward::apply(variable_list&& grads) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // the saved tensors first: under activation checkpointing, unpacking them recomputes the
+  // checkpointed forward, which must record its graph (and save its tensors) as the first time
+  const Tensor x = x_.unpack(), w1 = w1_.unpack(), w2 = w2_.unpack(), pre = pre_.unpack();
+  const bool has_b1 = flags & kB1, has_b2 = flags & kB2, gated = flags & kW3, has_b3 = flags & kB3;
+  const OptTensor w3 = gated ? OptTensor(w3_.unpack()) : OptTensor();
+  // an undefined gradient of the output (an unused output; gradcheck's check): no gradient at all,
+  // where the Function materialized zeros and ran the kernels on them
+  if (!grads[0].defined()) return variable_list(7);
+  // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
+  // records the graph, where the kernels' calls go through it as the Python Function's do
+  std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+  if (!at::GradMode::is_enabled()) below_autograd.emplace();
+  auto [dx, dw1, db1, dw2, db2] = bwd_op().call(ff_rows(grads[0]).contiguous(), as_rows(x), w1, w2, pre,
+                                                has_b1, has_b2, activation, dropout_p, philox, w3, has_b3);
+  Tensor dw3, db3;
+  if (gated) {  // [dw1; dw3] (2F, E) and [db1; db3] (2F,): each half a contiguous view
+    const int64_t F = w1.size(0);
+    dw3 = dw1.narrow(0, F, F);
+    dw1 = dw1.narrow(0, 0, F);
+    if (has_b3) db3 = db1.narrow(0, F, F);
+    if (has_b1) db1 = db1.narrow(0, 0, F);
+  }
+  if (x.dim() != 2) dx = dx.view(x.sizes());  // back to x's shape
+  // the edges: x, w1, b1, w2, b2, w3, b3
+  return {std::move(dx), std::move(dw1), has_b1 ? std::move(db1) : Tensor(), std::move(dw2),
+          has_b2 ? std::move(db2) : Tensor(), std::move(dw3), std::move(db3)};
+}
 
 Tensor feed_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                     const OptTensor& b2, c10::string_view activation, double dropout_p,
                     const Tensor& philox, const OptTensor& w3, const OptTensor& b3) {
-  if (!at::GradMode::is_enabled() || !(x.requires_grad() || w1.requires_grad() || requires_grad(b1) ||
-                                       w2.requires_grad() || requires_grad(b2) || requires_grad(w3) ||
-                                       requires_grad(b3))) {
-    // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone,
-    // what the Function's forward returns then, without its node
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return std::get<0>(fwd_op().call(as_rows(x), w1, b1, w2, b2, activation, dropout_p, philox, w3, b3))
-        .view(x.sizes());
+  // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone
+  const bool record = torch::autograd::compute_requires_grad(x, w1, b1, w2, b2, w3, b3);
+  if (record) ff_check_functorch();
+  Tensor out, pre;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
+    std::tie(out, pre) = fwd_op().call(as_rows(x), w1, b1, w2, b2, activation, dropout_p, philox, w3, b3);
+    if (x.dim() != 2) out = out.view(x.sizes());  // in x's shape (a view below autograd: no node)
   }
-  return FeedForwardFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, philox, w3, b3);
+  if (!record) return out;
+  auto node = c10::make_intrusive<FeedForwardBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, w1, b1, w2, b2, w3, b3));
+  torch::autograd::set_history(out, node);
+  node->x_ = SavedVariable(x, false);
+  node->w1_ = SavedVariable(w1, false);
+  node->w2_ = SavedVariable(w2, false);
+  node->pre_ = SavedVariable(pre, false);
+  if (present(w3)) node->w3_ = SavedVariable(*w3, false);
+  node->philox = philox;
+  node->activation = std::string(activation);
+  node->dropout_p = dropout_p;
+  node->flags = (present(b1) ? kB1 : 0) | (present(b2) ? kB2 : 0) | (present(w3) ? kW3 : 0) |
+                (present(b3) ? kB3 : 0);
+  return out;
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // kernel they call, looked up once (at the first call, when every op of the library is
 // registered), so that a call costs no schema lookup.
 #pragma once
+#include <ATen/FuncTorchTLS.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -34,6 +35,16 @@ inline at::Tensor ff_rows(const at::Tensor& t) {
   int64_t N = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) N *= t.size(d);
   return t.reshape({N, C});
+}
+
+// What torch::autograd::Function::apply checks before it records a node, for the ops whose backward
+// node is written by hand (a torch::autograd::Node subclass, as torch's generated code does: no
+// AutogradContext, no IValue dictionary of saved values, no per-call wrapping of the outputs): a
+// C++ custom node is not supported under a functorch transform, which must say so rather than be
+// silently wrong.
+inline void ff_check_functorch() {
+  const auto& functorch_tls = at::functorch::functorchTLSAccessor();
+  if (functorch_tls) functorch_tls->checkSupportsCppAutogradFunction();
 }
 
 }  // namespace fastformer

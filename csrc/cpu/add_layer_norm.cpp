@@ -26,8 +26,9 @@ Fwd fwd(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& re
   std::tie(seed, offset) = read_philox(op, philox);
   const int64_t N = x.size(0), C = x.size(1);
   at::Tensor y = empty_large_like(x), h = empty_large_like(x);  // pooled when large
-  at::Tensor mean = at::empty({N}, x.options().dtype(checks::stat_dtype(x)));
-  at::Tensor rstd = at::empty({N}, x.options().dtype(checks::stat_dtype(x)));
+  // (empty_large: at::empty without its dispatcher hops for these small ones)
+  const auto stat_options = x.options().dtype(checks::stat_dtype(x));
+  at::Tensor mean = empty_large({N}, stat_options), rstd = empty_large({N}, stat_options);
   if (N == 0 || C == 0) return {y, h, mean, rstd};
   FF_ISA(add_layer_norm_fwd_kernel)(x, has_res ? *residual : at::Tensor(), weight, bias,
                                     x_bias ? *x_bias : at::Tensor(), y, h, mean, rstd, eps,
@@ -49,9 +50,10 @@ Bwd5 bwd(
   // dresidual = dh_total differs from dx only under dropout; otherwise it is returned empty
   const bool separate_dres = has_residual && dropout_p > 0.0;
   at::Tensor dx = empty_large_like(h);
-  at::Tensor dres = separate_dres ? empty_large_like(h) : at::empty({0}, h.options());
-  at::Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
-  at::Tensor dx_bias = want_dx_bias ? at::empty_like(weight) : at::Tensor();
+  at::Tensor dres = separate_dres ? empty_large_like(h) : empty_large({0}, h.options());
+  // (weight is contiguous: checked; empty_large_like is at::empty_like without the dispatcher)
+  at::Tensor dweight = empty_large_like(weight), dbias = empty_large_like(weight);
+  at::Tensor dx_bias = want_dx_bias ? empty_large_like(weight) : at::Tensor();
   if (N == 0 || C == 0) {
     dweight.zero_();
     dbias.zero_();

@@ -87,10 +87,10 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd_cpu(
   };
   at::Tensor dweight = weight_grad
       ? table_grad(input, num_weights, "input", "the rows of weight", padding_idx, scale)
-      : at::empty({0}, grad.options());
+      : empty_large({0}, grad.options());
   at::Tensor dpositional = positional_grad
       ? table_grad(*positions, num_positions, "positions", "the rows of positional", -1, 1.0)
-      : at::empty({0}, grad.options());
+      : empty_large({0}, grad.options());
   return {dweight, dpositional};
 }
 

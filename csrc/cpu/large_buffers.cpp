@@ -2,6 +2,7 @@
 #include "large_buffers.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty_native.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
@@ -188,7 +189,12 @@ at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) 
               options.device());
   const size_t nbytes = at::detail::computeStorageNbytesContiguous(
       sizes, c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
-  if (nbytes < kPoolMinBytes) return at::empty(sizes, options);
+  if (nbytes < kPoolMinBytes) {
+    // at::empty's CPU kernel without its two dispatcher hops (BackendSelect, CPU): a small output
+    // is the per-call host cost of a tiny op (torch's deterministic fill of empty memory included)
+    return at::native::empty_cpu(sizes, c10::typeMetaToScalarType(options.dtype()), options.layout(),
+                                 options.device(), options.pinned_memory(), c10::nullopt);
+  }
   return at::detail::empty_generic(sizes, &Pool::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                    c10::typeMetaToScalarType(options.dtype()), c10::nullopt);
 }

@@ -73,7 +73,10 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
     """
     if (fast.plain(input, weight, positional, positions) and fast.number(scale) and fast.number(dropout_p)
             and (padding_idx is None or padding_idx.__class__ is int) and fast.ready()):
-        out = fast.attempt(_fast, input, weight, scale, positional, positions, dropout_p, padding_idx)
+        try:  # fast.attempt, inline (a call frame less on every step's call)
+            out = _fast(input, weight, scale, positional, positions, dropout_p, padding_idx)
+        except RuntimeError:  # the C++ op refused it: the checked path words why
+            out = None
         if out is not None:
             return out
     return _checked(input, weight, scale, positional, positions, dropout_p, padding_idx)
@@ -94,7 +97,19 @@ def _fast(input, weight, scale, positional, positions, dropout_p, padding_idx):
     kernels = backends.select_cached("embedding", weight.device, weight.dtype)
     if kernels is None or kernels.embedding is None or kernels.name not in validation.CHECK_VALUES:
         return None
-    return _embedding(kernels, input, weight, float(scale), positional, positions, dropout_p, padding_idx, D)
+    # _embedding's eager call, inline (autocast is off and the call eager: fast.ready()): the C++ op
+    # takes the ids (and positions) as they are and returns input.shape + (D,) without a view node
+    pos = None
+    if positional is not None:
+        pos = positions
+        if pos is None:
+            pos = _POSITIONS.get((input.shape, input.device))
+            if pos is None:
+                pos = _default_positions(input.shape, input.device)
+        positional = positional.contiguous()
+    return kernels.embedding(input, weight.contiguous(), positional, pos, float(scale), dropout_p,
+                             -1 if padding_idx is None else padding_idx,
+                             philox.NO_DROPOUT if dropout_p == 0.0 else philox.draw(dropout_p, weight.device))
 
 
 def _checked(input, weight, scale, positional, positions, dropout_p, padding_idx):
