@@ -659,7 +659,7 @@ def test_triton_aot_specs_cover_the_bias_launches(backend):
 @pytest.mark.parametrize("backend", TRITON)
 def test_triton_first_choice_tiles(backend, monkeypatch):
     """The interpreter runs the kernels' first-choice GPU tiles of a launch with a bias (fp32 d128:
-    dK/dV's own 16 x 16 lead, _CONFIGS_REL; fwd / dQ 16 x 32), lengths ending mid-tile, R shorter
+    dK/dV and dQ 16 x 16, fwd 16 x 32; attention._CONFIGS_FP32's heavy class), lengths ending mid-tile, R shorter
     than the rows, a shift: the bias's gradient sized for and summed over those tiles."""
     A = pytest.importorskip("fastformer.triton_kernels.attention")
     if not A.INTERPRET:
@@ -674,7 +674,7 @@ def test_triton_first_choice_tiles(backend, monkeypatch):
     rng = philox.pack(0, 0)
     out, lse = A.attention_fwd(q, k, v, None, None, True, 0.1, 0.0, rng, rel, shift)
     dq, dk, dv, drel = A.attention_bwd(dout, q, k, v, out, lse, None, None, True, 0.1, 0.0, rng, rel, shift)
-    assert [u[0] for u in used] == ["fwd", "dkdv", "dq"] and all(u[-1] for u in used), used  # rel's configs
+    assert [u[0] for u in used] == ["fwd", "dkdv", "dq"] and all(u[5] for u in used), used  # rel's configs
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, rel)]
     bias = _dense_by_distance(leaves[3], Sq, Sk, Sk - Sq + shift)[None]
     want = reference.attention(*leaves[:3], attn_mask=bias, is_causal=True, scale=0.1)

@@ -90,3 +90,30 @@ def test_matmul_launch(monkeypatch, deterministic_off, dtype):
     first = tuner.configs[0]
     assert name == "kernel" and {key: kw[key] for key in first.kwargs} == first.kwargs
     assert kw["num_warps"] == first.num_warps
+
+
+def test_attention_tf32_launch_takes_its_own_configs(monkeypatch, deterministic_off):
+    """fp32 launches with tf32 dots (INPUT_PRECISION) have their own first choices where no config compiles
+    clean for both precisions (attention._CONFIGS_TF32): the launcher passes the precision on, to the first
+    config and to the autotuner alike, and an ieee launch of the same kernel keeps the other tables' lead."""
+    assert A._CONFIGS_TF32, "no tf32 lead to check"
+    monkeypatch.setattr(A, "INTERPRET", False)
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda fn: fn)
+    tuned = []
+    monkeypatch.setattr(A, "_tuned", lambda *a: tuned.append(a) or Recorder("autotuner", []))
+    for kind, block_d, varlen, rel in A._CONFIGS_TF32:
+        first = {}
+        for precision in ("ieee", "tf32"):
+            calls = []
+            meta = {"HAS_MASK": False, "HAS_DROPOUT": True, "HAS_REL": rel, "VARLEN": varlen,
+                    "INPUT_PRECISION": precision}
+            with utils.first_configs():
+                A._launch(kind, Recorder("kernel", calls), lambda blocks: (1,), block_d, 4, (), meta)
+            [(_, kw)] = calls
+            first[precision] = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+            A._launch(kind, Recorder("kernel", calls), lambda blocks: (1,), block_d, 4, (), meta)
+            assert tuned[-1][-1] is (precision == "tf32"), tuned[-1]  # the autotuner's configs too
+            want = A._configs(kind, block_d, 4, True, varlen, rel, 80, False, precision == "tf32")[0]
+            assert first[precision] == (want.kwargs["BLOCK_M"], want.kwargs["BLOCK_N"], want.num_warps,
+                                        want.num_stages)
+        assert first["tf32"] != first["ieee"], (kind, block_d, varlen, rel, first)

@@ -1,7 +1,7 @@
 """Ahead-of-time compile every Triton kernel specialisation for real GPU targets, no GPU needed.
 
     python -m fastformer.triton_kernels.aot --cc 80 --cc 90 [--configs first|all] [--json PATH] [--jobs 2]
-                                            [--module NAME ...]
+                                            [--module NAME ...] [--match REGEX]
 
 Each module in ``fastformer.triton_kernels.MODULES`` defines ``aot_specs()``: a list of dicts, one per kernel
 specialisation its host functions can launch, with keys
@@ -222,9 +222,10 @@ def compile_one(module_name, index, cc):
     return row
 
 
-def run(ccs, modules=None, jobs=2, progress=None, configs="first"):
+def run(ccs, modules=None, jobs=2, progress=None, configs="first", match=None):
     """Compile the specs of every module for every cc: each specialisation's first-choice config
-    (``configs="first"``) or every spec (``"all"``), each for the targets of its ``ccs``. Returns
+    (``configs="first"``) or every spec (``"all"``), each for the targets of its ``ccs``; with
+    ``match`` (a regular expression) only the selected specs whose name it matches. Returns
     ``{"modules": {name: {"specs": n, "selected": [index, ...], "targets": [[index, cc], ...],
     "error": str|None}}, "kernels": [row, ...]}``."""
     if configs not in ("first", "all"):
@@ -239,6 +240,8 @@ def run(ccs, modules=None, jobs=2, progress=None, configs="first"):
             selected = first_choice_indices(specs) if configs == "first" else list(range(len(specs)))
             if specs and not selected:
                 error = "no spec is marked first_choice"
+            if match is not None:  # a subset to look at; chosen after first_choice, so it is the same kernel
+                selected = [i for i in selected if re.search(match, specs[i]["name"])]
         except Exception as exc:
             specs, selected, error = [], [], f"{type(exc).__name__}: {exc}"
         pairs = [(i, cc) for i in selected for cc in targets(specs[i], ccs)]
@@ -329,6 +332,9 @@ def main(argv=None):
     parser.add_argument("--configs", choices=("first", "all"), default="first",
                         help="first: each specialisation's first-choice config (default); "
                              "all: every autotune candidate")
+    parser.add_argument("--match", metavar="REGEX",
+                        help="only the selected specs whose name this regular expression matches "
+                             "(re.search), e.g. 'fp32.*_d256_'")
     parser.add_argument("--list", action="store_true", help="list the specs, compile nothing")
     args = parser.parse_args(argv)
     _no_interpreter()
@@ -338,7 +344,8 @@ def main(argv=None):
             selected = set(first_choice_indices(specs))
             print(f"{name}: {len(specs)} specs, {len(selected)} first-choice (*)")
             for i, spec in enumerate(specs):
-                print(f"  {'*' if i in selected else ' '} {spec['name']}")
+                if args.match is None or re.search(args.match, spec["name"]):
+                    print(f"  {'*' if i in selected else ' '} {spec['name']}")
         return 0
     start = time.time()
 
@@ -347,7 +354,7 @@ def main(argv=None):
         print(f"[{done}/{total}] sm_{row['cc']} {row['name']}: {status} ({row['seconds']} s)",
               file=sys.stderr, flush=True)
 
-    report = run(args.cc, args.module, jobs=args.jobs, progress=progress, configs=args.configs)
+    report = run(args.cc, args.module, jobs=args.jobs, progress=progress, configs=args.configs, match=args.match)
     report["seconds"] = round(time.time() - start, 1)
     if args.json:
         with open(args.json, "w") as f:

@@ -198,7 +198,9 @@ BLOCK_D_BUCKETS = (32, 64, 128, 256)
 # tiles: the Philox state (one call per 8 scores) and the fp32 mask tile would otherwise spill
 # registers.
 # fp32 (rare on a GPU; full-precision FMA dots, or tf32 ones, which want small tiles) runs one
-# config, chosen to compile without spills for ieee and tf32 dots, light and heavy. Every first choice compiles for sm_80 and sm_90 with all features of its class on and
+# config per class (_CONFIGS_FP32), the largest tile tried that compiles without spills for ieee
+# and tf32 dots on sm_80 and sm_90 (the heavy one also serves rel unless _CONFIGS_REL has its own).
+# Every first choice compiles for sm_80 and sm_90 with all features of its class on and
 # no register spill (python -m fastformer.triton_kernels.aot --module attention; tests/test_triton_compile.py
 # fails on any); alternates may spill a little and the autotuner then only picks them if faster.
 _CONFIGS_LOWP = {
@@ -221,10 +223,32 @@ _CONFIGS_LOWP = {
         256: {"light": [(32, 32, 8, 2), (16, 64, 4, 2)], "heavy": [(32, 64, 8, 2), (16, 64, 4, 2)]},
     },
 }
+# Since dropout v3 (its Philox words live across the tile) and the one-axis grid the heavy class
+# takes a smaller tile or other warps / stages where light's spilled with it: the forward at d32
+# (64x32 spilled on sm_80) and d256 (16x32), dQ at d64 (32x32, sm_80), d128 (16x32 with 8 warps) and
+# d256 (4 warps), dK/dV at d256 (2 stages, sm_80). ptxas allocates these small fp32 tiles erratically
+# (a clean config with one stage less or half the warps can spill kilobytes): each entry here and
+# below is a config that compiled clean, not a trend (python -m fastformer.triton_kernels.aot
+# --match '_fp32_' compiles them all).
 _CONFIGS_FP32 = {
-    "fwd": {32: (64, 32, 8, 3), 64: (16, 32, 8, 3), 128: (16, 32, 8, 2), 256: (16, 32, 8, 2)},
-    "dkdv": {32: (16, 16, 8, 3), 64: (16, 32, 8, 3), 128: (16, 16, 8, 2), 256: (16, 16, 8, 2)},
-    "dq": {32: (16, 32, 4, 3), 64: (32, 32, 4, 2), 128: (16, 32, 8, 2), 256: (16, 16, 4, 2)},
+    "fwd": {
+        32: {"light": (64, 32, 8, 3), "heavy": (32, 32, 8, 3)},
+        64: {"light": (16, 32, 8, 3), "heavy": (16, 32, 8, 3)},
+        128: {"light": (16, 32, 8, 2), "heavy": (16, 32, 8, 2)},
+        256: {"light": (16, 32, 8, 1), "heavy": (16, 16, 8, 2)},
+    },
+    "dkdv": {
+        32: {"light": (16, 16, 8, 3), "heavy": (16, 16, 8, 3)},
+        64: {"light": (16, 32, 8, 3), "heavy": (16, 32, 8, 3)},
+        128: {"light": (16, 16, 8, 2), "heavy": (16, 16, 8, 2)},
+        256: {"light": (16, 16, 8, 2), "heavy": (16, 16, 8, 1)},
+    },
+    "dq": {
+        32: {"light": (16, 32, 4, 3), "heavy": (16, 32, 4, 3)},
+        64: {"light": (32, 32, 4, 2), "heavy": (32, 16, 4, 2)},
+        128: {"light": (16, 32, 8, 2), "heavy": (16, 16, 4, 2)},
+        256: {"light": (16, 16, 4, 2), "heavy": (16, 16, 8, 2)},
+    },
 }
 
 
@@ -233,12 +257,18 @@ _CONFIGS_FP32 = {
 # first choice spill, the varlen kernels lead with their own (kind, BLOCK_D, element size, heavy).
 # The Philox pointer argument (load_philox) costs the heavy kernels a few registers more: so do
 # the heavy fp16 / bf16 dK/dV at d256 (the padded (32, 16, 8, 2) spilled on sm_90; 16x16 tiles spill
-# on sm_80 with 8 warps, on sm_90 with 4), the fp32 dK/dV at d32 (3 stages spilled on sm_80) and
-# the fp32 dQ at d64 (32x32 spilled with tf32 dots on sm_90).
+# on sm_80 with 8 warps, on sm_90 with 4), and in fp32 the forward at d64 (3 stages spilled on
+# sm_90), dQ at d64 (32x32 spilled with tf32 dots on sm_90), d128 (4 warps spilled on sm_90) and
+# d256 (8 warps spilled on sm_80), dK/dV at d32 (3 stages spilled on sm_80) and the light one at
+# d128 (2 stages spilled, 8 warps on sm_80, 4 with tf32 dots on sm_90).
 _CONFIGS_VARLEN = {
     ("fwd", 128, 2, False): [(128, 32, 8, 3), (64, 64, 4, 3)],
+    ("fwd", 64, 4, True): [(16, 32, 8, 2)],
     ("dq", 64, 4, True): [(32, 16, 8, 3)],
+    ("dq", 128, 4, True): [(16, 16, 8, 2)],
+    ("dq", 256, 4, True): [(16, 16, 4, 2)],
     ("dkdv", 32, 4, True): [(16, 16, 8, 2)],
+    ("dkdv", 128, 4, False): [(16, 16, 8, 1)],
     ("dkdv", 128, 4, True): [(16, 16, 8, 2)],
     ("dkdv", 256, 2, True): [(32, 16, 8, 1)],
     ("dkdv", 256, 4, True): [(16, 16, 8, 1)],
@@ -246,18 +276,31 @@ _CONFIGS_VARLEN = {
 
 # A relative position bias (HAS_REL: a per-score gather, and dK/dV's diagonal sums and their
 # window) runs in the heavy class; where that class's first choice spills with it, its own lead
-# (kind, BLOCK_D, element size, varlen): padded, the fp32 dK/dV at d128 (16x16 with 8 warps spilled
-# on sm_90) and d256 (2 stages spilled with tf32 dots); packed, the fp16 / bf16 dK/dV at d32 (3
-# stages spilled on sm_80) and d128 (32x32 spilled on sm_90), the fp32 forward at d64 and dK/dV at
-# d128 (sm_90) and the fp32 dQ at d256 (4 warps spilled with tf32 dots on sm_90).
+# (kind, BLOCK_D, element size, varlen): padded, the fp32 dK/dV at d256 (1 stage spilled on sm_90);
+# packed, the fp16 / bf16 dK/dV at d32 (3 stages spilled on sm_80) and d128 (32x32 spilled on
+# sm_90), and in fp32 the forward at d128 (2 stages spilled with tf32 dots on sm_90), dK/dV at
+# d128 (16x16 spilled on sm_90, 16x16 with 4 warps on sm_80) and d256 (every 16x16 tile tried
+# spilled on sm_90; tf32 dots: _CONFIGS_TF32) and dQ at d256 (the varlen heavy's 4 warps spilled
+# with tf32 dots on sm_90).
 _CONFIGS_REL = {
-    ("dkdv", 128, 4, False): [(16, 16, 4, 2)],
-    ("dkdv", 256, 4, False): [(16, 16, 8, 1)],
-    ("fwd", 64, 4, True): [(16, 32, 8, 2)],
+    ("dkdv", 256, 4, False): [(16, 16, 8, 2)],
+    ("fwd", 128, 4, True): [(16, 32, 8, 1)],
     ("dkdv", 32, 2, True): [(32, 64, 8, 2)],
     ("dkdv", 128, 2, True): [(32, 16, 8, 2)],
-    ("dkdv", 128, 4, True): [(16, 16, 4, 2)],
+    ("dkdv", 128, 4, True): [(32, 16, 8, 2)],
     ("dq", 256, 4, True): [(16, 16, 8, 2)],
+    ("dkdv", 256, 4, True): [(32, 16, 8, 2)],
+}
+
+# fp32 with tf32 dots, where no config tried compiles clean for both precisions: its own lead by
+# (kind, BLOCK_D, varlen, rel), before the tables above: dK/dV at d256 with a bias, padded (the
+# ieee lead, 16x16 with 2 stages, spilled 8-24 B with tf32 dots; 1 stage spilled with ieee ones on
+# sm_90) and packed (the ieee lead, 32x16 with 2 stages, spilled 64-72 B with tf32 dots; 1 stage
+# spilled kilobytes with ieee ones; every 16x16 tile tried, 4 / 8 warps, 1-3 stages, spilled on
+# sm_90).
+_CONFIGS_TF32 = {
+    ("dkdv", 256, False, True): [(16, 16, 8, 1)],
+    ("dkdv", 256, True, True): [(32, 16, 8, 1)],
 }
 
 
@@ -370,18 +413,21 @@ def _prune(kind: str, candidates, block_d: int, elt: int, heavy: bool, smem_limi
 
 @functools.lru_cache(maxsize=None)
 def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = False,
-             rel: bool = False, arch: int = 80, short: bool = False) -> Tuple[triton.Config, ...]:
+             rel: bool = False, arch: int = 80, short: bool = False, tf32: bool = False) -> Tuple[triton.Config, ...]:
     """Autotune configs for one kernel, BLOCK_D bucket, element size, feature class (heavy =
     dropout, an additive mask or a relative position bias; ``rel``: the last, see _CONFIGS_REL),
     layout and config family (``arch``: _arch's 80 or 90; 90 leads with _CONFIGS_SM90's first
     choice), pruned to fit sm_80's shared memory (sm_90's for its own first choice). ``short``
-    appends the short-length candidates (_CONFIGS_SHORT) after the first choice and the others."""
-    if rel and (kind, block_d, elt, varlen) in _CONFIGS_REL:
+    appends the short-length candidates (_CONFIGS_SHORT) after the first choice and the others;
+    ``tf32``: fp32 with tf32 dots (_CONFIGS_TF32)."""
+    if tf32 and elt == 4 and (kind, block_d, varlen, rel) in _CONFIGS_TF32:
+        candidates = _CONFIGS_TF32[kind, block_d, varlen, rel]
+    elif rel and (kind, block_d, elt, varlen) in _CONFIGS_REL:
         candidates = _CONFIGS_REL[kind, block_d, elt, varlen]
     elif varlen and (kind, block_d, elt, heavy) in _CONFIGS_VARLEN:
         candidates = _CONFIGS_VARLEN[kind, block_d, elt, heavy]
     elif elt == 4:
-        candidates = [_CONFIGS_FP32[kind][block_d]]
+        candidates = [_CONFIGS_FP32[kind][block_d]["heavy" if heavy else "light"]]
     else:
         candidates = _CONFIGS_LOWP[kind][block_d]["heavy" if heavy else "light"]
     keep = _prune(kind, candidates, block_d, elt, heavy, SMEM_LIMIT[80])
@@ -403,16 +449,16 @@ _TUNERS = {}
 
 
 def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False,
-           arch: int = 80, short: bool = False):
+           arch: int = 80, short: bool = False, tf32: bool = False):
     """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
-    layout, bias or not, config family, short lengths or not), keyed on the sequence-length
+    layout, bias or not, config family, short lengths or not, tf32 dots or not), keyed on the sequence-length
     buckets and the head dim."""
-    key = (kind, block_d, elt, heavy, varlen, rel, arch, short)
+    key = (kind, block_d, elt, heavy, varlen, rel, arch, short, tf32)
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
         # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
         reset = ["DRel"] if rel and kind == "dkdv" else None
-        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short)),
+        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short, tf32)),
                                        key=["TUNE_SQ", "TUNE_SK", "D"], reset_to_zero=reset)(fn)
     return _TUNERS[key]
 
@@ -506,9 +552,9 @@ def _dropout_args(dropout_p: float):
 
 @functools.lru_cache(maxsize=None)
 def _first_config(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool, rel: bool = False,
-                  arch: int = 80) -> dict:
+                  arch: int = 80, tf32: bool = False) -> dict:
     """The launch keywords (tiles, warps, stages) of a kernel's first-choice config, built once."""
-    cfg = _configs(kind, block_d, elt, heavy, varlen, rel, arch)[0]
+    cfg = _configs(kind, block_d, elt, heavy, varlen, rel, arch, False, tf32)[0]
     return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -525,7 +571,8 @@ def _rel_tiles(Sk: int, block_d: int, elt: int, meta: dict, arch: int = 80, shor
         block_n = INTERPRET_BLOCKS["BLOCK_N"]
     else:
         block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _configs("dkdv", block_d, elt, _heavy(meta),
-                                                                  meta.get("VARLEN", False), True, arch, short))
+                                                                  meta.get("VARLEN", False), True, arch, short,
+                                                                  meta.get("INPUT_PRECISION") == "tf32"))
     return cdiv(Sk, block_n)
 
 
@@ -541,11 +588,12 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta, arch=80, short=False):
         heavy = _heavy(meta)
         varlen = meta.get("VARLEN", False)
         rel = meta.get("HAS_REL", False)
+        tf32 = meta.get("INPUT_PRECISION") == "tf32"
         if INTERPRET or first_config_only():  # the first (best-guess) config, no autotuning
-            launch = _first_config(kind, block_d, elt, heavy, varlen, rel, arch)
+            launch = _first_config(kind, block_d, elt, heavy, varlen, rel, arch, tf32)
             kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
-            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short))[grid_of](*args, **meta)
+            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short, tf32))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
@@ -836,7 +884,8 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                                     **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
                         for arch in ARCHS:
-                            for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"], arch, True):
+                            for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"], arch, True,
+                                                precision == "tf32"):
                                 bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
                                 name = (f"{prefix}_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}"
                                         f"_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
