@@ -470,6 +470,9 @@ constexpr int64_t kExpandLanes = 16 / sizeof(A);
 // 32-column tiles the block touches; i0, j0 need not be aligned), row() expands a row of them
 // into multipliers. Consecutive blocks of the same rows sharing a tile (a key block starting
 // inside a tile, after key padding) take it from the previous block instead of making it again.
+// save() and load() keep a block's bits in a head's bit map for a later block of other bounds
+// (the split backward's second pass): row i of the map holds key 32 t + e of query i as bit e of
+// word i ld + t, and a zero word after the head's last tile column.
 template <typename A>
 class AttentionDropout {
  public:
@@ -498,6 +501,7 @@ class AttentionDropout {
     }
     bh_ = bh, qb0_ = qb0, qb1_ = qb1, kb0_ = kb0, kb1_ = kb1, r0_ = i0 - qb0 * kAttnDropRows;
     shift_ = j0 - kb0 * kAttnDropCols;
+    rows_ = bits_.data() + r0_ * words_, ld_ = words_;
     for (int64_t qb = qb0; qb < qb1; ++qb) {
       uint32_t* rows = bits_.data() + (qb - qb0) * kAttnDropRows * words_;
       for (int64_t t = kb; t < kb1; ++t) {
@@ -512,11 +516,27 @@ class AttentionDropout {
     }
   }
 
+  // The last block()'s bits of its rows r < mq (queries i0 + r) into map: its tile columns' words
+  // of rows i0 .. i0 + mq - 1 (each tile column is wholly the block's).
+  void save(uint32_t* map, int64_t ld, int64_t mq) const {
+    const int64_t i0 = qb0_ * kAttnDropRows + r0_;
+    for (int64_t r = 0; r < mq; ++r) {
+      std::copy(rows_ + r * ld_, rows_ + r * ld_ + (kb1_ - kb0_), map + (i0 + r) * ld + kb0_);
+    }
+  }
+
+  // The block of queries i0 .. and keys j0 .. taken from map (save()'s): row() then reads it there.
+  void load(const uint32_t* map, int64_t ld, int64_t i0, int64_t j0) {
+    bh_ = -1;  // bits_ no longer holds the last block (block()'s reuse)
+    rows_ = map + i0 * ld + j0 / kAttnDropCols, ld_ = ld;
+    shift_ = j0 % kAttnDropCols;
+  }
+
   // out[0, npad) = the multipliers of row r of the block (query i0 + r) against keys j0 .., value
   // or 0; 0 past column nk (npad: a multiple of the vector width).
   void row(int64_t r, int64_t nk, int64_t npad, A* out) const {
     constexpr int64_t V = attention_detail::kExpandLanes<A>;
-    const uint32_t* w = bits_.data() + (r0_ + r) * words_;
+    const uint32_t* w = rows_ + r * ld_;
     for (int64_t c = 0; c < npad; c += V) {
       uint32_t bits = 0;
       if (c < nk) {  // then bit / 32 + 1 is at most the zero word after the block's tiles
@@ -537,6 +557,8 @@ class AttentionDropout {
   int64_t QB_, KB_, words_;
   std::vector<uint32_t> bits_;  // rows of the block's 16-row groups, words_ 32-bit words each
   int64_t bh_ = -1, qb0_ = 0, qb1_ = 0, kb0_ = 0, kb1_ = 0, r0_ = 0, shift_ = 0;
+  const uint32_t* rows_ = nullptr;  // row() reads row r at rows_ + r ld_: bits_ or a saved map
+  int64_t ld_ = 0;
 };
 
 }  // namespace CPU_CAPABILITY
