@@ -13,7 +13,7 @@
 //   * otherwise two passes: dK and dV per (sequence, head, key block), then dQ per
 //     (sequence, head, query block), recomputing S and dP in each (seven products per tile). The
 //     dropout bits are made once, in pass 1, which keeps them for pass 2 in a bit map of the
-//     split heads (HeadKeep: Lq x ceil(Lk / 32) words a head; the two passes' key blocks differ
+//     split heads (HeadKeep: about Lq Lk / 8 bytes a head; the two passes' key blocks differ
 //     after leading padded keys, so the map is per score, not per tile).
 // Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
 // are skipped. Threads take tasks one at a time from a shared counter, heaviest first
