@@ -11,7 +11,10 @@
 //     has each product write its gradient rows in place (backward_single_tile), and the task
 //     computes its rows' delta itself unless some head is split (then row_dots runs first);
 //   * otherwise two passes: dK and dV per (sequence, head, key block), then dQ per
-//     (sequence, head, query block), recomputing S and dP in each (seven products per tile).
+//     (sequence, head, query block), recomputing S and dP in each (seven products per tile). The
+//     dropout bits are made once, in pass 1, which keeps them for pass 2 in a bit map of the
+//     split heads (HeadKeep: about Lq Lk / 8 bytes a head; the two passes' key blocks differ
+//     after leading padded keys, so the map is per score, not per tile).
 // Tiles wholly hidden by the causal mask or by key padding (leading / trailing padded keys)
 // are skipped. Threads take tasks one at a time from a shared counter, heaviest first
 // (TaskList, parallel_tasks), so sequences of different lengths do not leave a thread waiting
@@ -56,6 +59,15 @@ struct BwdData {
   Rows<acc_t> delta;    // Problem::stat_rows: rowsum(dout * out)
   Rows<scalar_t> dq, dk, dv;  // the gradients, each row written once
   Rows<scalar_t> out;         // the forward's output (for delta)
+};
+
+// A split head's dropout keep bits (AttentionDropout::save's map, ld words a query row): pass 1
+// makes each tile's and saves them (load = false), pass 2 reads them (load = true). data nullptr:
+// the tile makes its own.
+struct HeadKeep {
+  uint32_t* data = nullptr;
+  int64_t ld = 0;
+  bool load = false;
 };
 
 // Where a tile's gradient rows go: ld apart; accumulate adds to them, else the tile's product is
@@ -112,13 +124,14 @@ struct BwdScratch {
 // One (query block, key block) tile of the backward pass: queries i0 .. i0 + mq - 1 against keys
 // j0 .. j0 + nk - 1 of head (b, h), with w.KT / w.VT holding K_j^T / V_j^T. Adds (accumulate) or
 // writes dS K_j to dq (mq, D) when given, and (P Z)^T dO_i, dS^T Q_i to dv, dk (nk, D) when given;
-// adds the tile's dS by distance to drel (2R + 1, a task's slot) when given.
+// adds the tile's dS by distance to drel (2R + 1, a task's slot) when given. keep: where the
+// dropout bits are saved or read, if anywhere.
 template <typename scalar_t>
 void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
                    int64_t b, int64_t h, int64_t i0, int64_t mq, int64_t j0, int64_t nk,
                    const at::opmath_type<scalar_t>* Kj, int64_t ldk, GradRows<at::opmath_type<scalar_t>> dq,
                    GradRows<at::opmath_type<scalar_t>> dk, GradRows<at::opmath_type<scalar_t>> dv,
-                   at::opmath_type<scalar_t>* drel, bool accumulate = true) {
+                   at::opmath_type<scalar_t>* drel, bool accumulate = true, HeadKeep keep = {}) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D, npad = round_up(nk, kPad), shift = p.shift(b);
   const acc_t* lse = g.lse.row(b, h, i0);
@@ -129,7 +142,12 @@ void backward_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdSc
   const acc_t* dOi = w.dout.get(g.dout, b, h, i0, mq, lddo);    // (mq, D)
 
   if (dropout) {  // before the product: the multipliers' stores are done when the rows read them
-    w.drop.block(b * p.H + h, i0, mq, j0, nk);  // once per tile: dK, dV and dQ of a tile share it
+    if (keep.load) {
+      w.drop.load(keep.data, keep.ld, i0, j0);
+    } else {
+      w.drop.block(b * p.H + h, i0, mq, j0, nk);  // once per tile: dK, dV and dQ of a tile share it
+      if (keep.data != nullptr) w.drop.save(keep.data, keep.ld, mq);
+    }
     for (int64_t r = 0; r < mq; ++r) w.drop.row(r, nk, npad, w.keep.data() + r * kBlockK);
   }
   // P (mq, nk) = exp(scale * Q_i K_j^T + mask - lse)
@@ -278,12 +296,13 @@ void backward_single_tile(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
 
 // dK, dV rows [jb, jb + nb) of head (b, h): accumulated over every query block that sees them
 // (into w.dk / w.dv) and stored; dq, when given, collects dS K for the whole head; drel, when
-// given (the key block's slot), dS by distance. The same tiles in the same order whether a
-// whole-head task or a key-block task runs it (and backward_single_tile's one tile is its one).
+// given (the key block's slot), dS by distance; keep, when given, the head's map to save the
+// dropout bits in. The same tiles in the same order whether a whole-head task or a key-block task
+// runs it (and backward_single_tile's one tile is its one).
 template <typename scalar_t>
 void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, BwdScratch<scalar_t>& w,
                         int64_t b, int64_t h, int64_t jb, int64_t nb, at::opmath_type<scalar_t>* dq,
-                        at::opmath_type<scalar_t>* drel) {
+                        at::opmath_type<scalar_t>* drel, HeadKeep keep = {}) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = p.D;
   std::fill(w.dk.begin(), w.dk.begin() + nb * D, acc_t(0));
@@ -298,7 +317,7 @@ void backward_key_block(const Problem<scalar_t>& p, const BwdData<scalar_t>& g, 
     for (int64_t i0 = p.query_begin(b, j0) / kBlockQ * kBlockQ; i0 < lq; i0 += kBlockQ) {
       const int64_t mq = std::min(kBlockQ, lq - i0);
       backward_tile(p, g, w, b, h, i0, mq, j0, j1 - j0, Kj, ldk, {dq != nullptr ? dq + i0 * D : nullptr, D},
-                    {w.dk.data() + (j0 - jb) * D, D}, {w.dv.data() + (j0 - jb) * D, D}, drel);
+                    {w.dk.data() + (j0 - jb) * D, D}, {w.dv.data() + (j0 - jb) * D, D}, drel, true, keep);
     }
   }
   store_rows(w.dk.data(), g.dk, b, h, jb, nb, D);
@@ -360,6 +379,22 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
   }
   pass1.sort();
   pass2.sort();
+  // The split heads' dropout keep bits, pass 1 to pass 2: sequence b's head h at
+  // keep_bits + keep0[b] + h Lq(b) keep_ld[b]; zeros where pass 1 makes no tile (hidden keys,
+  // whose P is 0 in pass 2 too)
+  std::vector<int64_t> keep0(p.B, 0), keep_ld(p.B, 0);
+  int64_t keep_words = 0;
+  for (int64_t b = 0; p.dropout.drop && b < p.B; ++b) {
+    if (!split(b)) continue;
+    keep0[b] = keep_words;
+    keep_ld[b] = ceil_div(p.Lk(b), kAttnDropCols) + 1;  // + the zero word AttentionDropout::row reads
+    keep_words += p.H * p.Lq(b) * keep_ld[b];
+  }
+  std::vector<uint32_t> keep_bits(keep_words, 0u);
+  auto head_keep = [&](int64_t b, int64_t h, bool load) {
+    return keep_words == 0 ? HeadKeep{}
+                           : HeadKeep{keep_bits.data() + keep0[b] + h * p.Lq(b) * keep_ld[b], keep_ld[b], load};
+  };
   // delta: up front when split heads need it (their key-block tasks read every query row's),
   // else by each whole-head task for its own rows
   const bool head_delta = pass2.size() == 0;
@@ -375,7 +410,8 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
       const int64_t b = it.b, lq = p.Lq(b), lk = p.Lk(b);
       if (it.block != TaskList::kWholeHead) {
         const int64_t jb = it.block * kBlockK;
-        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr, slot(b, h, it.block));
+        backward_key_block(p, g, w, b, h, jb, std::min(kBlockK, lk - jb), nullptr, slot(b, h, it.block),
+                           head_keep(b, h, false));
         continue;
       }
       if (head_delta) head_deltas(p, g, b, h, lq, w.x.data(), w.y.data());
@@ -412,7 +448,7 @@ void attention_bwd_kernel(const Problem<scalar_t>& p, const BwdData<scalar_t>& g
         int64_t ldk;
         w.load_keys(p, b, h, j0, nk, Kj, ldk);
         backward_tile(p, g, w, b, h, i0, mq, j0, nk, Kj, ldk, {w.dq.data(), D}, {nullptr, D}, {nullptr, D},
-                      nullptr);  // (pass 1 took this dS's share of drel)
+                      nullptr, true, head_keep(b, h, true));  // (pass 1 took this dS's share of drel)
       }
       store_rows(w.dq.data(), g.dq, b, h, i0, mq, D);
     }

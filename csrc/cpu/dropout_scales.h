@@ -51,49 +51,57 @@ struct RoundKeys {
   }
 };
 
+// The ten Philox rounds of the counters in the 64-bit lanes of n[0 .. kRegs): word t of lane l's
+// counter ends in the low half of c[t][h]'s lane l (the high half is don't-care: _mm512_mul_epu32
+// reads only the low halves and XOR is lane-wise, so one multiply gives both the high and the low
+// word and no blends are needed); each three-way XOR is one vpternlog. The one AVX512 copy of the
+// rounds: the v2 groups (keep_bits) and the v3 tiles (attention_detail::philox16) both call it.
+template <int kRegs>
+inline void philox_rounds(const RoundKeys& key, const __m512i (&n)[2], __m512i (&c)[4][2]) {
+  const __m512i ma = _mm512_set1_epi64(kPhiloxRoundA);
+  const __m512i mb = _mm512_set1_epi64(kPhiloxRoundB);
+  for (int h = 0; h < kRegs; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
+    const __m512i pa = _mm512_mul_epu32(n[h], ma);
+    c[0][h] = _mm512_xor_si512(_mm512_srli_epi64(n[h], 32), key.k0[0]);
+    c[1][h] = _mm512_setzero_si512();
+    c[2][h] = _mm512_xor_si512(_mm512_srli_epi64(pa, 32), key.k1[0]);
+    c[3][h] = pa;
+  }
+  for (int round = 1; round < 10; ++round) {
+    for (int h = 0; h < kRegs; ++h) {
+      const __m512i pb = _mm512_mul_epu32(c[2][h], mb);
+      const __m512i pa = _mm512_mul_epu32(c[0][h], ma);
+      // 0x96: a ^ b ^ c
+      c[0][h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pb, 32), c[1][h], key.k0[round], 0x96);
+      c[2][h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pa, 32), c[3][h], key.k1[round], 0x96);
+      c[1][h] = pb;
+      c[3][h] = pa;
+    }
+  }
+}
+
 // The keep bits (1: kept) of the 128 columns of groups n0 .. n0 + 15: bit j of keep[h] is column
 // 64 h + j. kHalves = 1 runs only the first register's groups (columns 0 .. 63; keep[1] = 0): half
 // the Philox work where a row needs no more (attention rows of up to 64 keys).
 //
-// The AVX2 path's scheme (below) at twice the width: the state in 64-bit lanes, each word in the
-// low half, register h running groups 8 h .. 8 h + 7; each three-way XOR is one vpternlog. The
-// lanes hold groups 0, 4, 1, 5, 2, 6, 3, 7 (+ 8 h) because a 64-bit unpack takes lanes 2 j and
-// 2 j + 1 into 128-bit chunk j: the unpacks then give whole groups already in column order, and
-// no shuffle crosses chunks.
+// Register h runs groups 8 h .. 8 h + 7 (philox_rounds). The lanes hold groups 0, 4, 1, 5, 2, 6,
+// 3, 7 (+ 8 h) because a 64-bit unpack takes lanes 2 j and 2 j + 1 into 128-bit chunk j: the
+// unpacks then give whole groups already in column order, and no shuffle crosses chunks.
 template <int kHalves = 2>
 inline void keep_bits(const RoundKeys& key, uint64_t n0, uint32_t threshold, uint64_t (&keep)[2]) {
-  const __m512i ma = _mm512_set1_epi64(kPhiloxRoundA);
-  const __m512i mb = _mm512_set1_epi64(kPhiloxRoundB);
   const __m512i base = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(n0)),
                                         _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7));
   // counters as 64-bit integers: the low word is lo32(n), the high word hi32(n), carry included
   const __m512i n[2] = {base, _mm512_add_epi64(base, _mm512_set1_epi64(8))};
-  __m512i c0[2], c1[2], c2[2], c3[2];
-  for (int h = 0; h < kHalves; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
-    const __m512i pa = _mm512_mul_epu32(n[h], ma);
-    c0[h] = _mm512_xor_si512(_mm512_srli_epi64(n[h], 32), key.k0[0]);
-    c1[h] = _mm512_setzero_si512();
-    c2[h] = _mm512_xor_si512(_mm512_srli_epi64(pa, 32), key.k1[0]);
-    c3[h] = pa;
-  }
-  for (int round = 1; round < 10; ++round) {
-    for (int h = 0; h < kHalves; ++h) {
-      const __m512i pb = _mm512_mul_epu32(c2[h], mb);
-      const __m512i pa = _mm512_mul_epu32(c0[h], ma);
-      // 0x96: a ^ b ^ c
-      c0[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pb, 32), c1[h], key.k0[round], 0x96);
-      c2[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pa, 32), c3[h], key.k1[round], 0x96);
-      c1[h] = pb;
-      c3[h] = pa;
-    }
-  }
+  __m512i c[4][2];
+  philox_rounds<kHalves>(key, n, c);
   // kept iff u >= T (unsigned 16-bit); DropoutScales::fill handles T = 0, 65536
   const __m512i t16 = _mm512_set1_epi16(static_cast<short>(threshold));
   if (kHalves == 1) keep[1] = 0;
   for (int h = 0; h < kHalves; ++h) {
     // each lane's (w0, w1) and (w2, w3): the low words of c1 / c3 moved into the odd dwords
-    const __m512i w01 = _mm512_mask_shuffle_epi32(c0[h], 0xAAAA, c1[h], _MM_PERM_CDAB);
-    const __m512i w23 = _mm512_mask_shuffle_epi32(c2[h], 0xAAAA, c3[h], _MM_PERM_CDAB);
+    const __m512i w01 = _mm512_mask_shuffle_epi32(c[0][h], 0xAAAA, c[1][h], _MM_PERM_CDAB);
+    const __m512i w23 = _mm512_mask_shuffle_epi32(c[2][h], 0xAAAA, c[3][h], _MM_PERM_CDAB);
     // groups 8 h .. 8 h + 3, then 8 h + 4 .. 8 h + 7
     const uint64_t first = _mm512_cmpge_epu16_mask(_mm512_unpacklo_epi64(w01, w23), t16);
     const uint64_t second = _mm512_cmpge_epu16_mask(_mm512_unpackhi_epi64(w01, w23), t16);
@@ -172,48 +180,49 @@ struct RoundKeys {
   }
 };
 
-// 16-bit keep masks (0xFFFF: kept) of the 64 columns of groups n0 .. n0 + 7: keep[k] holds groups
-// 2 k and 2 k + 1, i.e. columns 16 k .. 16 k + 15 in order.
-//
-// The Philox state lives in 64-bit lanes, each word in the low half (the high half is don't-care:
-// _mm256_mul_epu32 reads only the low halves and XOR is lane-wise), so one multiply gives both the
-// high and the low word and no blends are needed: register "e" runs groups 0, 2, 4, 6 and "o"
-// groups 1, 3, 5, 7, four independent multiply chains a round.
-inline void keep_masks(const RoundKeys& key, uint64_t n0, uint32_t threshold, __m256i (&keep)[4]) {
+// The ten Philox rounds of the counters in the 64-bit lanes of n[0] and n[1]: word t of lane l's
+// counter ends in the low half of c[t][h]'s lane l (the high half is don't-care: _mm256_mul_epu32
+// reads only the low halves and XOR is lane-wise, so one multiply gives both the high and the low
+// word and no blends are needed), four independent multiply chains a round. The one AVX2 copy of
+// the rounds: the v2 groups (keep_masks) and the v3 tiles (attention_detail::philox8) both call it.
+inline void philox_rounds(const RoundKeys& key, const __m256i (&n)[2], __m256i (&c)[4][2]) {
   const __m256i ma = _mm256_set1_epi64x(kPhiloxRoundA);
   const __m256i mb = _mm256_set1_epi64x(kPhiloxRoundB);
-  const __m256i base = _mm256_set1_epi64x(static_cast<long long>(n0));
-  // counters as 64-bit integers: the low word is lo32(n), the high word hi32(n), carry included
-  const __m256i ne = _mm256_add_epi64(base, _mm256_setr_epi64x(0, 2, 4, 6));
-  const __m256i no = _mm256_add_epi64(base, _mm256_setr_epi64x(1, 3, 5, 7));
-  __m256i c0[2], c1[2], c2[2], c3[2];
-  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0, so the B product vanishes
-  {
-    const __m256i n[2] = {ne, no};
-    for (int h = 0; h < 2; ++h) {
-      const __m256i pa = _mm256_mul_epu32(n[h], ma);
-      c0[h] = _mm256_xor_si256(_mm256_srli_epi64(n[h], 32), key.k0[0]);
-      c1[h] = _mm256_setzero_si256();
-      c2[h] = _mm256_xor_si256(_mm256_srli_epi64(pa, 32), key.k1[0]);
-      c3[h] = pa;
-    }
+  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
+    const __m256i pa = _mm256_mul_epu32(n[h], ma);
+    c[0][h] = _mm256_xor_si256(_mm256_srli_epi64(n[h], 32), key.k0[0]);
+    c[1][h] = _mm256_setzero_si256();
+    c[2][h] = _mm256_xor_si256(_mm256_srli_epi64(pa, 32), key.k1[0]);
+    c[3][h] = pa;
   }
   for (int round = 1; round < 10; ++round) {
     for (int h = 0; h < 2; ++h) {
-      const __m256i pb = _mm256_mul_epu32(c2[h], mb);
-      const __m256i pa = _mm256_mul_epu32(c0[h], ma);
-      c0[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pb, 32), c1[h]), key.k0[round]);
-      c2[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pa, 32), c3[h]), key.k1[round]);
-      c1[h] = pb;
-      c3[h] = pa;
+      const __m256i pb = _mm256_mul_epu32(c[2][h], mb);
+      const __m256i pa = _mm256_mul_epu32(c[0][h], ma);
+      c[0][h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pb, 32), c[1][h]), key.k0[round]);
+      c[2][h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pa, 32), c[3][h]), key.k1[round]);
+      c[1][h] = pb;
+      c[3][h] = pa;
     }
   }
+}
+
+// 16-bit keep masks (0xFFFF: kept) of the 64 columns of groups n0 .. n0 + 7: keep[k] holds groups
+// 2 k and 2 k + 1, i.e. columns 16 k .. 16 k + 15 in order. Register "e" runs groups 0, 2, 4, 6
+// and "o" groups 1, 3, 5, 7 (philox_rounds).
+inline void keep_masks(const RoundKeys& key, uint64_t n0, uint32_t threshold, __m256i (&keep)[4]) {
+  const __m256i base = _mm256_set1_epi64x(static_cast<long long>(n0));
+  // counters as 64-bit integers: the low word is lo32(n), the high word hi32(n), carry included
+  const __m256i n[2] = {_mm256_add_epi64(base, _mm256_setr_epi64x(0, 2, 4, 6)),
+                        _mm256_add_epi64(base, _mm256_setr_epi64x(1, 3, 5, 7))};
+  __m256i c[4][2];
+  philox_rounds(key, n, c);
   // each group's four words side by side, in column order: (w0, w1) and (w2, w3) pairs per
   // 64-bit lane, then whole groups per 128-bit half
   __m256i g[2][2];  // g[h][0]: groups (h, h + 4), g[h][1]: groups (h + 2, h + 6) of "e" (h = 0) / "o"
   for (int h = 0; h < 2; ++h) {
-    const __m256i w01 = _mm256_blend_epi32(c0[h], _mm256_slli_epi64(c1[h], 32), 0xAA);
-    const __m256i w23 = _mm256_blend_epi32(c2[h], _mm256_slli_epi64(c3[h], 32), 0xAA);
+    const __m256i w01 = _mm256_blend_epi32(c[0][h], _mm256_slli_epi64(c[1][h], 32), 0xAA);
+    const __m256i w23 = _mm256_blend_epi32(c[2][h], _mm256_slli_epi64(c[3][h], 32), 0xAA);
     g[h][0] = _mm256_unpacklo_epi64(w01, w23);  // lanes 0 and 2 of the register
     g[h][1] = _mm256_unpackhi_epi64(w01, w23);  // lanes 1 and 3
   }
@@ -340,31 +349,12 @@ namespace attention_detail {
 
 // The four words of counters n0 .. n0 + 15, dword k of w[t] = word t of counter n0 + k.
 inline void philox16(const dropout_detail::RoundKeys& key, uint64_t n0, __m512i (&w)[4]) {
-  const __m512i ma = _mm512_set1_epi64(kPhiloxRoundA);
-  const __m512i mb = _mm512_set1_epi64(kPhiloxRoundB);
   const __m512i base = _mm512_set1_epi64(static_cast<long long>(n0));
   // even counters in register 0, odd in register 1; each word in the low half of a 64-bit lane
   const __m512i n[2] = {_mm512_add_epi64(base, _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14)),
                         _mm512_add_epi64(base, _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15))};
-  __m512i c0[2], c1[2], c2[2], c3[2];
-  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
-    const __m512i pa = _mm512_mul_epu32(n[h], ma);
-    c0[h] = _mm512_xor_si512(_mm512_srli_epi64(n[h], 32), key.k0[0]);
-    c1[h] = _mm512_setzero_si512();
-    c2[h] = _mm512_xor_si512(_mm512_srli_epi64(pa, 32), key.k1[0]);
-    c3[h] = pa;
-  }
-  for (int round = 1; round < 10; ++round) {
-    for (int h = 0; h < 2; ++h) {
-      const __m512i pb = _mm512_mul_epu32(c2[h], mb);
-      const __m512i pa = _mm512_mul_epu32(c0[h], ma);
-      c0[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pb, 32), c1[h], key.k0[round], 0x96);
-      c2[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(pa, 32), c3[h], key.k1[round], 0x96);
-      c1[h] = pb;
-      c3[h] = pa;
-    }
-  }
-  const __m512i* c[4] = {c0, c1, c2, c3};
+  __m512i c[4][2];
+  dropout_detail::philox_rounds<2>(key, n, c);
   for (int t = 0; t < 4; ++t) w[t] = _mm512_mask_blend_epi32(0xAAAA, c[t][0], _mm512_slli_epi64(c[t][1], 32));
 }
 
@@ -396,30 +386,11 @@ inline void tile_keep(const dropout_detail::RoundKeys& key, uint64_t n0, uint32_
 
 // The four words of counters n0 .. n0 + 7, dword k of w[t] = word t of counter n0 + k.
 inline void philox8(const dropout_detail::RoundKeys& key, uint64_t n0, __m256i (&w)[4]) {
-  const __m256i ma = _mm256_set1_epi64x(kPhiloxRoundA);
-  const __m256i mb = _mm256_set1_epi64x(kPhiloxRoundB);
   const __m256i base = _mm256_set1_epi64x(static_cast<long long>(n0));
   const __m256i n[2] = {_mm256_add_epi64(base, _mm256_setr_epi64x(0, 2, 4, 6)),
                         _mm256_add_epi64(base, _mm256_setr_epi64x(1, 3, 5, 7))};
-  __m256i c0[2], c1[2], c2[2], c3[2];
-  for (int h = 0; h < 2; ++h) {  // round 0: c0 = lo32(n), c1 = hi32(n), c2 = c3 = 0: no B product
-    const __m256i pa = _mm256_mul_epu32(n[h], ma);
-    c0[h] = _mm256_xor_si256(_mm256_srli_epi64(n[h], 32), key.k0[0]);
-    c1[h] = _mm256_setzero_si256();
-    c2[h] = _mm256_xor_si256(_mm256_srli_epi64(pa, 32), key.k1[0]);
-    c3[h] = pa;
-  }
-  for (int round = 1; round < 10; ++round) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256i pb = _mm256_mul_epu32(c2[h], mb);
-      const __m256i pa = _mm256_mul_epu32(c0[h], ma);
-      c0[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pb, 32), c1[h]), key.k0[round]);
-      c2[h] = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(pa, 32), c3[h]), key.k1[round]);
-      c1[h] = pb;
-      c3[h] = pa;
-    }
-  }
-  const __m256i* c[4] = {c0, c1, c2, c3};
+  __m256i c[4][2];
+  dropout_detail::philox_rounds(key, n, c);
   for (int t = 0; t < 4; ++t) w[t] = _mm256_blend_epi32(c[t][0], _mm256_slli_epi64(c[t][1], 32), 0xAA);
 }
 
@@ -499,6 +470,9 @@ constexpr int64_t kExpandLanes = 16 / sizeof(A);
 // 32-column tiles the block touches; i0, j0 need not be aligned), row() expands a row of them
 // into multipliers. Consecutive blocks of the same rows sharing a tile (a key block starting
 // inside a tile, after key padding) take it from the previous block instead of making it again.
+// save() and load() keep a block's bits in a head's bit map for a later block of other bounds
+// (the split backward's second pass): row i of the map holds key 32 t + e of query i as bit e of
+// word i ld + t, and a zero word after the head's last tile column.
 template <typename A>
 class AttentionDropout {
  public:
@@ -527,6 +501,7 @@ class AttentionDropout {
     }
     bh_ = bh, qb0_ = qb0, qb1_ = qb1, kb0_ = kb0, kb1_ = kb1, r0_ = i0 - qb0 * kAttnDropRows;
     shift_ = j0 - kb0 * kAttnDropCols;
+    rows_ = bits_.data() + r0_ * words_, ld_ = words_;
     for (int64_t qb = qb0; qb < qb1; ++qb) {
       uint32_t* rows = bits_.data() + (qb - qb0) * kAttnDropRows * words_;
       for (int64_t t = kb; t < kb1; ++t) {
@@ -541,11 +516,27 @@ class AttentionDropout {
     }
   }
 
+  // The last block()'s bits of its rows r < mq (queries i0 + r) into map: its tile columns' words
+  // of rows i0 .. i0 + mq - 1 (each tile column is wholly the block's).
+  void save(uint32_t* map, int64_t ld, int64_t mq) const {
+    const int64_t i0 = qb0_ * kAttnDropRows + r0_;
+    for (int64_t r = 0; r < mq; ++r) {
+      std::copy(rows_ + r * ld_, rows_ + r * ld_ + (kb1_ - kb0_), map + (i0 + r) * ld + kb0_);
+    }
+  }
+
+  // The block of queries i0 .. and keys j0 .. taken from map (save()'s): row() then reads it there.
+  void load(const uint32_t* map, int64_t ld, int64_t i0, int64_t j0) {
+    bh_ = -1;  // bits_ no longer holds the last block (block()'s reuse)
+    rows_ = map + i0 * ld + j0 / kAttnDropCols, ld_ = ld;
+    shift_ = j0 % kAttnDropCols;
+  }
+
   // out[0, npad) = the multipliers of row r of the block (query i0 + r) against keys j0 .., value
   // or 0; 0 past column nk (npad: a multiple of the vector width).
   void row(int64_t r, int64_t nk, int64_t npad, A* out) const {
     constexpr int64_t V = attention_detail::kExpandLanes<A>;
-    const uint32_t* w = bits_.data() + (r0_ + r) * words_;
+    const uint32_t* w = rows_ + r * ld_;
     for (int64_t c = 0; c < npad; c += V) {
       uint32_t bits = 0;
       if (c < nk) {  // then bit / 32 + 1 is at most the zero word after the block's tiles
@@ -566,6 +557,8 @@ class AttentionDropout {
   int64_t QB_, KB_, words_;
   std::vector<uint32_t> bits_;  // rows of the block's 16-row groups, words_ 32-bit words each
   int64_t bh_ = -1, qb0_ = 0, qb1_ = 0, kb0_ = 0, kb1_ = 0, r0_ = 0, shift_ = 0;
+  const uint32_t* rows_ = nullptr;  // row() reads row r at rows_ + r ld_: bits_ or a saved map
+  int64_t ld_ = 0;
 };
 
 }  // namespace CPU_CAPABILITY

@@ -13,7 +13,6 @@
 //   uint32_t keep = ff_dropout_keep8(seed, n, T);      bit j set iff column j of group n is kept
 //   uint32_t T = ff_dropout_threshold(p);              host side, once per launch
 //   uint64_t n = ff_dropout_counter(offset, r, C, g);  the counter of group g of row r
-//   ff_dropout_keep_tile<kRows, kCols, kThreads>(...)  a tile's keep bits, by a whole block
 //   ff_philox_resolve(philox, seed, offset);            (seed, offset) from a device philox pointer
 #pragma once
 
@@ -97,7 +96,7 @@ FF_HOST_DEVICE uint32_t ff_dropout_keep8(uint64_t seed, uint64_t n, uint32_t thr
 // replay), and then the launcher passes its pointer: seed = philox[0], offset = philox[1] are read
 // here. The elementwise kernels (add_layer_norm, feed_forward, embedding) call it once per thread
 // where the kernel starts, before their loops; the attention kernels, whose parameters stay in
-// parameter space (see ff_dropout_keep_tile), per tile (attention.cu, flash_bwd_mma.cu) or per
+// parameter space (see ff_attn_dropout_keep_tile), per tile (attention.cu, flash_bwd_mma.cu) or per
 // Philox call (flash_fwd_mma.cu): an L1-cached 16-byte read against ten Philox rounds. nullptr:
 // the values the launcher passed (a CPU philox, read on the host) stay. The glue passes nullptr
 // when p == 0, so nothing is read then.
@@ -129,37 +128,6 @@ FF_HOST_DEVICE uint64_t ff_dropout_counter(uint64_t offset, int64_t r, int64_t C
          static_cast<uint64_t>(g);
 }
 
-// The keep bits of a tile of attention probabilities (the padded op's (B, H, Sq, Sk) counters:
-// row (b H + h) Sq + i, Sk columns), into (shared) memory: keep[i (kCols / 8) + c], bit e, for
-// key k0 + 8 c + e of query q0 + i, i < kRows (0 for a query >= q_len or a key group past
-// k_len). k0 is a multiple of 8. The block's kThreads threads share the groups' Philox calls,
-// and every thread calls it. I: the caller's index type. The kernel parameters come by reference,
-// so they stay loads from parameter space where used: by value they were loaded at the call and
-// kept live across the kernel's loops (attention.cu on sm_80: up to +41 registers, and spills).
-// For the same reason a device `philox` (ff_philox_resolve) is read here, into registers before
-// the tile's loop, once per thread and tile (a 16-byte cached load against the tile's Philox
-// calls), not at the kernel's start.
-template <int kRows, int kCols, int kThreads, typename I>
-FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const uint64_t& offset,
-                                    const int64_t* const& philox, const uint32_t& threshold, int64_t b,
-                                    int64_t h, const int64_t& H, const int64_t& Sq, const int64_t& Sk, I q0,
-                                    I q_len, I k0, I k_len) {
-  constexpr int kG = kCols / kFfDropoutGroup;
-  const uint64_t G = static_cast<uint64_t>(ff_dropout_groups(Sk));
-  uint64_t key = seed, first = offset;
-  ff_philox_resolve(philox, key, first);
-  for (int e = threadIdx.x; e < kRows * kG; e += kThreads) {
-    const int i = e / kG, c = e % kG;
-    const I qi = q0 + i, kj = k0 + kFfDropoutGroup * c;
-    uint32_t bits = 0u;
-    if (qi < q_len && kj < k_len) {
-      const uint64_t r = static_cast<uint64_t>((b * H + h) * Sq + qi);
-      bits = ff_dropout_keep8(key, first + r * G + static_cast<uint64_t>(kj / kFfDropoutGroup), threshold);
-    }
-    keep[e] = static_cast<uint8_t>(bits);
-  }
-}
-
 // ---------------------------------------------------------------- attention's dropout (v3)
 // Defined in fastformer/philox.py (attention_random8): the probabilities of head-row bh = b H + h
 // (padded (B, H, Sq, Sk); varlen: the padded op's (B, H, max_seqlen_q, max_seqlen_k)) in 16 x 32
@@ -176,8 +144,7 @@ FF_DEVICE void ff_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const u
 //                                                           8 t + 2 (lane % 4) + e
 //   ff_attn_dropout_lane(r, c), ff_attn_dropout_byte(r, c)  where element (r, c) of a tile lives
 //   ff_attn_dropout_threshold(p), ff_attn_dropout_scale(p)  host side, once per launch
-//   ff_attn_dropout_keep_tile<kRows, kCols, kThreads>(...)   a region's keep bits, by a whole block,
-//                                                           in ff_dropout_keep_tile's layout
+//   ff_attn_dropout_keep_tile<kRows, kCols, kThreads>(...)   a region's keep bits, by a whole block
 
 FF_HOST_DEVICE uint64_t ff_attn_dropout_counter(uint64_t offset, int64_t bh, int64_t qb, int64_t kb, int64_t QB,
                                                 int64_t KB) {
@@ -201,16 +168,20 @@ FF_HOST_DEVICE uint32_t ff_attn_dropout_keep16(uint64_t seed, uint64_t n, uint32
   return keep;
 }
 
-// The keep bits of a region of attention probabilities (v3) in ff_dropout_keep_tile's layout, so
-// that a v2 caller switches by name: keep[i (kCols / 8) + c], bit e, for key k0 + 8 c + e of query
-// q0 + i, i < kRows (0 for a query >= q_len or a key group past k_len), k0 a multiple of 8, the
-// counters those of head-row b H + h of (Sq, Sk) probabilities (varlen: the maxima). The region
-// need not be tile-aligned (a causal dK dV kernel streams queries from n0 - (Sk - Sq)): a unit of
-// work is one row pair (a, a + 8) of a covering 16 x 32 tile, its 4 lanes' calls (a quad of an
-// mma accumulator), which decide those two rows' 32 columns wholly, so each byte of the region
-// is written once, by one thread, without atomics; units outside the region's bytes are skipped.
-// Aligned regions (16-row, 32-column multiples) make exactly the tiles' 32 calls each. Every
-// thread of the block calls it; the parameters come by reference as ff_dropout_keep_tile's do.
+// The keep bits of a region of attention probabilities (v3), into (shared) memory:
+// keep[i (kCols / 8) + c], bit e, for key k0 + 8 c + e of query q0 + i, i < kRows (0 for a query
+// >= q_len or a key group past k_len), k0 a multiple of 8, the counters those of head-row b H + h
+// of (Sq, Sk) probabilities (varlen: the maxima). The region need not be tile-aligned (a causal
+// dK dV kernel streams queries from n0 - (Sk - Sq)): a unit of work is one row pair (a, a + 8) of
+// a covering 16 x 32 tile, its 4 lanes' calls (a quad of an mma accumulator), which decide those
+// two rows' 32 columns wholly, so each byte of the region is written once, by one thread, without
+// atomics; units outside the region's bytes are skipped. Aligned regions (16-row, 32-column
+// multiples) make exactly the tiles' 32 calls each. Every thread of the block calls it. I: the
+// caller's index type. The kernel parameters come by reference, so they stay loads from parameter
+// space where used: by value they were loaded at the call and kept live across the kernel's loops
+// (attention.cu on sm_80: up to +41 registers, and spills). For the same reason a device `philox`
+// (ff_philox_resolve) is read here, into registers before the tile's loop, once per thread and
+// tile (a 16-byte cached load against the tile's Philox calls), not at the kernel's start.
 template <int kRows, int kCols, int kThreads, typename I>
 FF_DEVICE void ff_attn_dropout_keep_tile(uint8_t* keep, const uint64_t& seed, const uint64_t& offset,
                                          const int64_t* const& philox, const uint32_t& T8, int64_t b, int64_t h,

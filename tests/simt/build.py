@@ -52,6 +52,21 @@ def sources(build_dir: str):
             + [_wrap(cu, wrap_dir) for cu in cus] + glue)
 
 
+def ninja_dir():
+    """The folder of the pip package's ninja, or None without it (then the one on PATH runs).
+
+    cpp_extension runs the `ninja` on PATH. Before 1.12 (the system's 1.11) ninja takes an
+    object's mtime at the end of its compile for the time it was built, so a header (or .cu)
+    edited while the files including it compile counts as built into them, and they are never
+    rebuilt; the pip package's ninja (a Makefile dependency) compares the compile's start time.
+    The header dependencies themselves (-MMD, deps = gcc) were right all along."""
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return ninja.BIN_DIR
+
+
 def build(verbose: bool = False) -> str:
     """Build (incrementally), load into this process, and return the library's path."""
     from torch.utils.cpp_extension import load
@@ -62,9 +77,15 @@ def build(verbose: bool = False) -> str:
     libstdcxx.use_shared("SIMT harness")  # never a CXX that links libstdc++ statically
     build_dir = os.path.join(ROOT, "build", "simt")
     os.makedirs(build_dir, exist_ok=True)
-    load(name=NAME, sources=sources(build_dir), build_directory=build_dir, extra_cflags=FLAGS,
-         extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc"), SIMT],
-         is_python_module=False, verbose=verbose)
+    path = os.environ.get("PATH", "")
+    if ninja_dir() is not None:
+        os.environ["PATH"] = ninja_dir() + os.pathsep + path
+    try:
+        load(name=NAME, sources=sources(build_dir), build_directory=build_dir, extra_cflags=FLAGS,
+             extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc"), SIMT],
+             is_python_module=False, verbose=verbose)
+    finally:
+        os.environ["PATH"] = path
     return os.path.join(build_dir, NAME + ".so")
 
 
