@@ -4,12 +4,18 @@ tests/test_cuda_compile.py; no GPU needed), bf16 at head dims 64 and 128:
 
 * HMMA.16816 per streamed tile (the tile loop is not unrolled, so a kernel's static count is one
   tile's): each product over a warp's 16 owned rows, one streamed tile and the head dim is
-  (stream / 8) x (kD / 16) mma.sync m16n8k16; the dK dV kernel does 4 products (S^T, dP^T, dV, dK),
-  the dQ kernel 3 (S, dP, dQ): 7 a (query, key) tile pair where FlashAttention-2 does 5 (the
-  numbers to change when the 5-product kernel of flash_bwd_mma.md lands);
+  (stream / 8) x (kD / 16) mma.sync m16n8k16. The one-kernel backward (the dK dV kernel with
+  kFused, what 16-bit backwards at D <= 128 run) does 5 products a tile, as FlashAttention-2:
+  S^T, dP^T, dV, dK and dQ (dS K over the block's keys, 16 queries x half the head dim a warp
+  at D 128); the two-kernel backward (D 256, and the plain-load variant at D 64) 4 + 3 = 7;
 * lse and Dsum come by cp.async with the tile (4-byte LDGSTS, beside the 16-byte ones of the Q /
   dO tiles), not through a load the block waits on each tile;
-* two barriers a tile (after the cp.async wait, before a stage is refilled), none elsewhere;
+* barriers a tile: two in the two kernels (after the cp.async wait, before a stage is refilled),
+  four in the one kernel (also after dS^T is in shared memory, and after the wait for the
+  previous key block's dQ adds), none elsewhere;
+* the ordered dQ adds: an acquire load of the counter (LDG.STRONG.GPU, then CCTL.IVALL), a
+  fence after the adds (MEMBAR.SC.GPU), a release store of the counter (MEMBAR.ALL.GPU +
+  STG.STRONG.GPU), the accumulator read and written past L1 (LDG / STG .64.STRONG.GPU: .cg);
 * no local memory (LDL / STL: spills, or a register array indexed at run time: the K / V and Q /
   dO fragments kept across tiles at kD = 64 must stay in registers).
 
@@ -18,7 +24,8 @@ Skipped, with the reason, where nvcc or cuobjdump is missing.
 
 Mutations tried by hand: the lse / Dsum copy back to a plain load-and-store fails
 test_lse_and_dsum_come_by_cp_async; the K / V fragments indexed by a run-time tile number fails
-test_no_local_memory."""
+test_no_local_memory; the one kernel's dQ product left out (dS^T still stored) fails
+test_products_per_tile; its __threadfence left out fails test_ordered_dq_adds."""
 import os
 
 import pytest
@@ -35,7 +42,9 @@ STREAM = {64: 64, 128: 32}
 
 
 def _kernel(kind, D):
-    name = f"flash_bwd_{kind}_kernel<__nv_bfloat16, {D}, true>"
+    """kind: "fused" (the one-kernel backward), "dkdv" or "dq" (the two kernels)."""
+    args = {"fused": ", true", "dkdv": ", false", "dq": ""}[kind]
+    name = f"flash_bwd_{'dq' if kind == 'dq' else 'dkdv'}_kernel<__nv_bfloat16, {D}, true{args}>"
     code = sass(CU, "90")
     assert name in code, f"{name} not in the SASS; kernels: {sorted(code)}"
     return code[name]
@@ -51,27 +60,49 @@ def _products(code, D):
 
 @pytest.mark.parametrize("D", sorted(STREAM))
 def test_products_per_tile(D):
+    fused = _products(_kernel("fused", D), D)
+    assert fused == 5, f"the one-kernel backward: {fused} products a tile (5 expected)"
     dkdv, dq = _products(_kernel("dkdv", D), D), _products(_kernel("dq", D), D)
     assert (dkdv, dq) == (4, 3), f"dK dV {dkdv} and dQ {dq} products a tile (7 expected)"
 
 
+@pytest.mark.parametrize("kind", ["fused", "dkdv"])
 @pytest.mark.parametrize("D", sorted(STREAM))
-def test_lse_and_dsum_come_by_cp_async(D):
-    code = _kernel("dkdv", D)
+def test_lse_and_dsum_come_by_cp_async(kind, D):
+    code = _kernel(kind, D)
     small = [i for i in code if "LDGSTS" in i and ".128" not in i]
     assert small, "no 4-byte LDGSTS: lse / Dsum are not copied by cp.async"
     wide = [i for i in code if "LDGSTS" in i and ".128" in i]
     assert wide, "no 16-byte LDGSTS: the Q / dO tiles are not copied by cp.async"
 
 
-@pytest.mark.parametrize("kind", ["dkdv", "dq"])
+@pytest.mark.parametrize("kind", ["fused", "dkdv", "dq"])
 @pytest.mark.parametrize("D", sorted(STREAM))
-def test_two_barriers_a_tile(kind, D):
+def test_barriers_a_tile(kind, D):
+    want = 4 if kind == "fused" else 2
     counts = opcode_counts(_kernel(kind, D))
-    assert counts["BAR"] == 2, f"{counts['BAR']} barriers (2 a tile expected: after the wait, before a refill)"
+    assert counts["BAR"] == want, (f"{counts['BAR']} barriers ({want} a tile expected: after the wait, "
+                                   + ("dS^T in, the previous key block's dQ adds seen, " if want == 4 else "")
+                                   + "before a refill)")
 
 
-@pytest.mark.parametrize("kind", ["dkdv", "dq"])
+@pytest.mark.parametrize("D", sorted(STREAM))
+def test_ordered_dq_adds(D):
+    """The one kernel's dQ: the counter read with acquire, the adds fenced, the counter released;
+    the two kernels have none of it."""
+    code = _kernel("fused", D)
+
+    def has(*words):
+        return any(all(w in i for w in words) for i in code)
+
+    assert has("LDG", "STRONG.GPU") and has("CCTL.IVALL"), "no acquire load of the counter"
+    assert has("MEMBAR.SC.GPU"), "no __threadfence after the dQ adds"
+    assert has("MEMBAR.ALL.GPU") and has("STG", "STRONG.GPU"), "no release store of the counter"
+    assert has("LDG", ".64.STRONG.GPU") and has("STG", ".64.STRONG.GPU"), "the accumulator not read / written .cg"
+    assert not any("MEMBAR" in i for i in _kernel("dkdv", D)), "the two-kernel dK dV kernel has a fence"
+
+
+@pytest.mark.parametrize("kind", ["fused", "dkdv", "dq"])
 @pytest.mark.parametrize("D", sorted(STREAM))
 def test_no_local_memory(kind, D):
     counts = opcode_counts(_kernel(kind, D))

@@ -1,5 +1,6 @@
-"""The tensor-core flash attention backward (csrc/cuda/flash_bwd_mma.cu: dK / dV and dQ kernels on
-mma.sync m16n8k16, ldmatrix, cp.async) against the gradients of fastformer/ops/reference.py::
+"""The tensor-core flash attention backward (csrc/cuda/flash_bwd_mma.cu on mma.sync m16n8k16,
+ldmatrix, cp.async: the one-kernel backward at D <= 128, its dQ added in key-block order, the dK /
+dV and dQ kernels at D 256 and for the plain-load variant at D 64) against the gradients of fastformer/ops/reference.py::
 attention, on the SIMT harness through its test op fastformer_simt_selftest::flash_bwd_mma (fed
 the tensor-core forward's out and lse), and the attention op's `cuda` backend, whose 16-bit
 backward runs on it wherever it takes the call.
@@ -21,7 +22,13 @@ of K in the dQ kernel 59; the dQ kernel's dropout bit of the wrong key 6, its ca
 key short 35, its lse left in the natural-log domain 59. Deleting the __syncthreads that ends a
 tile (a stage refilled while another warp reads it) in either kernel, or the dK dV kernel's one
 after its cp.async wait, passes the default and reverse schedules and fails under warp_ahead and
-warp_ahead_reverse (test_other_thread_schedules)."""
+warp_ahead_reverse (test_other_thread_schedules). The one-kernel backward: its dS^T words of
+queries 16 kk + 2 t and 16 kk + 8 + 2 t swapped fails 61 (every D <= 128 case); the counter
+released as n instead of n + 1 (the next key block would wait forever) stops the launch in
+test_dq_from_many_key_blocks and test_the_backward_is_deterministic. A missing __threadfence or
+a wait on the wrong key block is not visible here (blocks run one at a time, in order): the GPU
+run of test_the_backward_is_deterministic (device cuda) and tests/test_cuda_sass_bwd.py cover
+those."""
 import math
 import os
 
@@ -47,16 +54,6 @@ def ref_grads(qkv, dout, **kw):
     return torch.autograd.grad(out, leaves, dout)
 
 
-def dropped_out(out, qkv, **kw):
-    """The forward's out, or with dropout the reference's (fp32, cast to the dtype): the backward's
-    only use of out is Dsum = rowsum(dO * O), and the reference's O keeps these tests on the
-    backward's own bits whatever convention the tensor-core forward is on (lse does not depend on
-    the dropout)."""
-    if kw.get("dropout_p", 0.0) == 0.0:
-        return out
-    return reference.attention(*(t.float() for t in qkv), **kw).to(out.dtype)
-
-
 def run_case(dtype, B, H, Sq, Sk, D, causal=False, kpm=None, am=None, p=0.0, scale=None, qkv=None,
              dout=None, seed=1234, offset=0, atol=2e-3):
     """The kernels' dq, dk, dv for the tensor-core forward's out / lse, checked against the
@@ -69,8 +66,7 @@ def run_case(dtype, B, H, Sq, Sk, D, causal=False, kpm=None, am=None, p=0.0, sca
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     kw = dict(key_padding_mask=kpm, attn_mask=am, is_causal=causal, scale=scale, dropout_p=p,
               rng=(seed, offset))
-    out, lse = flash(q, k, v, kpm, am, causal, scale, p, seed, offset)
-    out = dropped_out(out, qkv, **kw)
+    out, lse = flash(q, k, v, kpm, am, causal, scale, p, seed, offset)  # the forward's dropout bits (v3)
     grads = flash_bwd(dout, q, k, v, out, lse, kpm, am, causal, scale, p, seed, offset)
     want32 = ref_grads([t.float() for t in qkv], dout.float(), **kw)
     want16 = ref_grads(qkv, dout, **kw)
@@ -174,11 +170,53 @@ def test_dropout_drops_what_the_reference_drops(dtype, D, Sq, Sk, causal):
     qkv = [torch.randn(1, 2, S, D).to(dtype) for S in (Sq, Sk, Sk)]
     dout = torch.randn(1, 2, Sq, D).to(dtype)
     out, lse = flash(*qkv, causal=causal, p=0.3, seed=5, offset=77)
-    out = dropped_out(out, qkv, is_causal=causal, dropout_p=0.3, rng=(5, 77))
     dq, _, dv = flash_bwd(dout, *qkv, out, lse, causal=causal, p=0.3, seed=5, offset=77)
     other = ref_grads([t.float() for t in qkv], dout.float(), is_causal=causal, dropout_p=0.3, rng=(6, 77))
     assert (dv.float() - other[2]).abs().max() > 0.05
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+# ---------------------------------------------------------------- the one-kernel backward's dQ
+# (D <= 128): key blocks of 64 keys each add their partial dQ of a query tile (64 queries at
+# D 64, 32 at D 128) to an fp32 accumulator in key-block order; the last one writes dq
+MANY = [(64, 70, 330, False, 0.0), (64, 130, 330, True, 0.2), (128, 40, 300, True, 0.0),
+        (128, 75, 200, False, 0.2), (40, 200, 140, True, 0.0)]
+
+
+@pytest.mark.parametrize("D,Sq,Sk,causal,p", MANY, ids=[f"d{m[0]}-q{m[1]}k{m[2]}-{'causal' if m[3] else 'full'}"
+                                                        + ("-drop" if m[4] else "") for m in MANY])
+def test_dq_from_many_key_blocks(D, Sq, Sk, causal, p):
+    """Up to 6 key blocks add to one query tile (causal: the prefix that sees it, the tiles before
+    the first key block's first one written 0), with and without dropout."""
+    dq, _, _ = run_case(torch.bfloat16, 1, 2, Sq, Sk, D, causal=causal, p=p, seed=31, offset=5)
+    if causal and Sq > Sk:
+        assert (dq[:, :, :Sq - Sk] == 0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here: the harness run (cpu) only"))])
+def test_the_backward_is_deterministic(device):
+    """Two runs of the attention op's backward (cuda backend: the one-kernel backward, several key
+    blocks a query tile, causal, dropout) give the same bits. On a GPU (device cuda, many blocks
+    at once) this is the ordered dQ adds; on the harness (blocks run in order) it catches a
+    dependence on the accumulator's contents before key block 0 writes them."""
+    import fastformer
+    from fastformer.ops import attention
+
+    B, H, Sq, Sk = (1, 2, 100, 260) if device == "cpu" else (4, 8, 1000, 1100)
+    g = torch.Generator().manual_seed(11)
+    qkv = [torch.randn(B, H, S, 64, generator=g).to(torch.bfloat16).to(device) for S in (Sq, Sk, Sk)]
+    dout = torch.randn(B, H, Sq, 64, generator=g).to(torch.bfloat16).to(device)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        torch.manual_seed(7)  # the same dropout bits both times
+        with fastformer.use_backend("cuda"):
+            out = attention(*leaves, is_causal=True, dropout_p=0.1)
+        runs.append(torch.autograd.grad(out, leaves, dout))
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+    assert (runs[0][0] != 0).any()
 
 
 # ---------------------------------------------------------------- layouts
@@ -294,4 +332,5 @@ def test_other_thread_schedules(schedule):
     refilled while another warp reads it, tile copies not yet visible) fails this subset."""
     plugin.rerun_under(os.path.abspath(__file__), schedule,
                        "(test_head_dims and bf16 and (d59 or d111 or d256)) or (test_dropout and bf16 and d64) "
-                       "or (test_key_padding and bf16 and full) or test_no_queries_or_no_keys")
+                       "or (test_key_padding and bf16 and full) or test_no_queries_or_no_keys "
+                       "or (test_dq_from_many_key_blocks and causal)")

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from fastformer import backends, philox
-from fastformer.ops import reference
 from simt import plugin
 from test_attention_varlen_cuda import _inputs, _kernel, _reference, cu_seqlens
 from test_flash_mma import DT_IDS, DTYPES, check
@@ -44,27 +43,10 @@ def _grads(fn, *args, **kwargs):
     return fn(*args, **kwargs)[1:]  # dq, dk, dv (the helpers also return out)
 
 
-def _bwd_on_reference_out(qkv, dout, lengths, causal, p, seed):
-    """dq, dk, dv of the cuda backend's varlen backward fed the kernel forward's lse and the
-    reference's dropped out (fp32, cast to the dtype): the backward uses out only for
-    Dsum = rowsum(dO * O), so its dropout bits are checked whatever convention the tensor-core
-    forward is on (lse does not depend on the dropout)."""
-    torch.manual_seed(seed)
-    rng = philox.next_seed()  # the pair the op's Function would draw
-    args = (lengths["cu_seqlens_q"], lengths["cu_seqlens_k"], lengths["max_seqlen_q"], lengths["max_seqlen_k"],
-            causal, qkv[0].shape[-1] ** -0.5, p, philox.pack(*rng))
-    kern = backends.Kernels("cuda")
-    _, lse = kern.attention_varlen_fwd(*qkv, *args)
-    out = reference.attention_varlen(*(t.float() for t in qkv), **lengths, is_causal=causal, dropout_p=p,
-                                     rng=rng).to(qkv[0].dtype)
-    return kern.attention_varlen_bwd(dout, *qkv, out, lse, *args)[:3]
-
-
 def run_case(dtype, H, D, lq, lk, causal, p=0.0, extra=0, seed=1234, atol=2e-3):
     qkv, dout, lengths = _inputs(H, D, lq, lk, "cpu", dtype, seed=D)
     lengths.update(max_seqlen_q=max(lq) + extra, max_seqlen_k=max(lk) + extra)
-    got = _grads(_kernel, qkv, dout, lengths, causal, p, seed) if p == 0 else _bwd_on_reference_out(
-        qkv, dout, lengths, causal, p, seed)
+    got = _grads(_kernel, qkv, dout, lengths, causal, p, seed)  # the forward's dropout bits are v3's too
     want32 = _grads(_reference, qkv, dout, lengths, causal, p, seed)
     want16 = _grads(_reference, qkv, dout, lengths, causal, p, seed, dtype=dtype)
     for name, g, w32, w16 in zip(("dq", "dk", "dv"), got, want32, want16):
@@ -97,7 +79,7 @@ def test_dropout_bits_are_the_forwards(dtype, D, causal, extra):
     reference given the same (seed, offset) agrees, and one with another seed is far off."""
     run_case(dtype, 2 if D <= 128 else 1, D, LQ, LK, causal, p=0.3, extra=extra, seed=77)
     qkv, dout, lengths = _inputs(2, 64, LQ, LK, "cpu", dtype, seed=1)
-    got = _bwd_on_reference_out(qkv, dout, lengths, causal, 0.3, seed=77)
+    got = _grads(_kernel, qkv, dout, lengths, causal, 0.3, seed=77)
     other = _grads(_reference, qkv, dout, lengths, causal, 0.3, seed=78)
     assert (got[2].float() - other[2]).abs().max() > 0.05
 

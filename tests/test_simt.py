@@ -64,6 +64,7 @@ def test_dynamic_shared_memory_and_integer_atomics():
         r"__syncthreads"),
     (3, r"lane 0 is at __shfl_xor_sync .* but lane 16 at __shfl_down_sync"),
     (4, r"__shfl_sync in thread 0 reads lane 16, which does not exist \(the block has 16 threads\)"),
+    (6, r"a block spins on a flag that no earlier block set"),
 ])
 def test_divergence_is_reported_not_hung(mode, message):
     with pytest.raises(RuntimeError, match=message):

@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   // rel_bias); else, and for fp32, the FMA kernels.
   const FfFlashFwdArgs flash = call.flash();
   if (flash_bwd_mma_why_not(flash) == nullptr) {
-    FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
+    FF_CHECK_LAUNCH(ff_launch_flash_bwd_mma(flash, g, q, ff_stream(q)));
   } else {
     FF_CHECK_LAUNCH(launch_attention_bwd(call.a, g, ff_stream(q)));
   }

@@ -108,7 +108,7 @@ at::Tensor attention_varlen_bwd_into(const char* op, const at::Tensor& dout, con
   // contiguous.
   const FfFlashFwdArgs flash = call.flash(ff_packed_rows(out), stat_rows(dims.total_q));
   if (flash_bwd_mma_why_not(flash) == nullptr) {
-    FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash, g), ff_stream(q)));
+    FF_CHECK_LAUNCH(ff_launch_flash_bwd_mma(flash, g, q, ff_stream(q)));
   } else {
     FF_CHECK_LAUNCH(launch_attention_bwd(a, g, ff_stream(q)));
   }

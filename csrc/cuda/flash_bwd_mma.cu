@@ -14,7 +14,12 @@
 // sequence's length exits before any barrier; rows no sequence owns are not written (the glue
 // zeroes them).
 //
-// Three launches, no atomics, every gradient element written by one lane: deterministic.
+// Two backwards, both deterministic. D <= 128 (cp.async variant at D 64): the one-kernel
+// backward, FlashAttention-2's 5 products a tile (the dK dV kernel below with kFused: dQ_tile =
+// dS K after dK, dV; the dQ partial sums of a query tile added in key-block order to an fp32
+// accumulator, a counter a query tile, the last key block writing dQ; flash_bwd_mma.md's last
+// section). Else the two-kernel backward: three launches, no atomics, every gradient element
+// written by one lane:
 //   delta   Dsum = rowsum(dO * O) in fp32 (lse's layout), a warp a row (the FMA backward computes
 //           the same inside its dQ kernel; here both kernels below read it).
 //   dK dV   a block owns kOwn keys of one (b, h) and streams the query tiles that can see them
@@ -92,7 +97,14 @@ struct Cfg {
   // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32) (its dropout bits are the
   // lanes' own, in registers)
   static constexpr size_t kDqSmem = (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4;
-  static_assert(kDkdvSmem <= 166912 && kDqSmem <= 166912, "fits sm_80's opt-in maximum");
+  // the one-kernel backward (kD 64, 128): the dK dV kernel's plus dS^T (kOwn keys x kStream
+  // queries, 16-bit; rows padded by 8 elements: 16-byte aligned for ldmatrix, 4 banks apart)
+  static constexpr bool kFusable = kD <= 128;
+  static constexpr int kDsPitch = kStream + 8;
+  static constexpr size_t kFusedSmem = kDkdvSmem + size_t{kOwn} * kDsPitch * 2;
+  static_assert(kDkdvSmem % 16 == 0, "dS^T's rows start 16-byte aligned");
+  static_assert(kDkdvSmem <= 166912 && kDqSmem <= 166912 && kFusedSmem <= 166912,
+                "fits sm_80's opt-in maximum");
   static_assert(kStream % 32 == 0 && kOwn % 16 == 0, "whole warps flag keys; 16-row mma tiles");
 };
 
@@ -116,6 +128,8 @@ struct Params {
   const float* lse;  // the forward's, (b, h, i) at b lse_sb + h lse_sh + i (rows contiguous)
   float* delta;      // laid out as lse
   int64_t lse_sb, lse_sh;
+  float* dq_acc;      // the one-kernel backward: fp32 dQ partial sums, (b H + h, query tile, kStream, kD)
+  int32_t* dq_count;  // and a counter a (b H + h, query tile): the key blocks that have added
   const int32_t* cu_q;  // varlen: sequence b's rows from cu_q[b]; null for the padded op
   const int32_t* cu_k;
   int64_t total_q, total_k;
@@ -165,6 +179,28 @@ FF_DEVICE void store_rows(void* base, int64_t stride, int row0, int rows_valid, 
   }
 }
 
+// The ordered dQ accumulation's flag (a counter a query tile): thread 0 of key block n waits for
+// it to reach n (acquire: key block n - 1's adds are then visible), and sets it to n + 1 (release)
+// after every thread of its block has added and fenced. The harness runs blocks one at a time in
+// blockIdx order: there the flag is already set, or never will be (its spin stops the launch).
+FF_DEVICE void wait_count(const int32_t* count, int target) {
+#ifdef FF_SIMT
+  ff_simt::spin_until_at_least(count, target);
+#else
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(count) : "memory");
+  } while (v < target);
+#endif
+}
+FF_DEVICE void set_count(int32_t* count, int value) {
+#ifdef FF_SIMT
+  *count = value;
+#else
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(count), "r"(value) : "memory");
+#endif
+}
+
 // ------------------------------------------------------------------ Dsum = rowsum(dO * O)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -185,10 +221,16 @@ flash_bwd_delta_kernel(Params p, const void* out, int64_t o_sb, int64_t o_sh, in
   if (lane == 0) p.delta[b * p.lse_sb + h * p.lse_sh + r] = acc;
 }
 
-// ------------------------------------------------------------------ dK, dV
-template <typename T, int kD, bool kAligned>
+// ------------------------------------------------------------------ dK, dV (kFused: and dQ)
+// kFused (the one-kernel backward, kD 64 / 128): each streamed tile's dS^T also goes to shared
+// memory as 16-bit, and the block computes the tile's dQ partial dS K over its BN keys (4 warps:
+// 16 queries x kD / kDq head dims each), added to p.dq_acc in key-block order (the tile's counter)
+// and, by the last key block that sees the tile, written x scale in the dtype. Query tiles then
+// start at multiples of BM (the accumulator's tiles). 5 products a tile: S^T, dP^T, dV, dK, dQ.
+template <typename T, int kD, bool kAligned, bool kFused>
 __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   using C = Cfg<kD>;
+  static_assert(!kFused || (C::kFusable && C::kSplit == 1), "the one-kernel backward is kD 64 / 128");
   constexpr int BN = C::kOwn;     // keys a block
   constexpr int BM = C::kStream;  // queries a tile
   constexpr int kNT = BM / 8;     // n8 tiles of S^T (queries)
@@ -204,23 +246,37 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, natural log
   float* const dl_s = lse_s + 2 * BM;                                        // 2 x BM
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
+  uint16_t* const ds_s = reinterpret_cast<uint16_t*>(keep_s + 2 * BM * kKG);   // kFused: BN x kDsPitch
+  constexpr int kQW = BM / 16;            // kFused: 16-query groups of a tile's dQ
+  constexpr int kDq = kWarps / kQW;       // and head-dim parts (1 at kD 64, 2 at 128)
+  constexpr int kDTq = kD / kDq / 8;      // n8 tiles of a warp's dQ partial
+  static_assert(!kFused || kWarps % kQW == 0, "whole warps a 16-query group");
 
   const int64_t bh = blockIdx.x / p.tiles, h = bh % p.H, b = bh / p.H;
   const int n0 = static_cast<int>(blockIdx.x % p.tiles) * BN;
   // the sequence's rows; Sq and Sk below are its lengths, p.Sq and p.Sk the maxima
   const SeqRows sq = seq_rows(p.cu_q, b, p.total_q, p.Sq), sk = seq_rows(p.cu_k, b, p.total_k, p.Sk);
   const int Sq = sq.len, Sk = sk.len, D = static_cast<int>(p.D);
+  const int shift = Sk - Sq;
+  // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the block's keys
+  // (rounded down to a multiple of 16, the dropout tiles' rows: each tile's keep bytes are then
+  // whole 16 x 32 tiles, one Philox call per 16 decisions; kFused: of BM, the dQ accumulator's
+  // tiles; the rows added are hidden by causal, so they add exact zeros)
+  int i_begin = p.causal ? (kFused ? (n0 - shift) / BM * BM : (n0 - shift) & ~(kAttnDropRowsCu - 1)) : 0;
+  if (i_begin < 0) i_begin = 0;
+  if (kFused && n0 == 0) {
+    // dQ rows no key block visits (causal, before key block 0's first tile; all when a varlen
+    // sequence has no keys) are 0: key block 0 writes them (16-bit zero is all-zero bits)
+    const int z_rows = Sk > 0 && i_begin < Sq ? i_begin : Sq;
+    uint16_t* const dqz = static_cast<uint16_t*>(p.dq) + b * p.dq_sb + h * p.dq_sh + sq.start * p.dq_ss;
+    for (int e = static_cast<int>(threadIdx.x); e < z_rows * D; e += kThreads) dqz[(e / D) * p.dq_ss + e % D] = 0;
+  }
   if (n0 >= Sk) return;  // a varlen sequence shorter than the grid: the whole block, no barrier yet
   const int warp = threadIdx.x / kFfWarpSize, lane = threadIdx.x % kFfWarpSize;
   const int g = lane / 4, t = lane % 4, i8 = lane / 8;
   const int kg = warp / C::kSplit, dpart = warp % C::kSplit;  // 16-key group, head-dim part
-  const int shift = Sk - Sq;
-  // causal: query i sees key n0 iff i >= n0 - shift; earlier queries see none of the block's keys
-  // (rounded down to a multiple of 16, the dropout tiles' rows: each tile's keep bytes are then
-  // whole 16 x 32 tiles, one Philox call per 16 decisions; the rows added are hidden by causal,
-  // so they add exact zeros)
-  int i_begin = p.causal ? (n0 - shift) & ~(kAttnDropRowsCu - 1) : 0;
-  if (i_begin < 0) i_begin = 0;
+  const int qgrp = warp / kDq, qpart = warp % kDq;              // kFused: the warp's dQ part
+  const int nb = n0 / BN;                                       // key block index
   const int m_tiles = i_begin < Sq ? (Sq - i_begin + BM - 1) / BM : 0;
 
   const uint16_t* const qg = head_row(p.q, b, h, sq.start, p.q_sb, p.q_sh, p.q_ss);
@@ -247,7 +303,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   const LdOffsets<kD> b_at(8 * (i8 / 2) + lane % 8, i8 % 2);
   const LdOffsets<kD> t_at(8 * (i8 % 2) + lane % 8, i8 / 2);
 
-  constexpr int kKeptA = C::kKeepA ? kQK : 1;
+  // kFused: the dQ phase needs the registers of the kept K, V fragments (ptxas spilled 44-104 B
+  // at kD 64 with them)
+  constexpr bool kKeepA = C::kKeepA && !kFused;
+  constexpr int kKeptA = kKeepA ? kQK : 1;
   uint32_t kf[kKeptA][4], vf[kKeptA][4];  // kKeepA: the warp's K, V A fragments, all tiles
   float dk[kDT][4], dv[kDT][4];
 #pragma unroll
@@ -297,7 +356,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
     }
-    if (C::kKeepA && it == 0) {  // K and V came with query tile 0
+    if (kKeepA && it == 0) {  // K and V came with query tile 0
 #pragma unroll
       for (int kk = 0; kk < kQK; ++kk) {
         ff_ldmatrix_x4(kf[kk], ks + a_at(kk, 16 * kg));
@@ -307,7 +366,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
     for (int kk = 0; kk < kQK; ++kk) {
       uint32_t ak[4], av[4];
-      if (C::kKeepA) {
+      if (kKeepA) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) ak[e] = kf[kk % kKeptA][e], av[e] = vf[kk % kKeptA][e];
       } else {
@@ -373,6 +432,15 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
                               pack2(dp[2 * kk][2], dp[2 * kk][3], static_cast<T*>(nullptr)),
                               pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1], static_cast<T*>(nullptr)),
                               pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3], static_cast<T*>(nullptr))};
+      if constexpr (kFused) {
+        // dS^T (keys x queries) to shared memory for dQ: these words, keys 16 kg + g (+ 8),
+        // queries 16 kk + 2 t (+ 8)
+        uint16_t* const d0 = ds_s + (16 * kg + g) * C::kDsPitch + 16 * kk + 2 * t;
+        *reinterpret_cast<uint32_t*>(d0) = da[0];
+        *reinterpret_cast<uint32_t*>(d0 + 8 * C::kDsPitch) = da[1];
+        *reinterpret_cast<uint32_t*>(d0 + 8) = da[2];
+        *reinterpret_cast<uint32_t*>(d0 + 8 * C::kDsPitch + 8) = da[3];
+      }
 #pragma unroll
       for (int dd = 0; dd < kDT / 2; ++dd) {
         const int c = dpart * (kDT / 2) + dd;  // 16-column pair of the full head dim
@@ -387,7 +455,72 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
         ff_mma_m16n8k16<T>(dk[2 * dd + 1], da, q1);
       }
     }
+
+    // ---- kFused: dQ_tile = dS K over the block's keys, added in key-block order
+    int n_last = 0;  // the last key block that sees this query tile (kFused)
+    int32_t* count = nullptr;
+    if constexpr (kFused) {
+      __syncthreads();  // every warp's dS^T rows are in
+      // key blocks 0 .. n_last see the tile (causal: a prefix, as key n0 is seen by queries
+      // >= n0 - shift); this one (nb) adds after nb - 1: deterministic, one fixed order of adds
+      const int q_last = (i0 + BM < Sq ? i0 + BM : Sq) - 1;  // q_last + shift >= n0: see above
+      n_last = (Sk - 1) / BN;
+      if (p.causal && (q_last + shift) / BN < n_last) n_last = (q_last + shift) / BN;
+      const int64_t qtiles = (p.Sq + BM - 1) / BM, tile = (b * p.H + h) * qtiles + i0 / BM;
+      count = p.dq_count + tile;
+      const int row0 = 16 * qgrp;
+      // the lane's accumulator words: rows row0 + g (+ 8), head dims col0 + 8 d + 2 t (+ 1)
+      float* const acc = p.dq_acc + tile * (BM * kD) + (row0 + g) * kD + 2 * t;  // tile: BM x kD
+      // in halves of the warp's head dims (kDH n8 tiles, 16 floats a lane: registers)
+      constexpr int kDH = kDTq / 2;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col0 = qpart * (kD / kDq) + 8 * kDH * half;
+        // dS (queries as M, keys as k) through ldmatrix .trans of dS^T: matrix i8 = 8-query half
+        // i8 % 2 of 8-key half i8 / 2; K k-major through .trans as dK's Q
+        float dqt[kDH][4];
+#pragma unroll
+        for (int d = 0; d < kDH; ++d) dqt[d][0] = dqt[d][1] = dqt[d][2] = dqt[d][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          uint32_t a[4];
+          ff_ldmatrix_x4_trans(a, ds_s + (16 * kk + 8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 + 8 * (i8 % 2));
+#pragma unroll
+          for (int dd = 0; dd < kDH / 2; ++dd) {
+            uint32_t bf[4];
+            ff_ldmatrix_x4_trans(bf, ks + t_at(col0 / 16 + dd, 16 * kk));
+            const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+            ff_mma_m16n8k16<T>(dqt[2 * dd], a, b0);
+            ff_mma_m16n8k16<T>(dqt[2 * dd + 1], a, b1);
+          }
+        }
+        if (nb > 0 && half == 0) {
+          if (threadIdx.x == 0) wait_count(count, nb);
+          __syncthreads();  // key block nb - 1's adds are visible to the whole block
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int d = 0; d < kDH; ++d) {
+            // .cg: past L1, which may hold this SM's earlier block's copy of the line
+            float2* const at = reinterpret_cast<float2*>(acc + 8 * r * kD + col0 + 8 * d);
+            if (nb > 0) {
+              const float2 o = __ldcg(at);
+              dqt[d][2 * r] = o.x + dqt[d][2 * r];
+              dqt[d][2 * r + 1] = o.y + dqt[d][2 * r + 1];
+            }
+            if (nb < n_last) __stcg(at, make_float2(dqt[d][2 * r], dqt[d][2 * r + 1]));
+          }
+        }
+        if (nb == n_last) {
+          store_rows<T, kDH>(static_cast<uint16_t*>(p.dq) + b * p.dq_sb + h * p.dq_sh + sq.start * p.dq_ss,
+                             p.dq_ss, i0 + row0, Sq, col0, dqt, p.scale, p);
+        }
+      }
+      if (nb < n_last) __threadfence();  // the adds reach the GPU before the counter's release (below)
+    }
     __syncthreads();  // every warp is done with this stage before tile it + 2 refills it
+    if (kFused && nb < n_last && threadIdx.x == 0) set_count(count, nb + 1);
   }
 
   const int row0 = n0 + 16 * kg, col0 = dpart * C::kDW;
@@ -622,7 +755,17 @@ template <typename T, int kD, bool kAligned>
 const char* launch_bucket(Params p, int64_t B, void* stream) {
   using C = Cfg<kD>;
   p.tiles = (p.Sk + C::kOwn - 1) / C::kOwn;
-  if (const char* err = launch_one(&flash_bwd_dkdv_kernel<T, kD, kAligned>, C::kDkdvSmem,
+  // the plain-load variant at kD 64 stays on two kernels: one-kernel, ptxas spilled 16 B on sm_90
+  if constexpr (C::kFusable && (kAligned || kD != 64)) {
+    // one kernel: blockIdx = (b H + h) tiles + key block, so key block n - 1 of a (b, h) is
+    // launched before n, which waits on it (blocks are dispatched in index order, so the one
+    // waited on is resident or done: progress, as FlashAttention-3's deterministic backward)
+    if (p.dq_acc != nullptr && p.dq_count != nullptr) {
+      return launch_one(&flash_bwd_dkdv_kernel<T, kD, kAligned, true>, C::kFusedSmem, p.tiles * B * p.H,
+                        stream, p);
+    }
+  }
+  if (const char* err = launch_one(&flash_bwd_dkdv_kernel<T, kD, kAligned, false>, C::kDkdvSmem,
                                    p.tiles * B * p.H, stream, p)) {
     return err;
   }
@@ -682,6 +825,14 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
   if (major < 8) return "flash_bwd_mma: mma.sync bf16 / f16 and cp.async need sm_80 or newer";
 #endif
   return nullptr;
+}
+
+void flash_bwd_mma_workspace(const FfFlashFwdArgs& a, int64_t* acc_floats, int64_t* counters) {
+  *acc_floats = *counters = 0;
+  if (a.D < 1 || a.D > 128 || a.B <= 0 || a.H <= 0 || a.Sq <= 0 || a.Sk <= 0) return;  // two kernels
+  const int64_t bm = a.D <= 64 ? Cfg<64>::kStream : Cfg<128>::kStream, kd = a.D <= 64 ? 64 : 128;
+  *counters = a.B * a.H * ((a.Sq + bm - 1) / bm);
+  *acc_floats = *counters * bm * kd;
 }
 
 const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
@@ -747,6 +898,11 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.dq_sb = a.dq_sb, p.dq_sh = a.dq_sh, p.dq_ss = a.dq_ss;
   p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_ss = a.dk_ss;
   p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_ss = a.dv_ss;
+  // the one-kernel backward where the glue gave its workspace (flash_bwd_mma_workspace) and the
+  // call has keys and queries (Sk = 0: the dQ kernel writes dQ = 0)
+  const bool fused = a.dq_acc != nullptr && a.dq_count != nullptr && f.D <= 128 && f.Sq > 0 && f.Sk > 0;
+  p.dq_acc = fused ? a.dq_acc : nullptr;
+  p.dq_count = fused ? a.dq_count : nullptr;
   return f.dtype == 1 ? launch_dtype<__half>(a, p, aligned, stream)
                       : launch_dtype<__nv_bfloat16>(a, p, aligned, stream);
 }

@@ -125,6 +125,11 @@ struct FfFlashBwdArgs {
   int64_t dk_sb, dk_sh, dk_ss;
   void* dv;
   int64_t dv_sb, dv_sh, dv_ss;
+  // the one-kernel backward's dQ workspace (flash_bwd_mma_workspace's sizes): an fp32 dQ
+  // accumulator (need not be zeroed) and a counter a (b, h, query tile), zeroed; both null (or
+  // sizes 0) sends the call to the two-kernel backward
+  float* dq_acc;
+  int32_t* dq_count;
 };
 
 // The backward's arguments from the FMA kernels' description of the same gradients (the glue
@@ -146,5 +151,10 @@ inline FfFlashBwdArgs ff_flash_bwd_args(const FfFlashFwdArgs& f, const FfAttenti
 // attn_mask with a unit key stride, varlen without masks, no relative position bias, sm_80+, sizes
 // in range) and lse rows contiguous, checked on its own.
 const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a);
+
+// The dQ workspace launch_flash_bwd_mma needs for a call the one-kernel backward takes (fp32
+// floats of the accumulator, int32 counters, to be zeroed); 0 and 0 where it runs the two-kernel
+// backward (head dims past 128, Sk = 0).
+void flash_bwd_mma_workspace(const FfFlashFwdArgs& a, int64_t* acc_floats, int64_t* counters);
 
 const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream);

@@ -80,6 +80,11 @@ __global__ void broken_kernel(int mode, float* scratch) {
     case 4:
       v = __shfl_sync(0x0000ffffu, v, t + 16 < 32 ? t + 16 : t, 32);
       break;
+    case 6:  // a spin on a flag (scratch, zeros) that no earlier block set: stops, never hangs
+#ifdef FF_SIMT
+      if (t == 0) ff_simt::spin_until_at_least(reinterpret_cast<const int*>(scratch), 1);
+#endif
+      break;
     default:
       v = ff_warp_sum(v);
       __syncthreads();

@@ -54,7 +54,9 @@
 //   * The math functions of CUDA.md from the C library (expf, logf, exp2f, log2f, erff, rsqrtf,
 //     fmaxf, fminf, __expf, ...): correctly rounded where glibc is, so fast-math intrinsics
 //     (__expf) are MORE accurate here than on a GPU; tolerances must allow the GPU's error.
-//   * __ldg, dim3, uint3, the vector types (float2/float4, int2/int4, uint2/uint4) with their
+//   * A spin on another block's flag (ff_simt::spin_until_at_least): the flag must be set by a
+//     block that ran before (blocks run in blockIdx order), else the launch stops with an error.
+//   * __ldg, __ldcg, __stcg, dim3, uint3, the vector types (float2/float4, int2/int4, uint2/uint4) with their
 //     CUDA alignment, min / max overloads, __popc, __clz, __ffs, __umulhi, bit casts.
 //   * One device (cudaGetDevice gives 0) with a modelled SM count for cudaDeviceGetAttribute(
 //     cudaDevAttrMultiProcessorCount): 4 unless ff_simt::set_sm_count says otherwise, so kernels
@@ -537,3 +539,25 @@ template <typename T>
 inline T __ldg(const T* p) {
   return *p;
 }
+// ld.global.cg / st.global.cg (L2 only, past a possibly stale L1): plain accesses here.
+template <typename T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
+template <typename T>
+inline void __stcg(T* p, T v) {
+  *p = v;
+}
+
+namespace ff_simt {
+// A block's spin until *flag >= target, set by an EARLIER block (an ordered accumulation across
+// blocks: csrc/cuda/flash_bwd_mma.cu's dQ). Blocks run one at a time in blockIdx order, so the
+// flag is already set, or no block will set it while this one spins: stop the launch instead of
+// hanging (on a GPU such a spin waits on a block that may never be scheduled).
+inline void spin_until_at_least(const int* flag, int target) {
+  if (*static_cast<const volatile int*>(flag) < target) {
+    fail("a block spins on a flag that no earlier block set (blocks run one at a time in blockIdx "
+         "order): it would wait forever");
+  }
+}
+}  // namespace ff_simt

@@ -356,7 +356,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
                            ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
                            {H * Sq, 1, Sq}, dq.data_ptr(), ff_heads_rows(dq), dk.data_ptr(),
                            ff_heads_rows(dk), dv.data_ptr(), ff_heads_rows(dv)};
-  FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash_args(call), g), nullptr));
+  FF_CHECK_LAUNCH(ff_launch_flash_bwd_mma(flash_args(call), g, q, nullptr));
   return {dq, dk, dv};
 }
 }  // namespace
