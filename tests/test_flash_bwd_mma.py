@@ -252,6 +252,30 @@ def test_no_queries_or_no_keys(dtype):
     assert (dq == 0).all() and dk.shape == kv.shape
 
 
+def _workspace(D, Sq, Sk, offset=0, B=2, H=3):
+    """The dQ workspace (fp32 floats, counters) the glue allocates for a call; q, k, v, dout with
+    rows `offset` elements into a wider last dim (offset 1: rows not 16-byte aligned)."""
+    def t(S):
+        return torch.zeros(B, H, S, D + 8, dtype=torch.bfloat16)[..., offset:offset + D]
+
+    return list(torch.ops.fastformer_simt_selftest.flash_bwd_mma_workspace(t(Sq), t(Sq), t(Sk), t(Sk), False))
+
+
+def test_the_dq_workspace_only_where_the_one_kernel_backward_runs():
+    """One fp32 (BM x kD) accumulator tile and a counter a (b, h, query tile) for the one-kernel
+    backward (BM 64 at D <= 64, 32 at D <= 128: flash_bwd_mma.md); none (no allocation, no
+    memset launch) where the two kernels run: D 256, the plain-load variant at D <= 64, Sq or
+    Sk 0."""
+    B, H = 2, 3
+    for D, kD, BM in ((40, 64, 64), (64, 64, 64), (128, 128, 32)):
+        tiles = B * H * -(-100 // BM)
+        assert _workspace(D, 100, 70) == [tiles * BM * kD, tiles], f"D {D}"
+    assert _workspace(111, 100, 70, offset=1) == [B * H * 4 * 32 * 128, B * H * 4]  # plain loads, one kernel
+    assert _workspace(64, 100, 70, offset=1) == [0, 0]  # plain-load variant at D 64: two kernels
+    assert _workspace(256, 100, 70) == [0, 0]
+    assert _workspace(64, 100, 0) == [0, 0] and _workspace(64, 0, 70) == [0, 0]
+
+
 def test_rejects_float32_and_head_dims_past_256():
     q = torch.randn(1, 1, 8, 64)
     lse = torch.zeros(1, 1, 8)

@@ -793,7 +793,22 @@ const char* launch_dtype(const FfFlashBwdArgs& a, Params& p, bool aligned, void*
   return aligned ? launch_bucket<T, 256, true>(p, B, stream) : launch_bucket<T, 256, false>(p, B, stream);
 }
 
+// cp.async needs every row start 16-byte aligned (pointers, strides multiples of 8 elements)
+bool rows_aligned16(const FfFlashBwdArgs& a) {
+  const FfFlashFwdArgs& f = a.f;
+  return aligned16(f.q) && aligned16(f.k) && aligned16(f.v) && aligned16(a.dout) &&
+         (f.q_sb | f.q_sh | f.q_ss | f.k_sb | f.k_sh | f.k_ss | f.v_sb | f.v_sh | f.v_ss | a.do_sb |
+          a.do_sh | a.do_ss) % 8 == 0;
+}
 
+// Whether the call runs the one-kernel backward (given its workspace): a fusable head-dim bucket
+// (D <= 128), not the plain-load variant at D 64 (launch_bucket), queries and keys (Sk = 0: the
+// dQ kernel writes dQ = 0). The workspace's size and the launch both ask this.
+bool one_kernel(const FfFlashBwdArgs& a) {
+  const FfFlashFwdArgs& f = a.f;
+  if (f.D < 1 || f.D > 128 || f.B <= 0 || f.H <= 0 || f.Sq <= 0 || f.Sk <= 0) return false;
+  return f.D > 64 || rows_aligned16(a);
+}
 }  // namespace
 
 const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
@@ -827,11 +842,11 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
   return nullptr;
 }
 
-void flash_bwd_mma_workspace(const FfFlashFwdArgs& a, int64_t* acc_floats, int64_t* counters) {
+void flash_bwd_mma_workspace(const FfFlashBwdArgs& a, int64_t* acc_floats, int64_t* counters) {
   *acc_floats = *counters = 0;
-  if (a.D < 1 || a.D > 128 || a.B <= 0 || a.H <= 0 || a.Sq <= 0 || a.Sk <= 0) return;  // two kernels
-  const int64_t bm = a.D <= 64 ? Cfg<64>::kStream : Cfg<128>::kStream, kd = a.D <= 64 ? 64 : 128;
-  *counters = a.B * a.H * ((a.Sq + bm - 1) / bm);
+  if (!one_kernel(a)) return;  // the two-kernel backward needs none: nothing to allocate
+  const int64_t bm = a.f.D <= 64 ? Cfg<64>::kStream : Cfg<128>::kStream, kd = a.f.D <= 64 ? 64 : 128;
+  *counters = a.f.B * a.f.H * ((a.f.Sq + bm - 1) / bm);
   *acc_floats = *counters * bm * kd;
 }
 
@@ -845,10 +860,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   if (tiles > limit / f.B || tiles * f.B > limit / f.H || f.Sq > limit / f.B / f.H) {
     return "flash_bwd_mma: ceil(max(Sq, Sk) / 32) * B * H blocks exceed the grid's 2^31 - 1";
   }
-  // cp.async needs every row start 16-byte aligned (pointers, strides multiples of 8 elements)
-  const bool aligned = aligned16(f.q) && aligned16(f.k) && aligned16(f.v) && aligned16(a.dout) &&
-                       (f.q_sb | f.q_sh | f.q_ss | f.k_sb | f.k_sh | f.k_ss | f.v_sb | f.v_sh |
-                        f.v_ss | a.do_sb | a.do_sh | a.do_ss) % 8 == 0;
+  const bool aligned = rows_aligned16(a);
   Params p{};
   p.q = f.q;
   p.k = f.k;
@@ -898,9 +910,9 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.dq_sb = a.dq_sb, p.dq_sh = a.dq_sh, p.dq_ss = a.dq_ss;
   p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_ss = a.dk_ss;
   p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_ss = a.dv_ss;
-  // the one-kernel backward where the glue gave its workspace (flash_bwd_mma_workspace) and the
-  // call has keys and queries (Sk = 0: the dQ kernel writes dQ = 0)
-  const bool fused = a.dq_acc != nullptr && a.dq_count != nullptr && f.D <= 128 && f.Sq > 0 && f.Sk > 0;
+  // the one-kernel backward where the call takes it and the glue gave its workspace
+  // (flash_bwd_mma_workspace)
+  const bool fused = a.dq_acc != nullptr && a.dq_count != nullptr && one_kernel(a);
   p.dq_acc = fused ? a.dq_acc : nullptr;
   p.dq_count = fused ? a.dq_count : nullptr;
   return f.dtype == 1 ? launch_dtype<__half>(a, p, aligned, stream)
