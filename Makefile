@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 # transformers pinned to the version it is tested with, written once in fastformer/hf/_version.py;
 # torch is installed first, so accelerate takes that one
 TRANSFORMERS_VERSION := $(shell sed -n 's/^TESTED = "\(.*\)"/\1/p' fastformer/hf/_version.py)
-DEPS := triton pybind11 ninja pytest pytest-benchmark hypothesis tqdm matplotlib sacrebleu tokenizers numpy \
+DEPS := triton pybind11 'ninja>=1.12' pytest pytest-benchmark hypothesis tqdm matplotlib sacrebleu tokenizers numpy \
 	transformers==$(TRANSFORMERS_VERSION) accelerate
 
 .PHONY: setup build demo test test-fast bench gpu-check clean

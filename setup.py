@@ -20,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import libstdcxx  # noqa: E402  (tools/, not a package)
+import pip_ninja  # noqa: E402
 
 
 # The ISA levels the CPU kernels (csrc/cpu/*_kernel*.cpp) are compiled for, each from the same
@@ -160,14 +161,18 @@ def distinct_cu_objects(object_filenames):
 
 
 class BuildExtension(cpp_extension.BuildExtension):
-    """torch's BuildExtension with distinct object names for <op>.cu and <op>.cpp, which also
+    """torch's BuildExtension with distinct object names for <op>.cu and <op>.cpp, run with the pip
+    package's ninja (tools/pip_ninja.py), which also
     compiles ext.isa_sources once per ISA level (isa_flags) into <build_temp>/isa_<level>/ and
     links those objects after the baseline ones, DEFAULT first (so that where two objects hold one
     inline function, the linker keeps a baseline copy)."""
 
     def build_extensions(self):
         self.compiler.object_filenames = distinct_cu_objects(self.compiler.object_filenames)
-        super().build_extensions()
+        # the pip package's ninja (>= 1.12), not PATH's 1.11, which keeps an object whose header
+        # was edited during its compile (tools/pip_ninja.py); tools/dev_build.py builds through here
+        with pip_ninja.first_on_path():
+            super().build_extensions()
 
     def build_extension(self, ext):
         isa_sources = getattr(ext, "isa_sources", [])

@@ -1,12 +1,15 @@
-"""nvcc for the tests, no GPU needed: one compile per .cu file a session, shared by the ptxas
-check (tests/test_cuda_compile.py) and the SASS checks (tests/test_cuda_sass.py).
+"""nvcc for the tests, no GPU needed: one compile per .cu file and target a session, shared by
+the ptxas check (tests/test_cuda_compile.py) and the SASS checks (tests/test_cuda_sass.py).
 
-    nvcc -c -O3 -std=c++17 -gencode arch=compute_80,code=sm_80
-         -gencode arch=compute_90,code=sm_90 -Xptxas -v <file>.cu
+    nvcc -c -O3 -std=c++17 -gencode arch=compute_<a>,code=sm_<a> -Xptxas -v <file>.cu   (a: 80, 90)
 
-``compile_cu(cu)`` returns {cmd, rc, output, rows (parse_ptxas), obj}; the object stays in a
-session temporary folder, so ``sass(cu, arch)`` disassembles it (cuobjdump -sass, the one on PATH
-or the copy bundled with triton, found without importing triton) into each kernel's instructions.
+One nvcc a target, not one for both: nvcc compiles a file's targets one after the other, so on two
+cores the two halves run side by side (attention.cu: 54 kernels a target), each piece has the whole
+timeout to itself, and the SASS checks (sm_90 only) compile half. ``compile_arch(cu, arch)``
+returns {cmd, rc, output, rows (parse_ptxas), obj}; ``compile_cu(cu)`` both targets' (in parallel)
+merged, obj by target. The objects stay in a session temporary folder, so ``sass(cu, arch)``
+disassembles them (cuobjdump -sass, the one on PATH or the copy bundled with triton, found without
+importing triton) into each kernel's instructions.
 """
 import atexit
 import collections
@@ -17,9 +20,22 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 ARCHS = ("80", "90")
-TIMEOUT_S = 600  # a guard against hangs; a file takes 10-60 s on two busy cores
+TIMEOUT_S = 600  # a guard against hangs; a piece (file, target) takes 10-250 s on two busy cores
+
+
+def _timeout():
+    """TIMEOUT_S, times the machine's load per core when that is above 1 (at most 4x): the guard
+    is against a hang, not a slow machine. attention.cu for both targets in one nvcc took 480 s of
+    its 600 on the shared 2-core machine at load 11-14, and timed out twice; a piece is about
+    half of that."""
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        load = 1.0
+    return TIMEOUT_S * min(4.0, max(1.0, load))
 
 
 def _nvcc():
@@ -81,19 +97,31 @@ atexit.register(shutil.rmtree, _OUT, True)
 
 
 @functools.lru_cache(maxsize=None)
-def compile_cu(cu):
-    """Compile one .cu file for sm_80 and sm_90 (once a session): {cmd, rc, output, rows, obj}."""
-    obj = os.path.join(_OUT, os.path.basename(cu) + ".o")
-    cmd = [NVCC, "-c", "-O3", "-std=c++17"]
-    for a in ARCHS:
-        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    cmd += ["-Xptxas", "-v", cu, "-o", obj]
+def compile_arch(cu, arch):
+    """Compile one .cu file for sm_<arch> (once a session): {cmd, rc, output, rows, obj}."""
+    obj = os.path.join(_OUT, f"{os.path.basename(cu)}.sm_{arch}.o")
+    cmd = [NVCC, "-c", "-O3", "-std=c++17", "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+           "-Xptxas", "-v", cu, "-o", obj]
+    timeout = _timeout()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"cmd": cmd, "rc": None, "output": f"timed out after {TIMEOUT_S} s", "rows": [], "obj": None}
+        return {"cmd": cmd, "rc": None, "output": f"timed out after {timeout:.0f} s", "rows": [], "obj": None}
     output = proc.stdout + proc.stderr
     return {"cmd": cmd, "rc": proc.returncode, "output": output, "rows": parse_ptxas(output), "obj": obj}
+
+
+def compile_cu(cu):
+    """Compile one .cu file for every target of ARCHS, the targets in parallel (once a session):
+    {cmd (the first failing piece's, else the first's), rc (the first failing piece's, else 0),
+    output and rows (all pieces'), obj ({arch: object})}."""
+    with ThreadPoolExecutor(max_workers=len(ARCHS)) as pool:
+        pieces = list(pool.map(lambda a: compile_arch(cu, a), ARCHS))
+    bad = [r for r in pieces if r["rc"] != 0]
+    first = bad[0] if bad else pieces[0]
+    return {"cmd": first["cmd"], "rc": first["rc"], "output": "".join(r["output"] for r in pieces),
+            "rows": [row for r in pieces for row in r["rows"]],
+            "obj": {a: r["obj"] for a, r in zip(ARCHS, pieces)}}
 
 
 def _short(name):
@@ -143,7 +171,7 @@ def parse_sass(text):
 def sass(cu, arch):
     """{short demangled kernel name with template arguments: [instructions]} of one compiled .cu
     file for ``arch`` ("80" or "90")."""
-    result = compile_cu(cu)
+    result = compile_arch(cu, arch)
     if result["rc"] != 0:
         raise RuntimeError(f"nvcc failed for {cu}:\n{result['output'][-4000:]}")
     proc = subprocess.run([CUOBJDUMP, "-sass", "-arch", f"sm_{arch}", result["obj"]], capture_output=True,

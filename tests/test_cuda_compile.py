@@ -1,11 +1,11 @@
 """Every CUDA kernel file compiles for sm_80 (A100) and sm_90 (H100) with nvcc, no GPU needed:
 
-    nvcc -c -O3 -std=c++17 -gencode arch=compute_80,code=sm_80
-         -gencode arch=compute_90,code=sm_90 -Xptxas -v csrc/cuda/<op>.cu
+    nvcc -c -O3 -std=c++17 -gencode arch=compute_<a>,code=sm_<a> -Xptxas -v csrc/cuda/<op>.cu
 
-for every csrc/cuda/*.cu, and for tests/simt/mma_selftest.cu (the test kernels of the tensor-core
-wrappers csrc/cuda/mma.cuh: the inline PTX is checked by ptxas only here), the selected files at
-once in parallel (``-k mma_selftest`` compiles one). A file fails on a compile error or on any
+for a = 80 and 90 (one nvcc a target: tests/cuda_build.py), for every csrc/cuda/*.cu, and for
+tests/simt/mma_selftest.cu (the test kernels of the tensor-core wrappers csrc/cuda/mma.cuh: the
+inline PTX is checked by ptxas only here), the selected files' (file, target) pieces in parallel
+(``-k mma_selftest`` compiles one file). A file fails on a compile error or on any
 register spill (ptxas's "bytes spill stores / loads" not 0, any function). The table of registers,
 stack frame and shared memory per kernel and target prints with ``pytest -s`` and is attached to
 every failure message. Skipped, with the reason, only where nvcc is not installed.
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cuda_build import NO_NVCC, NVCC, _demangle, _short, compile_cu, parse_ptxas
+from cuda_build import ARCHS, NO_NVCC, NVCC, _demangle, _short, compile_arch, compile_cu, parse_ptxas
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason=NO_NVCC)
 
@@ -42,9 +42,13 @@ def compiled(request):
     files = [cu for cu in CU_FILES
              if any(getattr(item, "callspec", None) is not None and item.callspec.params.get("cu") == cu
                     for item in request.session.items)]
-    jobs = max(1, min(len(files), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=jobs) as pool:  # objects kept for tests/test_cuda_sass.py
-        results = dict(zip(files, pool.map(compile_cu, files)))
+    # (file, target) pieces, the largest file's first (attention.cu: 54 kernels a target), so a
+    # 2-core machine runs its two halves side by side rather than one nvcc for both targets
+    pieces = [(cu, a) for cu in sorted(files, key=os.path.getsize, reverse=True) for a in ARCHS]
+    jobs = max(1, min(len(pieces), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # objects kept for tests/test_cuda_sass*.py
+        list(pool.map(lambda piece: compile_arch(*piece), pieces))
+    results = {cu: compile_cu(cu) for cu in files}  # the pieces, merged (compiled above: cached)
     for cu, result in results.items():
         print(_table(cu, result))
     return results

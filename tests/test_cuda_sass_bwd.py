@@ -1,13 +1,16 @@
 """The instruction mix of the tensor-core attention backward (csrc/cuda/flash_bwd_mma.cu) as
 nvcc compiles it for sm_90 (tests/cuda_build.py: one compile per session, shared with
-tests/test_cuda_compile.py; no GPU needed), bf16 at head dims 64 and 128:
+tests/test_cuda_compile.py; no GPU needed), bf16 at head dims 64, 128 and 256:
 
 * HMMA.16816 per streamed tile (the tile loop is not unrolled, so a kernel's static count is one
-  tile's): each product over a warp's 16 owned rows, one streamed tile and the head dim is
-  (stream / 8) x (kD / 16) mma.sync m16n8k16. The one-kernel backward (the dK dV kernel with
-  kFused, what 16-bit backwards at D <= 128 run) does 5 products a tile, as FlashAttention-2:
-  S^T, dP^T, dV, dK and dQ (dS K over the block's keys, 16 queries x half the head dim a warp
-  at D 128); the two-kernel backward (D 256, and the plain-load variant at D 64) 4 + 3 = 7;
+  tile's), in units of one product (owned rows x one streamed tile x the head dim) shared by the
+  block's 4 warps: (own x stream x kD) / (16 x 8 x 16) / 4 mma.sync m16n8k16 a warp (32 at every
+  bucket). The one-kernel backward (the dK dV kernel with kFused, what aligned 16-bit backwards
+  run) does 5 products a tile at D 64 / 128, as FlashAttention-2: S^T, dP^T, dV, dK and dQ (dS K
+  over the block's keys, 16 queries x half the head dim a warp at D 128); 7 at D 256, where the
+  two warps of a key group each do S^T and dP^T over the full head dim (2 + 2 + 1 + 1 + 1); the
+  two-kernel backward (the plain-load variant at D 64, and where the glue gives no workspace)
+  4 + 3 = 7, at D 256 6 + 5 = 11;
 * lse and Dsum come by cp.async with the tile (4-byte LDGSTS, beside the 16-byte ones of the Q /
   dO tiles), not through a load the block waits on each tile;
 * barriers a tile: two in the two kernels (after the cp.async wait, before a stage is refilled),
@@ -37,8 +40,12 @@ pytestmark = [pytest.mark.skipif(NVCC is None, reason=NO_NVCC),
                                                            "triton's bundled CUDA tools)")]
 
 CU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cuda", "flash_bwd_mma.cu")
-# head dim -> rows a streamed tile (Cfg::kStream); a warp owns 16 rows at kD 64 and 128
-STREAM = {64: 64, 128: 32}
+# head dim -> rows a streamed tile (Cfg::kStream) and rows a block owns (Cfg::kOwn: 16 a warp at
+# kD 64 and 128, 16 a pair of warps at 256)
+STREAM = {64: 64, 128: 32, 256: 32}
+OWN = {64: 64, 128: 64, 256: 32}
+# head dim -> products a tile: the one kernel, the two kernels' dK dV and dQ
+PRODUCTS = {64: (5, 4, 3), 128: (5, 4, 3), 256: (7, 6, 5)}
 
 
 def _kernel(kind, D):
@@ -51,8 +58,9 @@ def _kernel(kind, D):
 
 
 def _products(code, D):
-    """HMMA count in units of one product (16 rows x a streamed tile x the head dim)."""
-    per_product = (STREAM[D] // 8) * (D // 16)
+    """HMMA count a warp in units of one product (a block's owned rows x a streamed tile x the
+    head dim, over 4 warps)."""
+    per_product = OWN[D] * STREAM[D] * D // (16 * 8 * 16) // 4
     hmma = opcode_counts(code)["HMMA"]
     assert hmma % per_product == 0, f"{hmma} HMMA is not a whole number of {per_product}-HMMA products"
     return hmma // per_product
@@ -60,10 +68,11 @@ def _products(code, D):
 
 @pytest.mark.parametrize("D", sorted(STREAM))
 def test_products_per_tile(D):
+    want_fused, want_dkdv, want_dq = PRODUCTS[D]
     fused = _products(_kernel("fused", D), D)
-    assert fused == 5, f"the one-kernel backward: {fused} products a tile (5 expected)"
+    assert fused == want_fused, f"the one-kernel backward: {fused} products a tile ({want_fused} expected)"
     dkdv, dq = _products(_kernel("dkdv", D), D), _products(_kernel("dq", D), D)
-    assert (dkdv, dq) == (4, 3), f"dK dV {dkdv} and dQ {dq} products a tile (7 expected)"
+    assert (dkdv, dq) == (want_dkdv, want_dq), f"dK dV {dkdv} and dQ {dq} products a tile"
 
 
 @pytest.mark.parametrize("kind", ["fused", "dkdv"])

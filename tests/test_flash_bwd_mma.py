@@ -1,6 +1,6 @@
 """The tensor-core flash attention backward (csrc/cuda/flash_bwd_mma.cu on mma.sync m16n8k16,
-ldmatrix, cp.async: the one-kernel backward at D <= 128, its dQ added in key-block order, the dK /
-dV and dQ kernels at D 256 and for the plain-load variant at D 64) against the gradients of fastformer/ops/reference.py::
+ldmatrix, cp.async: the one-kernel backward at every head dim, its dQ added in key-block order, the
+dK / dV and dQ kernels for the plain-load variant at D 64) against the gradients of fastformer/ops/reference.py::
 attention, on the SIMT harness through its test op fastformer_simt_selftest::flash_bwd_mma (fed
 the tensor-core forward's out and lse), and the attention op's `cuda` backend, whose 16-bit
 backward runs on it wherever it takes the call.
@@ -23,9 +23,12 @@ key short 35, its lse left in the natural-log domain 59. Deleting the __syncthre
 tile (a stage refilled while another warp reads it) in either kernel, or the dK dV kernel's one
 after its cp.async wait, passes the default and reverse schedules and fails under warp_ahead and
 warp_ahead_reverse (test_other_thread_schedules). The one-kernel backward: its dS^T words of
-queries 16 kk + 2 t and 16 kk + 8 + 2 t swapped fails 61 (every D <= 128 case); the counter
-released as n instead of n + 1 (the next key block would wait forever) stops the launch in
-test_dq_from_many_key_blocks and test_the_backward_is_deterministic. A missing __threadfence or
+queries 16 kk + 2 t and 16 kk + 8 + 2 t swapped fails 61 (every D <= 128 case, before D 256 ran
+here); its dQ phase at D 256 over 2 of its 4 head-dim chunks fails 7 (test_head_dims d200 / d256,
+test_dq_from_many_key_blocks at D 200 / 256); the counter released as n instead of n + 1 (the
+next key block would wait forever) stops the launch in test_dq_from_many_key_blocks and
+test_the_backward_is_deterministic. (The dQ kernel's mutations above date from when it ran at
+D 256 too; it now runs only for the plain-load variant at D 64.) A missing __threadfence or
 a wait on the wrong key block is not visible here (blocks run one at a time, in order): the GPU
 run of test_the_backward_is_deterministic (device cuda) and tests/test_cuda_sass_bwd.py cover
 those."""
@@ -177,10 +180,12 @@ def test_dropout_drops_what_the_reference_drops(dtype, D, Sq, Sk, causal):
 
 
 # ---------------------------------------------------------------- the one-kernel backward's dQ
-# (D <= 128): key blocks of 64 keys each add their partial dQ of a query tile (64 queries at
-# D 64, 32 at D 128) to an fp32 accumulator in key-block order; the last one writes dq
+# key blocks (64 keys at D <= 128, 32 at D 256) each add their partial dQ of a query tile (64
+# queries at D 64, 32 at D 128 and 256) to an fp32 accumulator in key-block order; the last one
+# writes dq
 MANY = [(64, 70, 330, False, 0.0), (64, 130, 330, True, 0.2), (128, 40, 300, True, 0.0),
-        (128, 75, 200, False, 0.2), (40, 200, 140, True, 0.0)]
+        (128, 75, 200, False, 0.2), (40, 200, 140, True, 0.0), (256, 40, 150, True, 0.2),
+        (256, 70, 100, False, 0.0), (200, 90, 40, True, 0.0)]
 
 
 @pytest.mark.parametrize("D,Sq,Sk,causal,p", MANY, ids=[f"d{m[0]}-q{m[1]}k{m[2]}-{'causal' if m[3] else 'full'}"
@@ -193,9 +198,10 @@ def test_dq_from_many_key_blocks(D, Sq, Sk, causal, p):
         assert (dq[:, :, :Sq - Sk] == 0).all()
 
 
+@pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no GPU here: the harness run (cpu) only"))])
-def test_the_backward_is_deterministic(device):
+def test_the_backward_is_deterministic(device, D):
     """Two runs of the attention op's backward (cuda backend: the one-kernel backward, several key
     blocks a query tile, causal, dropout) give the same bits. On a GPU (device cuda, many blocks
     at once) this is the ordered dQ adds; on the harness (blocks run in order) it catches a
@@ -203,10 +209,10 @@ def test_the_backward_is_deterministic(device):
     import fastformer
     from fastformer.ops import attention
 
-    B, H, Sq, Sk = (1, 2, 100, 260) if device == "cpu" else (4, 8, 1000, 1100)
+    B, H, Sq, Sk = (1, 2, 100, 260 if D == 64 else 130) if device == "cpu" else (4, 8, 1000, 1100)
     g = torch.Generator().manual_seed(11)
-    qkv = [torch.randn(B, H, S, 64, generator=g).to(torch.bfloat16).to(device) for S in (Sq, Sk, Sk)]
-    dout = torch.randn(B, H, Sq, 64, generator=g).to(torch.bfloat16).to(device)
+    qkv = [torch.randn(B, H, S, D, generator=g).to(torch.bfloat16).to(device) for S in (Sq, Sk, Sk)]
+    dout = torch.randn(B, H, Sq, D, generator=g).to(torch.bfloat16).to(device)
     runs = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in qkv]
@@ -250,6 +256,28 @@ def test_no_queries_or_no_keys(dtype):
     kv = torch.randn(1, 2, 0, 64).to(dtype)
     dq, dk, dv = flash_bwd(q, q, kv, kv, q, torch.full((1, 2, 70), float("inf")))
     assert (dq == 0).all() and dk.shape == kv.shape
+
+
+def _workspace(D, Sq, Sk, offset=0, B=2, H=3):
+    """The dQ workspace (fp32 floats, counters) the glue allocates for a call; q, k, v, dout with
+    rows `offset` elements into a wider last dim (offset 1: rows not 16-byte aligned)."""
+    def t(S):
+        return torch.zeros(B, H, S, D + 8, dtype=torch.bfloat16)[..., offset:offset + D]
+
+    return list(torch.ops.fastformer_simt_selftest.flash_bwd_mma_workspace(t(Sq), t(Sq), t(Sk), t(Sk), False))
+
+
+def test_the_dq_workspace_only_where_the_one_kernel_backward_runs():
+    """One fp32 (BM x kD) accumulator tile and a counter a (b, h, query tile) for the one-kernel
+    backward (BM 64 at D <= 64, 32 at D 128 and 256: flash_bwd_mma.md); none (no allocation, no
+    memset launch) where the two kernels run: the plain-load variant at D <= 64, Sq or Sk 0."""
+    B, H = 2, 3
+    for D, kD, BM in ((40, 64, 64), (64, 64, 64), (128, 128, 32), (200, 256, 32), (256, 256, 32)):
+        tiles = B * H * -(-100 // BM)
+        assert _workspace(D, 100, 70) == [tiles * BM * kD, tiles], f"D {D}"
+    assert _workspace(111, 100, 70, offset=1) == [B * H * 4 * 32 * 128, B * H * 4]  # plain loads, one kernel
+    assert _workspace(64, 100, 70, offset=1) == [0, 0]  # plain-load variant at D 64: two kernels
+    assert _workspace(64, 100, 0) == [0, 0] and _workspace(256, 0, 70) == [0, 0]
 
 
 def test_rejects_float32_and_head_dims_past_256():

@@ -45,3 +45,36 @@ def test_a_header_edited_during_its_compile_is_rebuilt(tmp_path):
     dry = subprocess.run([_ninja(), "-n"], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert "no work to do" not in dry.stdout, (
         f"{_ninja()} keeps a.o though h.h changed during its compile (ninja < 1.12?): {dry.stdout}")
+
+
+def _version(ninja):
+    out = subprocess.run([ninja, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    return tuple(int(x) for x in out.strip().split(".")[:2])
+
+
+@pytest.mark.skipif(build.ninja_dir() is None, reason="the pip package ninja is not installed (pip install 'ninja>=1.12')")
+def test_setup_and_dev_build_run_the_pip_ninja(monkeypatch):
+    """setup.py's BuildExtension (pip install -e ., tools/dev_build.py) runs torch's build with
+    the pip package's ninja (>= 1.12) first on PATH, even where PATH starts with an older one;
+    PATH is restored after."""
+    import importlib.util
+
+    from setuptools.dist import Distribution
+    from torch.utils import cpp_extension
+
+    spec = importlib.util.spec_from_file_location("ff_setup_ninja_test", os.path.join(build.ROOT, "setup.py"))
+    ff_setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ff_setup)
+    old = shutil.which("ninja", path="/usr/bin:/bin")
+    if old is not None:  # the system's ninja first, as on the shared machine
+        monkeypatch.setenv("PATH", os.path.dirname(old) + os.pathsep + os.environ.get("PATH", ""))
+    before = os.environ["PATH"]
+    seen = []
+    monkeypatch.setattr(cpp_extension.BuildExtension, "build_extensions",
+                        lambda self: seen.append(shutil.which("ninja")))
+    ext = ff_setup.BuildExtension(Distribution())
+    ext.compiler = type("Compiler", (), {"object_filenames": staticmethod(lambda *a, **k: [])})()
+    ext.build_extensions()
+    assert seen == [os.path.join(build.ninja_dir(), "ninja")]
+    assert _version(seen[0]) >= (1, 12)
+    assert os.environ["PATH"] == before

@@ -10,7 +10,7 @@ against it with FASTFORMER_EXT_LIBRARY=<path> (fastformer loads it instead of _C
 
 An op is csrc/cpu/<op>.cpp (checks, registration) and csrc/cpu/<op>_kernel.cpp (the math, built
 once per ISA level). The build is setup.py's own (its extension() and BuildExtension), CPU only,
-incremental (ninja), in /tmp/<name>/; MAX_JOBS limits the parallel compile jobs as for setup.py.
+incremental (the pip package's ninja >= 1.12, tools/pip_ninja.py), in /tmp/<name>/; MAX_JOBS limits the parallel compile jobs as for setup.py.
 
 FF_DEV_TAG=<name> gives the build its own directory and library name, so builds of the same
 ops from different checkouts never overwrite each other.

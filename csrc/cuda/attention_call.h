@@ -154,15 +154,19 @@ struct FfAttentionCall {
 
 // The tensor-core backward (flash_bwd_mma.cu) with its dQ workspace, from the caching allocator:
 // an fp32 accumulator that the kernel writes before it reads (not zeroed) and a counter a
-// (b, h, query tile) that orders the key blocks' adds (zeroed). `like` gives the device.
+// (b, h, query tile) that orders the key blocks' adds (zeroed). None (no allocation, no memset)
+// where the call runs the two-kernel backward. `like` gives the device.
 inline const char* ff_launch_flash_bwd_mma(const FfFlashFwdArgs& flash, const FfAttentionGrads& g,
                                            const at::Tensor& like, void* stream) {
-  int64_t acc_floats = 0, counters = 0;
-  flash_bwd_mma_workspace(flash, &acc_floats, &counters);
-  const at::Tensor acc = at::empty({acc_floats}, like.options().dtype(at::kFloat));
-  const at::Tensor count = at::zeros({counters}, like.options().dtype(at::kInt));
   FfFlashBwdArgs a = ff_flash_bwd_args(flash, g);
-  a.dq_acc = acc_floats > 0 ? acc.data_ptr<float>() : nullptr;
-  a.dq_count = counters > 0 ? count.data_ptr<int32_t>() : nullptr;
+  int64_t acc_floats = 0, counters = 0;
+  flash_bwd_mma_workspace(a, &acc_floats, &counters);
+  at::Tensor acc, count;  // alive until the launch has been queued (stream-ordered frees)
+  if (acc_floats > 0 && counters > 0) {
+    acc = at::empty({acc_floats}, like.options().dtype(at::kFloat));
+    count = at::zeros({counters}, like.options().dtype(at::kInt));
+    a.dq_acc = acc.data_ptr<float>();
+    a.dq_count = count.data_ptr<int32_t>();
+  }
   return launch_flash_bwd_mma(a, stream);
 }

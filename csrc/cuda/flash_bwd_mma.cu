@@ -14,12 +14,13 @@
 // sequence's length exits before any barrier; rows no sequence owns are not written (the glue
 // zeroes them).
 //
-// Two backwards, both deterministic. D <= 128 (cp.async variant at D 64): the one-kernel
-// backward, FlashAttention-2's 5 products a tile (the dK dV kernel below with kFused: dQ_tile =
-// dS K after dK, dV; the dQ partial sums of a query tile added in key-block order to an fp32
-// accumulator, a counter a query tile, the last key block writing dQ; flash_bwd_mma.md's last
-// section). Else the two-kernel backward: three launches, no atomics, every gradient element
-// written by one lane:
+// Two backwards, both deterministic. Every head dim (cp.async variant at D 64): the one-kernel
+// backward, FlashAttention-2's 5 products a tile at D <= 128, 7 at D 256 (S^T and dP^T done by
+// both warps of a key group, as below) (the dK dV kernel below with kFused: dQ_tile = dS K after
+// dK, dV; the dQ partial sums of a query tile added in key-block order to an fp32 accumulator, a
+// counter a query tile, the last key block writing dQ; flash_bwd_mma.md's last section). Else
+// (the plain-load variant at D 64, Sk = 0, no workspace given) the two-kernel backward: three
+// launches, no atomics, every gradient element written by one lane:
 //   delta   Dsum = rowsum(dO * O) in fp32 (lse's layout), a warp a row (the FMA backward computes
 //           the same inside its dQ kernel; here both kernels below read it).
 //   dK dV   a block owns kOwn keys of one (b, h) and streams the query tiles that can see them
@@ -97,9 +98,9 @@ struct Cfg {
   // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32) (its dropout bits are the
   // lanes' own, in registers)
   static constexpr size_t kDqSmem = (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4;
-  // the one-kernel backward (kD 64, 128): the dK dV kernel's plus dS^T (kOwn keys x kStream
+  // the one-kernel backward (every bucket): the dK dV kernel's plus dS^T (kOwn keys x kStream
   // queries, 16-bit; rows padded by 8 elements: 16-byte aligned for ldmatrix, 4 banks apart)
-  static constexpr bool kFusable = kD <= 128;
+  static constexpr bool kFusable = true;
   static constexpr int kDsPitch = kStream + 8;
   static constexpr size_t kFusedSmem = kDkdvSmem + size_t{kOwn} * kDsPitch * 2;
   static_assert(kDkdvSmem % 16 == 0, "dS^T's rows start 16-byte aligned");
@@ -222,15 +223,17 @@ flash_bwd_delta_kernel(Params p, const void* out, int64_t o_sb, int64_t o_sh, in
 }
 
 // ------------------------------------------------------------------ dK, dV (kFused: and dQ)
-// kFused (the one-kernel backward, kD 64 / 128): each streamed tile's dS^T also goes to shared
+// kFused (the one-kernel backward, every bucket): each streamed tile's dS^T also goes to shared
 // memory as 16-bit, and the block computes the tile's dQ partial dS K over its BN keys (4 warps:
-// 16 queries x kD / kDq head dims each), added to p.dq_acc in key-block order (the tile's counter)
-// and, by the last key block that sees the tile, written x scale in the dtype. Query tiles then
-// start at multiples of BM (the accumulator's tiles). 5 products a tile: S^T, dP^T, dV, dK, dQ.
+// 16 queries x kD / kDq head dims each, in chunks of 32 head dims), added to p.dq_acc in
+// key-block order (the tile's counter) and, by the last key block that sees the tile, written
+// x scale in the dtype. Query tiles then
+// start at multiples of BM (the accumulator's tiles). 5 products a tile: S^T, dP^T, dV, dK, dQ
+// (7 at kD 256: each warp of a key group does S^T and dP^T over the full head dim).
 template <typename T, int kD, bool kAligned, bool kFused>
 __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   using C = Cfg<kD>;
-  static_assert(!kFused || (C::kFusable && C::kSplit == 1), "the one-kernel backward is kD 64 / 128");
+  static_assert(!kFused || C::kFusable, "a bucket without the one-kernel backward");
   constexpr int BN = C::kOwn;     // keys a block
   constexpr int BM = C::kStream;  // queries a tile
   constexpr int kNT = BM / 8;     // n8 tiles of S^T (queries)
@@ -248,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
   uint16_t* const ds_s = reinterpret_cast<uint16_t*>(keep_s + 2 * BM * kKG);   // kFused: BN x kDsPitch
   constexpr int kQW = BM / 16;            // kFused: 16-query groups of a tile's dQ
-  constexpr int kDq = kWarps / kQW;       // and head-dim parts (1 at kD 64, 2 at 128)
+  constexpr int kDq = kWarps / kQW;       // and head-dim parts (1 at kD 64, 2 at 128 and 256)
   constexpr int kDTq = kD / kDq / 8;      // n8 tiles of a warp's dQ partial
   static_assert(!kFused || kWarps % kQW == 0, "whole warps a 16-query group");
 
@@ -432,9 +435,9 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
                               pack2(dp[2 * kk][2], dp[2 * kk][3], static_cast<T*>(nullptr)),
                               pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1], static_cast<T*>(nullptr)),
                               pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3], static_cast<T*>(nullptr))};
-      if constexpr (kFused) {
+      if (kFused && dpart == 0) {
         // dS^T (keys x queries) to shared memory for dQ: these words, keys 16 kg + g (+ 8),
-        // queries 16 kk + 2 t (+ 8)
+        // queries 16 kk + 2 t (+ 8) (kSplit 2: both warps of the key group hold the same; one writes)
         uint16_t* const d0 = ds_s + (16 * kg + g) * C::kDsPitch + 16 * kk + 2 * t;
         *reinterpret_cast<uint32_t*>(d0) = da[0];
         *reinterpret_cast<uint32_t*>(d0 + 8 * C::kDsPitch) = da[1];
@@ -471,10 +474,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
       const int row0 = 16 * qgrp;
       // the lane's accumulator words: rows row0 + g (+ 8), head dims col0 + 8 d + 2 t (+ 1)
       float* const acc = p.dq_acc + tile * (BM * kD) + (row0 + g) * kD + 2 * t;  // tile: BM x kD
-      // in halves of the warp's head dims (kDH n8 tiles, 16 floats a lane: registers)
-      constexpr int kDH = kDTq / 2;
+      // in chunks of the warp's head dims (kDH = 4 n8 tiles, 16 floats a lane: registers; 2 chunks
+      // at kD 64 / 128, 4 at 256, where dK and dV hold 128 floats a lane throughout)
+      constexpr int kDH = 4, kChunks = kDTq / kDH;
+      static_assert(kDTq % kDH == 0, "whole chunks");
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < kChunks; ++half) {
         const int col0 = qpart * (kD / kDq) + 8 * kDH * half;
         // dS (queries as M, keys as k) through ldmatrix .trans of dS^T: matrix i8 = 8-query half
         // i8 % 2 of 8-key half i8 / 2; K k-major through .trans as dK's Q
@@ -793,7 +798,22 @@ const char* launch_dtype(const FfFlashBwdArgs& a, Params& p, bool aligned, void*
   return aligned ? launch_bucket<T, 256, true>(p, B, stream) : launch_bucket<T, 256, false>(p, B, stream);
 }
 
+// cp.async needs every row start 16-byte aligned (pointers, strides multiples of 8 elements)
+bool rows_aligned16(const FfFlashBwdArgs& a) {
+  const FfFlashFwdArgs& f = a.f;
+  return aligned16(f.q) && aligned16(f.k) && aligned16(f.v) && aligned16(a.dout) &&
+         (f.q_sb | f.q_sh | f.q_ss | f.k_sb | f.k_sh | f.k_ss | f.v_sb | f.v_sh | f.v_ss | a.do_sb |
+          a.do_sh | a.do_ss) % 8 == 0;
+}
 
+// Whether the call runs the one-kernel backward (given its workspace): every head-dim bucket but
+// the plain-load variant at D 64 (launch_bucket), queries and keys (Sk = 0: the dQ kernel writes
+// dQ = 0). The workspace's size and the launch both ask this.
+bool one_kernel(const FfFlashBwdArgs& a) {
+  const FfFlashFwdArgs& f = a.f;
+  if (f.D < 1 || f.D > 256 || f.B <= 0 || f.H <= 0 || f.Sq <= 0 || f.Sk <= 0) return false;
+  return f.D > 64 || rows_aligned16(a);
+}
 }  // namespace
 
 const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
@@ -827,11 +847,12 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a) {
   return nullptr;
 }
 
-void flash_bwd_mma_workspace(const FfFlashFwdArgs& a, int64_t* acc_floats, int64_t* counters) {
+void flash_bwd_mma_workspace(const FfFlashBwdArgs& a, int64_t* acc_floats, int64_t* counters) {
   *acc_floats = *counters = 0;
-  if (a.D < 1 || a.D > 128 || a.B <= 0 || a.H <= 0 || a.Sq <= 0 || a.Sk <= 0) return;  // two kernels
-  const int64_t bm = a.D <= 64 ? Cfg<64>::kStream : Cfg<128>::kStream, kd = a.D <= 64 ? 64 : 128;
-  *counters = a.B * a.H * ((a.Sq + bm - 1) / bm);
+  if (!one_kernel(a)) return;  // the two-kernel backward needs none: nothing to allocate
+  const int64_t kd = a.f.D <= 64 ? 64 : (a.f.D <= 128 ? 128 : 256);
+  const int64_t bm = kd == 64 ? Cfg<64>::kStream : (kd == 128 ? Cfg<128>::kStream : Cfg<256>::kStream);
+  *counters = a.f.B * a.f.H * ((a.f.Sq + bm - 1) / bm);
   *acc_floats = *counters * bm * kd;
 }
 
@@ -845,10 +866,7 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   if (tiles > limit / f.B || tiles * f.B > limit / f.H || f.Sq > limit / f.B / f.H) {
     return "flash_bwd_mma: ceil(max(Sq, Sk) / 32) * B * H blocks exceed the grid's 2^31 - 1";
   }
-  // cp.async needs every row start 16-byte aligned (pointers, strides multiples of 8 elements)
-  const bool aligned = aligned16(f.q) && aligned16(f.k) && aligned16(f.v) && aligned16(a.dout) &&
-                       (f.q_sb | f.q_sh | f.q_ss | f.k_sb | f.k_sh | f.k_ss | f.v_sb | f.v_sh |
-                        f.v_ss | a.do_sb | a.do_sh | a.do_ss) % 8 == 0;
+  const bool aligned = rows_aligned16(a);
   Params p{};
   p.q = f.q;
   p.k = f.k;
@@ -898,9 +916,9 @@ const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream) {
   p.dq_sb = a.dq_sb, p.dq_sh = a.dq_sh, p.dq_ss = a.dq_ss;
   p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_ss = a.dk_ss;
   p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_ss = a.dv_ss;
-  // the one-kernel backward where the glue gave its workspace (flash_bwd_mma_workspace) and the
-  // call has keys and queries (Sk = 0: the dQ kernel writes dQ = 0)
-  const bool fused = a.dq_acc != nullptr && a.dq_count != nullptr && f.D <= 128 && f.Sq > 0 && f.Sk > 0;
+  // the one-kernel backward where the call takes it and the glue gave its workspace
+  // (flash_bwd_mma_workspace)
+  const bool fused = a.dq_acc != nullptr && a.dq_count != nullptr && one_kernel(a);
   p.dq_acc = fused ? a.dq_acc : nullptr;
   p.dq_count = fused ? a.dq_count : nullptr;
   return f.dtype == 1 ? launch_dtype<__half>(a, p, aligned, stream)

@@ -154,7 +154,8 @@ const char* flash_bwd_mma_why_not(const FfFlashFwdArgs& a);
 
 // The dQ workspace launch_flash_bwd_mma needs for a call the one-kernel backward takes (fp32
 // floats of the accumulator, int32 counters, to be zeroed); 0 and 0 where it runs the two-kernel
-// backward (head dims past 128, Sk = 0).
-void flash_bwd_mma_workspace(const FfFlashFwdArgs& a, int64_t* acc_floats, int64_t* counters);
+// backward (head dims past 128, rows not 16-byte aligned at D <= 64, Sq = 0 or Sk = 0): then
+// nothing need be allocated. dout's pointer and strides count (alignment); the gradients' not.
+void flash_bwd_mma_workspace(const FfFlashBwdArgs& a, int64_t* acc_floats, int64_t* counters);
 
 const char* launch_flash_bwd_mma(const FfFlashBwdArgs& a, void* stream);

@@ -17,6 +17,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIMT = os.path.join(ROOT, "tests", "simt")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import pip_ninja  # noqa: E402  (tools/, not a package)
+
+# the pip package's ninja (>= 1.12: a header edited during a compile is rebuilt; tools/pip_ninja.py)
+ninja_dir = pip_ninja.ninja_dir
 NAME = "fastformer_simt"
 # -O1 keeps a fresh build short; the kernels' own files get -O2 (see _wrap): they run the tests.
 FLAGS = ["-O1", "-DFF_SIMT", "-fvisibility=hidden", "-fvisibility-inlines-hidden",
@@ -52,40 +57,19 @@ def sources(build_dir: str):
             + [_wrap(cu, wrap_dir) for cu in cus] + glue)
 
 
-def ninja_dir():
-    """The folder of the pip package's ninja, or None without it (then the one on PATH runs).
-
-    cpp_extension runs the `ninja` on PATH. Before 1.12 (the system's 1.11) ninja takes an
-    object's mtime at the end of its compile for the time it was built, so a header (or .cu)
-    edited while the files including it compile counts as built into them, and they are never
-    rebuilt; the pip package's ninja (a Makefile dependency) compares the compile's start time.
-    The header dependencies themselves (-MMD, deps = gcc) were right all along."""
-    try:
-        import ninja
-    except ImportError:
-        return None
-    return ninja.BIN_DIR
-
-
 def build(verbose: bool = False) -> str:
     """Build (incrementally), load into this process, and return the library's path."""
     from torch.utils.cpp_extension import load
 
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import libstdcxx
 
     libstdcxx.use_shared("SIMT harness")  # never a CXX that links libstdc++ statically
     build_dir = os.path.join(ROOT, "build", "simt")
     os.makedirs(build_dir, exist_ok=True)
-    path = os.environ.get("PATH", "")
-    if ninja_dir() is not None:
-        os.environ["PATH"] = ninja_dir() + os.pathsep + path
-    try:
+    with pip_ninja.first_on_path():
         load(name=NAME, sources=sources(build_dir), build_directory=build_dir, extra_cflags=FLAGS,
              extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc"), SIMT],
              is_python_module=False, verbose=verbose)
-    finally:
-        os.environ["PATH"] = path
     return os.path.join(build_dir, NAME + ".so")
 
 

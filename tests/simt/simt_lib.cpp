@@ -359,6 +359,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
   FF_CHECK_LAUNCH(ff_launch_flash_bwd_mma(flash_args(call), g, q, nullptr));
   return {dq, dk, dv};
 }
+
+// The dQ workspace (fp32 floats, counters) that ff_launch_flash_bwd_mma allocates for this call
+// (flash_bwd_mma_workspace): 0, 0 wherever the two-kernel backward runs. Unmasked, no dropout.
+std::vector<int64_t> bwd_workspace(const at::Tensor& dout, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v, bool is_causal) {
+  const char* op = "flash_bwd_mma_workspace";
+  const int dtype = ff_dtype_code(q, "q", op);
+  const auto dims = flash_dims(op, q, k, v, {&dout});
+  const auto masks = flash_masks(op, dims, std::nullopt, std::nullopt);
+  at::Tensor holder;
+  const FfAttentionCall call(q, k, v, masks, dims, is_causal, 1.0, 0.0, test_rng(0, 0, holder), dtype);
+  FfAttentionGrads g{};
+  g.dout = dout.const_data_ptr();
+  g.dout_s = ff_heads_rows(dout);
+  int64_t acc_floats = 0, counters = 0;
+  flash_bwd_mma_workspace(ff_flash_bwd_args(flash_args(call), g), &acc_floats, &counters);
+  return {acc_floats, counters};
+}
 }  // namespace
 
 TORCH_LIBRARY(fastformer_simt_selftest, m) {
@@ -390,6 +408,7 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
   m.def("flash_bwd_mma(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, float scale, float dropout_p, "
         "int seed, int offset) -> (Tensor, Tensor, Tensor)");
+  m.def("flash_bwd_mma_workspace(Tensor dout, Tensor q, Tensor k, Tensor v, bool is_causal) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
@@ -406,6 +425,7 @@ TORCH_LIBRARY_IMPL(fastformer_simt_selftest, CPU, m) {
   m.impl("refill", &refill);
   m.impl("flash_fwd_mma", &flash_fwd_mma);
   m.impl("flash_bwd_mma", &flash_bwd_mma);
+  m.impl("flash_bwd_mma_workspace", &bwd_workspace);
 }
 
 // Ops without a tensor argument dispatch through CompositeExplicitAutograd.
