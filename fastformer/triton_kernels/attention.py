@@ -188,6 +188,9 @@ def _attention_fwd(
 # or, with INTERPRET_FIRST_CHOICE, each kernel's first-choice GPU tile (as deterministic mode does).
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
 INTERPRET_FIRST_CHOICE = False
+# The padded backward makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md): dropout bits
+# twice a training step, no dQ kernel. Off until it has run on a GPU (its spin-wait and fences)
+FUSED_DQ = False
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory per block (opt-in maximum)
 PREPROCESS_BLOCK_M = 64
 BLOCK_D_BUCKETS = (32, 64, 128, 256)
@@ -457,8 +460,12 @@ def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = Fa
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
         # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
-        reset = ["DRel"] if rel and kind == "dkdv" else None
-        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short, tf32)),
+        # FUSED_DQ's counters too: a benchmarked run leaves them at each tile's last key block
+        reset = (["DRel"] if rel and kind in ("dkdv", "dkdv_dq") else []) + (["DQLock"] if kind == "dkdv_dq" else [])
+        reset = reset or None
+        cfg_kind = "dkdv" if kind == "dkdv_dq" else kind
+        _TUNERS[key] = triton.autotune(configs=list(_configs(cfg_kind, block_d, elt, heavy, varlen, rel, arch, short,
+                                                             tf32)),
                                        key=["TUNE_SQ", "TUNE_SK", "D"], reset_to_zero=reset)(fn)
     return _TUNERS[key]
 
@@ -590,7 +597,7 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta, arch=80, short=False):
         rel = meta.get("HAS_REL", False)
         tf32 = meta.get("INPUT_PRECISION") == "tf32"
         if INTERPRET or first_config_only():  # the first (best-guess) config, no autotuning
-            launch = _first_config(kind, block_d, elt, heavy, varlen, rel, arch, tf32)
+            launch = _first_config("dkdv" if kind == "dkdv_dq" else kind, block_d, elt, heavy, varlen, rel, arch, tf32)
             kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
             kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short, tf32))[grid_of](*args, **meta)
@@ -719,7 +726,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     block_d = _block_d(D)
     qs, ks, vs, dos, outs, dqs, dks = (layout.strides(t) for t in (q, k, v, dout, out, dq, dk))
     delta = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
-    large = _large_offsets(Sq, Sk, (qs[2], outs[2], dos[2], dqs[2]), (ks[2], vs[2], dks[2]), am_strides, kpm_strides)
+    large = _large_offsets(Sq, Sk, (qs[2], outs[2], dos[2], dqs[2], D), (ks[2], vs[2], dks[2]), am_strides,
+                           kpm_strides)  # D: FUSED_DQ's accumulator rows
     # the preprocess runs on rows alone: packed rows are one sequence of total_q rows
     pre_b, pre_rows = (1, layout.total_q) if layout.varlen else (B, Sq)
     pre_large = large or _large_offsets(pre_rows, 1, (outs[2], dos[2]), (), (0, 0, 0, 0), (0, 0))
@@ -736,19 +744,30 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, group, rel_bias)
     elt = q.element_size()
     arch, short = _arch(q.device), _short(Sq, Sk)
+    # dQ made in the dK/dV kernel (FUSED_DQ, BACKWARD.md): its fp32 partial sums and a counter a
+    # query tile (the counters at start_m // 16: every BLOCK_M the tuner may pick has a slot)
+    fused = FUSED_DQ and not layout.varlen and Sk > 0
+    if fused:
+        dq_args = (dq, torch.empty((B, H, Sq, D), dtype=torch.float32, device=q.device),
+                   torch.zeros((B, H, cdiv(Sq, 16)), dtype=torch.int32, device=q.device))
+        dq_strides = dqs
+    else:
+        dq_args, dq_strides = (None, None, None), (0, 0, 0)
     if Sk > 0:
         # rel_bias's gradient: each dK/dV program's own row of sums by distance, summed here in a
         # fixed order (no atomics: the same bits every run)
         rel_tiles = _rel_tiles(Sk, block_d, elt, meta, arch, short) if rel is not None else 0
         drel_rows = (torch.zeros((B, H, rel_tiles, 2 * R + 1), dtype=torch.float32, device=q.device)
                      if rel is not None else None)
-        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: attention_grid(Sk, META["BLOCK_N"], H, B),
-                block_d, elt, (*common, dk, dv, drel_rows, *strides, *dks, *scalars, rel_tiles, *buckets), meta,
-                arch, short)
+        _launch("dkdv_dq" if fused else "dkdv", kernels._attention_bwd_dkdv,
+                lambda META: attention_grid(Sk, META["BLOCK_N"], H, B), block_d, elt,
+                (*common, dk, dv, drel_rows, *dq_args, *strides, *dks, *dq_strides, *scalars, rel_tiles, *buckets),
+                dict(meta, FUSED_DQ=fused), arch, short)
         if rel is not None:
             drel = drel_rows.sum(dim=(0, 2))
-    _launch("dq", kernels._attention_bwd_dq, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B),
-            block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta, arch, short)
+    if not fused:
+        _launch("dq", kernels._attention_bwd_dq, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B),
+                block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta, arch, short)
     if group > 1:
         groups = (*k.shape[:1], k.shape[1], group, *k.shape[2:])  # (.., H_kv, G, ..)
         if Sk > 0:

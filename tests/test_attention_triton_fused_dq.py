@@ -1,0 +1,85 @@
+"""The Triton attention backward with dQ made in the dK/dV kernel (attention.FUSED_DQ, BACKWARD.md
+in fastformer/triton_kernels): each key block adds dS K to one fp32 accumulator a query tile, in
+key-block order. Against the reference's gradients (fp32 and bf16, causal with Sq < Sk and
+Sq > Sk, key padding, dropout with the reference's bits, several key tiles a query tile), the same
+bits run to run, and the dQ kernel not launched.
+
+Without a GPU everything runs in Triton's interpreter on CPU tensors (tests/conftest.py), where
+the programs run one at a time in id order: the kernel asserts that each key block's turn came
+(a wrong order fails there instead of spinning)."""
+import pytest
+import torch
+
+from test_attention_triton import LOWP_FACTOR, _check_fp32, _inputs, _kernels, _reference
+from utils import assert_close, assert_close_lowp, kernel_backends
+
+pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
+A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
+
+
+@pytest.fixture
+def fused(monkeypatch, small_blocks):
+    """FUSED_DQ on, 16 x 16 tiles in the interpreter (several key tiles add to each query tile);
+    yields the kinds of the kernels each backward launches."""
+    monkeypatch.setattr(A, "FUSED_DQ", True)
+    kinds = []
+    launch = A._launch
+
+    def spy(kind, *args, **kwargs):
+        kinds.append(kind)
+        return launch(kind, *args, **kwargs)
+
+    monkeypatch.setattr(A, "_launch", spy)
+    yield kinds
+
+
+# (B, H, Sq, Sk, D, causal, kpm_frac, p): Sk of 3-7 key tiles; causal Sq > Sk leaves query
+# tiles no key block sees (key block 0 zeroes them), Sq < Sk key blocks that see no query
+CASES = {
+    "plain": (1, 2, 37, 50, 16, False, 0.0, 0.0),
+    "causal_sq_lt_sk": (1, 1, 40, 70, 24, True, 0.0, 0.0),
+    "causal_sq_gt_sk": (2, 1, 75, 33, 16, True, 0.3, 0.0),
+    "kpm_dropout": (1, 2, 45, 60, 16, False, 0.3, 0.2),
+    "causal_dropout": (1, 1, 50, 47, 32, True, 0.2, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fused_dq_matches_reference(case, fused):
+    B, H, Sq, Sk, D, causal, kpm_frac, p = CASES[case]
+    q, k, v, kpm, am, dout = _inputs(B, H, Sq, Sk, D, kpm_frac=kpm_frac, seed=3)
+    got = _kernels(q, k, v, kpm, am, dout, causal, 0.25, p, 7, 2**32 - 5)
+    assert "dq" not in fused and "dkdv_dq" in fused, f"launched {fused}"
+    # dropout: the reference draws the same bits (philox.py's v3 convention), so any bit the fused
+    # kernel made differently from the forward shows up in dq, dk or dv
+    _check_fp32(got, _reference(q, k, v, kpm, am, dout, causal, 0.25, p, 7, 2**32 - 5))
+
+
+def test_fused_dq_bf16(fused):
+    """bf16 inputs: FlashAttention's rule against the fp32 reference; dQ is written in bf16 by
+    each query tile's last key block."""
+    B, H, Sq, Sk, D = 1, 2, 45, 61, 40
+    q, k, v, kpm, am, dout = _inputs(B, H, Sq, Sk, D, dtype=torch.bfloat16, kpm_frac=0.2)
+    got = _kernels(q, k, v, kpm, am, dout, True, 0.15, 0.1, 11, 0)
+    assert "dq" not in fused
+    want32 = _reference(q, k, v, kpm, am, dout, True, 0.15, 0.1, 11, 0, dtype=torch.float32)
+    wantlp = _reference(q, k, v, kpm, am, dout, True, 0.15, 0.1, 11, 0, dtype=torch.bfloat16)
+    for i, name in ((2, "dq"), (3, "dk"), (4, "dv")):
+        assert got[i].dtype == torch.bfloat16, name
+        assert_close_lowp(name, got[i].float(), want32[i], wantlp[i].float(), factor=LOWP_FACTOR)
+
+
+def test_fused_dq_deterministic_and_equal_to_two_kernels(fused, monkeypatch):
+    """Two runs give the same bits; the two-kernel backward (dQ kernel) agrees to rounding."""
+    B, H, Sq, Sk, D = 1, 2, 48, 80, 16
+    q, k, v, kpm, am, dout = _inputs(B, H, Sq, Sk, D, kpm_frac=0.1, seed=5)
+    first = _kernels(q, k, v, kpm, am, dout, True, 0.3, 0.25, 1, 2)
+    second = _kernels(q, k, v, kpm, am, dout, True, 0.3, 0.25, 1, 2)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name}: two runs differ"
+    monkeypatch.setattr(A, "FUSED_DQ", False)
+    fused.clear()
+    two = _kernels(q, k, v, kpm, am, dout, True, 0.3, 0.25, 1, 2)
+    assert "dq" in fused and "dkdv_dq" not in fused, f"launched {fused}"
+    for name, a, b in zip(("dq", "dk", "dv"), first[2:], two[2:]):
+        assert_close(name, a, b, atol=1e-5, rtol=1e-5)
