@@ -5,8 +5,8 @@ Sq > Sk, key padding, dropout with the reference's bits, several key tiles a que
 bits run to run, and the dQ kernel not launched.
 
 Without a GPU everything runs in Triton's interpreter on CPU tensors (tests/conftest.py), where
-the programs run one at a time in id order: the kernel asserts that each key block's turn came
-(a wrong order fails there instead of spinning)."""
+the programs run one at a time in id order: a key block whose turn has not come makes its tiles' dQ
+NaN (a wrong order fails there instead of spinning)."""
 import pytest
 import torch
 

@@ -27,6 +27,7 @@ each grid entry b is then a packed sequence whose rows and lengths come from ``c
 functions share.
 """
 import functools
+import os
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -189,8 +190,9 @@ def _attention_fwd(
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
 INTERPRET_FIRST_CHOICE = False
 # The padded backward makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md): dropout bits
-# twice a training step, no dQ kernel. Off until it has run on a GPU (its spin-wait and fences)
-FUSED_DQ = False
+# twice a training step, no dQ kernel. Off until it has run on a GPU (its spin-wait and fences);
+# FASTFORMER_TRITON_FUSED_DQ=1 turns it on, for the launches and for aot_specs()
+FUSED_DQ = os.environ.get("FASTFORMER_TRITON_FUSED_DQ") == "1"
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory per block (opt-in maximum)
 PREPROCESS_BLOCK_M = 64
 BLOCK_D_BUCKETS = (32, 64, 128, 256)
@@ -910,6 +912,13 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                                         f"_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
                                         f"{'' if arch == 80 else f'_sm{arch}'}")
                                 constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel
+                                if kind == "dkdv":  # the padded layout's dK/dV makes dQ too with FUSED_DQ
+                                    fused = FUSED_DQ and not varlen
+                                    constexprs["FUSED_DQ"] = fused
+                                    if fused:
+                                        name = name.replace("_dkdv_", "_dkdvdq_", 1)
+                                    else:
+                                        constexprs.update(DQ=None, DQAcc=None, DQLock=None)
                                 spec = _spec(name, fn, types, {**constexprs, **cfg.kwargs}, cfg.num_warps,
                                              cfg.num_stages)
                                 spec["ccs"] = [arch]  # each family compiles for its own target
@@ -937,7 +946,7 @@ def _types(ptr: str) -> dict:
     types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
     types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32", "KPM": "*u8",
                   "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
-                  "Philox": "*i64", "RelBias": "*fp32", "DRel": "*fp32"})
+                  "Philox": "*i64", "RelBias": "*fp32", "DRel": "*fp32", "DQAcc": "*fp32", "DQLock": "*i32"})
     return types
 
 
