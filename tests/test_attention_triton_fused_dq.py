@@ -10,6 +10,7 @@ NaN (a wrong order fails there instead of spinning)."""
 import pytest
 import torch
 
+from fastformer import philox
 from test_attention_triton import LOWP_FACTOR, _check_fp32, _inputs, _kernels, _reference
 from utils import assert_close, assert_close_lowp, kernel_backends
 
@@ -71,7 +72,7 @@ def test_fused_dq_bf16(fused):
 
 def test_fused_dq_deterministic_and_equal_to_two_kernels(fused, monkeypatch):
     """Two runs give the same bits; the two-kernel backward (dQ kernel) agrees to rounding."""
-    B, H, Sq, Sk, D = 1, 2, 48, 80, 16
+    B, H, Sq, Sk, D = 1, 1, 33, 50, 16
     q, k, v, kpm, am, dout = _inputs(B, H, Sq, Sk, D, kpm_frac=0.1, seed=5)
     first = _kernels(q, k, v, kpm, am, dout, True, 0.3, 0.25, 1, 2)
     second = _kernels(q, k, v, kpm, am, dout, True, 0.3, 0.25, 1, 2)
@@ -82,4 +83,26 @@ def test_fused_dq_deterministic_and_equal_to_two_kernels(fused, monkeypatch):
     two = _kernels(q, k, v, kpm, am, dout, True, 0.3, 0.25, 1, 2)
     assert "dq" in fused and "dkdv_dq" not in fused, f"launched {fused}"
     for name, a, b in zip(("dq", "dk", "dv"), first[2:], two[2:]):
+        assert_close(name, a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("feature", ["gqa", "rel_bias"])
+def test_fused_dq_gqa_and_rel_bias_equal_two_kernels(feature, fused, monkeypatch):
+    """Grouped-query heads (dQ per query head, k / v shared by two) and a relative position bias
+    (its gradient from the same dS^T): the fused backward gives the two-kernel one's gradients
+    (those are checked against the reference in test_attention_gqa.py / test_attention_rel_bias.py)."""
+    B, H, Sq, Sk, D = 1, 2, 24, 40, 16
+    g = torch.Generator().manual_seed(9)
+    hk = H // 2 if feature == "gqa" else H
+    q, dout = (torch.randn(B, H, Sq, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, hk, Sk, D, generator=g) for _ in range(2))
+    kw = dict(rel_bias=torch.randn(H, 2 * 7 + 1, generator=g), rel_shift=3) if feature == "rel_bias" else {}
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(A, "FUSED_DQ", on)
+        out, lse = A.attention_fwd(q, k, v, None, None, True, 0.3, 0.2, philox.pack(1, 2), **kw)
+        results.append(A.attention_bwd(dout, q, k, v, out, lse, None, None, True, 0.3, 0.2, philox.pack(1, 2), **kw))
+    assert fused.count("dkdv_dq") == 1 and fused.count("dq") == 1, f"launched {fused}"
+    names = ("dq", "dk", "dv", "drel") if feature == "rel_bias" else ("dq", "dk", "dv")
+    for name, a, b in zip(names, *results):
         assert_close(name, a, b, atol=1e-5, rtol=1e-5)
