@@ -22,6 +22,10 @@ the window is final and stored once to the program's own row of an fp32 scratch
 in a fixed order (attention.backward): the same bits every run.
 With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
 preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
+
+With FUSED_DQ (attention.FUSED_DQ, padded layout; BACKWARD.md) the dK/dV kernel also makes dQ,
+adding each query tile's dS K to one fp32 accumulator in key-block order (_dq_tile_add), and the
+dQ kernel does not run: the dropout bits are made twice a training step instead of three times.
 """
 import triton
 import triton.language as tl
