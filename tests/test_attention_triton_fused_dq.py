@@ -6,7 +6,8 @@ bits run to run, and the dQ kernel not launched.
 
 Without a GPU everything runs in Triton's interpreter on CPU tensors (tests/conftest.py), where
 the programs run one at a time in id order: a key block whose turn has not come makes its tiles' dQ
-NaN (a wrong order fails there instead of spinning)."""
+NaN (a wrong order fails there instead of spinning). The ordering between concurrent key
+blocks is exercised on a GPU only (test_fused_dq_ordering_on_gpu: skipped in the interpreter)."""
 import pytest
 import torch
 
@@ -106,3 +107,25 @@ def test_fused_dq_gqa_and_rel_bias_equal_two_kernels(feature, fused, monkeypatch
     names = ("dq", "dk", "dv", "drel") if feature == "rel_bias" else ("dq", "dk", "dv")
     for name, a, b in zip(names, *results):
         assert_close(name, a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(A.INTERPRET, reason="the interpreter runs the programs one at a time in id order: the "
+                                        "ordered hand-over between concurrent key blocks needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fused_dq_ordering_on_gpu(dtype, fused, monkeypatch):
+    """Many concurrent key blocks a query tile (causal, dropout, 1024 x 1024): 20 backward runs give
+    the first run's bits (a block that read the partial sums before its turn, or saw a stale copy,
+    would change them), and the two-kernel backward's dQ to rounding."""
+    B, H, S, D = 2, 4, 1024, 64
+    q, k, v, kpm, am, dout = _inputs(B, H, S, S, D, dtype=dtype, kpm_frac=0.1, seed=1)
+    out, lse = A.attention_fwd(q, k, v, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
+    first = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
+    for run in range(20):
+        again = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"run {run + 1}: {name} differs from the first run's"
+    monkeypatch.setattr(A, "FUSED_DQ", False)
+    two = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
+    assert "dq" in fused and "dkdv_dq" in fused, f"launched {fused}"
+    for name, a, b in zip(("dq", "dk", "dv"), first, two):
+        assert_close(name, a.float(), b.float(), atol=2e-2, rtol=2e-2)
