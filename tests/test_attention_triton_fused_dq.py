@@ -129,3 +129,17 @@ def test_fused_dq_ordering_on_gpu(dtype, fused, monkeypatch):
     assert "dq" in fused and "dkdv_dq" in fused, f"launched {fused}"
     for name, a, b in zip(("dq", "dk", "dv"), first, two):
         assert_close(name, a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fused_dq_very_negative_scores_ragged_keys(fused):
+    """Every score near -280 and Sk not a multiple of the key tile: past Sk, P = exp2(0 - lse)
+    overflows to inf in the dK/dV tile (harmless there, those keys are never stored); dQ must
+    not turn it into inf x 0 = NaN."""
+    B, H, Sq, Sk, D = 1, 1, 20, 40, 16
+    g = torch.Generator().manual_seed(4)
+    q = torch.full((B, H, Sq, D), 4.0)
+    k = -torch.rand(B, H, Sk, D, generator=g) - 4.0
+    v, dout = torch.randn(B, H, Sk, D, generator=g), torch.randn(B, H, Sq, D, generator=g)
+    got = _kernels(q, k, v, None, None, dout, False, 1.0)
+    assert "dq" not in fused
+    _check_fp32(got, _reference(q, k, v, None, None, dout, False, 1.0))

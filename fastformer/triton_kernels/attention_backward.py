@@ -114,8 +114,8 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
 
 
 @triton.jit
-def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_d, dq_base, stride_dqm, acc_base, lock, Sq, D,
-                 scale, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_n, offs_d, dq_base, stride_dqm, acc_base, lock, Sq,
+                 Sk, D, scale, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """FUSED_DQ: add this key tile's dQ_tile = dS K (``ds_t`` the (BN, BM) dS^T, ``k`` the (BN, BD)
     keys) to query tile ``start_m``'s fp32 accumulator, in key-block order (BACKWARD.md): key block
     ``key_block`` (the tile's visitors are key blocks 0 .. L) waits until the tile's counter
@@ -123,6 +123,9 @@ def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_d, dq_base, str
     and either stores them and sets the counter to key_block + 1, or (``last``: key block L) writes
     dQ x scale in DQ's dtype. A fixed order of fp32 adds: the same bits every run, no atomics on
     the data. The product is made before the wait, so the wait overlaps nothing but the adds."""
+    # keys past Sk: their K rows are zero but their dS is unmasked (the dK/dV tile never stores
+    # them) and can be inf (P = exp2(0 - lse) for a row of very negative scores): inf x 0 = NaN
+    ds_t = tl.where(offs_n[:, None] < Sk, ds_t, 0.0)
     part = dot(tl.trans(cast(ds_t, k.dtype)), k, tl.zeros([offs_m.shape[0], offs_d.shape[0]], dtype=tl.float32),
                INPUT_PRECISION)  # (BM, BD)
     rows = start_m + offs_m
@@ -336,8 +339,9 @@ def _attention_bwd_dkdv(
                 qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM,
                 HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
             if FUSED_DQ:
-                _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_d, dq_base, stride_dqm,
-                             dq_acc, dq_lock + start_m // 16, Lq, D, scale, EVEN_D, INPUT_PRECISION, LARGE_OFFSETS)
+                _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
+                             stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
+                             LARGE_OFFSETS)
             if HAS_REL:
                 rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
                     rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
@@ -352,8 +356,9 @@ def _attention_bwd_dkdv(
             qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM,
             HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
         if FUSED_DQ:
-            _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_d, dq_base, stride_dqm,
-                         dq_acc, dq_lock + start_m // 16, Lq, D, scale, EVEN_D, INPUT_PRECISION, LARGE_OFFSETS)
+            _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
+                         stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
+                         LARGE_OFFSETS)
         if HAS_REL:
             rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
                 rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
