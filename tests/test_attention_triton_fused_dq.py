@@ -7,7 +7,15 @@ bits run to run, and the dQ kernel not launched.
 Without a GPU everything runs in Triton's interpreter on CPU tensors (tests/conftest.py), where
 the programs run one at a time in id order: a key block whose turn has not come makes its tiles' dQ
 NaN (a wrong order fails there instead of spinning). The ordering between concurrent key
-blocks is exercised on a GPU only (test_fused_dq_ordering_on_gpu: skipped in the interpreter)."""
+blocks is exercised on a GPU only (test_fused_dq_ordering_on_gpu, in make gpu-check's gpu-tests:
+skipped in the interpreter); the compiled kernel's PTX (pipelined, acquire / release, no spills)
+ahead of time, no GPU needed."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -17,6 +25,7 @@ from utils import assert_close, assert_close_lowp, kernel_backends
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
 A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -109,26 +118,62 @@ def test_fused_dq_gqa_and_rel_bias_equal_two_kernels(feature, fused, monkeypatch
         assert_close(name, a, b, atol=1e-5, rtol=1e-5)
 
 
+# Run in a process of its own: a spin-wait that never ends (a key block waiting on a counter
+# nobody advances) hangs the GPU, and only killing the process ends it; the limit keeps such a
+# hang from eating make gpu-check's window (its gpu-tests step, benchmarks/gpu_check.py). The
+# first config of each kernel (utils.first_configs, as deterministic mode launches): no
+# autotuning, so the compiles fit in the limit.
+ORDERING_TIMEOUT_S = 120
+_ORDERING_SCRIPT = r"""
+import torch
+from fastformer import philox
+from fastformer.triton_kernels import attention as A, utils
+kinds = []
+launch = A._launch
+A._launch = lambda kind, *a, **kw: kinds.append(kind) or launch(kind, *a, **kw)
+B, H, S, D = 2, 4, 1024, 64
+rng = lambda: philox.pack(3, 4)
+with utils.first_configs():
+    for dtype in (torch.float16, torch.bfloat16):
+        g = torch.Generator().manual_seed(1)
+        q, k, v, dout = (torch.randn(B, H, S, D, generator=g).to("cuda", dtype) for _ in range(4))
+        kpm = (torch.rand(B, S, generator=g) < 0.1).cuda()
+        A.FUSED_DQ = True
+        out, lse = A.attention_fwd(q, k, v, kpm, None, True, 0.125, 0.1, rng())
+        first = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, rng())
+        for run in range(20):
+            again = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, rng())
+            for name, a, b in zip(("dq", "dk", "dv"), first, again):
+                assert torch.equal(a, b), f"{dtype} run {run + 1}: {name} differs from the first run's"
+        A.FUSED_DQ = False
+        two = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, rng())
+        for name, a, b in zip(("dq", "dk", "dv"), first, two):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=f"{dtype} {name}")
+assert "dkdv_dq" in kinds and "dq" in kinds, kinds
+torch.cuda.synchronize()
+print("ordered")
+"""
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(A.INTERPRET, reason="the interpreter runs the programs one at a time in id order: the "
                                         "ordered hand-over between concurrent key blocks needs a GPU")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_fused_dq_ordering_on_gpu(dtype, fused, monkeypatch):
-    """Many concurrent key blocks a query tile (causal, dropout, 1024 x 1024): 20 backward runs give
-    the first run's bits (a block that read the partial sums before its turn, or saw a stale copy,
-    would change them), and the two-kernel backward's dQ to rounding."""
-    B, H, S, D = 2, 4, 1024, 64
-    q, k, v, kpm, am, dout = _inputs(B, H, S, S, D, dtype=dtype, kpm_frac=0.1, seed=1)
-    out, lse = A.attention_fwd(q, k, v, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
-    first = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
-    for run in range(20):
-        again = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert torch.equal(a, b), f"run {run + 1}: {name} differs from the first run's"
-    monkeypatch.setattr(A, "FUSED_DQ", False)
-    two = A.attention_bwd(dout, q, k, v, out, lse, kpm, None, True, 0.125, 0.1, philox.pack(3, 4))
-    assert "dq" in fused and "dkdv_dq" in fused, f"launched {fused}"
-    for name, a, b in zip(("dq", "dk", "dv"), first, two):
-        assert_close(name, a.float(), b.float(), atol=2e-2, rtol=2e-2)
+def test_fused_dq_ordering_on_gpu():
+    """Many concurrent key blocks a query tile (causal, dropout, 1024 x 1024, fp16 and bf16): 20
+    backward runs give the first run's bits (a block that read the partial sums before its turn,
+    or saw a stale copy, would change them), and the two-kernel backward's dQ to rounding; in a
+    process of its own, killed past ORDERING_TIMEOUT_S (a hung spin-wait fails the test)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.Popen([sys.executable, "-c", _ORDERING_SCRIPT], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=ORDERING_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the fused backward did not finish in {ORDERING_TIMEOUT_S} s (a spin-wait that never "
+                    f"ends?):\n{output[-3000:]}")
+    assert proc.returncode == 0 and "ordered" in output, output[-5000:]
 
 
 def test_fused_dq_very_negative_scores_ragged_keys(fused):
@@ -143,3 +188,37 @@ def test_fused_dq_very_negative_scores_ragged_keys(fused):
     got = _kernels(q, k, v, None, None, dout, False, 1.0)
     assert "dq" not in fused
     _check_fp32(got, _reference(q, k, v, None, None, dout, False, 1.0))
+
+
+# The first-choice fused kernel of the heavy class (dropout, masks) compiled ahead of time for
+# sm_80 (test_triton_compile.py compiles the same spec: Triton's cache), its PTX read back.
+_PTX_SCRIPT = r"""
+import json, re
+from fastformer.triton_kernels import aot, attention as A
+specs = A.aot_specs()
+[spec] = [specs[i] for i in aot.first_choice_indices(specs)
+          if re.fullmatch(r"attention_dkdvdq_fp16_d64_heavy_m\d+_n\d+_w\d+_s\d+", specs[i]["name"])]
+kernel, log = aot._compile(spec, 80)
+row = aot._resources(kernel, 80, log)
+ptx = kernel.asm["ptx"]
+print(json.dumps({"name": spec["name"], "cp_async": len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)),
+                  "acquire": len(re.findall(r"\bld\.global\.(?:gpu\.acquire|acquire\.gpu)\b", ptx)),
+                  "release": len(re.findall(r"\batom\.global\.(?:gpu\.release|release\.gpu)\.exch\b", ptx)),
+                  "spills": aot.spills(row), "registers": row["registers"]}))
+"""
+
+
+def test_fused_kernel_ptx_pipelined_ordered_no_spills():
+    """The fused dK/dV + dQ kernel as a GPU runs it (sm_80 PTX, no GPU needed): the query-tile
+    loop is software-pipelined (cp.async: the hand-over's barrier is inline asm, which Triton's
+    pipeliner does not see; tl.debug_barrier made it skip the loop), the wait is an acquire load
+    and the hand-over a release exchange, and nothing spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real JIT functions
+    env.update(FASTFORMER_TRITON_FUSED_DQ="1", TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["cp_async"] > 0, f"{got}: the query-tile loop is not pipelined"
+    assert got["acquire"] >= 1 and got["release"] >= 1, f"{got}: no acquire load / release exchange"
+    assert got["spills"] == 0, f"{got}: spills"

@@ -23,9 +23,10 @@ in a fixed order (attention.backward): the same bits every run.
 With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
 preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
 
-With FUSED_DQ (attention.FUSED_DQ, padded layout; BACKWARD.md) the dK/dV kernel also makes dQ,
-adding each query tile's dS K to one fp32 accumulator in key-block order (_dq_tile_add), and the
-dQ kernel does not run: the dropout bits are made twice a training step instead of three times.
+With FUSED_DQ (attention.FUSED_DQ: the padded layout's default, FASTFORMER_TRITON_FUSED_DQ=0
+turns it off; BACKWARD.md) the dK/dV kernel also makes dQ, adding each query tile's dS K to one
+fp32 accumulator in key-block order (_dq_tile_add), and the dQ kernel does not run: the dropout
+bits are made twice a training step instead of three times.
 """
 import triton
 import triton.language as tl
@@ -152,8 +153,18 @@ def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_n, offs_d, dq_b
                    LARGE_OFFSETS)
     else:
         tl.store(acc_ptrs, part, mask=acc_mask, cache_modifier=".cg")
-        tl.debug_barrier()  # every thread's partial sums are stored before the counter says so
-        tl.atomic_xchg(lock, key_block + 1, sem="release", scope="gpu")
+        # every thread's partial sums are stored before the counter says so: a barrier, then one
+        # thread's release (CUTLASS's Semaphore::release)
+        if _SEQUENTIAL:
+            tl.debug_barrier()
+            turn = key_block + 1
+        else:
+            # the barrier as inline asm: Triton's pipeliner skips a loop holding a gpu.barrier
+            # (debug_barrier), which cost the query-tile loop its cp.async pipelining; the asm's
+            # output is the counter's new value, so the release cannot move above the barrier
+            turn = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r", [key_block + 1],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        tl.atomic_xchg(lock, turn, sem="release", scope="gpu")
 
 
 @triton.jit
