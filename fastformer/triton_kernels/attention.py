@@ -359,8 +359,16 @@ _CONFIGS_SHORT = {
 # The fused backward (FUSED_DQ: kind "dkdv_dq", dK/dV's kernel making dQ too) takes dK/dV's
 # configs, led by its own where dK/dV's first choice spills with the dQ product, its transpose
 # and the accumulator's pointers: by (BLOCK_D, element size, "tf32" for fp32 with tf32 dots,
-# class, arch) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's table).
-_CONFIGS_FUSED = {}
+# class, arch) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's table):
+# fp16 / bf16 rel at d64 on sm_90 (its sm_90 lead, 32x64, spilled 136-148 B), fp32 at d128 on
+# sm_80 (8 warps spilled 24-32 B at 128 registers) and fp32 rel at d256 on sm_90 (2 stages
+# spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B).
+_CONFIGS_FUSED = {
+    (64, 2, "rel", 90): (32, 32, 8, 3),
+    (128, 4, "light", 80): (16, 16, 4, 2),
+    (128, 4, "heavy", 80): (16, 16, 4, 2),
+    (256, 4, "rel", 90): (16, 16, 8, 1),
+}
 
 
 def _sm90_lead(kind: str, block_d: int, heavy: bool, rel: bool):
