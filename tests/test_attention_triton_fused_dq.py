@@ -123,7 +123,7 @@ def test_fused_dq_gqa_and_rel_bias_equal_two_kernels(feature, fused, monkeypatch
 # hang from eating make gpu-check's window (its gpu-tests step, benchmarks/gpu_check.py). The
 # first config of each kernel (utils.first_configs, as deterministic mode launches): no
 # autotuning, so the compiles fit in the limit.
-ORDERING_TIMEOUT_S = 120
+ORDERING_TIMEOUT_S = 90
 _ORDERING_SCRIPT = r"""
 import torch
 from fastformer import philox
