@@ -329,8 +329,9 @@ def test_aot_specs_cover_every_launch():
                         assert bm % 16 == 0 and bn % 16 == 0  # keep_tile: 16 x 32 dropout tiles, or halves
                         est = A._smem_estimate(kind, bm, bn, block_d, cfg.num_stages, elt, heavy)
                         assert est <= A.SMEM_LIMIT[80]
-                        name = (f"attention_{kind.replace('_', '')}_{ptr[1:]}_d{block_d}_{'heavy' if heavy else 'light'}"
-                                f"_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}")
+                        cls = "heavy" if heavy else "light"
+                        name = (f"attention_{kind.replace('_', '')}_{ptr[1:]}_d{block_d}_{cls}_m{bm}_n{bn}"
+                                f"_w{cfg.num_warps}_s{cfg.num_stages}")
                         assert name in names
 
 

@@ -955,7 +955,8 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                             for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"], arch, True,
                                                 precision == "tf32"):
                                 bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-                                name = (f"{prefix}_{kind.replace('_', '')}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}"
+                                tag = kind.replace("_", "")  # dkdv_dq: "dkdvdq"
+                                name = (f"{prefix}_{tag}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}"
                                         f"_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
                                         f"{'' if arch == 80 else f'_sm{arch}'}")
                                 constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel
