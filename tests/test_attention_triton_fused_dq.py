@@ -222,3 +222,22 @@ def test_fused_kernel_ptx_pipelined_ordered_no_spills():
     assert got["cp_async"] > 0, f"{got}: the query-tile loop is not pipelined"
     assert got["acquire"] >= 1 and got["release"] >= 1, f"{got}: no acquire load / release exchange"
     assert got["spills"] == 0, f"{got}: spills"
+
+
+def test_fused_kind_takes_dkdv_configs_led_by_its_own():
+    """The fused kind ("dkdv_dq") autotunes over dK/dV's configs; where _CONFIGS_FUSED lists a
+    lead (dK/dV's first choice spilled with dQ: tests/test_triton_compile.py compiles every first
+    choice), that one is first and the launch's first config."""
+    assert A._CONFIGS_FUSED
+    for (block_d, tag, cls, arch), (bm, bn, warps, stages) in A._CONFIGS_FUSED.items():
+        elt, tf32 = (4, True) if tag == "tf32" else (tag, False)
+        args = (block_d, elt, cls != "light", False, cls == "rel", arch, False, tf32)
+        fused, two = A._configs("dkdv_dq", *args), A._configs("dkdv", *args)
+        assert (fused[0].kwargs, fused[0].num_warps, fused[0].num_stages) == (
+            {"BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
+        assert [str(c) for c in fused[1:]] == [str(c) for c in two if str(c) != str(fused[0])]
+        assert A._first_config("dkdv_dq", block_d, elt, cls != "light", False, cls == "rel", arch, tf32) == dict(
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    # a class it does not list: dK/dV's configs as they are
+    assert [str(c) for c in A._configs("dkdv_dq", 64, 2, True, False, False, 80)] == [
+        str(c) for c in A._configs("dkdv", 64, 2, True, False, False, 80)]
