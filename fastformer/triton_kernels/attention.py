@@ -195,10 +195,11 @@ def _attention_fwd(
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
 INTERPRET_FIRST_CHOICE = False
 # The padded backward makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md): dropout bits
-# twice a training step (forward, fused backward), no dQ kernel. On by default;
-# FASTFORMER_TRITON_FUSED_DQ=0 goes back to the two-kernel backward (dK/dV, then dQ), for the
-# launches and for aot_specs() (which then compiles the two-kernel path in full)
-FUSED_DQ = os.environ.get("FASTFORMER_TRITON_FUSED_DQ", "1") != "0"
+# twice a training step (forward, fused backward), no dQ kernel. On by default (not on ROCm: its
+# hand-over's barrier is PTX inline asm); FASTFORMER_TRITON_FUSED_DQ=0 goes back to the two-kernel
+# backward (dK/dV, then dQ), for the launches and for aot_specs() (which then compiles the
+# two-kernel path in full)
+FUSED_DQ = os.environ.get("FASTFORMER_TRITON_FUSED_DQ", "0" if torch.version.hip else "1") != "0"
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory per block (opt-in maximum)
 PREPROCESS_BLOCK_M = 64
 BLOCK_D_BUCKETS = (32, 64, 128, 256)
