@@ -24,7 +24,8 @@ the saved lse is the natural log-sum-exp.
 The padded backward makes dQ in the dK/dV kernel (``FUSED_DQ``, attention_backward.py,
 BACKWARD.md): with the forward, the dropout bits are made twice a training step. The environment
 variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import) goes back to the two-kernel backward
-(dK/dV, then dQ: the bits three times); the packed (varlen) backward always takes the two kernels.
+(dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot run the fused
+kernel's PTX inline asm); the packed (varlen) backward always takes the two kernels.
 
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
