@@ -644,16 +644,19 @@ def test_triton_aot_specs_cover_the_bias_launches(backend):
     V = pytest.importorskip("fastformer.triton_kernels.attention_varlen")
     for module, prefix, varlen in ((A, "attention", False), (V, "attention_varlen", True)):
         specs = {s["name"]: s for s in module.aot_specs()}
+        # the padded backward: dK/dV making dQ too (FUSED_DQ), or dK/dV then dQ
+        bwd = ("dkdv_dq",) if A.FUSED_DQ and not varlen else ("dkdv", "dq")
         for dtype, ptr in A._PTR.items():
             elt = torch.empty((), dtype=dtype).element_size()
             for block_d in A.BLOCK_D_BUCKETS:
-                for kind in ("fwd", "dkdv", "dq"):
+                for kind in ("fwd", *bwd):
                     for cfg in A._configs(kind, block_d, elt, True, varlen, True):
-                        name = (f"{prefix}_{kind}_{ptr[1:]}_d{block_d}_rel_m{cfg.kwargs['BLOCK_M']}"
-                                f"_n{cfg.kwargs['BLOCK_N']}_w{cfg.num_warps}_s{cfg.num_stages}")
+                        name = (f"{prefix}_{kind.replace('_', '')}_{ptr[1:]}_d{block_d}_rel"
+                                f"_m{cfg.kwargs['BLOCK_M']}_n{cfg.kwargs['BLOCK_N']}_w{cfg.num_warps}"
+                                f"_s{cfg.num_stages}")
                         spec = specs[name]
                         assert spec["constexprs"]["HAS_REL"] and spec["signature"]["RelBias"] == "*fp32"
-                        assert kind != "dkdv" or spec["signature"]["DRel"] == "*fp32"
+                        assert not kind.startswith("dkdv") or spec["signature"]["DRel"] == "*fp32"
 
 
 @pytest.mark.parametrize("backend", TRITON)
@@ -674,7 +677,8 @@ def test_triton_first_choice_tiles(backend, monkeypatch):
     rng = philox.pack(0, 0)
     out, lse = A.attention_fwd(q, k, v, None, None, True, 0.1, 0.0, rng, rel, shift)
     dq, dk, dv, drel = A.attention_bwd(dout, q, k, v, out, lse, None, None, True, 0.1, 0.0, rng, rel, shift)
-    assert [u[0] for u in used] == ["fwd", "dkdv", "dq"] and all(u[5] for u in used), used  # rel's configs
+    bwd = ["dkdv_dq"] if A.FUSED_DQ else ["dkdv", "dq"]  # dK/dV making dQ too (the default), or two kernels
+    assert [u[0] for u in used] == ["fwd", *bwd] and all(u[5] for u in used), used  # rel's configs
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, rel)]
     bias = _dense_by_distance(leaves[3], Sq, Sk, Sk - Sq + shift)[None]
     want = reference.attention(*leaves[:3], attn_mask=bias, is_causal=True, scale=0.1)

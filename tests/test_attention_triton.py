@@ -316,15 +316,21 @@ def test_aot_specs_cover_every_launch():
     for dtype, ptr in A._PTR.items():
         elt = torch.empty((), dtype=dtype).element_size()
         for block_d in A.BLOCK_D_BUCKETS:
+            # the backward: dK/dV making dQ too (FUSED_DQ, the default; the two kernels of the
+            # opt-out for the sample TWO_KERNEL_SAMPLE only), or dK/dV then dQ
+            bwd = ("dkdv_dq",) if A.FUSED_DQ else ("dkdv", "dq")
+            if A.FUSED_DQ and (dtype, block_d) in A.TWO_KERNEL_SAMPLE:
+                bwd += ("dkdv", "dq")
             for heavy in (False, True):
-                for kind in ("fwd", "dkdv", "dq"):
+                for kind in ("fwd", *bwd):
                     for cfg in A._configs(kind, block_d, elt, heavy):
                         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
                         assert min(bm, bn, block_d) >= 16  # tl.dot's minimum on sm_80 / sm_90
                         assert bm % 16 == 0 and bn % 16 == 0  # keep_tile: 16 x 32 dropout tiles, or halves
                         est = A._smem_estimate(kind, bm, bn, block_d, cfg.num_stages, elt, heavy)
                         assert est <= A.SMEM_LIMIT[80]
-                        name = (f"attention_{kind}_{ptr[1:]}_d{block_d}_{'heavy' if heavy else 'light'}_m{bm}_n{bn}"
+                        cls = "heavy" if heavy else "light"
+                        name = (f"attention_{kind.replace('_', '')}_{ptr[1:]}_d{block_d}_{cls}_m{bm}_n{bn}"
                                 f"_w{cfg.num_warps}_s{cfg.num_stages}")
                         assert name in names
 

@@ -19,6 +19,11 @@ A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is
 from test_attention_triton import LOWP_FACTOR, _check_fp32, _inputs, _kernels, _reference  # noqa: E402
 
 
+# the padded backward's kernels: dK/dV making dQ too (FUSED_DQ, the default), or dK/dV then dQ
+# (FASTFORMER_TRITON_FUSED_DQ=0)
+BWD = ("dkdv_dq",) if A.FUSED_DQ else ("dkdv", "dq")
+
+
 def _first_choice_tiles(dtype, D, heavy):
     elt = torch.empty((), dtype=dtype).element_size()
     return {kind: A._configs(kind, A._block_d(D), elt, heavy)[0].kwargs for kind in ("fwd", "dkdv", "dq")}
@@ -44,7 +49,7 @@ def test_first_choice_tiles_against_reference(monkeypatch, dtype, D, heavy):
     p, seed, offset = (0.2, 2**35 + 7, 2**32 - 11) if heavy else (0.0, 0, 0)
     scale = 1.0 / math.sqrt(D)
     got = _kernels(q, k, v, kpm, am, dout, True, scale, p, seed, offset)
-    assert used == ["fwd", "dkdv", "dq"], used  # each kernel asked for its first choice
+    assert used == ["fwd", *BWD], used  # each kernel asked for its first choice
     want32 = _reference(q, k, v, kpm, am, dout, True, scale, p, seed, offset, dtype=torch.float32)
     if dtype == torch.float32:
         _check_fp32(got, want32)
@@ -118,7 +123,7 @@ def test_fp32_dot_precision_follows_torch(monkeypatch, precision, want):
         assert torch.backends.cuda.matmul.allow_tf32 == (want == "tf32")
         got = _kernels(q, k, v, kpm, am, dout, False, 0.25)
         _kernels(q.half(), k.half(), v.half(), kpm, am, dout.half(), False, 0.25)
-    assert seen == [(kind, want) for kind in ("fwd", "dkdv", "dq")] + [(kind, "ieee") for kind in ("fwd", "dkdv", "dq")]
+    assert seen == [(kind, want) for kind in ("fwd", *BWD)] + [(kind, "ieee") for kind in ("fwd", *BWD)]
     _check_fp32(got, _reference(q, k, v, kpm, am, dout, False, 0.25))  # the interpreter computes in fp32
 
 

@@ -332,3 +332,20 @@ def test_a_benchmark_the_budget_stops_is_cut_short_not_failed(tmp_path, monkeypa
     _fake_gpu(monkeypatch, tmp_path, [gpu_check.Step("check", sleep, 60)])
     assert gpu_check.main(["--budget", "6"]) == 1
     assert "| check | FAILED (out of time) |" in (out / "summary.md").read_text()
+
+
+def test_gpu_tests_run_the_fused_dq_ordering_stress_under_a_time_limit():
+    """The gpu-tests step (pytest -m gpu) runs the Triton fused-dQ ordering stress test (its file
+    is not left out, the test carries the gpu mark), and the test's own limit on its process (a
+    spin-wait that never ends hangs the GPU) is shorter than the step's: a hang fails that test,
+    the rest of the step still runs."""
+    import ast
+    path = os.path.join(ROOT, "tests", "test_attention_triton_fused_dq.py")
+    tree = ast.parse(open(path).read())
+    [fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "test_fused_dq_ordering_on_gpu"]
+    assert "pytest.mark.gpu" in [ast.unparse(d) for d in fn.decorator_list]
+    cmd = _steps(cuda_home="/cuda")["gpu-tests"].cmd
+    assert not [c for c in cmd if c.startswith("--ignore") and c.endswith("test_attention_triton_fused_dq.py")]
+    [limit] = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
+               and getattr(n.targets[0], "id", None) == "ORDERING_TIMEOUT_S"]
+    assert 0 < limit < gpu_check.STEP_LIMITS["gpu-tests"]

@@ -102,3 +102,23 @@ def test_no_kernel_spills(aot):
     spilling = [spill_message(r) for r in report["kernels"] if "error" not in r and spills(r)]
     assert not spilling, (f"{len(spilling)} kernel/config/arch combinations spill registers:\n"
                           + "\n".join(spilling) + table)
+
+
+def test_the_default_attention_backward_is_compiled(aot):
+    """The padded attention backward the host launches by default, dK/dV making dQ
+    (attention.FUSED_DQ), is compiled at every first choice; the two-kernel backward of the opt-out
+    (FASTFORMER_TRITON_FUSED_DQ=0) for attention.TWO_KERNEL_SAMPLE only, which keeps this run
+    short (with the opt-out set, in full: then no fused kernel)."""
+    report, table = aot
+    from fastformer.triton_kernels import attention as A
+    names = [r["name"] for r in report["kernels"] if r["module"] == "attention"]
+    fused = [n for n in names if n.startswith("attention_dkdvdq_")]
+    two = [n for n in names if n.startswith(("attention_dkdv_", "attention_dq_"))]
+    fwd = [n for n in names if n.startswith("attention_fwd_")]
+    # fp16, bf16, fp32 with ieee and with tf32 dots; light, heavy, rel; one spec per family
+    every = 4 * len(A.BLOCK_D_BUCKETS) * 3 * len(A.ARCHS)
+    assert len(fwd) == every, table
+    if A.FUSED_DQ:
+        assert len(fused) == every and len(two) == 2 * len(A.TWO_KERNEL_SAMPLE) * 3 * len(A.ARCHS), table
+    else:
+        assert not fused and len(two) == 2 * every, table

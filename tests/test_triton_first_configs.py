@@ -57,7 +57,7 @@ def _attention_launch(monkeypatch, kind="fwd", heavy=False):
     return calls
 
 
-@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq", "dkdv_dq"])
 def test_attention_launch(monkeypatch, deterministic_off, kind):
     assert [name for name, _ in _attention_launch(monkeypatch, kind)] == ["autotuner"]
     first = A._configs(kind, 64, 2, True, False)[0]

@@ -79,12 +79,13 @@ def test_launch_grids_for_100000_sequences(monkeypatch, varlen):
         q, k, v = (torch.zeros(B, H, S, D) for _ in range(3))
         out, lse = A.attention_fwd(q, k, v, None, None, True, 1.0, 0.0, p)
         A.attention_bwd(q, q, k, v, out, lse, None, None, True, 1.0, 0.0, p)
-    assert len(grids) == 4, grids  # fwd, preprocess, dkdv, dq
+    fused = A.FUSED_DQ and not varlen  # the padded dK/dV makes dQ too (the default): no dQ launch
+    assert len(grids) == (3 if fused else 4), grids  # fwd, preprocess, dkdv(_dq)[, dq]
     for grid in grids:
         assert len(grid) == 3 and grid[1] <= 65_535 and grid[2] <= 65_535, grids
     # forward / dQ: one query tile of 16 per head; dK/dV one key tile of 32; the preprocess runs
     # the packed rows as one sequence of B * S rows
-    assert grids[0] == grids[3] == (B * H, 1, 1), grids
+    assert grids[0] == (B * H, 1, 1) and (fused or grids[3] == (B * H, 1, 1)), grids
     assert grids[2] == (B * H, 1, 1), grids
     pre_rows, pre_b = (B * S, 1) if varlen else (S, B)
     pre_block = A.INTERPRET_BLOCKS["BLOCK_M"] if A.INTERPRET else A.PREPROCESS_BLOCK_M  # the host's choice
@@ -169,12 +170,18 @@ def test_sm90_specs_compile_for_sm90_only():
             assert s["ccs"] == ([90] if s["name"].endswith("_sm90") else [80]), s["name"]
     first = {specs[i]["name"] for i in aot.first_choice_indices(specs)}
     for block_d in LOWP_D:
-        for kind in KINDS:
+        # the padded backward: dK/dV making dQ (FUSED_DQ, the default; the two kernels of the
+        # opt-out for TWO_KERNEL_SAMPLE), or dK/dV then dQ
+        kinds = KINDS
+        if A.FUSED_DQ:
+            kinds = ("fwd", "dkdv_dq") + (KINDS[1:] if (torch.float16, block_d) in A.TWO_KERNEL_SAMPLE else ())
+        for kind in kinds:
             for heavy, rel, cls in ((False, False, "light"), (True, False, "heavy"), (True, True, "rel")):
                 for arch in (80, 90):
                     cfgs = A._configs(kind, block_d, 2, heavy, False, rel, arch, True)
-                    names = [f"attention_{kind}_fp16_d{block_d}_{cls}_m{c.kwargs['BLOCK_M']}_n{c.kwargs['BLOCK_N']}"
-                             f"_w{c.num_warps}_s{c.num_stages}{'_sm90' if arch == 90 else ''}" for c in cfgs]
+                    names = [f"attention_{kind.replace('_', '')}_fp16_d{block_d}_{cls}_m{c.kwargs['BLOCK_M']}"
+                             f"_n{c.kwargs['BLOCK_N']}_w{c.num_warps}_s{c.num_stages}{'_sm90' if arch == 90 else ''}"
+                             for c in cfgs]
                     assert all(n in by_name for n in names), names
                     assert names[0] in first and not set(names[1:]) & first, names
                     for c in cfgs:
@@ -229,7 +236,8 @@ def test_sm90_first_choice_tiles_against_reference(monkeypatch, D, heavy):
     scale = 1.0 / math.sqrt(D)
     got = _kernels(q, k, v, kpm, am, dout, True, scale)
     block_d = A._block_d(D)
-    assert used == [first(kind, block_d, 2, heavy, False, False, 90) for kind in KINDS]
+    launched = ("fwd", "dkdv_dq") if A.FUSED_DQ else KINDS  # dK/dV makes dQ too by default
+    assert used == [first(kind, block_d, 2, heavy, False, False, 90) for kind in launched]
     want32 = _reference(q, k, v, kpm, am, dout, True, scale, dtype=torch.float32)
     wantlp = _reference(q, k, v, kpm, am, dout, True, scale, dtype=dtype)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):

@@ -21,12 +21,19 @@ the Philox call on counter ``offset + ((bh * ceil(Sq / 16) + i // 16) * ceil(Sk 
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
 
+The padded backward makes dQ in the dK/dV kernel (``FUSED_DQ``, attention_backward.py,
+BACKWARD.md): with the forward, the dropout bits are made twice a training step. The environment
+variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import) goes back to the two-kernel backward
+(dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot run the fused
+kernel's PTX inline asm); the packed (varlen) backward always takes the two kernels.
+
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
 (a :class:`Layout` says which); ``forward`` / ``backward`` are the launch code both ops' host
 functions share.
 """
 import functools
+import os
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -188,6 +195,12 @@ def _attention_fwd(
 # or, with INTERPRET_FIRST_CHOICE, each kernel's first-choice GPU tile (as deterministic mode does).
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
 INTERPRET_FIRST_CHOICE = False
+# The padded backward makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md): dropout bits
+# twice a training step (forward, fused backward), no dQ kernel. On by default (not on ROCm: its
+# hand-over's barrier is PTX inline asm); FASTFORMER_TRITON_FUSED_DQ=0 goes back to the two-kernel
+# backward (dK/dV, then dQ), for the launches and for aot_specs() (which then compiles the
+# two-kernel path in full)
+FUSED_DQ = os.environ.get("FASTFORMER_TRITON_FUSED_DQ", "0" if torch.version.hip else "1") != "0"
 SMEM_LIMIT = {80: 166912, 90: 232448}  # bytes of shared memory per block (opt-in maximum)
 PREPROCESS_BLOCK_M = 64
 BLOCK_D_BUCKETS = (32, 64, 128, 256)
@@ -345,6 +358,21 @@ _CONFIGS_SHORT = {
 }
 
 
+# The fused backward (FUSED_DQ: kind "dkdv_dq", dK/dV's kernel making dQ too) takes dK/dV's
+# configs, led by its own where dK/dV's first choice spills with the dQ product, its transpose
+# and the accumulator's pointers: by (BLOCK_D, element size, "tf32" for fp32 with tf32 dots,
+# class, arch) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's table):
+# fp16 / bf16 rel at d64 on sm_90 (its sm_90 lead, 32x64, spilled 136-148 B), fp32 at d128 on
+# sm_80 (8 warps spilled 24-32 B at 128 registers) and fp32 rel at d256 on sm_90 (2 stages
+# spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B).
+_CONFIGS_FUSED = {
+    (64, 2, "rel", 90): (32, 32, 8, 3),
+    (128, 4, "light", 80): (16, 16, 4, 2),
+    (128, 4, "heavy", 80): (16, 16, 4, 2),
+    (256, 4, "rel", 90): (16, 16, 8, 1),
+}
+
+
 def _sm90_lead(kind: str, block_d: int, heavy: bool, rel: bool):
     """sm_90's first choice of a kernel (_CONFIGS_SM90), or None where sm_80's stays first."""
     cls = "rel" if rel else "heavy" if heavy else "light"
@@ -390,6 +418,8 @@ def _smem_estimate(kind: str, block_m: int, block_n: int, block_d: int, stages: 
     wgmma operands, still inside its larger limit: see aot_specs())."""
     mask = 4 * block_m * block_n if has_mask else 0
     staging = elt * block_m * block_n
+    if kind == "dkdv_dq":  # its dQ accumulator lives in global memory
+        kind = "dkdv"
     if kind == "fwd":  # q kept; k, v streamed
         kept, streamed = block_m * block_d * elt, 2 * block_n * block_d * elt
     elif kind == "dkdv":  # k, v kept; q, dO (and lse, delta) streamed
@@ -419,7 +449,18 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
     layout and config family (``arch``: _arch's 80 or 90; 90 leads with _CONFIGS_SM90's first
     choice), pruned to fit sm_80's shared memory (sm_90's for its own first choice). ``short``
     appends the short-length candidates (_CONFIGS_SHORT) after the first choice and the others;
-    ``tf32``: fp32 with tf32 dots (_CONFIGS_TF32)."""
+    ``tf32``: fp32 with tf32 dots (_CONFIGS_TF32). ``kind`` "dkdv_dq" (FUSED_DQ): dK/dV's, led by
+    _CONFIGS_FUSED's where it lists one."""
+    if kind == "dkdv_dq":
+        keep = list(_configs("dkdv", block_d, elt, heavy, varlen, rel, arch, short, tf32))
+        cls = "rel" if rel else "heavy" if heavy else "light"
+        lead = _CONFIGS_FUSED.get((block_d, "tf32" if tf32 and elt == 4 else elt, cls, arch))
+        if lead is not None:
+            keep = _prune("dkdv", [lead], block_d, elt, heavy, SMEM_LIMIT[arch]) + keep
+        unique = {}
+        for cfg in keep:
+            unique.setdefault((tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages), cfg)
+        return tuple(unique.values())
     if tf32 and elt == 4 and (kind, block_d, varlen, rel) in _CONFIGS_TF32:
         candidates = _CONFIGS_TF32[kind, block_d, varlen, rel]
     elif rel and (kind, block_d, elt, varlen) in _CONFIGS_REL:
@@ -457,8 +498,11 @@ def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = Fa
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
         # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
-        reset = ["DRel"] if rel and kind == "dkdv" else None
-        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short, tf32)),
+        # FUSED_DQ's counters too: a benchmarked run leaves them at each tile's last key block
+        reset = (["DRel"] if rel and kind in ("dkdv", "dkdv_dq") else []) + (["DQLock"] if kind == "dkdv_dq" else [])
+        reset = reset or None
+        _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short,
+                                                             tf32)),
                                        key=["TUNE_SQ", "TUNE_SK", "D"], reset_to_zero=reset)(fn)
     return _TUNERS[key]
 
@@ -564,13 +608,15 @@ def _heavy(meta: dict) -> bool:
     return bool(meta["HAS_MASK"] or meta["HAS_DROPOUT"] or meta.get("HAS_REL", False))
 
 
-def _rel_tiles(Sk: int, block_d: int, elt: int, meta: dict, arch: int = 80, short: bool = False) -> int:
+def _rel_tiles(Sk: int, block_d: int, elt: int, meta: dict, arch: int = 80, short: bool = False,
+               kind: str = "dkdv") -> int:
     """Rows per head of the dK/dV kernel's rel_bias gradient scratch: its grid's key tiles under
-    the smallest BLOCK_N any config of the launch may take (the autotuner picks after allocation)."""
+    the smallest BLOCK_N any config of the launch (``kind``: "dkdv" or "dkdv_dq") may take (the
+    autotuner picks after allocation)."""
     if INTERPRET and not INTERPRET_FIRST_CHOICE:
         block_n = INTERPRET_BLOCKS["BLOCK_N"]
     else:
-        block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _configs("dkdv", block_d, elt, _heavy(meta),
+        block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _configs(kind, block_d, elt, _heavy(meta),
                                                                   meta.get("VARLEN", False), True, arch, short,
                                                                   meta.get("INPUT_PRECISION") == "tf32"))
     return cdiv(Sk, block_n)
@@ -719,7 +765,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     block_d = _block_d(D)
     qs, ks, vs, dos, outs, dqs, dks = (layout.strides(t) for t in (q, k, v, dout, out, dq, dk))
     delta = torch.empty(layout.lse_shape(), dtype=torch.float32, device=q.device)
-    large = _large_offsets(Sq, Sk, (qs[2], outs[2], dos[2], dqs[2]), (ks[2], vs[2], dks[2]), am_strides, kpm_strides)
+    large = _large_offsets(Sq, Sk, (qs[2], outs[2], dos[2], dqs[2], D), (ks[2], vs[2], dks[2]), am_strides,
+                           kpm_strides)  # D: FUSED_DQ's accumulator rows
     # the preprocess runs on rows alone: packed rows are one sequence of total_q rows
     pre_b, pre_rows = (1, layout.total_q) if layout.varlen else (B, Sq)
     pre_large = large or _large_offsets(pre_rows, 1, (outs[2], dos[2]), (), (0, 0, 0, 0), (0, 0))
@@ -736,19 +783,31 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, group, rel_bias)
     elt = q.element_size()
     arch, short = _arch(q.device), _short(Sq, Sk)
+    # dQ made in the dK/dV kernel (FUSED_DQ, BACKWARD.md): its fp32 partial sums and a counter a
+    # query tile (the counters at start_m // 16: every BLOCK_M the tuner may pick has a slot)
+    fused = FUSED_DQ and not layout.varlen and Sk > 0
+    if fused:
+        dq_args = (dq, torch.empty((B, H, Sq, D), dtype=torch.float32, device=q.device),
+                   torch.zeros((B, H, cdiv(Sq, 16)), dtype=torch.int32, device=q.device))
+        dq_strides = dqs
+    else:
+        dq_args, dq_strides = (None, None, None), (0, 0, 0)
     if Sk > 0:
         # rel_bias's gradient: each dK/dV program's own row of sums by distance, summed here in a
         # fixed order (no atomics: the same bits every run)
-        rel_tiles = _rel_tiles(Sk, block_d, elt, meta, arch, short) if rel is not None else 0
+        rel_tiles = (_rel_tiles(Sk, block_d, elt, meta, arch, short, "dkdv_dq" if fused else "dkdv")
+                     if rel is not None else 0)
         drel_rows = (torch.zeros((B, H, rel_tiles, 2 * R + 1), dtype=torch.float32, device=q.device)
                      if rel is not None else None)
-        _launch("dkdv", kernels._attention_bwd_dkdv, lambda META: attention_grid(Sk, META["BLOCK_N"], H, B),
-                block_d, elt, (*common, dk, dv, drel_rows, *strides, *dks, *scalars, rel_tiles, *buckets), meta,
-                arch, short)
+        _launch("dkdv_dq" if fused else "dkdv", kernels._attention_bwd_dkdv,
+                lambda META: attention_grid(Sk, META["BLOCK_N"], H, B), block_d, elt,
+                (*common, dk, dv, drel_rows, *dq_args, *strides, *dks, *dq_strides, *scalars, rel_tiles, *buckets),
+                dict(meta, FUSED_DQ=fused), arch, short)
         if rel is not None:
             drel = drel_rows.sum(dim=(0, 2))
-    _launch("dq", kernels._attention_bwd_dq, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B),
-            block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta, arch, short)
+    if not fused:
+        _launch("dq", kernels._attention_bwd_dq, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B),
+                block_d, elt, (*common, dq, *strides, *dqs, *scalars, *buckets), meta, arch, short)
     if group > 1:
         groups = (*k.shape[:1], k.shape[1], group, *k.shape[2:])  # (.., H_kv, G, ..)
         if Sk > 0:
@@ -830,6 +889,10 @@ attention_bwd = register_op("attention_bwd", _attention_bwd_host)
 # Ahead-of-time compile specs
 # ----------------------------------------------------------------------------------------------
 ARCHS = (80, 90)  # the config families (_arch), each with its AOT target
+# (dtype, BLOCK_D) of the padded two-kernel backward's specs (dK/dV, dQ) while FUSED_DQ is on:
+# the opt-out's kernels, a sample that keeps tests/test_triton_compile.py's run short (every
+# class, both targets, the head dims of the converted models)
+TWO_KERNEL_SAMPLE = ((torch.float16, 64), (torch.float16, 128))
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
@@ -869,9 +932,14 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
     constexprs here too. With dropout ``Philox`` is a pointer: the device form of the argument,
     which loads (seed, offset); the CPU form (scalars) only drops those two loads. Each config
     family (ARCHS: sm_80's, sm_90's) has its specs, with the short-length candidates, compiled for
-    its own target (the spec's ``ccs``; sm_90's names end in ``_sm90``)."""
+    its own target (the spec's ``ccs``; sm_90's names end in ``_sm90``). With FUSED_DQ the padded
+    layout's backward is the fused dK/dV + dQ kernel ("dkdvdq" names), compiled in full; the
+    two-kernel backward (FASTFORMER_TRITON_FUSED_DQ=0) only for TWO_KERNEL_SAMPLE (it is compiled
+    in full when FUSED_DQ is off)."""
     specs = []
-    kinds = {"fwd": _attention_fwd, "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
+    fused = FUSED_DQ and not varlen
+    kinds = {"fwd": _attention_fwd, **({"dkdv_dq": kernels._attention_bwd_dkdv} if fused else {}),
+             "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():
         elt = torch.empty((), dtype=dtype).element_size()
         types = _types(ptr)
@@ -883,14 +951,21 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                                     KV_GROUP=1,
                                     **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
+                        if fused and kind in ("dkdv", "dq") and (dtype, block_d) not in TWO_KERNEL_SAMPLE:
+                            continue  # the opt-out path: a sample of it
                         for arch in ARCHS:
                             for cfg in _configs(kind, block_d, elt, heavy, varlen, features["HAS_REL"], arch, True,
                                                 precision == "tf32"):
                                 bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-                                name = (f"{prefix}_{kind}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}"
+                                tag = kind.replace("_", "")  # dkdv_dq: "dkdvdq"
+                                name = (f"{prefix}_{tag}_{ptr[1:]}{'_tf32' if precision == 'tf32' else ''}"
                                         f"_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
                                         f"{'' if arch == 80 else f'_sm{arch}'}")
                                 constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel
+                                if fn is kernels._attention_bwd_dkdv:  # "dkdv_dq": makes dQ too
+                                    constexprs["FUSED_DQ"] = kind == "dkdv_dq"
+                                    if kind == "dkdv":
+                                        constexprs.update(DQ=None, DQAcc=None, DQLock=None)
                                 spec = _spec(name, fn, types, {**constexprs, **cfg.kwargs}, cfg.num_warps,
                                              cfg.num_stages)
                                 spec["ccs"] = [arch]  # each family compiles for its own target
@@ -918,7 +993,7 @@ def _types(ptr: str) -> dict:
     types = {name: ptr for name in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
     types.update({"scale": "fp32", "seed": "i64", "rng_offset": "i64", "drop_scale": "fp32", "KPM": "*u8",
                   "AM": "*fp32", "Lse": "*fp32", "Delta": "*fp32", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32",
-                  "Philox": "*i64", "RelBias": "*fp32", "DRel": "*fp32"})
+                  "Philox": "*i64", "RelBias": "*fp32", "DRel": "*fp32", "DQAcc": "*fp32", "DQLock": "*i32"})
     return types
 
 

@@ -22,6 +22,11 @@ the window is final and stored once to the program's own row of an fp32 scratch
 in a fixed order (attention.backward): the same bits every run.
 With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
 preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
+
+With FUSED_DQ (attention.FUSED_DQ: the padded layout's default, FASTFORMER_TRITON_FUSED_DQ=0
+turns it off; BACKWARD.md) the dK/dV kernel also makes dQ, adding each query tile's dS K to one
+fp32 accumulator in key-block order (_dq_tile_add), and the dQ kernel does not run: the dropout
+bits are made twice a training step instead of three times.
 """
 import triton
 import triton.language as tl
@@ -29,7 +34,9 @@ import triton.language as tl
 from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
                               key_tile_scores, load_rows, mask_bases, masked_scores, program_ids, program_sequence,
                               rel_row, stats_row, store_rows)
-from .utils import load_philox
+from .utils import INTERPRET, load_philox
+
+_SEQUENTIAL = tl.constexpr(INTERPRET)  # programs run one at a time, in id order (_dq_tile_add)
 
 
 @triton.jit
@@ -108,6 +115,59 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
 
 
 @triton.jit
+def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_n, offs_d, dq_base, stride_dqm, acc_base, lock, Sq,
+                 Sk, D, scale, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+    """FUSED_DQ: add this key tile's dQ_tile = dS K (``ds_t`` the (BN, BM) dS^T, ``k`` the (BN, BD)
+    keys) to query tile ``start_m``'s fp32 accumulator, in key-block order (BACKWARD.md): key block
+    ``key_block`` (the tile's visitors are key blocks 0 .. L) waits until the tile's counter
+    ``lock`` is key_block, adds its product to the partial sums (key block 0 stores, reads none),
+    and either stores them and sets the counter to key_block + 1, or (``last``: key block L) writes
+    dQ x scale in DQ's dtype. A fixed order of fp32 adds: the same bits every run, no atomics on
+    the data. The product is made before the wait, so the wait overlaps nothing but the adds."""
+    # keys past Sk: their K rows are zero but their dS is unmasked (the dK/dV tile never stores
+    # them) and can be inf (P = exp2(0 - lse) for a row of very negative scores): inf x 0 = NaN
+    ds_t = tl.where(offs_n[:, None] < Sk, ds_t, 0.0)
+    part = dot(tl.trans(cast(ds_t, k.dtype)), k, tl.zeros([offs_m.shape[0], offs_d.shape[0]], dtype=tl.float32),
+               INPUT_PRECISION)  # (BM, BD)
+    rows = start_m + offs_m
+    if LARGE_OFFSETS:
+        rows = rows.to(tl.int64)
+    # the accumulator is (Sq, D) contiguous per head; .cg: past L1, which other blocks' reads of
+    # this tile may have filled with older partial sums
+    acc_ptrs = acc_base + rows[:, None] * D + offs_d[None, :]
+    acc_mask = (rows[:, None] < Sq) & (offs_d[None, :] < D)
+    if key_block > 0:
+        # a scalar atomic: one thread spins, the result reaches every thread (acquire: the
+        # previous block's stores, released with its counter, are visible to the loads below)
+        if _SEQUENTIAL:
+            # the interpreter runs the programs one at a time in id order: the counter is already
+            # key_block, or the order is wrong and a spin would never end; then the tile's dQ turns
+            # NaN (device_assert checks nothing there unless debug is on)
+            part = tl.where(tl.atomic_add(lock, 0) == key_block, part, float("nan"))
+        else:
+            while tl.atomic_add(lock, 0, sem="acquire", scope="gpu") != key_block:
+                pass
+        part += tl.load(acc_ptrs, mask=acc_mask, other=0.0, cache_modifier=".cg")
+    if last:
+        store_rows(dq_base, cast(part * scale, dq_base.dtype.element_ty), rows, stride_dqm, offs_d, Sq, D, EVEN_D,
+                   LARGE_OFFSETS)
+    else:
+        tl.store(acc_ptrs, part, mask=acc_mask, cache_modifier=".cg")
+        # every thread's partial sums are stored before the counter says so: a barrier, then one
+        # thread's release (CUTLASS's Semaphore::release)
+        if _SEQUENTIAL:
+            tl.debug_barrier()
+            turn = key_block + 1
+        else:
+            # the barrier as inline asm: Triton's pipeliner skips a loop holding a gpu.barrier
+            # (debug_barrier), which cost the query-tile loop its cp.async pipelining; the asm's
+            # output is the counter's new value, so the release cannot move above the barrier
+            turn = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r", [key_block + 1],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        tl.atomic_xchg(lock, turn, sem="release", scope="gpu")
+
+
+@triton.jit
 def _rel_flush(acc, win, below, drel_row, R, lo, hi, REL_W: tl.constexpr):
     """Store the distances of the window ``acc`` (slot u holds the distance d = u mod REL_W in
     [win, win + REL_W)) that the window starting at ``below`` no longer holds (d >= below + REL_W):
@@ -163,6 +223,9 @@ def _attention_bwd_dkdv(
     DK,  # (B, H, Sk, D) gradient of k per query head; VARLEN: (total_k, H, D) (a group's summed after)
     DV,  # (B, H, Sk, D) gradient of v per query head; VARLEN: (total_k, H, D)
     DRel,  # (B, H, rel_tiles, 2R + 1) fp32 zeros: each program's gradient of RelBias (None without HAS_REL)
+    DQ,  # FUSED_DQ: (B, H, Sq, D) gradient of q (None otherwise)
+    DQAcc,  # FUSED_DQ: (B, H, Sq, D) fp32 contiguous, uninitialised: dQ's partial sums (None otherwise)
+    DQLock,  # FUSED_DQ: (B, H, cdiv(Sq, 16)) int32 zeros: each query tile's counter, at start_m // 16 (None otherwise)
     stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
     stride_qm,  # q row stride
@@ -184,6 +247,9 @@ def _attention_bwd_dkdv(
     stride_dkb,  # dk / dv batch stride (0 with VARLEN)
     stride_dkh,  # dk / dv head stride
     stride_dkn,  # dk / dv row stride
+    stride_dqb,  # FUSED_DQ: dq batch stride (0 otherwise)
+    stride_dqh,  # FUSED_DQ: dq head stride
+    stride_dqm,  # FUSED_DQ: dq row stride
     H,  # number of heads
     Sq,  # number of queries (VARLEN: max_seqlen_q), the dropout rows per head
     Sk,  # number of keys (VARLEN: max_seqlen_k), the dropout rows' width
@@ -214,9 +280,11 @@ def _attention_bwd_dkdv(
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
+    FUSED_DQ: tl.constexpr = False,  # also make dQ (DQ, DQAcc, DQLock), ordered by key block: no dQ kernel
 ):
     start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
                                                            BLOCK_N, True, False, VARLEN)
+    tl.static_assert(not (FUSED_DQ and VARLEN), "FUSED_DQ: the padded layout only (for now)")
     if VARLEN:
         if start_n >= Lk:  # the grid covers the longest sequence: this one ends before the tile
             return
@@ -242,6 +310,21 @@ def _attention_bwd_dkdv(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if FUSED_DQ:
+        # this block is visitor number key_block of each query tile it sees (the visitors of a
+        # tile are key blocks 0 .. L: causal, query i sees key j iff i >= j - (Lk - Lq), so a tile
+        # block n sees, block n - 1 sees too); it is the last one (L) of the tiles before dq_last,
+        # those key block n + 1 does not see (causal: before its first tile; every tile, for the
+        # last key block; none otherwise)
+        key_block = start_n // BLOCK_N
+        if IS_CAUSAL:
+            dq_last = tl.maximum(start_n + BLOCK_N + Lq - Lk, 0) // BLOCK_M * BLOCK_M
+        else:
+            dq_last = Lq * 0
+        dq_last = tl.where(start_n + BLOCK_N < Lk, dq_last, Lq)
+        dq_base = head_base(DQ, b64, h64, stride_dqb, stride_dqh, q0, stride_dqm)
+        dq_acc = DQAcc + (b64 * H + h64) * Sq * D
+        dq_lock = DQLock + (b64 * H + h64) * tl.cdiv(Sq, 16)
     if HAS_REL:
         # the window holds every distance of a tile (BM + BN - 1), a power of two
         REL_W: tl.constexpr = 2 * BLOCK_M if BLOCK_M > BLOCK_N else 2 * BLOCK_N
@@ -255,12 +338,21 @@ def _attention_bwd_dkdv(
         # from full_lo on every query of a tile sees every key of this tile
         lo = tl.maximum(start_n + Lq - Lk, 0) // BLOCK_M * BLOCK_M
         full_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N - 1 + Lq - Lk, BLOCK_M) * BLOCK_M, lo)
+        if FUSED_DQ:
+            if key_block == 0:  # the query tiles no key block sees (Lq > Lk): zero gradient
+                for start_m in range(0, lo, BLOCK_M):
+                    store_rows(dq_base, tl.zeros([BLOCK_M, BLOCK_D], dtype=DQ.dtype.element_ty), start_m + offs_m,
+                               stride_dqm, offs_d, Lq, D, EVEN_D, LARGE_OFFSETS)
         for start_m in range(lo, tl.minimum(full_lo, Lq), BLOCK_M):
             dk, dv, ds_t = _attention_bwd_dkdv_tile(
                 dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
                 lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
                 qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM,
                 HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+            if FUSED_DQ:
+                _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
+                             stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
+                             LARGE_OFFSETS)
             if HAS_REL:
                 rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
                     rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
@@ -274,6 +366,10 @@ def _attention_bwd_dkdv(
             lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
             qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM,
             HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+        if FUSED_DQ:
+            _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
+                         stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
+                         LARGE_OFFSETS)
         if HAS_REL:
             rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
                 rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
