@@ -46,10 +46,7 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     if (weight is not None and (bias is not None or rms_norm is True) and fast.plain(x, residual, weight, bias, x_bias)
             and fast.number(eps) and fast.number(dropout_p) and prenorm.__class__ is bool
             and rms_norm.__class__ is bool and fast.ready()):
-        try:  # fast.attempt, inline (a call frame less on every step's call)
-            out = _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
-        except RuntimeError:  # the C++ op refused it: the checked path words why
-            out = None
+        out = fast.attempt(_fast, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
         if out is not None:
             return out
     return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
@@ -69,7 +66,7 @@ def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
     shape, dt, dev = x.shape, x.dtype, x.device
     C = shape[-1] if shape else 0
     if (not C or weight.dtype is not dt or (bias is not None and bias.dtype is not dt)
-            or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(dev, residual, weight, bias, x_bias)):
+            or (x_bias is not None and x_bias.dtype is not dt)):
         return None  # (the checked path casts parameters to x's dtype)
     kernels = _kernels(x, dev, dt, C, dropout_p)
     op = kernels.add_layer_norm if kernels is not None else None
@@ -79,12 +76,11 @@ def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
         if weight.dim() != 1:
             return None  # (the checked path words it)
         bias = torch.zeros(C, dtype=dt, device=dev)
-    # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node
-    # (eager: philox.draw's answer without its tracing check)
-    y, h = op(x, residual, weight, bias, eps, dropout_p, prenorm,
-              philox.NO_DROPOUT if dropout_p == 0.0 else philox.draw(dropout_p, dev),
-              x_bias if x_bias is None else x_bias.contiguous(), rms_norm)
-    return (y, h) if prenorm else y
+    # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node;
+    # every tensor on x's device (fast.call's check)
+    out = fast.call(op, (x, residual, weight, bias, eps, dropout_p, prenorm,
+                         x_bias if x_bias is None else x_bias.contiguous(), rms_norm), 7, dropout_p, dev)
+    return out if prenorm or out is None else out[0]
 
 
 def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm=False):
