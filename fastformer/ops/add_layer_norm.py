@@ -68,7 +68,9 @@ def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
     if (not C or weight.dtype is not dt or (bias is not None and bias.dtype is not dt)
             or (x_bias is not None and x_bias.dtype is not dt)):
         return None  # (the checked path casts parameters to x's dtype)
-    kernels = _kernels(x, dev, dt, C, dropout_p)
+    # _kernels' question, its CPU branch inline (is_cuda: cheaper than device.type)
+    kernels = (_kernels(x, dev, dt, C, dropout_p) if x.is_cuda
+               else backends.select_cached("add_layer_norm", dev, dt, None, _FACTS, (C,)))
     op = kernels.add_layer_norm if kernels is not None else None
     if op is None:
         return None
