@@ -285,6 +285,4 @@ def draw(dropout_p: float, device: Optional[torch.device] = None) -> torch.Tenso
     if not eager():
         # traced (compile, make_fx, fake): the op, one draw per call; a fresh (0, 0) of the mode
         return no_dropout() if dropout_p == 0.0 else torch.ops.fastformer.next_seed(device or _CPU)
-    if dropout_p == 0.0:
-        return NO_DROPOUT
-    return _draw_on(device or _CPU)  # eager: the op's own implementation, without its dispatch
+    return draw_eager(dropout_p, device or _CPU)  # eager: the op's own implementation, without its dispatch

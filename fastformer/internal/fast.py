@@ -63,9 +63,10 @@ DIRECT = {}
 
 def call(op, args: tuple, draw_at: int, dropout_p: float, device: torch.device):
     """The fast path's C++ call of ``op`` (``Kernels.<op>``): its direct entry (:data:`DIRECT`) on
-    ``args`` where it has one, else ``op`` with ``philox.draw_eager``'s pair inserted at ``args[draw_at]``; None
-    where a tensor of ``args`` is on another device than ``device`` (:func:`on`) or the op refused
-    the call with a RuntimeError (the checked path words why)."""
+    ``args`` where it has one, else ``op`` with ``philox.draw_eager``'s pair inserted at
+    ``args[draw_at]``. None where a tensor of ``args`` is on another device than ``device`` (:func:`on`;
+    an entry checks against ``args[0]``'s) or where an entry's op raised a RuntimeError; the registered
+    op's RuntimeError reaches the caller's :func:`attempt`, which answers None for it alike."""
     direct = DIRECT.get(op)
     if direct is not None:
         return direct(*args)
