@@ -190,3 +190,18 @@ def test_activation_checkpointing_recomputes_the_entries_masks(cpu_backend):
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+def test_a_torch_function_mode_sees_the_registered_op(cpu_backend):
+    """The entries bypass __torch_function__: under a TorchFunctionMode the fast path calls the
+    registered op, which the mode sees (as it sees torch's own ops)."""
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        ops.add_layer_norm(torch.randn(4, 8), None, torch.ones(8), torch.zeros(8), 1e-5, 0.1)
+    assert "fastformer.add_layer_norm.default" in seen

@@ -28,6 +28,7 @@ from .eager import eager
 # the classes whose calls need no __torch_function__ handling (Parameter disables its own)
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = torch._C._is_any_autocast_enabled
+_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def plain(*tensors) -> bool:
@@ -63,12 +64,13 @@ DIRECT = {}
 
 def call(op, args: tuple, draw_at: int, dropout_p: float, device: torch.device):
     """The fast path's C++ call of ``op`` (``Kernels.<op>``): its direct entry (:data:`DIRECT`) on
-    ``args`` where it has one, else ``op`` with ``philox.draw_eager``'s pair inserted at
-    ``args[draw_at]``. None where a tensor of ``args`` is on another device than ``device`` (:func:`on`;
+    ``args`` where it has one and no TorchFunctionMode is on (a mode sees the registered op's call,
+    as it sees torch's ops; an entry's it would not), else ``op`` with ``philox.draw_eager``'s pair
+    inserted at ``args[draw_at]``. None where a tensor of ``args`` is on another device than ``device`` (:func:`on`;
     an entry checks against ``args[0]``'s) or where an entry's op raised a RuntimeError; the registered
     op's RuntimeError reaches the caller's :func:`attempt`, which answers None for it alike."""
     direct = DIRECT.get(op)
-    if direct is not None:
+    if direct is not None and not _function_mode():
         return direct(*args)
     for t in args:  # on(): the entry's own check
         if t.__class__ in PLAIN and t.device != device:
