@@ -6,16 +6,20 @@
 // same bits from the same generator. The registered TORCH_LIBRARY op stays the path of everything
 // else (torch.compile, opcheck, a traced or autocast call).
 //
-// An entry takes the op's arguments without philox, plain tensors as the fast path checked them
-// (fast.plain), and returns the op's outputs. It returns None where its arguments are not what it
-// takes (a tensor on another device than the first, a non-tensor) or where the op refused the call
+// An entry takes the op's arguments without philox and returns the op's outputs. It returns None
+// where the call is not eager (autocast, a dispatch or function mode: ff_eager_tls), where its
+// arguments are not what it takes (a tensor subclass or a non-tensor, a tensor on another device
+// than the first, a number or flag of another type: FFArgs) or where the op refused the call
 // with a RuntimeError (ff_refused_as_none): the caller's checked path runs and words why.
 #pragma once
 #include <Python.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -105,6 +109,16 @@ inline PyObject* ff_refused_as_none(PyObject* out) {
   }                                                                                     \
   static const ::fastformer::FFEagerEntry ff_eager_entry_##fn(name, fn##_or_none, doc);
 
+// fast.ready()'s thread-local half, read here (cheaper than Python's three calls): autocast off on
+// every device (an autocast key not excluded is an autocast on: at::autocast::is_autocast_enabled),
+// no TorchDispatchMode (FakeTensorMode, make_fx: _len_torch_dispatch_stack) and no
+// TorchFunctionMode (it sees the registered op's call, the checked path's; an entry's it would
+// not). torch.compiler.is_compiling stays the caller's: dynamo answers it while tracing Python.
+inline bool ff_eager_tls() {
+  return c10::impl::tls_local_dispatch_key_set().excluded_.isSupersetOf(c10::autocast_dispatch_keyset) &&
+         c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !at::impl::torch_function_mode_enabled();
+}
+
 // Argument readers of an entry. Each sets *ok = false (and returns a dummy) where the argument is
 // not what the entry takes; the entry then returns None.
 struct FFArgs {
@@ -113,12 +127,16 @@ struct FFArgs {
   bool ok = true;
   std::optional<c10::Device> device;  // the first tensor's: every tensor must be on it
 
-  FFArgs(PyObject* const* a, Py_ssize_t count, Py_ssize_t expected) : args(a), n(count), ok(count == expected) {}
+  // ok only for a call fast.ready() would take (ff_eager_tls) with the expected argument count
+  FFArgs(PyObject* const* a, Py_ssize_t count, Py_ssize_t expected)
+      : args(a), n(count), ok(count == expected && ff_eager_tls()) {}
 
   // a tensor on the call's device (fast.on's check: a tensor elsewhere would send the registered
   // op to that device's kernel before any check ran, so the checked path words it)
+  // a plain torch.Tensor or Parameter (fast.plain: a subclass's call needs its __torch_function__,
+  // the checked path's)
   const at::Tensor* tensor(Py_ssize_t i) {
-    if (!ok || !THPVariable_Check(args[i])) {
+    if (!ok || !THPVariable_CheckExact(args[i])) {
       ok = false;
       return nullptr;
     }
@@ -135,9 +153,15 @@ struct FFArgs {
     const at::Tensor* t = tensor(i);
     return t ? std::optional<at::Tensor>(*t) : std::nullopt;
   }
-  double number(Py_ssize_t i) {  // a Python float or int (fast.number checked it)
+  double number(Py_ssize_t i) {  // a Python float or int, not a bool (fast.number)
     if (!ok) return 0.0;
-    const double v = PyFloat_AsDouble(args[i]);
+    PyObject* o = args[i];
+    if (PyFloat_CheckExact(o)) return PyFloat_AS_DOUBLE(o);
+    if (!PyLong_CheckExact(o)) {
+      ok = false;
+      return 0.0;
+    }
+    const double v = PyLong_AsDouble(o);
     if (v == -1.0 && PyErr_Occurred()) {
       PyErr_Clear();
       ok = false;

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from torch.utils.checkpoint import checkpoint
 
 import fastformer
@@ -130,6 +131,60 @@ def test_an_entry_answers_none_where_the_op_refuses_the_call():
     assert entry(x, None, w, b, 1e-5, 0.0, False, None) is None
     assert _ext.module().feed_forward_eager(x, torch.randn(16, 8), None, torch.randn(8, 16), None, 3, 0.0,
                                             None, None) is None  # an int activation
+
+
+def test_the_add_layer_norm_entry_declines_what_the_python_fast_path_no_longer_checks():
+    """ops.add_layer_norm's fast path checks only the class of x before its entry: the entry itself
+    answers None (the checked path's call) for everything else that path handles."""
+    entry = _ext.module().add_layer_norm_eager
+    x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+
+    class Sub(torch.Tensor):
+        pass
+
+    want = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    y = entry(x, None, w, b, 1e-5, 0.0, False, None, False)
+    assert isinstance(y, torch.Tensor) and torch.allclose(y, want, atol=1e-5)  # y alone without prenorm
+    y, h = entry(x, None, w, b, 1, 0, True, None, False)  # ints for the numbers; (y, h) with prenorm
+    assert torch.equal(h, x) and y.shape == x.shape
+    assert entry(torch.nn.Parameter(x), None, torch.nn.Parameter(w), b, 1e-5, 0.0, False, None, False) is not None
+    declined = [
+        (x.as_subclass(Sub), None, w, b, 1e-5, 0.0, False, None, False),  # a subclass: __torch_function__
+        (x, None, w.as_subclass(Sub), b, 1e-5, 0.0, False, None, False),
+        (x, None, w, b, True, 0.0, False, None, False),  # a bool for eps
+        (x, None, w, b, 1e-5, torch.tensor(0.0), False, None, False),  # a tensor for dropout_p
+        (x, None, w, b, 1e-5, 0.0, 1, None, False),  # an int for prenorm
+        (x, None, w.double(), b, 1e-5, 0.0, False, None, False),  # the checked path casts it
+        (x, None, w, b.half(), 1e-5, 0.0, False, None, False),
+        (x, None, w, b, 1e-5, 0.0, False, torch.zeros(8, dtype=torch.float64), False),
+        (x, None, None, b, 1e-5, 0.0, False, None, False),  # no weight
+        (x, None, w, None, 1e-5, 0.0, False, None, False),  # no bias, LayerNorm
+        (x, None, torch.ones(1, 8), None, 1e-5, 0.0, False, None, True),  # no bias, a 2-D weight
+        (torch.randn(()), None, w, b, 1e-5, 0.0, False, None, False),  # no hidden size
+        (torch.randn(4, 0), None, torch.ones(0), torch.zeros(0), 1e-5, 0.0, False, None, False),
+    ]
+    for args in declined:
+        assert entry(*args) is None, args
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class DispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    # not eager (fast.ready()'s thread-local half): the checked path's
+    with Mode():
+        assert entry(x, None, w, b, 1e-5, 0.0, False, None, False) is None
+    with DispatchMode():
+        assert entry(x, None, w, b, 1e-5, 0.0, False, None, False) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert entry(x, None, w, b, 1e-5, 0.0, False, None, False) is None
+    assert entry(x, None, w, b, 1e-5, 0.0, False, None, False) is not None  # each mode left: taken again
+    # RMSNorm without a bias: the entry adds zeros, as the registered op given them
+    want = torch.ops.fastformer.add_layer_norm(x, None, w * 2, b, 1e-5, 0.0, False, philox.NO_DROPOUT, None, True)[0]
+    assert torch.equal(entry(x, None, w * 2, None, 1e-5, 0.0, False, None, True), want)
 
 
 @pytest.fixture

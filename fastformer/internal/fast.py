@@ -15,7 +15,10 @@ backward node, without the boxed dispatcher call, the philox pair drawn in C++ (
 ``philox.draw``'s). Every op's fast path is ``attempt(_fast, ...)``: None where it declines the
 call or anything in it (the backend choice, the C++ op) raises a RuntimeError, and then the checked
 path runs; ``_fast`` ends in :func:`call`, the entry or the registered op. An entry answers None
-where its op raised a RuntimeError, as attempt does.
+where its op raised a RuntimeError, as attempt does, and where the call is not eager or not what it
+takes (the thread-local half of :func:`ready`, the classes of the tensors, the types of the numbers
+and flags, the devices: csrc/eager.h), so an op may leave those checks to it: add_layer_norm's fast
+path asks only :data:`compiling` and its backend, then calls its entry.
 
 A call the fast path does not take (autocast, a tensor subclass, a traced call, a mask to convert,
 a Triton or reference backend) is the checked path's, unchanged.
@@ -29,6 +32,8 @@ from .eager import eager
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
+# ready()'s half a direct entry cannot answer: while dynamo traces Python, it answers True
+compiling = torch.compiler.is_compiling
 
 
 def plain(*tensors) -> bool:
