@@ -5,6 +5,7 @@
 """
 import functools
 import importlib
+import importlib.util
 import os
 from typing import Optional
 
@@ -26,7 +27,44 @@ def load_error() -> Optional[str]:
     from . import fake_ops
 
     fake_ops.register("fastformer")  # so torch.compile traces the ops
+    _find_direct_entries()
     return None
+
+
+def module():
+    """The extension's Python module: fastformer._C, or the private build of
+    ``FASTFORMER_EXT_LIBRARY`` loaded as that module (its init function is PyInit__C whatever the
+    file's name), or None where it cannot be loaded."""
+    return _module() if load_error() is None else None
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    path = os.environ.get("FASTFORMER_EXT_LIBRARY")
+    try:
+        if not path:
+            return importlib.import_module("fastformer._C")
+        spec = importlib.util.spec_from_file_location("fastformer._C", path)
+        if spec is None:
+            return None
+        ext = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ext)
+        return ext
+    except (ImportError, OSError):
+        return None
+
+
+def _find_direct_entries() -> None:
+    """Fill internal.fast.DIRECT with the module's ``<op>_eager`` functions (csrc/eager.h), keyed by
+    the op as the backends hold it (declaration.OpLibrary.autograd_op). A library built before the
+    entries has none: the fast paths call the registered ops."""
+    from .internal import fast
+
+    ext = _module()  # (the library is loaded: called from load_error)
+    for name in dir(ext) if ext is not None else ():
+        if name.endswith("_eager"):
+            overload = getattr(torch.ops.fastformer, name[:-len("_eager")]).default
+            fast.DIRECT[getattr(overload, "_op", overload)] = getattr(ext, name)
 
 
 def cpu_capability() -> Optional[str]:

@@ -271,6 +271,13 @@ _next_seed_op = torch.library.custom_op("fastformer::next_seed", _next_seed_impl
 _next_seed_op.register_fake(_next_seed_fake)
 
 
+def draw_eager(dropout_p: float, device: torch.device) -> torch.Tensor:
+    """:func:`draw`'s answer for a call known to be eager (an op's fast path, internal/fast.py: its
+    own check), without the tracing check. The C++ ops' direct entries (csrc/eager.h) draw the same
+    pair in C++ instead (``ff_draw_philox``: the same bits, the same generator state after)."""
+    return NO_DROPOUT if dropout_p == 0.0 else _draw_on(device)
+
+
 def draw(dropout_p: float, device: Optional[torch.device] = None) -> torch.Tensor:
     """The ``philox`` tensor for an op call with dropout probability ``dropout_p`` on ``device``
     (default the CPU): a fresh (seed, offset) from that device's generator if ``dropout_p > 0``
@@ -278,6 +285,4 @@ def draw(dropout_p: float, device: Optional[torch.device] = None) -> torch.Tenso
     if not eager():
         # traced (compile, make_fx, fake): the op, one draw per call; a fresh (0, 0) of the mode
         return no_dropout() if dropout_p == 0.0 else torch.ops.fastformer.next_seed(device or _CPU)
-    if dropout_p == 0.0:
-        return NO_DROPOUT
-    return _draw_on(device or _CPU)  # eager: the op's own implementation, without its dispatch
+    return draw_eager(dropout_p, device or _CPU)  # eager: the op's own implementation, without its dispatch

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include "../eager.h"
 #include "kernel.h"
 
 #include <atomic>
@@ -191,6 +192,48 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
                 (prenorm ? kPrenorm : 0) | (rms_norm ? kRms : 0);
   return {std::move(y), std::move(h)};
 }
+
+// fastformer._C.add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias,
+// rms_norm): the op's eager call without the dispatcher, philox drawn here (csrc/eager.h): (y, h)
+// with prenorm, else y. None where the call is the checked path's: not eager (autocast, a dispatch or
+// function mode), an argument not what the entry takes (FFArgs), weight None, bias None
+// without rms_norm, a parameter of another dtype than x (the checked path casts it), x without a
+// hidden size. So the Python fast path checks nothing of its own (ops/add_layer_norm.py).
+PyObject* add_layer_norm_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  FFArgs a(args, n, 9);
+  const Tensor* x = a.tensor(0);
+  const OptTensor residual = a.optional_tensor(1);
+  const Tensor* weight = a.tensor(2);
+  OptTensor bias = a.optional_tensor(3);
+  const double eps = a.number(4), dropout_p = a.number(5);
+  const bool prenorm = a.flag(6);
+  OptTensor x_bias = a.optional_tensor(7);
+  const bool rms_norm = a.flag(8);
+  if (!a.ok) Py_RETURN_NONE;
+  const auto dt = x->scalar_type();
+  const int64_t C = x->dim() ? x->size(-1) : 0;
+  if (!C || weight->scalar_type() != dt || (bias && bias->scalar_type() != dt) ||
+      (x_bias && x_bias->scalar_type() != dt)) {
+    Py_RETURN_NONE;
+  }
+  if (!bias) {  // RMSNorm without a bias (T5, LLaMA): the kernels add zeros, as the checked path's
+    if (!rms_norm || weight->dim() != 1) Py_RETURN_NONE;
+    bias = at::zeros({C}, x->options());
+  }
+  if (x_bias) x_bias = x_bias->contiguous();  // (an autograd copy where it is not, as the checked path's)
+  std::tuple<Tensor, Tensor> out;
+  {
+    RECORD_FUNCTION("fastformer::add_layer_norm", std::vector<c10::IValue>());
+    pybind11::gil_scoped_release no_gil;  // as the registered op's call from Python
+    out = add_layer_norm(*x, residual, *weight, *bias, eps, dropout_p, prenorm, ff_philox_for(dropout_p, *a.device),
+                         x_bias, rms_norm);
+  }
+  if (!prenorm) return THPVariable_Wrap(std::move(std::get<0>(out)));
+  return ff_wrap_pair(std::move(std::get<0>(out)), std::move(std::get<1>(out)));
+  END_HANDLE_TH_ERRORS
+}
+FF_EAGER_ENTRY("add_layer_norm_eager", add_layer_norm_eager, "fastformer::add_layer_norm's eager call (csrc/eager.h).")
 
 }  // namespace
 }  // namespace fastformer

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include "../eager.h"
 #include "kernel.h"
 
 #include <mutex>
@@ -140,6 +141,30 @@ Tensor embedding(const Tensor& ids_in, const Tensor& weight, const OptTensor& po
   node->dropout_p = dropout_p;
   return out;
 }
+
+// fastformer._C.embedding_eager(ids, weight, positional, positions, scale, dropout_p, padding_idx): the
+// op's eager call without the dispatcher, philox drawn here (csrc/eager.h); None where a tensor is on
+// another device than the ids.
+PyObject* embedding_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  FFArgs a(args, n, 7);
+  const Tensor* ids = a.tensor(0);
+  const Tensor* weight = a.tensor(1);
+  const OptTensor positional = a.optional_tensor(2), positions = a.optional_tensor(3);
+  const double scale = a.number(4), dropout_p = a.number(5);
+  const int64_t padding_idx = a.integer(6);
+  if (!a.ok) Py_RETURN_NONE;
+  Tensor out;
+  {
+    RECORD_FUNCTION("fastformer::embedding", std::vector<c10::IValue>());
+    pybind11::gil_scoped_release no_gil;  // as the registered op's call from Python
+    out = embedding(*ids, *weight, positional, positions, scale, dropout_p, padding_idx,
+                    ff_philox_for(dropout_p, *a.device));
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+FF_EAGER_ENTRY("embedding_eager", embedding_eager, "fastformer::embedding's eager call (csrc/eager.h).")
 
 }  // namespace
 }  // namespace fastformer

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include "../eager.h"
 #include "kernel.h"
 
 #include <mutex>
@@ -130,6 +131,32 @@ Tensor feed_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, cons
                 (present(b3) ? kB3 : 0);
   return out;
 }
+
+// fastformer._C.feed_forward_eager(x, w1, b1, w2, b2, activation, dropout_p, w3, b3): the op's eager
+// call without the dispatcher, philox drawn here (csrc/eager.h); None where a tensor is on another
+// device than x.
+PyObject* feed_forward_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  FFArgs a(args, n, 9);
+  const Tensor* x = a.tensor(0);
+  const Tensor* w1 = a.tensor(1);
+  const OptTensor b1 = a.optional_tensor(2);
+  const Tensor* w2 = a.tensor(3);
+  const OptTensor b2 = a.optional_tensor(4);
+  const c10::string_view activation = a.string(5);
+  const double dropout_p = a.number(6);
+  const OptTensor w3 = a.optional_tensor(7), b3 = a.optional_tensor(8);
+  if (!a.ok) Py_RETURN_NONE;
+  Tensor out;
+  {
+    RECORD_FUNCTION("fastformer::feed_forward", std::vector<c10::IValue>());
+    pybind11::gil_scoped_release no_gil;  // as the registered op's call from Python
+    out = feed_forward(*x, *w1, b1, *w2, b2, activation, dropout_p, ff_philox_for(dropout_p, *a.device), w3, b3);
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+FF_EAGER_ENTRY("feed_forward_eager", feed_forward_eager, "fastformer::feed_forward's eager call (csrc/eager.h).")
 
 }  // namespace
 }  // namespace fastformer

@@ -43,15 +43,32 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     Statistics are computed in fp32 for every input dtype; under ``torch.autocast`` the
     inputs are cast to the autocast dtype.
     """
-    if (weight is not None and (bias is not None or rms_norm is True) and fast.plain(x, residual, weight, bias, x_bias)
-            and fast.number(eps) and fast.number(dropout_p) and prenorm.__class__ is bool
-            and rms_norm.__class__ is bool and fast.ready()):
-        try:  # fast.attempt, inline (a call frame less on every step's call)
-            out = _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
-        except RuntimeError:  # the C++ op refused it: the checked path words why
-            out = None
-        if out is not None:
-            return out
+    if x.__class__ in fast.PLAIN and not fast.compiling():
+        # the backend question (_kernels', its CPU branch inline: is_cuda is cheaper than device.type)
+        shape = x.shape
+        C = shape[-1] if shape else 0
+        try:
+            kernels = (backends.select_cached("add_layer_norm", x.device, x.dtype, None, _FACTS, (C,))
+                       if not x.is_cuda else _kernels(x, x.device, x.dtype, C, dropout_p)
+                       if C and fast.number(dropout_p) else None)
+        except RuntimeError:
+            kernels = None  # (the checked path raises it again)
+        op = kernels.add_layer_norm if kernels is not None else None
+        entry = fast.DIRECT.get(op)
+        if entry is not None:
+            # the direct entry checks the rest of the call itself (the rest of fast.ready(), the
+            # arguments: csrc/autograd/add_layer_norm.cpp) and answers None where the call is the
+            # checked path's (internal/fast.py)
+            out = entry(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
+            if out is not None:
+                return out
+        elif (op is not None and fast.ready() and weight is not None and (bias is not None or rms_norm is True)
+              and fast.plain(residual, weight, bias, x_bias) and fast.number(eps) and fast.number(dropout_p)
+              and prenorm.__class__ is bool and rms_norm.__class__ is bool):
+            # a C++ op without an entry (another library's): the Python checks, then the op
+            out = fast.attempt(_fast, op, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
+            if out is not None:
+                return out
     return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
 
 
@@ -63,28 +80,22 @@ def _kernels(x, device, dtype, C, dropout_p):
     return backends.select_cached("add_layer_norm", device, dtype, None, _FACTS, (C,))
 
 
-def _fast(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
-    """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
-    None where the call is the checked path's."""
-    shape, dt, dev = x.shape, x.dtype, x.device
-    C = shape[-1] if shape else 0
-    if (not C or weight.dtype is not dt or (bias is not None and bias.dtype is not dt)
-            or (x_bias is not None and x_bias.dtype is not dt) or not fast.on(dev, residual, weight, bias, x_bias)):
+def _fast(op, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
+    """The registered C++ op's call without the checks it makes (internal/fast.py), or None where the
+    call is the checked path's."""
+    dt, dev = x.dtype, x.device
+    if (weight.dtype is not dt or (bias is not None and bias.dtype is not dt)
+            or (x_bias is not None and x_bias.dtype is not dt)):
         return None  # (the checked path casts parameters to x's dtype)
-    kernels = _kernels(x, dev, dt, C, dropout_p)
-    op = kernels.add_layer_norm if kernels is not None else None
-    if op is None:
-        return None
     if bias is None:  # RMSNorm without a bias (T5, LLaMA): the kernels add zeros, as the checked path's
         if weight.dim() != 1:
             return None  # (the checked path words it)
-        bias = torch.zeros(C, dtype=dt, device=dev)
-    # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node
-    # (eager: philox.draw's answer without its tracing check)
-    y, h = op(x, residual, weight, bias, eps, dropout_p, prenorm,
-              philox.NO_DROPOUT if dropout_p == 0.0 else philox.draw(dropout_p, dev),
-              x_bias if x_bias is None else x_bias.contiguous(), rms_norm)
-    return (y, h) if prenorm else y
+        bias = torch.zeros(x.shape[-1], dtype=dt, device=dev)
+    # x and residual as they are: the C++ op takes their rows and returns x's shape without a view node;
+    # every tensor on x's device (fast.call's check)
+    out = fast.call(op, (x, residual, weight, bias, eps, dropout_p, prenorm,
+                         x_bias if x_bias is None else x_bias.contiguous(), rms_norm), 7, dropout_p, dev)
+    return out if prenorm or out is None else out[0]
 
 
 def _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm=False):

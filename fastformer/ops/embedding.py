@@ -73,10 +73,7 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
     """
     if (fast.plain(input, weight, positional, positions) and fast.number(scale) and fast.number(dropout_p)
             and (padding_idx is None or padding_idx.__class__ is int) and fast.ready()):
-        try:  # fast.attempt, inline (a call frame less on every step's call)
-            out = _fast(input, weight, scale, positional, positions, dropout_p, padding_idx)
-        except RuntimeError:  # the C++ op refused it: the checked path words why
-            out = None
+        out = fast.attempt(_fast, input, weight, scale, positional, positions, dropout_p, padding_idx)
         if out is not None:
             return out
     return _checked(input, weight, scale, positional, positions, dropout_p, padding_idx)
@@ -85,8 +82,7 @@ def embedding(input: torch.Tensor, weight: torch.Tensor, *, scale: float = 1.0,
 def _fast(input, weight, scale, positional, positions, dropout_p, padding_idx):
     """The checked path's kernel call without the checks the C++ op makes (internal/fast.py), or
     None where the call is the checked path's (a backend that does not check id values is)."""
-    if (input.dtype not in ID_DTYPES or weight.dim() != 2 or not math.isfinite(scale)
-            or not fast.on(weight.device, input, positional, positions)):
+    if input.dtype not in ID_DTYPES or weight.dim() != 2 or not math.isfinite(scale):
         return None
     V, D = weight.shape
     if padding_idx is not None and not 0 <= padding_idx < V:
@@ -97,19 +93,25 @@ def _fast(input, weight, scale, positional, positions, dropout_p, padding_idx):
     kernels = backends.select_cached("embedding", weight.device, weight.dtype)
     if kernels is None or kernels.embedding is None or kernels.name not in validation.CHECK_VALUES:
         return None
-    # _embedding's eager call, inline (autocast is off and the call eager: fast.ready()): the C++ op
-    # takes the ids (and positions) as they are and returns input.shape + (D,) without a view node
+    # _embedding's eager call (autocast is off and the call eager: fast.ready()); every tensor on the
+    # weight's device (fast.call's check)
+    return fast.call(kernels.embedding, _op_args(input, weight, scale, positional, positions, dropout_p, padding_idx),
+                     7, dropout_p, weight.device)
+
+
+def _op_args(input, weight, scale, positional, positions, dropout_p, padding_idx):
+    """The C++ op's arguments but philox (its eager call, from both paths): the ids (and positions)
+    as they are (it takes them as (N,) int64 rows and returns input.shape + (D,) without a view
+    node), the default positions where a table is given without them."""
     pos = None
     if positional is not None:
         pos = positions
         if pos is None:
-            pos = _POSITIONS.get((input.shape, input.device))
+            pos = _POSITIONS.get((input.shape, input.device))  # (_default_positions' cache, looked up inline)
             if pos is None:
                 pos = _default_positions(input.shape, input.device)
         positional = positional.contiguous()
-    return kernels.embedding(input, weight.contiguous(), positional, pos, float(scale), dropout_p,
-                             -1 if padding_idx is None else padding_idx,
-                             philox.NO_DROPOUT if dropout_p == 0.0 else philox.draw(dropout_p, weight.device))
+    return input, weight.contiguous(), positional, pos, scale, dropout_p, -1 if padding_idx is None else padding_idx
 
 
 def _checked(input, weight, scale, positional, positions, dropout_p, padding_idx):
@@ -157,17 +159,15 @@ def _embedding(kernels, input, weight, scale, positional, positions, dropout_p, 
     if kernels is None:
         return reference.embedding(input, weight, scale=scale, positional=positional, positions=positions,
                                    dropout_p=dropout_p, padding_idx=padding_idx)
-    pos = None
-    if positional is not None:
-        pos = _default_positions(input.shape, input.device) if positions is None else positions
-        positional = positional.contiguous()
-    padding_idx = -1 if padding_idx is None else padding_idx
     with validation.autocast_off(weight.device):
         if kernels.embedding is not None and eager():  # the backward in C++
-            # the ids (and positions) as they are: the C++ op takes them as (N,) int64 rows and returns
-            # input.shape + (D,) without a view node
-            return kernels.embedding(input, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,
+            return kernels.embedding(*_op_args(input, weight, scale, positional, positions, dropout_p, padding_idx),
                                      philox.draw(dropout_p, weight.device))
+        pos = None  # traced, or no C++ op: the Function on (N,) rows
+        if positional is not None:
+            pos = _default_positions(input.shape, input.device) if positions is None else positions
+            positional = positional.contiguous()
+        padding_idx = -1 if padding_idx is None else padding_idx
         ids = input.reshape(-1).long().contiguous()  # (N,)
         pos = pos.reshape(-1).long().contiguous() if pos is not None else None  # (N,)
         out = EmbeddingFunction.apply(ids, weight.contiguous(), positional, pos, scale, dropout_p, padding_idx,

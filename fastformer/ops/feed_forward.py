@@ -40,10 +40,7 @@ def feed_forward(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], 
     """
     if (fast.plain(x, w1, b1, w2, b2, w3, b3) and activation.__class__ is str and fast.number(dropout_p)
             and fast.ready()):
-        try:  # fast.attempt, inline (a call frame less on every step's call)
-            out = _fast(x, w1, b1, w2, b2, activation, dropout_p, w3, b3)
-        except RuntimeError:  # the C++ op refused it: the checked path words why
-            out = None
+        out = fast.attempt(_fast, x, w1, b1, w2, b2, activation, dropout_p, w3, b3)
         if out is not None:
             return out
     return _checked(x, w1, b1, w2, b2, activation, dropout_p, w3, b3)
@@ -54,7 +51,7 @@ def _fast(x, w1, b1, w2, b2, activation, dropout_p, w3=None, b3=None):
     None where the call is the checked path's."""
     shape = x.shape
     E = shape[-1] if shape else 0
-    if not E or not fast.on(x.device, w1, b1, w2, b2, w3, b3):
+    if not E:
         return None
     kernels = backends.select_cached("feed_forward", x.device, x.dtype)
     op = kernels.feed_forward if kernels is not None else None
@@ -62,11 +59,10 @@ def _fast(x, w1, b1, w2, b2, activation, dropout_p, w3=None, b3=None):
         return None
     if w3 is None and b3 is not None:
         return None  # the checked path says what is wrong
-    gated = () if w3 is None else (w3.contiguous(), b3)  # the plain call's arguments as before
-    # x as it is: the C++ op takes its rows and returns x's shape without a view node
-    # (eager: philox.draw's answer without its tracing check)
-    return op(x, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p,
-              philox.NO_DROPOUT if dropout_p == 0.0 else philox.draw(dropout_p, x.device), *gated)
+    # x as it is: the C++ op takes its rows and returns x's shape without a view node; every tensor on
+    # x's device (fast.call's check); w3 and b3 always passed (the entry takes all nine arguments)
+    return fast.call(op, (x, w1.contiguous(), b1, w2.contiguous(), b2, activation, dropout_p,
+                          w3 if w3 is None else w3.contiguous(), b3), 7, dropout_p, x.device)
 
 
 def _checked(x, w1, b1, w2, b2, activation, dropout_p, w3=None, b3=None):
