@@ -20,6 +20,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastformer
 from fastformer import ops
+from fastformer.internal import fast
 from utils import device_for, kernel_backends
 
 BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends("cpu", "triton")
@@ -113,12 +114,14 @@ def _model_and_batch():
     return model, src, tgt
 
 
-def _model_step(loss_fn, model, src, tgt, seed):
+def _model_step(loss_fn, model, src, tgt, seed, entries=False):
     """The loss and the gradient of every parameter after ``torch.manual_seed(seed)``, and the
     seeds the fused ops drew (recorded by wrapping philox._draw_on, through which eager calls and
-    the traced op ``next_seed(device)`` both draw)."""
+    the traced op ``next_seed(device)`` both draw). The C++ ops' direct eager entries draw in C++
+    (csrc/eager.h), unseen here: they are set aside unless ``entries`` (then nothing is recorded
+    for the ops that have one)."""
     drawn = []
-    draw_on = fastformer.philox._draw_on
+    draw_on, direct = fastformer.philox._draw_on, fast.DIRECT
 
     def recording(device):
         pair = draw_on(device)
@@ -126,12 +129,14 @@ def _model_step(loss_fn, model, src, tgt, seed):
         return pair
 
     fastformer.philox._draw_on = recording
+    if not entries:
+        fast.DIRECT = {}
     try:
         torch.manual_seed(seed)
         loss = loss_fn(src, tgt)
         grads = torch.autograd.grad(loss, list(model.parameters()))
     finally:
-        fastformer.philox._draw_on = draw_on
+        fastformer.philox._draw_on, fast.DIRECT = draw_on, direct
     return loss.detach(), grads, drawn
 
 
@@ -167,8 +172,12 @@ def test_model_loss_and_backward_with_dropout_compile_to_one_graph_equal_to_eage
         compiled = torch.compile(loss_fn, fullgraph=True, backend=counter)
         want_loss, want_grads, want_drawn = _model_step(loss_fn, model, src, tgt, seed=3)
         got_loss, got_grads, got_drawn = _model_step(compiled, model, src, tgt, seed=3)
+        # eager through the direct entries (the C++ draw) too: the same loss and gradients
+        entry_loss, entry_grads, _ = _model_step(loss_fn, model, src, tgt, seed=3, entries=True)
     assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled"
     assert len(want_drawn) == MODEL_DRAWS
+    assert torch.equal(entry_loss, want_loss), "eager through the direct entries differs"
+    assert all(torch.equal(e, w) for e, w in zip(entry_grads, want_grads)), "eager through the entries differs"
     assert got_drawn == want_drawn, "the compiled step drew other seeds, or fewer, than eager"
     assert torch.equal(got_loss, want_loss), f"loss {got_loss.item()} != eager {want_loss.item()}"
     for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads):
