@@ -964,7 +964,6 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
                                 constexprs = {k: c for k, c in features.items() if k in fn.arg_names}  # DRel
                                 if fn is kernels._attention_bwd_dkdv:  # "dkdv_dq": makes dQ too
                                     constexprs["FUSED_DQ"] = kind == "dkdv_dq"
-                                    constexprs["QUERIES_FIRST"] = False  # the measured alternative, off
                                     if kind == "dkdv":
                                         constexprs.update(DQ=None, DQAcc=None, DQLock=None)
                                 spec = _spec(name, fn, types, {**constexprs, **cfg.kwargs}, cfg.num_warps,

@@ -87,61 +87,38 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
                              MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                              HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              HAS_DROPOUT: tl.constexpr, HAS_REL: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr, QUERIES_FIRST: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
     """Accumulate one query tile's contribution to this key tile's dK and dV (``Sq``, ``Sk``: this
     sequence's lengths; ``drop_cols``: the dropout rows' width); also returns the tile's dS^T
-    (BN, BM), which the relative position bias's gradient reads (unused, it folds away), or with
-    QUERIES_FIRST its dS (BM, BN)."""
+    (BN, BM), which the relative position bias's gradient reads (unused, it folds away)."""
     qm = start_m + offs_m
     q = load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     do = load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     lse2, delta = _load_row_stats(lse_row, delta_row, qm, Sq)  # (BM,)
-    if QUERIES_FIRST:
-        # scores as (queries, keys): the keep tile in the accumulator's own layout, P and dS
-        # transposed for dV and dK instead (DROPOUT.md, "dK/dV: the transposed scores")
-        qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
-        s = masked_scores(qk, qm[:, None], offs_n[None, :], kpm_base, stride_kpm_n, am_base, stride_am_m,
-                          stride_am_n, Sq, Sk, qk_scale, rel_base, R, pos0, MASK_EDGE, HAS_KPM, HAS_MASK, IS_CAUSAL,
-                          HAS_REL, LARGE_OFFSETS)
-        p = tl.exp2(s - lse2[:, None])  # (BM, BN)
-        dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BN)
-        if HAS_DROPOUT:
-            keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0],
-                             False, q.dtype != tl.float32)  # (BM, BN)
-            dv = dot(tl.trans(cast(tl.where(keep, p * drop_scale, 0.0), do.dtype)), do, dv, INPUT_PRECISION)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
-        else:
-            dv = dot(tl.trans(cast(p, do.dtype)), do, dv, INPUT_PRECISION)
-        ds = p * (dp - delta[:, None])  # (BM, BN)
-        dk = dot(tl.trans(cast(ds, q.dtype)), q, dk, INPUT_PRECISION)
-        return dk, dv, ds
-    else:  # one return per branch: the two return different shapes
-        qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
-        s_t = masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
-                             stride_am_m, stride_am_n, Sq, Sk, qk_scale, rel_base, R, pos0, MASK_EDGE, HAS_KPM,
-                             HAS_MASK, IS_CAUSAL, HAS_REL, LARGE_OFFSETS)
-        p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
-        dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
-        if HAS_DROPOUT:
-            # the forward's tile of queries qm and keys from start_n, transposed: (BN, BM)
-            keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0], True,
-                             q.dtype != tl.float32)
-            dv = dot(cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
-            dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
-        else:
-            dv = dot(cast(p_t, do.dtype), do, dv, INPUT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
-        dk = dot(cast(ds_t, q.dtype), q, dk, INPUT_PRECISION)
-        return dk, dv, ds_t
+    qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
+    s_t = masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
+                         stride_am_m, stride_am_n, Sq, Sk, qk_scale, rel_base, R, pos0, MASK_EDGE, HAS_KPM,
+                         HAS_MASK, IS_CAUSAL, HAS_REL, LARGE_OFFSETS)
+    p_t = tl.exp2(s_t - lse2[None, :])  # (BN, BM)
+    dp_t = dot(v, tl.trans(do), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
+    if HAS_DROPOUT:
+        # the forward's tile of queries qm and keys from start_n, transposed: (BN, BM)
+        keep = keep_tile(seed, rng_base, start_m, start_n, drop_cols, drop_threshold, q.shape[0], k.shape[0], True,
+                         q.dtype != tl.float32)
+        dv = dot(cast(tl.where(keep, p_t * drop_scale, 0.0), do.dtype), do, dv, INPUT_PRECISION)
+        dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
+    else:
+        dv = dot(cast(p_t, do.dtype), do, dv, INPUT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM)
+    dk = dot(cast(ds_t, q.dtype), q, dk, INPUT_PRECISION)
+    return dk, dv, ds_t
 
 
 @triton.jit
 def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_n, offs_d, dq_base, stride_dqm, acc_base, lock, Sq,
-                 Sk, D, scale, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
-                 QUERIES_FIRST: tl.constexpr):
-    """FUSED_DQ: add this key tile's dQ_tile = dS K (``ds_t`` the (BN, BM) dS^T, or with
-    QUERIES_FIRST the (BM, BN) dS; ``k`` the (BN, BD) keys) to query tile ``start_m``'s fp32
-    accumulator, in key-block order (BACKWARD.md): key block
+                 Sk, D, scale, EVEN_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+    """FUSED_DQ: add this key tile's dQ_tile = dS K (``ds_t`` the (BN, BM) dS^T, ``k`` the (BN, BD)
+    keys) to query tile ``start_m``'s fp32 accumulator, in key-block order (BACKWARD.md): key block
     ``key_block`` (the tile's visitors are key blocks 0 .. L) waits until the tile's counter
     ``lock`` is key_block, adds its product to the partial sums (key block 0 stores, reads none),
     and either stores them and sets the counter to key_block + 1, or (``last``: key block L) writes
@@ -149,11 +126,9 @@ def _dq_tile_add(ds_t, k, start_m, key_block, last, offs_m, offs_n, offs_d, dq_b
     the data. The product is made before the wait, so the wait overlaps nothing but the adds."""
     # keys past Sk: their K rows are zero but their dS is unmasked (the dK/dV tile never stores
     # them) and can be inf (P = exp2(0 - lse) for a row of very negative scores): inf x 0 = NaN
-    if QUERIES_FIRST:
-        ds = cast(tl.where(offs_n[None, :] < Sk, ds_t, 0.0), k.dtype)
-    else:
-        ds = tl.trans(cast(tl.where(offs_n[:, None] < Sk, ds_t, 0.0), k.dtype))
-    part = dot(ds, k, tl.zeros([offs_m.shape[0], offs_d.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BM, BD)
+    ds_t = tl.where(offs_n[:, None] < Sk, ds_t, 0.0)
+    part = dot(tl.trans(cast(ds_t, k.dtype)), k, tl.zeros([offs_m.shape[0], offs_d.shape[0]], dtype=tl.float32),
+               INPUT_PRECISION)  # (BM, BD)
     rows = start_m + offs_m
     if LARGE_OFFSETS:
         rows = rows.to(tl.int64)
@@ -306,7 +281,6 @@ def _attention_bwd_dkdv(
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
     FUSED_DQ: tl.constexpr = False,  # also make dQ (DQ, DQAcc, DQLock), ordered by key block: no dQ kernel
-    QUERIES_FIRST: tl.constexpr = False,  # scores as (queries, keys), P and dS transposed (a measured alternative)
 ):
     start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
                                                            BLOCK_N, True, False, VARLEN)
@@ -374,14 +348,12 @@ def _attention_bwd_dkdv(
                 dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
                 lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
                 qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM,
-                HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS, QUERIES_FIRST)
+                HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
             if FUSED_DQ:
                 _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
                              stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
-                             LARGE_OFFSETS, QUERIES_FIRST)
+                             LARGE_OFFSETS)
             if HAS_REL:
-                if QUERIES_FIRST:
-                    ds_t = tl.trans(ds_t)
                 rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
                     rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
                     BLOCK_M, BLOCK_N, REL_W)
@@ -393,14 +365,12 @@ def _attention_bwd_dkdv(
             dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
             lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
             qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM,
-            HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS, QUERIES_FIRST)
+            HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
         if FUSED_DQ:
             _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
                          stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
-                         LARGE_OFFSETS, QUERIES_FIRST)
+                         LARGE_OFFSETS)
         if HAS_REL:
-            if QUERIES_FIRST:
-                ds_t = tl.trans(ds_t)
             rel_acc, rel_win, rel_lo, rel_hi = _rel_grad_tile(
                 rel_acc, rel_win, rel_lo, rel_hi, ds_t, drel_row, start_m, start_n, offs_n, Lk, R, pos0,
                 BLOCK_M, BLOCK_N, REL_W)

@@ -1,9 +1,14 @@
 """DROPOUT.md, "dK/dV: the transposed scores": AOT-compile the first-choice fp16 dK/dV kernels (fused
 dQ and not; heavy, and light's tile with dropout on) at d64 / d128 for sm_80 and sm_90, as main
 computes them (S^T, the keep tile transposed and converted) and with QUERIES_FIRST (S, P and dS
-transposed), and count per kernel. No GPU needed; run from the repository root:
+transposed), and count per kernel. No GPU needed. QUERIES_FIRST is not in the tree (DROPOUT.md
+decided against it): apply its patch first, from the repository root, and take it off after:
 
-    python benchmarks/results/aot-sm80-sm90/dkdv_queries_first.py [--jobs 2] [--match REGEX]
+    git apply benchmarks/results/aot-sm80-sm90/dkdv_queries_first.patch
+    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/results/aot-sm80-sm90/dkdv_queries_first.py [--jobs 2] [--match REGEX]
+    git apply -R benchmarks/results/aot-sm80-sm90/dkdv_queries_first.patch
+
+dkdv_queries_first.txt holds its output (32 kernels, about 3 minutes with --jobs 2).
 """
 import argparse
 import concurrent.futures as futures
