@@ -10,6 +10,11 @@ dV[j, i] = keep[i, j] * s / Sk; with v's and dO's rows all e_0 (dP = 1) and k on
 chunk, dQ[i, d] = scale * P * (keep[i, c + d] * s - delta_i).
 
 Without a GPU everything runs in Triton's interpreter on CPU tensors (tests/conftest.py)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -154,3 +159,35 @@ def test_varlen_kernels_drop_the_padded_ops_keep_mask(block_m, block_n, monkeypa
         got = out[cu_q[b]:cu_q[b + 1], :, :lk[b]].transpose(0, 1)  # (H, Lq, Lk)
         torch.testing.assert_close(got, want[b, :, :lq[b], :lk[b]] * (s / lk[b]), rtol=1e-5, atol=0)
         assert (out[cu_q[b]:cu_q[b + 1], :, lk[b]:] == 0).all()
+
+
+# The first-choice fused dK/dV + dQ kernel of the heavy class (dropout, masks) at d64, compiled
+# ahead of time for sm_80 as test_attention_triton_fused_dq.py's PTX test compiles it (Triton's
+# cache serves both); its TTGIR read back.
+_TTGIR_SCRIPT = r"""
+import json, re
+from fastformer.triton_kernels import aot, attention as A
+specs = A.aot_specs()
+[spec] = [specs[i] for i in aot.first_choice_indices(specs)
+          if re.fullmatch(r"attention_dkdvdq_fp16_d64_heavy_m\d+_n\d+_w\d+_s\d+", specs[i]["name"])]
+kernel, _ = aot._compile(spec, 80)
+ttgir = kernel.asm["ttgir"]
+print(json.dumps({"name": spec["name"], "convert_layout": ttgir.count("ttg.convert_layout"),
+                  "keep": len(re.findall(r"%(?:keep|words|shifts)\w* = ttg\.convert_layout", ttgir))}))
+"""
+_DKDV_CONVERSIONS = 27  # DROPOUT.md, "dK/dV: the transposed scores": 19 of them the keep tile's
+
+
+def test_dkdv_keep_conversions_do_not_grow():
+    """The dK/dV kernel's layout conversions (its keep tile, made in S's layout for S^T, moves
+    through shared memory: DROPOUT.md) stay at most today's count: a change to keep_tile or to the
+    kernel that adds conversions fails here; one that removes some should lower the count."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real JIT functions
+    env.update(FASTFORMER_TRITON_FUSED_DQ="1", TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    proc = subprocess.run([sys.executable, "-c", _TTGIR_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["keep"] > 0, f"{got}: no keep-tile conversion found (did the names change?)"
+    assert got["convert_layout"] <= _DKDV_CONVERSIONS, f"{got}: more layout conversions than {_DKDV_CONVERSIONS}"
