@@ -152,3 +152,19 @@ def test_output_in_the_input_shape_is_no_autograd_view(op):
     table = torch.randn(V, C, requires_grad=True)
     out = torch.ops.fastformer.embedding(ids, table, None, None, 1.0, 0.0, -1, philox.NO_DROPOUT)
     assert out.shape == (2, 3, C) and not out._is_view()
+
+
+def test_a_profile_sees_the_add_layer_norm_kernels_and_gradients_are_the_same():
+    """add_layer_norm's node calls its CPU kernels itself, past the dispatcher, only where no
+    RecordFunction callback would see the dispatcher's call (csrc/autograd/add_layer_norm.cpp,
+    dispatches_to_cpu): under the profiler the kernels' calls, forward and backward, go through
+    the dispatcher and are in the profile, with the same outputs and gradients as without it."""
+    leaves, call, _, _ = _cases()["add_layer_norm"]
+    up = torch.randn(2, 3, C, dtype=torch.float64)
+    plain = [call()] + list(torch.autograd.grad(call(), leaves, up))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = [call()] + list(torch.autograd.grad(call(), leaves, up))
+    names = {e.name for e in prof.events()}
+    assert {"fastformer::add_layer_norm_fwd", "fastformer::add_layer_norm_bwd"} <= names, sorted(names)
+    for a, b in zip(plain, profiled):
+        assert torch.equal(a, b)
