@@ -187,6 +187,17 @@ variable_list AddLayerNormBackward::apply(variable_list&& grads) {
   return {std::move(dx), std::move(dres), std::move(dweight), std::move(dbias), std::move(dx_bias)};
 }
 
+// collect_next_edges' edges (an undefined tensor's an empty one), in a vector sized once (it grows
+// one push_back at a time: three reallocations for five edges)
+torch::autograd::edge_list next_edges(std::initializer_list<const Tensor*> ts) {
+  torch::autograd::edge_list edges;
+  edges.reserve(ts.size());
+  for (const Tensor* t : ts) {
+    edges.push_back(t->defined() ? torch::autograd::impl::gradient_edge(*t) : torch::autograd::Edge());
+  }
+  return edges;
+}
+
 // a kernel output (N, C) in x's shape: a view made below autograd (no node), none for 2-D x
 Tensor in_shape_of(const Tensor& out, const Tensor& x) { return x.dim() == 2 ? out : out.view(x.sizes()); }
 
@@ -212,7 +223,7 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
   }
   if (!record) return {std::move(y), std::move(h)};
   auto node = c10::make_intrusive<AddLayerNormBackward>();
-  node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias, x_bias));
+  node->set_next_edges(next_edges({&x, &or_undefined(residual), &weight, &bias, &or_undefined(x_bias)}));
   torch::autograd::set_history(y, node);
   if (prenorm) torch::autograd::set_history(h, node);  // else h is returned non-differentiable
   node->h_ = SavedVariable(h, /*is_output=*/prenorm);
