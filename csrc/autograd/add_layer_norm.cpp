@@ -2,7 +2,8 @@
 // One differentiable op, registered for CompositeImplicitAutograd (so it runs under no_grad and
 // inference_mode too, and on any device): its forward calls add_layer_norm_fwd (or .x_bias)
 // through the dispatcher, its backward node (a hand-written torch::autograd::Node) add_layer_norm_bwd
-// (or .x_bias). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
+// (or .x_bias); on the CPU, where the dispatcher would only pass the call on, the same kernels
+// directly (dispatches_to_cpu, csrc/cpu/add_layer_norm_glue.h). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
 // the same kernels, saved tensors and special cases, with the caller drawing `philox` (the Python
 // Function's philox.draw(dropout_p)) and passing it in.
 #include <ATen/ATen.h>
