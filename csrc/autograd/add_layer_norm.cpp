@@ -7,6 +7,7 @@
 // the same kernels, saved tensors and special cases, with the caller drawing `philox` (the Python
 // Function's philox.draw(dropout_p)) and passing it in.
 #include <ATen/ATen.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
 #include <torch/csrc/autograd/function.h>
@@ -90,16 +91,20 @@ const Tensor& or_undefined(const OptTensor& t) {
 
 // The forward kernel: add_layer_norm_fwd.x_bias when x_bias is given and x's device has it, else
 // add_layer_norm_fwd of x + x_bias (or x). *fused: whether the .x_bias overload ran. On the CPU,
-// where the dispatcher would only pass the call on, the kernel is called directly (one allocation
-// for mean, rstd and h unless prenorm makes h an output: add_layer_norm_fwd_glue_cpu).
+// where the dispatcher would only pass the call on, the kernel is called directly, with mean, rstd
+// and (unless h_returned) h in one allocation where no one sees that: the tensors are only saved, and
+// no saved-tensor hook is set, which would be handed them (add_layer_norm_fwd_glue_cpu). A caller
+// that receives h (the registered op's, the entry's with prenorm) gets it in a storage of its own.
 Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
                 double eps, double dropout_p, const Tensor& philox, const OptTensor& x_bias,
-                bool rms_norm, bool prenorm, bool* fused) {
+                bool rms_norm, bool h_returned, bool* fused) {
   const bool has_x_bias = x_bias.has_value() && x_bias->defined();
   if (dispatches_to_cpu({&x, &or_undefined(residual), &weight, &bias, &philox, &or_undefined(x_bias)})) {
     *fused = has_x_bias;  // (the CPU library has the .x_bias kernels)
+    const bool unseen = at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
     return add_layer_norm_fwd_glue_cpu(x, residual, weight, bias, eps, dropout_p, philox,
-                                       has_x_bias ? &*x_bias : nullptr, rms_norm, /*h_in_block=*/!prenorm);
+                                       has_x_bias ? &*x_bias : nullptr, rms_norm, /*one_block=*/unseen,
+                                       /*h_in_block=*/!h_returned);
   }
   *fused = has_x_bias && has_x_bias_kernels(x);
   if (*fused) {
@@ -202,10 +207,11 @@ torch::autograd::edge_list next_edges(std::initializer_list<const Tensor*> ts) {
 // a kernel output (N, C) in x's shape: a view made below autograd (no node), none for 2-D x
 Tensor in_shape_of(const Tensor& out, const Tensor& x) { return x.dim() == 2 ? out : out.view(x.sizes()); }
 
-std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
-                                          const Tensor& weight, const Tensor& bias, double eps,
-                                          double dropout_p, bool prenorm, const Tensor& philox,
-                                          const OptTensor& x_bias, bool rms_norm) {
+// h_returned: whether the caller receives h (the registered op's always; the entry's with prenorm)
+std::tuple<Tensor, Tensor> add_layer_norm_impl(const Tensor& x, const OptTensor& residual,
+                                               const Tensor& weight, const Tensor& bias, double eps,
+                                               double dropout_p, bool prenorm, const Tensor& philox,
+                                               const OptTensor& x_bias, bool rms_norm, bool h_returned) {
   TORCH_CHECK(!residual.has_value() || !residual->defined() || residual->sizes() == x.sizes(),
               "fastformer::add_layer_norm: residual must have the shape of x ", x.sizes(), ", got ",
               residual->sizes());
@@ -218,7 +224,7 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
-                      rms_norm, prenorm, &fused);
+                      rms_norm, h_returned, &fused);
     y = in_shape_of(std::get<0>(out), x);  // (below autograd: a plain tensor, not a tracked view)
     h = in_shape_of(std::get<1>(out), x);
   }
@@ -237,6 +243,13 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
                 (x_bias.has_value() && x_bias->defined() ? kXBias : 0) | (fused ? kFused : 0) |
                 (prenorm ? kPrenorm : 0) | (rms_norm ? kRms : 0);
   return {std::move(y), std::move(h)};
+}
+
+// the registered op: both outputs returned
+std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                          const Tensor& bias, double eps, double dropout_p, bool prenorm,
+                                          const Tensor& philox, const OptTensor& x_bias, bool rms_norm) {
+  return add_layer_norm_impl(x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias, rms_norm, true);
 }
 
 // fastformer._C.add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias,
@@ -278,8 +291,8 @@ PyObject* add_layer_norm_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
     // the call runs no Python but a saved-tensor hook's, which takes the GIL this thread holds.
     std::optional<pybind11::gil_scoped_release> no_gil;
     if (x->numel() >= kReleaseGilNumel) no_gil.emplace();
-    out = add_layer_norm(*x, residual, *weight, *bias, eps, dropout_p, prenorm, ff_philox_for(dropout_p, *a.device),
-                         x_bias, rms_norm);
+    out = add_layer_norm_impl(*x, residual, *weight, *bias, eps, dropout_p, prenorm,
+                              ff_philox_for(dropout_p, *a.device), x_bias, rms_norm, /*h_returned=*/prenorm);
   }
   if (!prenorm) return THPVariable_Wrap(std::move(std::get<0>(out)));
   return ff_wrap_pair(std::move(std::get<0>(out)), std::move(std::get<1>(out)));

@@ -145,9 +145,9 @@ Bwd5 add_layer_norm_bwd_x_bias_cpu(
 Fwd add_layer_norm_fwd_glue_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                 const at::Tensor& weight, const at::Tensor& bias, double eps,
                                 double dropout_p, const at::Tensor& philox, const at::Tensor* x_bias,
-                                bool rms_norm, bool h_in_block) {
+                                bool rms_norm, bool one_block, bool h_in_block) {
   return fwd(x_bias ? "add_layer_norm_fwd.x_bias" : "add_layer_norm_fwd", x, residual, weight, bias, eps,
-             dropout_p, philox, x_bias, rms_norm, true, h_in_block);
+             dropout_p, philox, x_bias, rms_norm, one_block, one_block && h_in_block);
 }
 
 Bwd5 add_layer_norm_bwd_glue_cpu(const at::Tensor& dy, const c10::optional<at::Tensor>& dh,
