@@ -2,6 +2,8 @@
 what the key holds, what clears it, errors raised anew from it. A GPU is declared, not needed:
 ``fake_gpu`` gives the triton and cuda backends a working CUDA device whose kernels never run
 (the tests only select)."""
+import threading
+
 import pytest
 import torch
 
@@ -173,3 +175,34 @@ def test_the_cache_is_bounded(fake_gpu, monkeypatch):
     for rows in range(20):
         backends.select("add_layer_norm", CUDA, torch.float32, rows=rows)
     assert 0 < len(backends._CACHE) <= 8
+
+
+def test_select_eager_is_select_cached_without_a_limitation(fake_gpu, monkeypatch, count_choices):
+    """The fast paths' lookup (no compile check): the same entry, and what is requested read on every
+    call, as select_cached's (use_backend, set_backend in this thread only, the variable)."""
+    names, values = ("hidden_size",), (512,)
+    kernels = backends.select_cached("add_layer_norm", CUDA, torch.float32, None, names, values)
+    assert kernels.name == "triton"
+    assert backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values) is kernels
+    assert len(count_choices) == 1
+    with backends.use_backend("cuda"):
+        assert backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values).name == "cuda"
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(
+            backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values)))
+        thread.start()
+        thread.join()
+        assert seen == [kernels]  # another thread: its own request (none: auto)
+    assert backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values) is kernels
+    monkeypatch.setattr(backends._state, "name", None)
+    monkeypatch.setenv("FASTFORMER_BACKEND", "reference")
+    assert backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values) is None
+    monkeypatch.setenv("FASTFORMER_BACKEND", "cuda")
+    assert backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values).name == "cuda"
+    monkeypatch.setenv("FASTFORMER_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of .* got 'gpu'"):
+        backends.select_eager("add_layer_norm", CUDA, torch.float32, names, values)
+    monkeypatch.delenv("FASTFORMER_BACKEND")
+    with pytest.raises(RuntimeError, match="'cuda' was forced but cannot run add_layer_norm"):
+        with backends.use_backend("cuda"):  # a forced backend that cannot take the call: raised every time
+            backends.select_eager("add_layer_norm", CUDA, torch.float64, names, values)

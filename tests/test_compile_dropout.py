@@ -20,8 +20,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastformer
 from fastformer import ops
-from fastformer.internal import fast
-from utils import device_for, kernel_backends
+from utils import device_for, kernel_backends, recorded_draws
 
 BACKENDS = [pytest.param("reference", id="reference")] + kernel_backends("cpu", "triton")
 P = 0.1
@@ -116,27 +115,12 @@ def _model_and_batch():
 
 def _model_step(loss_fn, model, src, tgt, seed, entries=False):
     """The loss and the gradient of every parameter after ``torch.manual_seed(seed)``, and the
-    seeds the fused ops drew (recorded by wrapping philox._draw_on, through which eager calls and
-    the traced op ``next_seed(device)`` both draw). The C++ ops' direct eager entries draw in C++
-    (csrc/eager.h), unseen here: they are set aside unless ``entries`` (then nothing is recorded
-    for the ops that have one)."""
-    drawn = []
-    draw_on, direct = fastformer.philox._draw_on, fast.DIRECT
-
-    def recording(device):
-        pair = draw_on(device)
-        drawn.append(tuple(pair.tolist()))
-        return pair
-
-    fastformer.philox._draw_on = recording
-    if not entries:
-        fast.DIRECT = {}
-    try:
+    seeds the fused ops drew (utils.recorded_draws: the C++ ops' direct eager entries, which draw in
+    C++ unseen, are set aside unless ``entries``; then nothing is recorded for the ops that have one)."""
+    with recorded_draws(entries) as drawn:
         torch.manual_seed(seed)
         loss = loss_fn(src, tgt)
         grads = torch.autograd.grad(loss, list(model.parameters()))
-    finally:
-        fastformer.philox._draw_on, fast.DIRECT = draw_on, direct
     return loss.detach(), grads, drawn
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastformer import _ext, philox
+from fastformer import _ext, backends, ops, philox
+from fastformer.internal import fast
 
 OPS = ("add_layer_norm", "feed_forward", "embedding")
 
@@ -152,3 +153,68 @@ def test_output_in_the_input_shape_is_no_autograd_view(op):
     table = torch.randn(V, C, requires_grad=True)
     out = torch.ops.fastformer.embedding(ids, table, None, None, 1.0, 0.0, -1, philox.NO_DROPOUT)
     assert out.shape == (2, 3, C) and not out._is_view()
+
+
+def test_a_profile_sees_the_add_layer_norm_kernels_and_gradients_are_the_same():
+    """add_layer_norm's node calls its CPU kernels itself, past the dispatcher, only where no
+    RecordFunction callback would see the dispatcher's call (csrc/autograd/add_layer_norm.cpp,
+    dispatches_to_cpu): under the profiler the kernels' calls, forward and backward, go through
+    the dispatcher and are in the profile, with the same outputs and gradients as without it."""
+    leaves, call, _, _ = _cases()["add_layer_norm"]
+    up = torch.randn(2, 3, C, dtype=torch.float64)
+    plain = [call()] + list(torch.autograd.grad(call(), leaves, up))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        profiled = [call()] + list(torch.autograd.grad(call(), leaves, up))
+    names = {e.name for e in prof.events()}
+    assert {"fastformer::add_layer_norm_fwd", "fastformer::add_layer_norm_bwd"} <= names, sorted(names)
+    for a, b in zip(plain, profiled):
+        assert torch.equal(a, b)
+
+
+def test_the_registered_ops_h_without_prenorm_has_a_storage_of_its_own():
+    """Without prenorm the node's CPU call keeps h, mean and rstd in one allocation only where the
+    caller drops h (the direct entry's call): the registered op returns h, and it owns its storage; an
+    in-place change to it is caught, as to any saved tensor."""
+    x, r, w, b = _leaf(2, 3, C, seed=1), _leaf(2, 3, C, seed=2), _leaf(C, seed=3), _leaf(C, seed=4)
+    y, h = torch.ops.fastformer.add_layer_norm(x, r, w, b, 1e-5, 0.0, False, philox.NO_DROPOUT, None)
+    assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    assert not h.requires_grad
+    torch.testing.assert_close(h, (r + x).detach())
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), (x, r, w, b))
+
+
+@pytest.mark.parametrize("rows", [4, 1100])  # 64 elements (the entry keeps the GIL) and 17600 (it releases it)
+def test_a_saved_tensor_hook_runs_inside_the_entrys_call(rows, monkeypatch):
+    """The direct entry keeps the GIL for a small x: a Python saved-tensor hook still runs inside the
+    call (the node saves through it), is handed tensors of their own storage (no shared block where a
+    hook sees them), and the gradients come from what it packed."""
+    x, r, w, b = (_leaf(*shape, seed=i).detach().float().requires_grad_()
+                  for i, shape in enumerate(((rows, C), (rows, C), (C,), (C,))))
+    up = torch.randn(rows, C)
+    want = torch.autograd.grad(F.layer_norm(r + x, (C,), w, b, 1e-5), (x, r, w, b), up)
+    entry = _ext.module().add_layer_norm_eager
+    packed, during = [], []  # during: how many were packed when the entry's call began and ended
+
+    def counted(*args):
+        during.append(len(packed))
+        out = entry(*args)
+        during.append(len(packed))
+        return out
+
+    for key, e in list(fast.DIRECT.items()):
+        if e is entry:
+            monkeypatch.setitem(fast.DIRECT, key, counted)
+
+    def pack(t):
+        packed.append(t.untyped_storage().nbytes() == t.numel() * t.element_size())
+        return t.clone()
+
+    with backends.use_backend("cpu"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = ops.add_layer_norm(x, r, w, b, 1e-5, 0.0)
+    assert len(during) == 2 and during[1] - during[0] >= 4, during  # h, weight, mean, rstd packed inside the call
+    assert all(packed), packed
+    for g, e in zip(torch.autograd.grad(y, (x, r, w, b), up), want):
+        torch.testing.assert_close(g, e)

@@ -3,6 +3,7 @@ draw in C++. The draw must be philox.py's, bit for bit (the pair, and torch's CP
 after it), so a model drops the same elements whichever path a call takes; an entry must give
 what the registered op gives, and answer None (so the checked path words the error) where the op
 refuses a call. The fast path's results against the checked path's are tests/test_fast_path.py's."""
+import contextlib
 import sys
 
 import pytest
@@ -11,8 +12,9 @@ import torch.utils._python_dispatch
 from torch.utils.checkpoint import checkpoint
 
 import fastformer
-from fastformer import _ext, ops, philox
+from fastformer import _ext, backends, ops, philox
 from fastformer.internal import fast
+from fastformer.ops import reference
 
 ENTRIES = ("add_layer_norm", "feed_forward", "embedding")
 
@@ -260,3 +262,28 @@ def test_a_torch_function_mode_sees_the_registered_op(cpu_backend):
     with Spy():
         ops.add_layer_norm(torch.randn(4, 8), None, torch.ones(8), torch.zeros(8), 1e-5, 0.1)
     assert "fastformer.add_layer_norm.default" in seen
+
+
+def test_add_layer_norms_fast_path_asks_for_the_backend_on_every_call(monkeypatch):
+    """The fast path's backend lookup (backends.select_eager) reads the request on each call: the
+    variable changed between calls, and use_backend, send the next call where they say."""
+    monkeypatch.setattr(backends._state, "name", None)
+    entry = _ext.module().add_layer_norm_eager
+    calls, refs = [], []
+    for key, e in list(fast.DIRECT.items()):
+        if e is entry:
+            monkeypatch.setitem(fast.DIRECT, key, lambda *a: calls.append(1) or entry(*a))
+    real = reference.add_layer_norm
+    monkeypatch.setattr(reference, "add_layer_norm", lambda *a, **k: refs.append(1) or real(*a, **k))
+    x, r, w, b = (torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), torch.randn(16))
+    want = torch.nn.functional.layer_norm(r + x, (16,), w, b, 1e-5)
+    expected = []
+    for env, use in (("reference", None), ("cpu", None), ("cpu", "reference"), (None, None), ("reference", "cpu")):
+        if env is None:
+            monkeypatch.delenv("FASTFORMER_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("FASTFORMER_BACKEND", env)
+        with backends.use_backend(use) if use else contextlib.nullcontext():
+            torch.testing.assert_close(ops.add_layer_norm(x, r, w, b, 1e-5, 0.0), want)
+        expected.append("reference" if (use or env) == "reference" else "cpu")
+        assert (len(refs), len(calls)) == (expected.count("reference"), expected.count("cpu")), (env, use)

@@ -10,30 +10,19 @@ from torch.utils.checkpoint import checkpoint
 
 import fastformer
 from fastformer import ops, philox
-from fastformer.internal import fast
 from fastformer.ops import reference
-from utils import kernel_backends
+from utils import kernel_backends, recorded_draws
 
 P = 0.25
 BACKENDS = ["reference"] + kernel_backends("cpu")
 
 
-class Recorder:
-    """Records every pair drawn (philox._draw_on: the one place Python draws). The C++ ops' direct
-    entries draw in C++ (csrc/eager.h), the same pairs (tests/test_eager_entries.py): they are set
-    aside, so every draw is seen here."""
-
-    def __init__(self, monkeypatch):
-        monkeypatch.setattr(fast, "DIRECT", {})
-        self.pairs = []
-        draw_on = philox._draw_on
-
-        def recording(device):
-            t = draw_on(device)
-            self.pairs.append(tuple(t.tolist()) if t.device.type != "meta" else None)
-            return t
-
-        monkeypatch.setattr(philox, "_draw_on", recording)
+@pytest.fixture
+def drawn():
+    """Every pair drawn in the test (utils.recorded_draws: the C++ ops' direct entries, which draw in
+    C++ the same pairs (tests/test_eager_entries.py), are set aside, so every draw is seen here)."""
+    with recorded_draws() as pairs:
+        yield pairs
 
 
 def _aln_inputs(seed=0):
@@ -88,17 +77,16 @@ def test_traced_draw_is_the_device_op():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_and_backward_use_the_drawn_pair(backend, monkeypatch):
+def test_forward_and_backward_use_the_drawn_pair(backend, drawn):
     """Forward and backward of the fused op equal the reference run with the pair the op drew."""
-    rec = Recorder(monkeypatch)
     x, r, w, b = _aln_inputs()
     with fastformer.use_backend(backend):
         y = ops.add_layer_norm(x, r, w, b, 1e-5, P)
     (y * torch.arange(y.numel()).view_as(y)).sum().backward()
-    assert len(rec.pairs) == 1
+    assert len(drawn) == 1
     got = [y.detach()] + [t.grad for t in (x, r, w, b)]
     xs = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
-    want = reference.add_layer_norm(*xs, 1e-5, P, rng=philox.pack(*rec.pairs[0]))
+    want = reference.add_layer_norm(*xs, 1e-5, P, rng=philox.pack(*drawn[0]))
     (want * torch.arange(want.numel()).view_as(want)).sum().backward()
     for name, g, w_ in zip(("y", "dx", "dresidual", "dweight", "dbias"), got, [want.detach()] + [t.grad for t in xs]):
         torch.testing.assert_close(g, w_, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
@@ -118,10 +106,9 @@ def test_saved_generator_state_replays_the_mask(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_activation_checkpointing_recomputes_the_same_mask(backend, monkeypatch):
+def test_activation_checkpointing_recomputes_the_same_mask(backend, drawn):
     """torch.utils.checkpoint restores the generator before it recomputes: the recomputed forward
     draws the same pairs, so the gradients equal an uncheckpointed run's at the same seed."""
-    rec = Recorder(monkeypatch)
     g = torch.Generator().manual_seed(1)
     w1, b1 = torch.randn(24, 16, generator=g).requires_grad_(), torch.randn(24, generator=g).requires_grad_()
     w2, b2 = torch.randn(16, 24, generator=g).requires_grad_(), torch.randn(16, generator=g).requires_grad_()
@@ -143,11 +130,11 @@ def test_activation_checkpointing_recomputes_the_same_mask(backend, monkeypatch)
 
     with fastformer.use_backend(backend):
         want, want_grads = run(False)
-        drawn_plain = list(rec.pairs)
-        rec.pairs.clear()
+        drawn_plain = list(drawn)
+        drawn.clear()
         got, got_grads = run(True)
     assert len(drawn_plain) == 2
-    assert rec.pairs == drawn_plain + drawn_plain, "the recomputation must draw the forward's very pairs"
+    assert drawn == drawn_plain + drawn_plain, "the recomputation must draw the forward's very pairs"
     assert torch.equal(got, want)
     for g_, w_ in zip(got_grads, want_grads):
         assert torch.equal(g_, w_)

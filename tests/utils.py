@@ -110,6 +110,33 @@ def backend_cases(backends, cases, triton_cases):
 
 
 @contextlib.contextmanager
+def recorded_draws(entries=False):
+    """Every philox pair Python draws in the block (philox._draw_on, through which eager calls and the
+    traced op ``next_seed(device)`` both draw), appended to the list yielded: ``(seed, offset)``, or
+    None for a pair on the meta device. The C++ ops' direct eager entries draw in C++ (csrc/eager.h),
+    unseen here: they are set aside (``fast.DIRECT`` emptied: their ops take the registered op, which
+    draws in Python) unless ``entries``."""
+    from fastformer import philox
+    from fastformer.internal import fast
+
+    drawn = []
+    draw_on, direct = philox._draw_on, fast.DIRECT
+
+    def recording(device):
+        pair = draw_on(device)
+        drawn.append(tuple(pair.tolist()) if pair.device.type != "meta" else None)
+        return pair
+
+    philox._draw_on = recording
+    if not entries:
+        fast.DIRECT = {}
+    try:
+        yield drawn
+    finally:
+        philox._draw_on, fast.DIRECT = draw_on, direct
+
+
+@contextlib.contextmanager
 def torch_setting(get, set_, value):
     """``set_(value)`` for the block; afterwards what ``get()`` gave before."""
     before = get()

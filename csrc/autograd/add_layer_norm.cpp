@@ -2,10 +2,12 @@
 // One differentiable op, registered for CompositeImplicitAutograd (so it runs under no_grad and
 // inference_mode too, and on any device): its forward calls add_layer_norm_fwd (or .x_bias)
 // through the dispatcher, its backward node (a hand-written torch::autograd::Node) add_layer_norm_bwd
-// (or .x_bias). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
+// (or .x_bias); on the CPU, where the dispatcher would only pass the call on, the same kernels
+// directly (dispatches_to_cpu, csrc/cpu/add_layer_norm_glue.h). It is fastformer/autograd/add_layer_norm.py's AddLayerNormFunction, step for step:
 // the same kernels, saved tensors and special cases, with the caller drawing `philox` (the Python
 // Function's philox.draw(dropout_p)) and passing it in.
 #include <ATen/ATen.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorOptions.h>
 #include <torch/csrc/autograd/function.h>
@@ -13,6 +15,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include "../cpu/add_layer_norm_glue.h"
 #include "../eager.h"
 #include "kernel.h"
 
@@ -64,12 +67,45 @@ bool has_x_bias_kernels(const Tensor& x) {
   return v > 0;
 }
 
+// Whether the dispatcher would send a call on these tensors (undefined ones left out) straight to
+// its CPU kernel, so that the glue may call that kernel itself (csrc/cpu/add_layer_norm_glue.h):
+// the key it would pick (the tensors' keys with the thread's included, less its excluded: below
+// autograd, no autocast; less BackendSelect, always included and a fallthrough for these ops) is
+// CPU, so there is no mode, subclass, functorch layer, conjugate or negative view, or graph to
+// record in between; and no RecordFunction callback (the profiler) would see the call, the
+// dispatcher's own check (Dispatcher::call), so a profile keeps the kernels' events.
+bool dispatches_to_cpu(std::initializer_list<const Tensor*> ts) {
+  c10::DispatchKeySet ks;
+  for (const Tensor* t : ts) {
+    if (t->defined()) ks = ks | t->key_set();
+  }
+  const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
+  ks = ((ks | tls.included_) - tls.excluded_).remove(c10::DispatchKey::BackendSelect);
+  return ks.highestPriorityTypeId() == c10::DispatchKey::CPU &&
+         !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
+}
+const Tensor& or_undefined(const OptTensor& t) {
+  static const Tensor undefined;
+  return t.has_value() ? *t : undefined;
+}
+
 // The forward kernel: add_layer_norm_fwd.x_bias when x_bias is given and x's device has it, else
-// add_layer_norm_fwd of x + x_bias (or x). *fused: whether the .x_bias overload ran.
+// add_layer_norm_fwd of x + x_bias (or x). *fused: whether the .x_bias overload ran. On the CPU,
+// where the dispatcher would only pass the call on, the kernel is called directly, with mean, rstd
+// and (unless h_returned) h in one allocation where no one sees that: the tensors are only saved, and
+// no saved-tensor hook is set, which would be handed them (add_layer_norm_fwd_glue_cpu). A caller
+// that receives h (the registered op's, the entry's with prenorm) gets it in a storage of its own.
 Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
                 double eps, double dropout_p, const Tensor& philox, const OptTensor& x_bias,
-                bool rms_norm, bool* fused) {
+                bool rms_norm, bool h_returned, bool* fused) {
   const bool has_x_bias = x_bias.has_value() && x_bias->defined();
+  if (dispatches_to_cpu({&x, &or_undefined(residual), &weight, &bias, &philox, &or_undefined(x_bias)})) {
+    *fused = has_x_bias;  // (the CPU library has the .x_bias kernels)
+    const bool unseen = at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
+    return add_layer_norm_fwd_glue_cpu(x, residual, weight, bias, eps, dropout_p, philox,
+                                       has_x_bias ? &*x_bias : nullptr, rms_norm, /*one_block=*/unseen,
+                                       /*h_in_block=*/!h_returned);
+  }
   *fused = has_x_bias && has_x_bias_kernels(x);
   if (*fused) {
     return fwd_x_bias_op().call(x, residual, weight, bias, eps, dropout_p, philox, *x_bias, rms_norm);
@@ -133,7 +169,11 @@ variable_list AddLayerNormBackward::apply(variable_list&& grads) {
   OptTensor dh;
   if ((flags & kPrenorm) && grads.size() > 1 && grads[1].defined()) dh = ff_rows(grads[1]).contiguous();
   Tensor dx, dres, dweight, dbias, dx_bias;
-  if (flags & kFused) {
+  if (dispatches_to_cpu({&dy, &or_undefined(dh), &h_rows, &weight, &mean, &rstd, &philox})) {
+    // (as the forward's: dresidual, where it is dx, not allocated; fused on the CPU)
+    std::tie(dx, dres, dweight, dbias, dx_bias) = add_layer_norm_bwd_glue_cpu(
+        dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, flags & kFused, rms_norm);
+  } else if (flags & kFused) {
     std::tie(dx, dres, dweight, dbias, dx_bias) =
         bwd_x_bias_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
   } else {
@@ -153,13 +193,25 @@ variable_list AddLayerNormBackward::apply(variable_list&& grads) {
   return {std::move(dx), std::move(dres), std::move(dweight), std::move(dbias), std::move(dx_bias)};
 }
 
+// collect_next_edges' edges (an undefined tensor's an empty one), in a vector sized once (it grows
+// one push_back at a time: three reallocations for five edges)
+torch::autograd::edge_list next_edges(std::initializer_list<const Tensor*> ts) {
+  torch::autograd::edge_list edges;
+  edges.reserve(ts.size());
+  for (const Tensor* t : ts) {
+    edges.push_back(t->defined() ? torch::autograd::impl::gradient_edge(*t) : torch::autograd::Edge());
+  }
+  return edges;
+}
+
 // a kernel output (N, C) in x's shape: a view made below autograd (no node), none for 2-D x
 Tensor in_shape_of(const Tensor& out, const Tensor& x) { return x.dim() == 2 ? out : out.view(x.sizes()); }
 
-std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
-                                          const Tensor& weight, const Tensor& bias, double eps,
-                                          double dropout_p, bool prenorm, const Tensor& philox,
-                                          const OptTensor& x_bias, bool rms_norm) {
+// h_returned: whether the caller receives h (the registered op's always; the entry's with prenorm)
+std::tuple<Tensor, Tensor> add_layer_norm_impl(const Tensor& x, const OptTensor& residual,
+                                               const Tensor& weight, const Tensor& bias, double eps,
+                                               double dropout_p, bool prenorm, const Tensor& philox,
+                                               const OptTensor& x_bias, bool rms_norm, bool h_returned) {
   TORCH_CHECK(!residual.has_value() || !residual->defined() || residual->sizes() == x.sizes(),
               "fastformer::add_layer_norm: residual must have the shape of x ", x.sizes(), ", got ",
               residual->sizes());
@@ -172,13 +224,13 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
-                      rms_norm, &fused);
+                      rms_norm, h_returned, &fused);
     y = in_shape_of(std::get<0>(out), x);  // (below autograd: a plain tensor, not a tracked view)
     h = in_shape_of(std::get<1>(out), x);
   }
   if (!record) return {std::move(y), std::move(h)};
   auto node = c10::make_intrusive<AddLayerNormBackward>();
-  node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias, x_bias));
+  node->set_next_edges(next_edges({&x, &or_undefined(residual), &weight, &bias, &or_undefined(x_bias)}));
   torch::autograd::set_history(y, node);
   if (prenorm) torch::autograd::set_history(h, node);  // else h is returned non-differentiable
   node->h_ = SavedVariable(h, /*is_output=*/prenorm);
@@ -193,12 +245,20 @@ std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& resi
   return {std::move(y), std::move(h)};
 }
 
+// the registered op: both outputs returned
+std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                          const Tensor& bias, double eps, double dropout_p, bool prenorm,
+                                          const Tensor& philox, const OptTensor& x_bias, bool rms_norm) {
+  return add_layer_norm_impl(x, residual, weight, bias, eps, dropout_p, prenorm, philox, x_bias, rms_norm, true);
+}
+
 // fastformer._C.add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias,
 // rms_norm): the op's eager call without the dispatcher, philox drawn here (csrc/eager.h): (y, h)
 // with prenorm, else y. None where the call is the checked path's: not eager (autocast, a dispatch or
 // function mode), an argument not what the entry takes (FFArgs), weight None, bias None
 // without rms_norm, a parameter of another dtype than x (the checked path casts it), x without a
 // hidden size. So the Python fast path checks nothing of its own (ops/add_layer_norm.py).
+constexpr int64_t kReleaseGilNumel = int64_t{1} << 14;
 PyObject* add_layer_norm_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   FFArgs a(args, n, 9);
@@ -225,9 +285,14 @@ PyObject* add_layer_norm_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
   std::tuple<Tensor, Tensor> out;
   {
     RECORD_FUNCTION("fastformer::add_layer_norm", std::vector<c10::IValue>());
-    pybind11::gil_scoped_release no_gil;  // as the registered op's call from Python
-    out = add_layer_norm(*x, residual, *weight, *bias, eps, dropout_p, prenorm, ff_philox_for(dropout_p, *a.device),
-                         x_bias, rms_norm);
+    // the GIL released as the registered op's call from Python does (torch's bindings release it
+    // for every call), so that other Python threads run meanwhile; not for a small x, whose call
+    // takes a few microseconds, about what releasing and taking it back costs. Holding it is safe:
+    // the call runs no Python but a saved-tensor hook's, which takes the GIL this thread holds.
+    std::optional<pybind11::gil_scoped_release> no_gil;
+    if (x->numel() >= kReleaseGilNumel) no_gil.emplace();
+    out = add_layer_norm_impl(*x, residual, *weight, *bias, eps, dropout_p, prenorm,
+                              ff_philox_for(dropout_p, *a.device), x_bias, rms_norm, /*h_returned=*/prenorm);
   }
   if (!prenorm) return THPVariable_Wrap(std::move(std::get<0>(out)));
   return ff_wrap_pair(std::move(std::get<0>(out)), std::move(std::get<1>(out)));

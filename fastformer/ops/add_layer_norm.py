@@ -13,6 +13,7 @@ from . import reference
 # rest places the call in a class of the measured table (fastformer/backends/measured.py)
 _FACTS = ("hidden_size",)
 _GPU_FACTS = ("hidden_size", "rows", "dropout")
+_CPU = torch.device("cpu")
 
 
 def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
@@ -44,13 +45,14 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
     inputs are cast to the autocast dtype.
     """
     if x.__class__ in fast.PLAIN and not fast.compiling():
-        # the backend question (_kernels', its CPU branch inline: is_cuda is cheaper than device.type)
+        # the backend question (_kernels', its device branches inline: is_cpu / is_cuda are cheaper
+        # than device, and the CPU's key holds one device object, compared by identity)
         shape = x.shape
         C = shape[-1] if shape else 0
         try:
-            kernels = (backends.select_cached("add_layer_norm", x.device, x.dtype, None, _FACTS, (C,))
-                       if not x.is_cuda else _kernels(x, x.device, x.dtype, C, dropout_p)
-                       if C and fast.number(dropout_p) else None)
+            kernels = (backends.select_eager("add_layer_norm", _CPU, x.dtype, _FACTS, (C,)) if x.is_cpu
+                       else _kernels(x, x.device, x.dtype, C, dropout_p) if C and fast.number(dropout_p)
+                       else None)
         except RuntimeError:
             kernels = None  # (the checked path raises it again)
         op = kernels.add_layer_norm if kernels is not None else None
@@ -60,15 +62,11 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
             # arguments: csrc/autograd/add_layer_norm.cpp) and answers None where the call is the
             # checked path's (internal/fast.py)
             out = entry(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
-            if out is not None:
-                return out
-        elif (op is not None and fast.ready() and weight is not None and (bias is not None or rms_norm is True)
-              and fast.plain(residual, weight, bias, x_bias) and fast.number(eps) and fast.number(dropout_p)
-              and prenorm.__class__ is bool and rms_norm.__class__ is bool):
-            # a C++ op without an entry (another library's): the Python checks, then the op
-            out = fast.attempt(_fast, op, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
-            if out is not None:
-                return out
+        else:  # a C++ op without an entry (another library's), or none: _fast checks, then fast.call
+            out = None if op is None else fast.attempt(_fast, op, x, residual, weight, bias, eps, dropout_p,
+                                                      prenorm, x_bias, rms_norm)
+        if out is not None:
+            return out
     return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
 
 
@@ -81,8 +79,12 @@ def _kernels(x, device, dtype, C, dropout_p):
 
 
 def _fast(op, x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm):
-    """The registered C++ op's call without the checks it makes (internal/fast.py), or None where the
-    call is the checked path's."""
+    """The registered C++ op's call (no direct entry) without the checks it makes (internal/fast.py),
+    or None where the call is the checked path's."""
+    if not (fast.ready() and weight is not None and (bias is not None or rms_norm is True)
+            and fast.plain(residual, weight, bias, x_bias) and fast.number(eps) and fast.number(dropout_p)
+            and prenorm.__class__ is bool and rms_norm.__class__ is bool):
+        return None
     dt, dev = x.dtype, x.device
     if (weight.dtype is not dt or (bias is not None and bias.dtype is not dt)
             or (x_bias is not None and x_bias.dtype is not dt)):
