@@ -785,9 +785,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     arch, short = _arch(q.device), _short(Sq, Sk)
     # dQ made in the dK/dV kernel (FUSED_DQ, BACKWARD.md): its fp32 partial sums and a counter a
     # query tile (the counters at start_m // 16: every BLOCK_M the tuner may pick has a slot)
-    fused = FUSED_DQ and not layout.varlen and Sk > 0
+    fused = FUSED_DQ and Sk > 0
     if fused:
-        dq_args = (dq, torch.empty((B, H, Sq, D), dtype=torch.float32, device=q.device),
+        acc_shape = (H, layout.total_q, D) if layout.varlen else (B, H, Sq, D)
+        dq_args = (dq, torch.empty(acc_shape, dtype=torch.float32, device=q.device),
                    torch.zeros((B, H, cdiv(Sq, 16)), dtype=torch.int32, device=q.device))
         dq_strides = dqs
     else:
@@ -937,7 +938,7 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
     two-kernel backward (FASTFORMER_TRITON_FUSED_DQ=0) only for TWO_KERNEL_SAMPLE (it is compiled
     in full when FUSED_DQ is off)."""
     specs = []
-    fused = FUSED_DQ and not varlen
+    fused = FUSED_DQ
     kinds = {"fwd": _attention_fwd, **({"dkdv_dq": kernels._attention_bwd_dkdv} if fused else {}),
              "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():
