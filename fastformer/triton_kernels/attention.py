@@ -361,15 +361,26 @@ _CONFIGS_SHORT = {
 # The fused backward (FUSED_DQ: kind "dkdv_dq", dK/dV's kernel making dQ too) takes dK/dV's
 # configs, led by its own where dK/dV's first choice spills with the dQ product, its transpose
 # and the accumulator's pointers: by (BLOCK_D, element size, "tf32" for fp32 with tf32 dots,
-# class, arch) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's table):
-# fp16 / bf16 rel at d64 on sm_90 (its sm_90 lead, 32x64, spilled 136-148 B), fp32 at d128 on
-# sm_80 (8 warps spilled 24-32 B at 128 registers) and fp32 rel at d256 on sm_90 (2 stages
-# spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B).
+# class, arch, varlen) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's
+# tables). Padded: fp16 / bf16 rel at d64 on sm_90 (its sm_90 lead, 32x64, spilled 136-148 B),
+# fp32 at d128 on sm_80 (8 warps spilled 24-32 B at 128 registers) and fp32 rel at d256 on sm_90
+# (2 stages spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B). Packed
+# (varlen's dK/dV first choices, _CONFIGS_VARLEN / _CONFIGS_REL / _CONFIGS_TF32, differ): the
+# padded leads where they compile clean there too, and fp16 / bf16 rel at d32 on sm_80 (32x64
+# spilled 4 B at 255 registers), fp32 heavy at d128 on sm_80 (the padded lead's 4 warps spilled
+# 16 B: varlen dK/dV's 8) and fp32 rel with tf32 dots at d256 on sm_90 (32x16 w8 s1 spilled 12 B;
+# every 16x16 / 16x32 / 32x16 tile tried with fewer stages or 4 warps spilled 4-868 B).
 _CONFIGS_FUSED = {
-    (64, 2, "rel", 90): (32, 32, 8, 3),
-    (128, 4, "light", 80): (16, 16, 4, 2),
-    (128, 4, "heavy", 80): (16, 16, 4, 2),
-    (256, 4, "rel", 90): (16, 16, 8, 1),
+    (64, 2, "rel", 90, False): (32, 32, 8, 3),
+    (128, 4, "light", 80, False): (16, 16, 4, 2),
+    (128, 4, "heavy", 80, False): (16, 16, 4, 2),
+    (256, 4, "rel", 90, False): (16, 16, 8, 1),
+    (32, 2, "rel", 80, True): (16, 64, 8, 2),
+    (64, 2, "rel", 90, True): (32, 32, 8, 3),
+    (128, 4, "light", 80, True): (16, 16, 4, 2),
+    (128, 4, "heavy", 80, True): (16, 16, 8, 2),
+    (256, 4, "rel", 90, True): (16, 16, 8, 1),
+    (256, "tf32", "rel", 90, True): (16, 16, 8, 3),
 }
 
 
@@ -454,7 +465,7 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
     if kind == "dkdv_dq":
         keep = list(_configs("dkdv", block_d, elt, heavy, varlen, rel, arch, short, tf32))
         cls = "rel" if rel else "heavy" if heavy else "light"
-        lead = _CONFIGS_FUSED.get((block_d, "tf32" if tf32 and elt == 4 else elt, cls, arch))
+        lead = _CONFIGS_FUSED.get((block_d, "tf32" if tf32 and elt == 4 else elt, cls, arch, varlen))
         if lead is not None:
             keep = _prune("dkdv", [lead], block_d, elt, heavy, SMEM_LIMIT[arch]) + keep
         unique = {}
