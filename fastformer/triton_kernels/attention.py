@@ -21,11 +21,11 @@ the Philox call on counter ``offset + ((bh * ceil(Sq / 16) + i // 16) * ceil(Sk 
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
 
-The padded backward makes dQ in the dK/dV kernel (``FUSED_DQ``, attention_backward.py,
-BACKWARD.md): with the forward, the dropout bits are made twice a training step. The environment
-variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import) goes back to the two-kernel backward
-(dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot run the fused
-kernel's PTX inline asm); the packed (varlen) backward always takes the two kernels.
+The backward, padded and packed (varlen), makes dQ in the dK/dV kernel (``FUSED_DQ``,
+attention_backward.py, BACKWARD.md): with the forward, the dropout bits are made twice a training
+step. The environment variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import) goes back to the
+two-kernel backward (dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot
+run the fused kernel's PTX inline asm).
 
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
@@ -195,8 +195,8 @@ def _attention_fwd(
 # or, with INTERPRET_FIRST_CHOICE, each kernel's first-choice GPU tile (as deterministic mode does).
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
 INTERPRET_FIRST_CHOICE = False
-# The padded backward makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md): dropout bits
-# twice a training step (forward, fused backward), no dQ kernel. On by default (not on ROCm: its
+# The backward (padded and packed) makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md):
+# dropout bits twice a training step (forward, fused backward), no dQ kernel. On by default (not on ROCm: its
 # hand-over's barrier is PTX inline asm); FASTFORMER_TRITON_FUSED_DQ=0 goes back to the two-kernel
 # backward (dK/dV, then dQ), for the launches and for aot_specs() (which then compiles the
 # two-kernel path in full)

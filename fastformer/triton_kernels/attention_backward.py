@@ -23,7 +23,7 @@ in a fixed order (attention.backward): the same bits every run.
 With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
 preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
 
-With FUSED_DQ (attention.FUSED_DQ: the padded layout's default, FASTFORMER_TRITON_FUSED_DQ=0
+With FUSED_DQ (attention.FUSED_DQ: the default, padded and packed; FASTFORMER_TRITON_FUSED_DQ=0
 turns it off; BACKWARD.md) the dK/dV kernel also makes dQ, adding each query tile's dS K to one
 fp32 accumulator in key-block order (_dq_tile_add), and the dQ kernel does not run: the dropout
 bits are made twice a training step instead of three times.
