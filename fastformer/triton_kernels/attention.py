@@ -367,9 +367,10 @@ _CONFIGS_SHORT = {
 # (2 stages spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B). Packed
 # (varlen's dK/dV first choices, _CONFIGS_VARLEN / _CONFIGS_REL / _CONFIGS_TF32, differ): the
 # padded leads where they compile clean there too, and fp16 / bf16 rel at d32 on sm_80 (32x64
-# spilled 4 B at 255 registers), fp32 heavy at d128 on sm_80 (the padded lead's 4 warps spilled
-# 16 B: varlen dK/dV's 8) and fp32 rel with tf32 dots at d256 on sm_90 (32x16 w8 s1 spilled 12 B;
-# every 16x16 / 16x32 / 32x16 tile tried with fewer stages or 4 warps spilled 4-868 B).
+# spilled 4 / 4 B stores / loads at 255 registers), fp32 heavy at d128 on sm_80 (the padded lead's
+# 4 warps spilled 16 / 16 B: varlen dK/dV's 8) and fp32 rel with tf32 dots at d256 on sm_90 (32x16
+# w8 s1 spilled 12 / 12 B; the other 16x16 / 16x32 / 32x16 tiles tried, 1-3 stages, 4 or 8 warps,
+# spilled 8 - 1,588 B stores + loads).
 _CONFIGS_FUSED = {
     (64, 2, "rel", 90, False): (32, 32, 8, 3),
     (128, 4, "light", 80, False): (16, 16, 4, 2),
