@@ -644,8 +644,8 @@ def test_triton_aot_specs_cover_the_bias_launches(backend):
     V = pytest.importorskip("fastformer.triton_kernels.attention_varlen")
     for module, prefix, varlen in ((A, "attention", False), (V, "attention_varlen", True)):
         specs = {s["name"]: s for s in module.aot_specs()}
-        # the padded backward: dK/dV making dQ too (FUSED_DQ), or dK/dV then dQ
-        bwd = ("dkdv_dq",) if A.FUSED_DQ and not varlen else ("dkdv", "dq")
+        # the backward: dK/dV making dQ too (FUSED_DQ, padded and packed), or dK/dV then dQ
+        bwd = ("dkdv_dq",) if A.FUSED_DQ else ("dkdv", "dq")
         for dtype, ptr in A._PTR.items():
             elt = torch.empty((), dtype=dtype).element_size()
             for block_d in A.BLOCK_D_BUCKETS:

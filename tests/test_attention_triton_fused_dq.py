@@ -229,15 +229,19 @@ def test_fused_kind_takes_dkdv_configs_led_by_its_own():
     lead (dK/dV's first choice spilled with dQ: tests/test_triton_compile.py compiles every first
     choice), that one is first and the launch's first config."""
     assert A._CONFIGS_FUSED
-    for (block_d, tag, cls, arch), (bm, bn, warps, stages) in A._CONFIGS_FUSED.items():
+    for (block_d, tag, cls, arch, varlen), (bm, bn, warps, stages) in A._CONFIGS_FUSED.items():
         elt, tf32 = (4, True) if tag == "tf32" else (tag, False)
-        args = (block_d, elt, cls != "light", False, cls == "rel", arch, False, tf32)
+        args = (block_d, elt, cls != "light", varlen, cls == "rel", arch, False, tf32)
         fused, two = A._configs("dkdv_dq", *args), A._configs("dkdv", *args)
         assert (fused[0].kwargs, fused[0].num_warps, fused[0].num_stages) == (
             {"BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
         assert [str(c) for c in fused[1:]] == [str(c) for c in two if str(c) != str(fused[0])]
-        assert A._first_config("dkdv_dq", block_d, elt, cls != "light", False, cls == "rel", arch, tf32) == dict(
+        assert A._first_config("dkdv_dq", block_d, elt, cls != "light", varlen, cls == "rel", arch, tf32) == dict(
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    # the packed layout's own lead: not the padded one's
+    assert A._configs("dkdv_dq", 32, 2, True, True, True, 80)[0].kwargs == {"BLOCK_M": 16, "BLOCK_N": 64}
+    assert A._configs("dkdv_dq", 32, 2, True, False, True, 80)[0].kwargs == (
+        A._configs("dkdv", 32, 2, True, False, True, 80)[0].kwargs)
     # a class it does not list: dK/dV's configs as they are
     assert [str(c) for c in A._configs("dkdv_dq", 64, 2, True, False, False, 80)] == [
         str(c) for c in A._configs("dkdv", 64, 2, True, False, False, 80)]

@@ -105,20 +105,21 @@ def test_no_kernel_spills(aot):
 
 
 def test_the_default_attention_backward_is_compiled(aot):
-    """The padded attention backward the host launches by default, dK/dV making dQ
+    """The attention backward the host launches by default (padded and packed), dK/dV making dQ
     (attention.FUSED_DQ), is compiled at every first choice; the two-kernel backward of the opt-out
     (FASTFORMER_TRITON_FUSED_DQ=0) for attention.TWO_KERNEL_SAMPLE only, which keeps this run
     short (with the opt-out set, in full: then no fused kernel)."""
     report, table = aot
     from fastformer.triton_kernels import attention as A
-    names = [r["name"] for r in report["kernels"] if r["module"] == "attention"]
-    fused = [n for n in names if n.startswith("attention_dkdvdq_")]
-    two = [n for n in names if n.startswith(("attention_dkdv_", "attention_dq_"))]
-    fwd = [n for n in names if n.startswith("attention_fwd_")]
-    # fp16, bf16, fp32 with ieee and with tf32 dots; light, heavy, rel; one spec per family
-    every = 4 * len(A.BLOCK_D_BUCKETS) * 3 * len(A.ARCHS)
-    assert len(fwd) == every, table
-    if A.FUSED_DQ:
-        assert len(fused) == every and len(two) == 2 * len(A.TWO_KERNEL_SAMPLE) * 3 * len(A.ARCHS), table
-    else:
-        assert not fused and len(two) == 2 * every, table
+    for module in ("attention", "attention_varlen"):  # the padded and the packed (varlen) layouts alike
+        names = [r["name"] for r in report["kernels"] if r["module"] == module]
+        fused = [n for n in names if n.startswith(f"{module}_dkdvdq_")]
+        two = [n for n in names if n.startswith((f"{module}_dkdv_", f"{module}_dq_"))]
+        fwd = [n for n in names if n.startswith(f"{module}_fwd_")]
+        # fp16, bf16, fp32 with ieee and with tf32 dots; light, heavy, rel; one spec per family
+        every = 4 * len(A.BLOCK_D_BUCKETS) * 3 * len(A.ARCHS)
+        assert len(fwd) == every, module + table
+        if A.FUSED_DQ:
+            assert len(fused) == every and len(two) == 2 * len(A.TWO_KERNEL_SAMPLE) * 3 * len(A.ARCHS), module + table
+        else:
+            assert not fused and len(two) == 2 * every, module + table

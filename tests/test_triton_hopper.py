@@ -79,7 +79,7 @@ def test_launch_grids_for_100000_sequences(monkeypatch, varlen):
         q, k, v = (torch.zeros(B, H, S, D) for _ in range(3))
         out, lse = A.attention_fwd(q, k, v, None, None, True, 1.0, 0.0, p)
         A.attention_bwd(q, q, k, v, out, lse, None, None, True, 1.0, 0.0, p)
-    fused = A.FUSED_DQ and not varlen  # the padded dK/dV makes dQ too (the default): no dQ launch
+    fused = A.FUSED_DQ  # dK/dV makes dQ too (the default, padded and packed): no dQ launch
     assert len(grids) == (3 if fused else 4), grids  # fwd, preprocess, dkdv(_dq)[, dq]
     for grid in grids:
         assert len(grid) == 3 and grid[1] <= 65_535 and grid[2] <= 65_535, grids

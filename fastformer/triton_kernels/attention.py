@@ -21,11 +21,11 @@ the Philox call on counter ``offset + ((bh * ceil(Sq / 16) + i // 16) * ceil(Sk 
 Inside the kernels scores live in log2 units (``s * log2(e)``) so the softmax uses ``exp2``;
 the saved lse is the natural log-sum-exp.
 
-The padded backward makes dQ in the dK/dV kernel (``FUSED_DQ``, attention_backward.py,
-BACKWARD.md): with the forward, the dropout bits are made twice a training step. The environment
-variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import) goes back to the two-kernel backward
-(dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot run the fused
-kernel's PTX inline asm); the packed (varlen) backward always takes the two kernels.
+The backward, padded and packed (varlen), makes dQ in the dK/dV kernel (``FUSED_DQ``,
+attention_backward.py, BACKWARD.md): with the forward, the dropout bits are made twice a training
+step. The environment variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import) goes back to the
+two-kernel backward (dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot
+run the fused kernel's PTX inline asm).
 
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
@@ -195,8 +195,8 @@ def _attention_fwd(
 # or, with INTERPRET_FIRST_CHOICE, each kernel's first-choice GPU tile (as deterministic mode does).
 INTERPRET_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32}
 INTERPRET_FIRST_CHOICE = False
-# The padded backward makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md): dropout bits
-# twice a training step (forward, fused backward), no dQ kernel. On by default (not on ROCm: its
+# The backward (padded and packed) makes dQ in the dK/dV kernel (ordered fp32 adds, BACKWARD.md):
+# dropout bits twice a training step (forward, fused backward), no dQ kernel. On by default (not on ROCm: its
 # hand-over's barrier is PTX inline asm); FASTFORMER_TRITON_FUSED_DQ=0 goes back to the two-kernel
 # backward (dK/dV, then dQ), for the launches and for aot_specs() (which then compiles the
 # two-kernel path in full)
@@ -361,15 +361,27 @@ _CONFIGS_SHORT = {
 # The fused backward (FUSED_DQ: kind "dkdv_dq", dK/dV's kernel making dQ too) takes dK/dV's
 # configs, led by its own where dK/dV's first choice spills with the dQ product, its transpose
 # and the accumulator's pointers: by (BLOCK_D, element size, "tf32" for fp32 with tf32 dots,
-# class, arch) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's table):
-# fp16 / bf16 rel at d64 on sm_90 (its sm_90 lead, 32x64, spilled 136-148 B), fp32 at d128 on
-# sm_80 (8 warps spilled 24-32 B at 128 registers) and fp32 rel at d256 on sm_90 (2 stages
-# spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B).
+# class, arch, varlen) (python -m fastformer.triton_kernels.aot --match dkdvdq_; BACKWARD.md's
+# tables). Padded: fp16 / bf16 rel at d64 on sm_90 (its sm_90 lead, 32x64, spilled 136-148 B),
+# fp32 at d128 on sm_80 (8 warps spilled 24-32 B at 128 registers) and fp32 rel at d256 on sm_90
+# (2 stages spilled 56 B; 1 stage: the loop is not pipelined, 4 warps spilled 456 B). Packed
+# (varlen's dK/dV first choices, _CONFIGS_VARLEN / _CONFIGS_REL / _CONFIGS_TF32, differ): the
+# padded leads where they compile clean there too, and fp16 / bf16 rel at d32 on sm_80 (32x64
+# spilled 4 / 4 B stores / loads at 255 registers), fp32 heavy at d128 on sm_80 (the padded lead's
+# 4 warps spilled 16 / 16 B: varlen dK/dV's 8) and fp32 rel with tf32 dots at d256 on sm_90 (32x16
+# w8 s1 spilled 12 / 12 B; the other 16x16 / 16x32 / 32x16 tiles tried, 1-3 stages, 4 or 8 warps,
+# spilled 8 - 1,588 B stores + loads).
 _CONFIGS_FUSED = {
-    (64, 2, "rel", 90): (32, 32, 8, 3),
-    (128, 4, "light", 80): (16, 16, 4, 2),
-    (128, 4, "heavy", 80): (16, 16, 4, 2),
-    (256, 4, "rel", 90): (16, 16, 8, 1),
+    (64, 2, "rel", 90, False): (32, 32, 8, 3),
+    (128, 4, "light", 80, False): (16, 16, 4, 2),
+    (128, 4, "heavy", 80, False): (16, 16, 4, 2),
+    (256, 4, "rel", 90, False): (16, 16, 8, 1),
+    (32, 2, "rel", 80, True): (16, 64, 8, 2),
+    (64, 2, "rel", 90, True): (32, 32, 8, 3),
+    (128, 4, "light", 80, True): (16, 16, 4, 2),
+    (128, 4, "heavy", 80, True): (16, 16, 8, 2),
+    (256, 4, "rel", 90, True): (16, 16, 8, 1),
+    (256, "tf32", "rel", 90, True): (16, 16, 8, 3),
 }
 
 
@@ -454,7 +466,7 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
     if kind == "dkdv_dq":
         keep = list(_configs("dkdv", block_d, elt, heavy, varlen, rel, arch, short, tf32))
         cls = "rel" if rel else "heavy" if heavy else "light"
-        lead = _CONFIGS_FUSED.get((block_d, "tf32" if tf32 and elt == 4 else elt, cls, arch))
+        lead = _CONFIGS_FUSED.get((block_d, "tf32" if tf32 and elt == 4 else elt, cls, arch, varlen))
         if lead is not None:
             keep = _prune("dkdv", [lead], block_d, elt, heavy, SMEM_LIMIT[arch]) + keep
         unique = {}
@@ -785,9 +797,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     arch, short = _arch(q.device), _short(Sq, Sk)
     # dQ made in the dK/dV kernel (FUSED_DQ, BACKWARD.md): its fp32 partial sums and a counter a
     # query tile (the counters at start_m // 16: every BLOCK_M the tuner may pick has a slot)
-    fused = FUSED_DQ and not layout.varlen and Sk > 0
+    fused = FUSED_DQ and Sk > 0
     if fused:
-        dq_args = (dq, torch.empty((B, H, Sq, D), dtype=torch.float32, device=q.device),
+        acc_shape = (H, layout.total_q, D) if layout.varlen else (B, H, Sq, D)
+        dq_args = (dq, torch.empty(acc_shape, dtype=torch.float32, device=q.device),
                    torch.zeros((B, H, cdiv(Sq, 16)), dtype=torch.int32, device=q.device))
         dq_strides = dqs
     else:
@@ -937,7 +950,7 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
     two-kernel backward (FASTFORMER_TRITON_FUSED_DQ=0) only for TWO_KERNEL_SAMPLE (it is compiled
     in full when FUSED_DQ is off)."""
     specs = []
-    fused = FUSED_DQ and not varlen
+    fused = FUSED_DQ
     kinds = {"fwd": _attention_fwd, **({"dkdv_dq": kernels._attention_bwd_dkdv} if fused else {}),
              "dkdv": kernels._attention_bwd_dkdv, "dq": kernels._attention_bwd_dq}
     for dtype, ptr in _PTR.items():

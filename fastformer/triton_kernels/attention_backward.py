@@ -23,7 +23,7 @@ in a fixed order (attention.backward): the same bits every run.
 With VARLEN the kernels run on packed sequences (attention_varlen.py), as the forward does; the
 preprocess needs no such mode (it runs on the packed rows as one sequence of total_q rows).
 
-With FUSED_DQ (attention.FUSED_DQ: the padded layout's default, FASTFORMER_TRITON_FUSED_DQ=0
+With FUSED_DQ (attention.FUSED_DQ: the default, padded and packed; FASTFORMER_TRITON_FUSED_DQ=0
 turns it off; BACKWARD.md) the dK/dV kernel also makes dQ, adding each query tile's dS K to one
 fp32 accumulator in key-block order (_dq_tile_add), and the dQ kernel does not run: the dropout
 bits are made twice a training step instead of three times.
@@ -223,8 +223,8 @@ def _attention_bwd_dkdv(
     DK,  # (B, H, Sk, D) gradient of k per query head; VARLEN: (total_k, H, D) (a group's summed after)
     DV,  # (B, H, Sk, D) gradient of v per query head; VARLEN: (total_k, H, D)
     DRel,  # (B, H, rel_tiles, 2R + 1) fp32 zeros: each program's gradient of RelBias (None without HAS_REL)
-    DQ,  # FUSED_DQ: (B, H, Sq, D) gradient of q (None otherwise)
-    DQAcc,  # FUSED_DQ: (B, H, Sq, D) fp32 contiguous, uninitialised: dQ's partial sums (None otherwise)
+    DQ,  # FUSED_DQ: (B, H, Sq, D) gradient of q; VARLEN: (total_q, H, D) (None otherwise)
+    DQAcc,  # FUSED_DQ: (B, H, Sq, D) fp32 contiguous, uninitialised: dQ's partial sums; VARLEN: (H, total_q, D) (None otherwise)
     DQLock,  # FUSED_DQ: (B, H, cdiv(Sq, 16)) int32 zeros: each query tile's counter, at start_m // 16 (None otherwise)
     stride_qb,  # q batch stride (0 with VARLEN)
     stride_qh,  # q head stride
@@ -284,13 +284,20 @@ def _attention_bwd_dkdv(
 ):
     start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
                                                            BLOCK_N, True, False, VARLEN)
-    tl.static_assert(not (FUSED_DQ and VARLEN), "FUSED_DQ: the padded layout only (for now)")
-    if VARLEN:
-        if start_n >= Lk:  # the grid covers the longest sequence: this one ends before the tile
-            return
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    if VARLEN:
+        if start_n >= Lk:  # the grid covers the longest sequence: this one ends before the tile
+            if FUSED_DQ:
+                if start_n == 0:
+                    # Lk = 0: no key block makes this sequence's dQ; its key block 0 zeroes the Lq
+                    # rows (only those: a host memset would write all of dq once more)
+                    for start_m in range(0, Lq, BLOCK_M):
+                        store_rows(head_base(DQ, b64, h64, stride_dqb, stride_dqh, q0, stride_dqm),
+                                   tl.zeros([BLOCK_M, BLOCK_D], dtype=DQ.dtype.element_ty), start_m + offs_m,
+                                   stride_dqm, offs_d, Lq, D, EVEN_D, LARGE_OFFSETS)
+            return
 
     # not key_bases: the mask bases come after the loads here, and moving them changes the code
     k = load_rows(head_base(K, b64, h64 // KV_GROUP, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn, offs_d,
@@ -323,7 +330,10 @@ def _attention_bwd_dkdv(
             dq_last = Lq * 0
         dq_last = tl.where(start_n + BLOCK_N < Lk, dq_last, Lq)
         dq_base = head_base(DQ, b64, h64, stride_dqb, stride_dqh, q0, stride_dqm)
-        dq_acc = DQAcc + (b64 * H + h64) * Sq * D
+        if VARLEN:  # (H, total_q, D): the sequence's rows of head h
+            dq_acc = DQAcc + (h64 * total_q + q0) * D
+        else:
+            dq_acc = DQAcc + (b64 * H + h64) * Sq * D
         dq_lock = DQLock + (b64 * H + h64) * tl.cdiv(Sq, 16)
     if HAS_REL:
         # the window holds every distance of a tile (BM + BN - 1), a power of two

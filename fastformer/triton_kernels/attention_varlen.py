@@ -12,10 +12,12 @@ iff ``j <= i + Lk - Lq``). Dropout takes the padded op's counters on
 key j of head h of sequence b keep ``attention_keep_mask((B, H, max_seqlen_q, max_seqlen_k))[b, h, i, j]``.
 lse is ``(H, total_q)``, +inf for a row with no key.
 
-Launches: forward and dQ over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles of each of the B * H
-heads, dK/dV over ``cdiv(max_seqlen_k, BLOCK_N)`` key tiles (a program whose tile starts past its
-sequence's end returns at once: no padded position is computed), the delta preprocess over the
-``total_q`` packed rows; each on one grid axis (attention.attention_grid), so B may pass 65,535. The host never reads cu_seqlens (a GPU would synchronise): the kernels
+Launches: the forward over ``cdiv(max_seqlen_q, BLOCK_M)`` query tiles of each of the B * H
+heads, dK/dV (making dQ too: attention.FUSED_DQ, BACKWARD.md) over ``cdiv(max_seqlen_k, BLOCK_N)``
+key tiles (a program whose tile starts past its sequence's end returns at once: no padded position
+is computed; key block 0 of a sequence without keys zeroes its dQ rows), the delta preprocess over
+the ``total_q`` packed rows (with ``FASTFORMER_TRITON_FUSED_DQ=0`` dQ over the query tiles, as the
+forward); each on one grid axis (attention.attention_grid), so B may pass 65,535. The host never reads cu_seqlens (a GPU would synchronise): the kernels
 clamp each sequence into the tensors' rows and its maximum length instead, and the functional
 op checks the values where it can read them (CPU tensors).
 """
