@@ -10,7 +10,6 @@ NaN (a wrong order fails there instead of spinning). The ordering between concur
 blocks is exercised on a GPU only (test_fused_dq_ordering_on_gpu, in make gpu-check's gpu-tests:
 skipped in the interpreter); the compiled kernel's PTX (pipelined, acquire / release, no spills)
 ahead of time, no GPU needed."""
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import torch
 
 from fastformer import philox
 from test_attention_triton import LOWP_FACTOR, _check_fp32, _inputs, _kernels, _reference
-from utils import assert_close, assert_close_lowp, kernel_backends
+from utils import assert_close, assert_close_lowp, kernel_backends, run_jit_script, spy_launches
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
 A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
@@ -33,15 +32,7 @@ def fused(monkeypatch, small_blocks):
     """FUSED_DQ on, 16 x 16 tiles in the interpreter (several key tiles add to each query tile);
     yields the kinds of the kernels each backward launches."""
     monkeypatch.setattr(A, "FUSED_DQ", True)
-    kinds = []
-    launch = A._launch
-
-    def spy(kind, *args, **kwargs):
-        kinds.append(kind)
-        return launch(kind, *args, **kwargs)
-
-    monkeypatch.setattr(A, "_launch", spy)
-    yield kinds
+    yield spy_launches(monkeypatch, A)
 
 
 # (B, H, Sq, Sk, D, causal, kpm_frac, p): Sk of 3-7 key tiles; causal Sq > Sk leaves query
@@ -213,12 +204,7 @@ def test_fused_kernel_ptx_pipelined_ordered_no_spills():
     loop is software-pipelined (cp.async: the hand-over's barrier is inline asm, which Triton's
     pipeliner does not see; tl.debug_barrier made it skip the loop), the wait is an acquire load
     and the hand-over a release exchange, and nothing spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real JIT functions
-    env.update(FASTFORMER_TRITON_FUSED_DQ="1", TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"))
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_jit_script(_PTX_SCRIPT, ROOT)
     assert got["cp_async"] > 0, f"{got}: the query-tile loop is not pipelined"
     assert got["acquire"] >= 1 and got["release"] >= 1, f"{got}: no acquire load / release exchange"
     assert got["spills"] == 0, f"{got}: spills"

@@ -10,16 +10,13 @@ dV[j, i] = keep[i, j] * s / Sk; with v's and dO's rows all e_0 (dP = 1) and k on
 chunk, dQ[i, d] = scale * P * (keep[i, c + d] * s - delta_i).
 
 Without a GPU everything runs in Triton's interpreter on CPU tensors (tests/conftest.py)."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fastformer import philox
-from utils import device_for, kernel_backends
+from utils import device_for, kernel_backends, run_jit_script
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
 A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
@@ -182,12 +179,6 @@ def test_dkdv_keep_conversions_do_not_grow():
     """The dK/dV kernel's layout conversions (its keep tile, made in S's layout for S^T, moves
     through shared memory: DROPOUT.md) stay at most today's count: a change to keep_tile or to the
     kernel that adds conversions fails here; one that removes some should lower the count."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real JIT functions
-    env.update(FASTFORMER_TRITON_FUSED_DQ="1", TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"))
-    proc = subprocess.run([sys.executable, "-c", _TTGIR_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_jit_script(_TTGIR_SCRIPT, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert got["keep"] > 0, f"{got}: no keep-tile conversion found (did the names change?)"
     assert got["convert_layout"] <= _DKDV_CONVERSIONS, f"{got}: more layout conversions than {_DKDV_CONVERSIONS}"

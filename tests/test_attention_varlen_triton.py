@@ -14,7 +14,7 @@ import torch
 
 from fastformer import philox
 from fastformer.ops import reference
-from utils import assert_close, assert_close_lowp, device_for, kernel_backends
+from utils import assert_close, assert_close_lowp, device_for, kernel_backends, spy_launches
 
 pytestmark = list(kernel_backends("triton")[0].marks)  # skipped, with the reason, where triton cannot run
 A = pytest.importorskip("fastformer.triton_kernels.attention", reason="triton is not installed")
@@ -164,15 +164,7 @@ def fused_kinds(monkeypatch, small_blocks):
     monkeypatch.setattr(A, "FUSED_DQ", True)
     grad_like = A._grad_like
     monkeypatch.setattr(A, "_grad_like", lambda x: grad_like(x).fill_(float("nan")))
-    kinds = []
-    launch = A._launch
-
-    def spy(kind, *args, **kwargs):
-        kinds.append(kind)
-        return launch(kind, *args, **kwargs)
-
-    monkeypatch.setattr(A, "_launch", spy)
-    yield kinds
+    yield spy_launches(monkeypatch, A)
 
 
 # (H, D, query lengths, key lengths, causal, dropout p), all with 16 x 16 tiles: sequences with

@@ -1,5 +1,6 @@
 """Helpers shared by the kernel tests: which backends to run, where, and how close is close."""
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -185,3 +186,30 @@ def other_simt_schedules_test(test_files, subsets, doc):
         rerun_under_simt_schedule(schedule, test_files, subsets[schedule])
     test_other_thread_schedule.__doc__ = doc
     return test_other_thread_schedule
+
+
+def spy_launches(monkeypatch, module) -> list:
+    """The kinds of the kernels ``module._launch`` (the Triton attention module's launcher) starts
+    from now on, in order: a list the caller reads (and may clear)."""
+    kinds = []
+    launch = module._launch
+
+    def spy(kind, *args, **kwargs):
+        kinds.append(kind)
+        return launch(kind, *args, **kwargs)
+
+    monkeypatch.setattr(module, "_launch", spy)
+    return kinds
+
+
+def run_jit_script(script: str, cwd: str) -> dict:
+    """Runs ``script`` in a fresh Python with Triton's real JIT functions (TRITON_INTERPRET unset:
+    ahead-of-time compiles, no GPU needed) and the one-kernel attention backward on; returns the
+    JSON its last line prints (a failed run fails the test with its output)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(FASTFORMER_TRITON_FUSED_DQ="1", TRITON_DEFAULT_FP_FUSION=env.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
