@@ -69,6 +69,7 @@ def test_tma_decision(monkeypatch):
     assert not A.tma_layout_ok(torch.zeros(2, 2, 8, 4, dtype=torch.float16))  # 8 bytes a row
     assert A.tma_layout_ok(torch.zeros(2, 2, 8, 8, dtype=torch.float16))  # 16 bytes a row
 
+    assert not _eligible(q, k[:, :, :0], v[:, :, :0])  # no key: no descriptor to build
     # the packed layout, and launches torch.compile captures, take the cp.async kernel
     packed = torch.zeros(16, 2, 64, dtype=torch.float16)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
@@ -101,7 +102,8 @@ def test_tma_forward_matches_cp_async_and_reference(monkeypatch, dtype, D, heavy
     """The interpreter runs the kernel with TMA on (a device taken for sm_90, the variable set):
     the same bits as with TMA off, and the reference's output within low-precision tolerance.
     Two sequences of two heads, lengths ending mid-tile (the descriptors' zero fill at Sk, and at
-    D for d40), causal with a padding mask; heavy: with an additive mask and dropout too."""
+    D for d40), causal with a padding mask; heavy: with an additive mask and dropout too, and one
+    k / v head for both query heads (grouped-query: the descriptors of head h // 2)."""
     if not A.INTERPRET:
         pytest.skip("the interpreter forces the TMA path on a CPU; a GPU takes it on sm_90 only")
     monkeypatch.setattr(A, "_arch", lambda device: 90)
@@ -109,6 +111,8 @@ def test_tma_forward_matches_cp_async_and_reference(monkeypatch, dtype, D, heavy
     seen = _launched_tma(monkeypatch)
     q, k, v, kpm, am, dout = _inputs(2, 2, 37, 83, D, dtype=dtype, kpm_frac=0.2, mask="full" if heavy else None,
                                      seed=D)
+    if heavy:
+        k, v = k[:, :1], v[:, :1]
     scale = 1.0 / math.sqrt(D)
     p = 0.25 if heavy else 0.0
     args = (q, k, v, kpm, am, True, scale, p, philox.pack(3, 5))

@@ -461,11 +461,11 @@ def tma_layout_ok(t: torch.Tensor) -> bool:
 
 def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: "Layout", arch: int) -> bool:
     """Whether this forward streams K and V through tensor descriptors (the kernel's ``TMA``): asked
-    for (tma_requested), on sm_90 (``arch``, _arch's), the padded layout, fp16 / bf16, a BLOCK_D in
+    for (tma_requested), on sm_90 (``arch``, _arch's), the padded layout with keys, fp16 / bf16, a BLOCK_D in
     TMA_BLOCK_D, k and v within TMA's rules (tma_layout_ok), and not under torch.compile (its
     captured launch would run without the scratch allocator the launch installs). Otherwise the
     cp.async kernel runs. A few attribute reads a call."""
-    if arch != 90 or not tma_requested() or layout.varlen:
+    if arch != 90 or not tma_requested() or layout.varlen or layout.Sk == 0:  # Sk = 0: nothing to stream
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or _block_d(layout.D) not in TMA_BLOCK_D:
         return False
