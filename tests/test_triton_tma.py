@@ -93,20 +93,28 @@ def _launched_tma(monkeypatch):
     return seen
 
 
+def _sm90_or_interpreter(monkeypatch):
+    """Where the TMA kernel can run: Triton's interpreter (a CPU device taken for sm_90), or an
+    sm_90 GPU (the real bulk copies); skips elsewhere."""
+    if A.INTERPRET:
+        monkeypatch.setattr(A, "_arch", lambda device: 90)
+    elif not (torch.cuda.is_available() and A._arch(torch.device("cuda")) == 90):
+        pytest.skip("TMA runs in Triton's interpreter or on an sm_90 GPU; this GPU is neither")
+
+
 # ----------------------------------------------------------------------------------------------
-# The TMA kernel in the interpreter
+# The TMA kernel in the interpreter (and on an sm_90 GPU)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, D, heavy", [(torch.float16, 40, False), (torch.bfloat16, 128, True)],
                          ids=["fp16_d40_light", "bf16_d128_heavy"])
 def test_tma_forward_matches_cp_async_and_reference(monkeypatch, dtype, D, heavy):
     """The interpreter runs the kernel with TMA on (a device taken for sm_90, the variable set):
-    the same bits as with TMA off, and the reference's output within low-precision tolerance.
+    the same bits as with TMA off (on an sm_90 GPU: within a rounding), and the reference's output
+    within low-precision tolerance.
     Two sequences of two heads, lengths ending mid-tile (the descriptors' zero fill at Sk, and at
     D for d40), causal with a padding mask; heavy: with an additive mask and dropout too, and one
     k / v head for both query heads (grouped-query: the descriptors of head h // 2)."""
-    if not A.INTERPRET:
-        pytest.skip("the interpreter forces the TMA path on a CPU; a GPU takes it on sm_90 only")
-    monkeypatch.setattr(A, "_arch", lambda device: 90)
+    _sm90_or_interpreter(monkeypatch)
     monkeypatch.setenv(A.TMA_ENV, "1")
     seen = _launched_tma(monkeypatch)
     q, k, v, kpm, am, dout = _inputs(2, 2, 37, 83, D, dtype=dtype, kpm_frac=0.2, mask="full" if heavy else None,
@@ -120,7 +128,11 @@ def test_tma_forward_matches_cp_async_and_reference(monkeypatch, dtype, D, heavy
     monkeypatch.setenv(A.TMA_ENV, "0")
     out0, lse0 = A.attention_fwd(*args)
     assert seen == [True, False]
-    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    if A.INTERPRET:  # the same loads, the same arithmetic
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    else:  # the autotuner may pick other tiles for the two
+        assert_close("out vs cp.async", out.float(), out0.float(), atol=4e-3, rtol=4e-3)
+        assert_close("lse vs cp.async", lse, lse0, atol=1e-4, rtol=1e-4)
     want32 = _reference(q, k, v, kpm, am, dout, True, scale, p, 3, 5, dtype=torch.float32)
     wantlp = _reference(q, k, v, kpm, am, dout, True, scale, p, 3, 5, dtype=dtype)
     assert_close_lowp("out", out.float(), want32[0], wantlp[0].float(), factor=LOWP_FACTOR)
@@ -130,13 +142,11 @@ def test_tma_forward_matches_cp_async_and_reference(monkeypatch, dtype, D, heavy
 def test_tma_falls_back_where_the_rules_fail(monkeypatch):
     """With the variable set on "sm_90", a k whose rows are 72 bytes apart (D = 36 in a 36-wide
     buffer, BLOCK_D 64) runs the cp.async kernel, and so does every launch on sm_80."""
-    if not A.INTERPRET:
-        pytest.skip("the interpreter forces the TMA path on a CPU; a GPU takes it on sm_90 only")
+    _sm90_or_interpreter(monkeypatch)
     monkeypatch.setenv(A.TMA_ENV, "1")
     seen = _launched_tma(monkeypatch)
     q, k, v, _, _, dout = _inputs(1, 2, 20, 24, 36, dtype=torch.float16, seed=1)
     scale = 1.0 / 6
-    monkeypatch.setattr(A, "_arch", lambda device: 90)
     out, lse = A.attention_fwd(q, k, v, None, None, False, scale, 0.0, philox.pack(0, 0))
     monkeypatch.setattr(A, "_arch", lambda device: 80)
     q64, k64, v64 = (torch.nn.functional.pad(t, (0, 28)) for t in (q, k, v))  # 128-byte rows, d64
