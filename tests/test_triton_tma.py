@@ -79,6 +79,32 @@ def test_tma_decision(monkeypatch):
     assert not _eligible(q, k, v)
 
 
+class _Recorder:
+    """Stands for a Triton kernel: runs nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: None
+
+
+def test_tma_launches_are_tuned_apart(monkeypatch):
+    """On a GPU the TMA forward has its own autotuner (Triton's keys on the lengths and D, not on
+    constexprs such as TMA): the cp.async kernel's best tile is not reused untimed."""
+    monkeypatch.setattr(A, "_TUNERS", {})
+    assert A._tuned("fwd", A._attention_fwd, 64, 2, False, arch=90, tma=True) is not A._tuned(
+        "fwd", A._attention_fwd, 64, 2, False, arch=90)
+    tuners = []
+    monkeypatch.setattr(A, "INTERPRET", False)
+    monkeypatch.setattr(A, "first_config_only", lambda: False)
+    monkeypatch.setattr(A, "_tuned", lambda *a: tuners.append(a) or _Recorder())
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda fn: fn)
+    monkeypatch.setattr(A, "_arch", lambda device: 90)
+    q = torch.zeros(1, 1, 64, 64, dtype=torch.float16)
+    for env in ("1", "0"):
+        monkeypatch.setenv(A.TMA_ENV, env)
+        A.attention_fwd(q, q, q, None, None, False, 1.0, 0.0, torch.zeros(2, dtype=torch.int64))
+    assert [t[10] for t in tuners] == [True, False]  # _tuned's ``tma``
+
+
 def _launched_tma(monkeypatch):
     """The TMA constexpr of every forward launch from now on."""
     seen = []

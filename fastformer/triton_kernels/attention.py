@@ -585,11 +585,12 @@ _TUNERS = {}
 
 
 def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False,
-           arch: int = 80, short: bool = False, tf32: bool = False):
+           arch: int = 80, short: bool = False, tf32: bool = False, tma: bool = False):
     """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
-    layout, bias or not, config family, short lengths or not, tf32 dots or not), keyed on the sequence-length
-    buckets and the head dim."""
-    key = (kind, block_d, elt, heavy, varlen, rel, arch, short, tf32)
+    layout, bias or not, config family, short lengths or not, tf32 dots or not, TMA or not), keyed on
+    the sequence-length buckets and the head dim (Triton's autotuner does not key on constexprs: the
+    TMA and cp.async forwards are tuned apart only by having a tuner each)."""
+    key = (kind, block_d, elt, heavy, varlen, rel, arch, short, tf32, tma)
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
         # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
@@ -734,7 +735,8 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta, arch=80, short=False):
             launch = _first_config(kind, block_d, elt, heavy, varlen, rel, arch, tf32)
             kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
-            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short, tf32))[grid_of](*args, **meta)
+            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short, tf32,
+                          meta.get("TMA", False)))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
