@@ -79,6 +79,37 @@ def test_tma_decision(monkeypatch):
     assert not _eligible(q, k, v)
 
 
+def test_tma_scratch_allocator_is_set_for_the_launch_only():
+    """The descriptors' scratch hook: torch memory on the launch's device inside the scope, and the
+    allocator that was set before (here a sentinel) back after it, also when the launch raises."""
+    import triton
+    from triton.runtime import _allocation
+
+    def sentinel(size, alignment, stream):
+        raise AssertionError("the caller's allocator was used inside the launch")
+
+    token = _allocation._allocator.set(sentinel)
+    try:
+        with A._tma_scratch(torch.device("cpu")):
+            buf = _allocation._allocator.get()(256, 128, None)
+            assert buf.dtype == torch.int8 and buf.numel() == 256 and buf.device.type == "cpu"
+        assert _allocation._allocator.get() is sentinel
+        with pytest.raises(ValueError, match="launch failed"):
+            with A._tma_scratch(torch.device("cpu")):
+                raise ValueError("launch failed")
+        assert _allocation._allocator.get() is sentinel
+    finally:
+        _allocation._allocator.reset(token)
+    # the hook _tma_scratch sets is the one triton.set_allocator sets (a Triton upgrade that moves
+    # it fails here, not silently on a GPU)
+    token = _allocation._allocator.set(sentinel)
+    try:
+        triton.set_allocator(None)
+        assert _allocation._allocator.get() is None
+    finally:
+        _allocation._allocator.reset(token)
+
+
 class _Recorder:
     """Stands for a Triton kernel: runs nothing."""
 
