@@ -112,7 +112,7 @@ def test_attention_tf32_launch_takes_its_own_configs(monkeypatch, deterministic_
             [(_, kw)] = calls
             first[precision] = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
             A._launch(kind, Recorder("kernel", calls), lambda blocks: (1,), block_d, 4, (), meta)
-            assert tuned[-1][-1] is (precision == "tf32"), tuned[-1]  # the autotuner's configs too
+            assert tuned[-1][9] is (precision == "tf32"), tuned[-1]  # _tuned's tf32: the autotuner's configs too
             want = A._configs(kind, block_d, 4, True, varlen, rel, 80, False, precision == "tf32")[0]
             assert first[precision] == (want.kwargs["BLOCK_M"], want.kwargs["BLOCK_N"], want.num_warps,
                                         want.num_stages)

@@ -27,11 +27,16 @@ step. The environment variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import)
 two-kernel backward (dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot
 run the fused kernel's PTX inline asm).
 
+``FASTFORMER_TRITON_TMA=1`` (read at each launch; off by default, untimed) streams K and V of the
+padded forward at d64 / d128 (fp16 / bf16) on sm_90 through tensor descriptors (TMA) where their
+layout allows (tma_eligible; HOPPER.md).
+
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
 (a :class:`Layout` says which); ``forward`` / ``backward`` are the launch code both ops' host
 functions share.
 """
+import contextlib
 import functools
 import os
 from typing import List, NamedTuple, Optional, Tuple
@@ -42,7 +47,8 @@ import triton.language as tl
 
 from . import attention_backward as kernels
 from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
-                              key_tile_scores, load_rows, program_sequence, rel_row, stats_row, store_rows)
+                              key_tile_scores, load_rows, masked_scores, program_sequence, rel_row, stats_row,
+                              store_rows)
 from .matmul import input_precision
 from .registration import kernel, register_op
 from ..philox import attention_keep_scale, attention_threshold
@@ -62,14 +68,24 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs
                         seed, rng_base, drop_cols, drop_threshold, drop_scale, rel_base, R, pos0,
                         MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                        HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+                        HAS_REL: tl.constexpr, INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr,
+                        TMA: tl.constexpr):
     """One key tile of the online softmax (queries ``offs_m`` from ``start_m``): returns the updated
     (acc, l_i, m_i). ``Sq``, ``Sk``: this sequence's lengths; ``drop_cols``: the dropout rows' width
-    (keep_tile's ``Sk``); ``rel_base``, ``R``, ``pos0``: the relative position bias (masked_scores)."""
-    k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
-                              stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
-                              pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,
-                              LARGE_OFFSETS)
+    (keep_tile's ``Sk``); ``rel_base``, ``R``, ``pos0``: the relative position bias (masked_scores).
+    With TMA ``k_base`` / ``v_base`` are the head's (Sk, D) tensor descriptors (block (BN, BD))."""
+    if TMA:  # the descriptor zero-fills rows past Sk and columns past D, as load_rows' masks do
+        k = k_base.load([start_n, 0])  # (BN, BD)
+        v = v_base.load([start_n, 0])  # (BN, BD)
+        qk = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32), INPUT_PRECISION)
+        s = masked_scores(qk, offs_m[:, None], (start_n + offs_n)[None, :], kpm_base, stride_kpm_n, am_base,
+                          stride_am_m, stride_am_n, Sq, Sk, qk_scale, rel_base, R, pos0, MASK_EDGE, HAS_KPM,
+                          HAS_MASK, IS_CAUSAL, HAS_REL, LARGE_OFFSETS)  # (BM, BN)
+    else:
+        k, v, s = key_tile_scores(q, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn, kpm_base,
+                                  stride_kpm_n, am_base, stride_am_m, stride_am_n, Sq, Sk, D, qk_scale, rel_base, R,
+                                  pos0, MASK_EDGE, EVEN_D, HAS_KPM, HAS_MASK, IS_CAUSAL, HAS_REL, INPUT_PRECISION,
+                                  LARGE_OFFSETS)
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible so far
     alpha = tl.exp2(m_i - m_safe)
@@ -142,6 +158,7 @@ def _attention_fwd(
     LARGE_OFFSETS: tl.constexpr,  # some row or mask offset of one head passes 2**31: int64 offsets
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
+    TMA: tl.constexpr,  # K and V through device-side tensor descriptors (sm_90's TMA; tma_eligible)
 ):
     start_m, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
                                                            BLOCK_M, False, IS_CAUSAL, VARLEN)
@@ -158,6 +175,14 @@ def _attention_fwd(
     k_base, v_base, kpm_base, am_base, rng_base = key_bases(
         K, V, KPM, AM, rng_offset, b64, h, h64, H, Sq, Sk, k0, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_kpm_b, stride_am_b, stride_am_h, KV_GROUP)
+    if TMA:
+        # one (Lk, D) descriptor per tensor and program, built in the kernel (128 B of the launch's
+        # global scratch each, triton.set_allocator's): TMA copies each (BN, BD) tile into shared
+        # memory, cp.async.bulk.tensor where the default is cp.async (HOPPER.md)
+        k_base = tl.make_tensor_descriptor(k_base, shape=[Lk, D], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[Lk, D], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
     rel_base = rel_row(RelBias, b64, h64, R)
     pos0 = Lk - Lq + rel_shift
     qk_scale = scale * LOG2E
@@ -171,13 +196,13 @@ def _attention_fwd(
             acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
             rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM, HAS_MASK,
-            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS, TMA)
     for start_n in range(full_hi, hi, BLOCK_N):  # the causal diagonal and the ragged key tail
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs_d, k_base, stride_kn, v_base, stride_vn,
             kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D, qk_scale, seed,
             rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM, HAS_MASK,
-            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+            IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS, TMA)
 
     empty = l_i == 0.0  # no visible key: output 0, lse +inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -407,6 +432,64 @@ def _cuda_arch(index: int) -> int:
     return 90 if torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9 else 80
 
 
+# TMA (tensor descriptors) for the forward's K / V stream: opt-in (FASTFORMER_TRITON_TMA=1, read at
+# each launch) until a GPU times it against the cp.async stream; padded layout, fp16 / bf16, these
+# BLOCK_D buckets, sm_90 only (HOPPER.md, "TMA (tensor descriptors)")
+TMA_ENV = "FASTFORMER_TRITON_TMA"
+TMA_BLOCK_D = (64, 128)
+
+
+def tma_requested() -> bool:
+    """Whether the environment asks for the TMA forward (``FASTFORMER_TRITON_TMA=1``)."""
+    return os.environ.get(TMA_ENV, "0") == "1"
+
+
+def tma_layout_ok(t: torch.Tensor) -> bool:
+    """Whether a (..., rows, D) tensor meets TMA's rules for the descriptors the kernel builds from
+    its heads: contiguous in D, ``D * element size >= 16``, a 16-byte aligned base and every other
+    stride a multiple of 16 bytes (a size-1 dimension's stride is never applied: not checked)."""
+    elt = t.element_size()
+    if t.dim() < 2 or t.shape[-1] * elt < 16 or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        return False
+    try:
+        if t.data_ptr() % 16:
+            return False
+    except RuntimeError:  # a fake tensor (tracing) has no address: the cp.async kernel
+        return False
+    return all(stride * elt % 16 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+
+
+def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: "Layout", arch: int) -> bool:
+    """Whether this forward streams K and V through tensor descriptors (the kernel's ``TMA``): asked
+    for (tma_requested), on sm_90 (``arch``, _arch's), the padded layout with keys, fp16 / bf16, a BLOCK_D in
+    TMA_BLOCK_D, k and v within TMA's rules (tma_layout_ok), and not under torch.compile (its
+    captured launch would run without the scratch allocator the launch installs). Otherwise the
+    cp.async kernel runs. A few attribute reads a call."""
+    if arch != 90 or not tma_requested() or layout.varlen or layout.Sk == 0:  # Sk = 0: nothing to stream
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or _block_d(layout.D) not in TMA_BLOCK_D:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return tma_layout_ok(k) and tma_layout_ok(v)
+
+
+@contextlib.contextmanager
+def _tma_scratch(device: torch.device):
+    """The device-side descriptors' global scratch, for one launch: triton.set_allocator's hook
+    is a ContextVar (this thread's, this context's), set here to allocate from torch's caching
+    allocator on ``device`` and reset to whatever was there before (the user's, Inductor's, or
+    none) when the launch returns. The buffer is freed after the launch is queued, which torch's
+    stream-ordered allocator makes safe (the kernel runs on the current stream, as torch's ops do)."""
+    from triton.runtime import _allocation  # the ContextVar itself: its token restores exactly
+    token = _allocation._allocator.set(
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
 MAX_PROGRAMS = 2**31 - 1  # CUDA's limit on grid axis 0 (axes 1 and 2: 65,535)
 
 
@@ -502,11 +585,12 @@ _TUNERS = {}
 
 
 def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False,
-           arch: int = 80, short: bool = False, tf32: bool = False):
+           arch: int = 80, short: bool = False, tf32: bool = False, tma: bool = False):
     """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
-    layout, bias or not, config family, short lengths or not, tf32 dots or not), keyed on the sequence-length
-    buckets and the head dim."""
-    key = (kind, block_d, elt, heavy, varlen, rel, arch, short, tf32)
+    layout, bias or not, config family, short lengths or not, tf32 dots or not, TMA or not), keyed on
+    the sequence-length buckets and the head dim (Triton's autotuner does not key on constexprs: the
+    TMA and cp.async forwards are tuned apart only by having a tuner each)."""
+    key = (kind, block_d, elt, heavy, varlen, rel, arch, short, tf32, tma)
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
         # benchmarked config writes its own rows, so the tuner zeroes it again before the real run
@@ -651,7 +735,8 @@ def _launch(kind, fn, grid_of, block_d, elt, args, meta, arch=80, short=False):
             launch = _first_config(kind, block_d, elt, heavy, varlen, rel, arch, tf32)
             kernel(fn)[grid_of(launch)](*args, **meta, **launch)
         else:
-            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short, tf32))[grid_of](*args, **meta)
+            kernel(_tuned(kind, fn, block_d, elt, heavy, varlen, rel, arch, short, tf32,
+                          meta.get("TMA", False)))[grid_of](*args, **meta)
 
 
 def _grad_like(x: torch.Tensor) -> torch.Tensor:
@@ -736,10 +821,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
             *kpm_strides, *am_strides, H, Sq, Sk, layout.total_q, layout.total_k, D, float(scale), *rng,
             threshold, drop_scale, R, rel_shift, _tune_bucket(Sq), _tune_bucket(Sk))
     large = _large_offsets(Sq, Sk, (qs[2], outs[2]), (ks[2], vs[2]), am_strides, kpm_strides)
-    meta = _meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large, kv_group(layout, k),
-                 rel_bias)
-    _launch("fwd", _attention_fwd, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B), block_d,
-            q.element_size(), args, meta, _arch(q.device), _short(Sq, Sk))
+    arch = _arch(q.device)
+    tma = tma_eligible(q, k, v, layout, arch)
+    meta = dict(_meta(q, layout, block_d, key_padding_mask, attn_mask, is_causal, has_dropout, large,
+                      kv_group(layout, k), rel_bias), TMA=tma)
+    with _tma_scratch(q.device) if tma else contextlib.nullcontext():
+        _launch("fwd", _attention_fwd, lambda META: attention_grid(Sq, META["BLOCK_M"], H, B), block_d,
+                q.element_size(), args, meta, arch, _short(Sq, Sk))
     return out, lse
 
 
@@ -961,7 +1049,7 @@ def kernel_specs(prefix: str, classes: dict, varlen: bool = False) -> List[dict]
             for block_d in BLOCK_D_BUCKETS:
                 for cls, (heavy, features) in classes.items():
                     features = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION=precision, LARGE_OFFSETS=False,
-                                    KV_GROUP=1,
+                                    KV_GROUP=1, TMA=False,
                                     **features, **_absent_pointers(features))
                     for kind, fn in kinds.items():
                         if fused and kind in ("dkdv", "dq") and (dtype, block_d) not in TWO_KERNEL_SAMPLE:
@@ -1010,19 +1098,51 @@ def _types(ptr: str) -> dict:
     return types
 
 
+# The padded op's feature classes, each with all its features on: {name: (heavy, constexprs)}
+_PADDED_CLASSES = {
+    "light": (False, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
+                          VARLEN=False)),
+    "heavy": (True, dict(HAS_KPM=True, HAS_MASK=True, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
+                         VARLEN=False)),
+    "rel": (True, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
+                       VARLEN=False)),
+}
+
+
+def tma_specs(dtypes=(torch.float16, torch.bfloat16), block_ds=TMA_BLOCK_D, classes=("light", "heavy", "rel"),
+              ) -> List[dict]:
+    """The TMA forward's specs (``TMA=True``): sm_90's first choice of each dtype, BLOCK_D bucket
+    and class, for sm_90 only (names ``..._sm90_tma``). Not in aot_specs() unless TMA is asked for
+    (tma_requested): an opt-in's 12 compiles stay out of the default AOT run; the tests compile two."""
+    specs = []
+    for dtype in dtypes:
+        ptr = _PTR[dtype]
+        elt = torch.empty((), dtype=dtype).element_size()
+        for block_d in block_ds:
+            for cls in classes:
+                heavy, features = _PADDED_CLASSES[cls]
+                cfg = _configs("fwd", block_d, elt, heavy, False, features["HAS_REL"], 90)[0]
+                bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+                constexprs = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION="ieee", LARGE_OFFSETS=False,
+                                  KV_GROUP=1, TMA=True, **features, **_absent_pointers(features), **cfg.kwargs)
+                constexprs = {k: c for k, c in constexprs.items() if k in _attention_fwd.arg_names}
+                spec = _spec(f"attention_fwd_{ptr[1:]}_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}"
+                             f"_s{cfg.num_stages}_sm90_tma", _attention_fwd, _types(ptr), constexprs, cfg.num_warps,
+                             cfg.num_stages)
+                spec["ccs"] = [90]
+                specs.append(spec)
+    return specs
+
+
 def aot_specs() -> List[dict]:
     """One spec per kernel specialisation the padded op's host code launches on a GPU (see
     kernel_specs): "light" = padding mask + causal, "heavy" = those + additive mask + dropout,
     "rel" = padding mask + causal + dropout + relative position bias (T5's call; with an additive
     mask too, the largest fp32 tiles may spill a few bytes). The preprocess kernel (the varlen
     op's too) runs at its one fixed block."""
-    specs = kernel_specs("attention", {
-        "light": (False, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
-                              VARLEN=False)),
-        "heavy": (True, dict(HAS_KPM=True, HAS_MASK=True, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
-                             VARLEN=False)),
-        "rel": (True, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
-                           VARLEN=False))})
+    specs = kernel_specs("attention", _PADDED_CLASSES)
+    if tma_requested():  # FASTFORMER_TRITON_TMA=1 python -m fastformer.triton_kernels.aot --cc 90 --match _tma
+        specs += tma_specs()
     for ptr in _PTR.values():
         for block_d in BLOCK_D_BUCKETS:
             specs.append(_spec(f"attention_bwd_preprocess_{ptr[1:]}_d{block_d}", kernels._attention_bwd_preprocess,
