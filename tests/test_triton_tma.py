@@ -218,21 +218,15 @@ def test_tma_falls_back_where_the_rules_fail(monkeypatch):
 # Ahead of time for sm_90: bulk tensor copies, no spills
 # ----------------------------------------------------------------------------------------------
 _AOT_SCRIPT = r"""
-import json, os, re, subprocess, tempfile
+import json, re
 import torch
 from fastformer.triton_kernels import aot, attention as A
-from triton import knobs
 specs = (A.tma_specs((torch.float16,), (64,), ("light",)) + A.tma_specs((torch.bfloat16,), (128,), ("heavy",)))
 out = {}
 for spec in specs:
     kernel, log = aot._compile(spec, spec["ccs"][0])
     row = aot._resources(kernel, 90, log)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+    sass = aot.sass(kernel)
     out[spec["name"]] = dict(row, ccs=spec["ccs"], bulk=kernel.asm["ptx"].count("cp.async.bulk.tensor"),
                              UTMALDG=len(re.findall(r"\bUTMALDG\b", sass)), HGMMA=len(re.findall(r"\bHGMMA\.", sass)),
                              HMMA=len(re.findall(r"\bHMMA\.", sass)), scratch=kernel.metadata.global_scratch_size)

@@ -197,6 +197,17 @@ def _measure(kernel, cc, log):
             "spill_stores": sum(int(s) for s, _ in spills), "spill_loads": sum(int(l) for _, l in spills)}
 
 
+def sass(kernel) -> str:
+    """A compiled kernel's SASS (``cuobjdump -sass`` of its cubin, the copy bundled with Triton):
+    what the tests that count instructions (HGMMA, UTMALDG) read."""
+    from triton import knobs
+    with tempfile.TemporaryDirectory(prefix="ff_aot_") as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return _run([knobs.nvidia.cuobjdump.path, "-sass", cubin])
+
+
 def compile_one(module_name, index, cc):
     """Compile spec ``index`` of ``module_name`` for compute capability ``cc`` (a worker's job)."""
     _no_interpreter()
