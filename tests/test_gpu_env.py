@@ -57,6 +57,15 @@ def test_missing_requirements_honour_pins():
                            installed) == ["hypothesis", "transformers==5.24.0"]
 
 
+def test_missing_requirements_honour_ranges():
+    # the Makefile's DEPS has ninja>=1.12: an older ninja must be installed over, a newer one kept
+    installed = {"ninja": "1.11.1.4", "torch": "2.13.0+cu130", "numpy": "2.3.0", "tqdm": "4.67.0rc1"}
+    assert gpu_env.missing(["ninja>=1.12", "torch==2.13.0", "numpy>=2,<3", "numpy<2", "tqdm>=4"],
+                           installed) == ["ninja>=1.12", "numpy<2", "tqdm>=4"]  # tqdm: a pre-release, pip decides
+    assert gpu_env.missing(["ninja>=1.12", "ninja!=1.13", "ninja>1.13"], {"ninja": "1.13"}) == [
+        "ninja!=1.13", "ninja>1.13"]
+
+
 def test_offline_pip_is_one_line_and_not_a_failure(tmp_path, monkeypatch, capsys):
     venv = tmp_path / "v"
     monkeypatch.setattr(gpu_env, "why_no_gpu", lambda: None)

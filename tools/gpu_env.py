@@ -90,13 +90,40 @@ def requirement_name(req: str) -> Tuple[str, Optional[str]]:
     return re.sub(r"[-_.]+", "-", m.group(1)).lower(), m.group(2)
 
 
+def _release(version: str) -> Optional[Tuple[int, ...]]:
+    """The release numbers of a plain ``N(.N)*`` version (a local ``+cu130`` ignored), else None."""
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(?:\+[A-Za-z0-9.]+)?", version.strip())
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, ">=": lambda a, b: a >= b,
+            "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
+
+
+def satisfies(version: str, req: str) -> bool:
+    """Whether ``version`` meets every ``op version`` clause of ``req`` (e.g. ``ninja>=1.12,<2``).
+    Only plain release numbers are compared (packaging is not installed yet where this runs): a
+    clause or version it cannot read counts as unmet, so that pip, which reads them all, decides."""
+    clauses = re.sub(r"^\s*[A-Za-z0-9_.\-]+\s*", "", req.split(";")[0])
+    have = _release(version)
+    for clause in filter(None, (c.strip() for c in clauses.split(","))):
+        m = re.fullmatch(r"(==|!=|>=|<=|>|<)\s*(\S+)", clause)
+        want = _release(m.group(2)) if m else None
+        if have is None or want is None:
+            return False
+        n = max(len(have), len(want))  # 1.12 == 1.12.0
+        if not _COMPARE[m.group(1)](have + (0,) * (n - len(have)), want + (0,) * (n - len(want))):
+            return False
+    return True
+
+
 def missing(requirements: Sequence[str], installed: Dict[str, str]) -> List[str]:
     """The requirements that ``installed`` (normalised name -> version) does not satisfy: absent,
-    or another version than a ``==`` pin."""
+    or a version outside the requirement's clauses (``==``, ``>=``, ...)."""
     out = []
     for req in requirements:
-        name, pin = requirement_name(req)
-        if name not in installed or (pin is not None and installed[name] != pin):
+        name, _ = requirement_name(req)
+        if name not in installed or not satisfies(installed[name], req):
             out.append(req)
     return out
 
