@@ -26,14 +26,12 @@ from . import _ext
 
 
 def _module():
-    if os.environ.get("FASTFORMER_EXT_LIBRARY"):
-        raise RuntimeError("fastformer.cpu_pool needs the installed extension fastformer._C; it is not "
-                           "available while FASTFORMER_EXT_LIBRARY loads a private build")
-    error = _ext.load_error()
-    if error is not None:
-        raise RuntimeError(error)
-    from . import _C
-    return _C
+    # fastformer._C, or the private build FASTFORMER_EXT_LIBRARY loads instead (its pool is then
+    # the one the kernels allocate from: only that library is loaded)
+    ext = _ext.module()
+    if ext is None:
+        raise RuntimeError(_ext.load_error() or "the C++ extension fastformer._C could not be loaded")
+    return ext
 
 
 def stats() -> Dict[str, int]:

@@ -15,8 +15,6 @@ from fastformer.ops import reference
 
 pytestmark = pytest.mark.skipif(not fastformer.backends.availability("cpu", "cpu"),
                                 reason="the C++ extension is not built")
-if os.environ.get("FASTFORMER_EXT_LIBRARY"):
-    pytestmark = pytest.mark.skip(reason="cpu_pool needs the installed fastformer._C, not a private build")
 
 MiB = 2**20
 
