@@ -119,6 +119,25 @@ def test_an_entry_is_the_registered_op_with_philox_drawn(op, p):
     assert torch.equal(got_state, want_state)
 
 
+@pytest.mark.parametrize("op", ["feed_forward", "embedding"])
+def test_the_profiler_sees_an_entrys_input_shapes_as_the_registered_ops(op):
+    # record_shapes: the entry's event lists what the registered op's does, less its philox pair
+    def shapes(call):
+        args, at, _ = _case(op, 0.0, torch.Generator().manual_seed(1))
+        with torch.no_grad(), torch.profiler.profile(record_shapes=True) as prof:
+            if call == "registered":
+                getattr(torch.ops.fastformer, op)(*args[:at], philox.draw(0.0, CPU), *args[at:])
+            else:
+                getattr(_ext.module(), op + "_eager")(*args)
+        (event,) = [e for e in prof.events() if e.name == f"fastformer::{op}"]
+        return [list(s) for s in event.input_shapes], at
+
+    want, at = shapes("registered")
+    got, _ = shapes("entry")
+    assert want[at] == [2]  # the philox pair
+    assert got == want[:at] + want[at + 1:] and got[0] != []
+
+
 def test_an_entry_answers_none_where_the_op_refuses_the_call():
     entry = _ext.module().add_layer_norm_eager
     x, w, b = torch.randn(4, 8), torch.ones(8), torch.zeros(8)

@@ -149,7 +149,10 @@ PyObject* feed_forward_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (!a.ok) Py_RETURN_NONE;
   Tensor out;
   {
-    RECORD_FUNCTION("fastformer::feed_forward", std::vector<c10::IValue>());
+    // the inputs are built only while a profiler (or another RecordFunction callback) listens,
+    // so that record_shapes shows them as for the registered op
+    RECORD_FUNCTION("fastformer::feed_forward",
+                    std::vector<c10::IValue>({*x, *w1, b1, *w2, b2, std::string(activation), dropout_p, w3, b3}));
     pybind11::gil_scoped_release no_gil;  // as the registered op's call from Python
     out = feed_forward(*x, *w1, b1, *w2, b2, activation, dropout_p, ff_philox_for(dropout_p, *a.device), w3, b3);
   }
