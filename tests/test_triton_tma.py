@@ -172,13 +172,18 @@ def test_tma_launches_are_tuned_apart(monkeypatch):
 
 
 def _launched_tma(monkeypatch, kinds=("fwd",)):
-    """The TMA constexpr of every launch of these kinds from now on (the forward's by default)."""
+    """The TMA constexpr of every launch of these kinds from now on (the forward's by default);
+    checks that each TMA launch runs inside _tma_scratch (the descriptors' scratch allocator, which
+    the interpreter does not ask for but a GPU launch does) and each other one outside it."""
+    from triton.runtime import _allocation
     seen = []
     launch = A._launch
+    outside = _allocation._allocator.get()
 
     def spy(kind, fn, grid_of, block_d, elt, args, meta, *rest):
         if kind in kinds:
             seen.append(meta["TMA"])
+            assert (_allocation._allocator.get() is not outside) == meta["TMA"], (kind, meta["TMA"])
         return launch(kind, fn, grid_of, block_d, elt, args, meta, *rest)
 
     monkeypatch.setattr(A, "_launch", spy)
