@@ -27,9 +27,10 @@ step. The environment variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import)
 two-kernel backward (dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot
 run the fused kernel's PTX inline asm).
 
-``FASTFORMER_TRITON_TMA=1`` (read at each launch; off by default, untimed) streams K and V of the
-padded forward at d64 / d128 (fp16 / bf16) on sm_90 through tensor descriptors (TMA) where their
-layout allows (tma_eligible; HOPPER.md).
+``FASTFORMER_TRITON_TMA=1`` (read at each launch; off by default, untimed) streams the forward's K
+and V and the dK/dV kernel's Q and dO tiles (and its K / V) at d64 / d128 (fp16 / bf16) on sm_90
+through tensor descriptors (TMA), padded and packed, where the layouts allow (tma_eligible;
+HOPPER.md).
 
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
@@ -437,6 +438,10 @@ def _cuda_arch(index: int) -> int:
 # buckets, sm_90 only (HOPPER.md, "TMA (tensor descriptors)")
 TMA_ENV = "FASTFORMER_TRITON_TMA"
 TMA_BLOCK_D = (64, 128)
+# the dK/dV kernel's BLOCK_D buckets with TMA for the heavy classes (dropout, an additive mask, a
+# bias): at d128 their first choices (mma.sync tiles at ~170-210 registers) reach 255 with the
+# descriptors and spill 216-804 B (HOPPER.md), so d128 takes TMA in the light class only
+TMA_BWD_HEAVY_BLOCK_D = (64,)
 
 
 def tma_requested() -> bool:
@@ -906,7 +911,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                      if rel is not None else None)
         # TMA: the dK/dV kernel's Q / dO tiles (and its K / V) through descriptors (tma_eligible);
         # the two-kernel path's dQ kernel stays on cp.async
-        tma = tma_eligible(q, k, v, layout, arch, q, dout)
+        tma = (block_d in TMA_BWD_HEAVY_BLOCK_D or not _heavy(meta)) and tma_eligible(q, k, v, layout, arch, q, dout)
         with _tma_scratch(q.device) if tma else contextlib.nullcontext():
             _launch("dkdv_dq" if fused else "dkdv", kernels._attention_bwd_dkdv,
                     lambda META: attention_grid(Sk, META["BLOCK_N"], H, B), block_d, elt,
@@ -1133,8 +1138,9 @@ def tma_specs(dtypes=(torch.float16, torch.bfloat16), block_ds=TMA_BLOCK_D, clas
     """The TMA kernels' specs (``TMA=True``): the forward ("fwd") and the dK/dV kernel ("bwd": making
     dQ too with FUSED_DQ, "dkdvdq" names), padded or packed (``varlen``: "attention_varlen_"
     names), sm_90's first choice of each dtype, BLOCK_D bucket and class, for sm_90 only (names
-    ``..._sm90_tma``). Not in aot_specs() unless TMA is asked for (tma_requested): an opt-in's 24
-    compiles a layout stay out of the default AOT run; the tests compile a few."""
+    ``..._sm90_tma``; the backward's where it takes TMA: TMA_BWD_HEAVY_BLOCK_D). Not in aot_specs()
+    unless TMA is asked for (tma_requested): an opt-in's 20 compiles a layout stay out of the
+    default AOT run; the tests compile a few."""
     specs = []
     prefix, feature_classes = ("attention_varlen", _VARLEN_CLASSES) if varlen else ("attention", _PADDED_CLASSES)
     for dtype in dtypes:
@@ -1144,6 +1150,8 @@ def tma_specs(dtypes=(torch.float16, torch.bfloat16), block_ds=TMA_BLOCK_D, clas
             for cls in classes:
                 heavy, features = feature_classes[cls]
                 for kind in kinds:
+                    if kind == "bwd" and heavy and block_d not in TMA_BWD_HEAVY_BLOCK_D:
+                        continue  # backward() launches the cp.async kernel there
                     if kind == "fwd":
                         fn, launch_kind, extra = _attention_fwd, "fwd", {}
                     else:  # what backward() launches: FUSED_DQ's dK/dV + dQ, or dK/dV alone

@@ -27,6 +27,10 @@ With FUSED_DQ (attention.FUSED_DQ: the default, padded and packed; FASTFORMER_TR
 turns it off; BACKWARD.md) the dK/dV kernel also makes dQ, adding each query tile's dS K to one
 fp32 accumulator in key-block order (_dq_tile_add), and the dQ kernel does not run: the dropout
 bits are made twice a training step instead of three times.
+
+With TMA (attention.tma_eligible: FASTFORMER_TRITON_TMA=1 on sm_90) the dK/dV kernel loads its K / V
+tile and each step's Q and dO tiles through device-side tensor descriptors (attention_tiles.tma_rows,
+one per tensor and program, the sequence's rows with VARLEN); the dQ kernel stays on cp.async.
 """
 import triton
 import triton.language as tl
