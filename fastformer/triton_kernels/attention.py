@@ -439,7 +439,7 @@ def _cuda_arch(index: int) -> int:
 TMA_ENV = "FASTFORMER_TRITON_TMA"
 TMA_BLOCK_D = (64, 128)
 # the dK/dV kernel's BLOCK_D buckets with TMA for the heavy classes (dropout, an additive mask, a
-# bias): at d128 their first choices (mma.sync tiles at ~170-210 registers) reach 255 with the
+# bias): at d128 their first choices (mma.sync tiles at 170-211 registers) reach 255 with the
 # descriptors and spill 216-804 B (HOPPER.md), so d128 takes TMA in the light class only
 TMA_BWD_HEAVY_BLOCK_D = (64,)
 
