@@ -74,7 +74,8 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs
     """One key tile of the online softmax (queries ``offs_m`` from ``start_m``): returns the updated
     (acc, l_i, m_i). ``Sq``, ``Sk``: this sequence's lengths; ``drop_cols``: the dropout rows' width
     (keep_tile's ``Sk``); ``rel_base``, ``R``, ``pos0``: the relative position bias (masked_scores).
-    With TMA ``k_base`` / ``v_base`` are the head's (Sk, D) tensor descriptors (block (BN, BD))."""
+    With TMA ``k_base`` / ``v_base`` are the head's (Sk, D) tensor descriptors (block (BN, BD); VARLEN: the
+    sequence's rows)."""
     if TMA:  # the descriptor zero-fills rows past Sk and columns past D, as load_rows' masks do
         k = k_base.load([start_n, 0])  # (BN, BD)
         v = v_base.load([start_n, 0])  # (BN, BD)
