@@ -233,14 +233,16 @@ def test_tma_forward_and_backward_match_cp_async_and_reference(monkeypatch, dtyp
     scale = 1.0 / math.sqrt(D)
     p = 0.25 if heavy else 0.0
     args = (q, k, v, kpm, am, True, scale, p, philox.pack(3, 5))
+    bwd_tma = not heavy or A._block_d(D) in A.TMA_BWD_HEAVY_BLOCK_D
+    assert bwd_tma == (D != 128)
     got = {}
     for env in ("1", "0"):
         monkeypatch.setenv(A.TMA_ENV, env)
         out, lse = A.attention_fwd(*args)
-        dq, dk, dv, _ = A.attention_bwd(dout, q, k, v, out, lse, *args[3:])
-        got[env] = (out, lse, dq, dk, dv)
-    bwd_tma = not heavy or A._block_d(D) in A.TMA_BWD_HEAVY_BLOCK_D
-    assert seen == [True, bwd_tma, False, False] and bwd_tma == (D != 128)
+        if env == "1" or bwd_tma:  # else the cp.async backward ran already: once is enough
+            grads = A.attention_bwd(dout, q, k, v, out, lse, *args[3:])[:3]
+        got[env] = (out, lse, *grads)
+    assert seen == [True, bwd_tma, False] + [False] * bwd_tma
     _equal_or_close(("out", "lse", "dq", "dk", "dv"), got["1"], got["0"])
     want32 = _reference(q, k, v, kpm, am, dout, True, scale, p, 3, 5, dtype=torch.float32)
     wantlp = _reference(q, k, v, kpm, am, dout, True, scale, p, 3, 5, dtype=dtype)
