@@ -27,9 +27,10 @@ step. The environment variable ``FASTFORMER_TRITON_FUSED_DQ=0`` (read at import)
 two-kernel backward (dK/dV, then dQ: the bits three times; the default on ROCm, whose Triton cannot
 run the fused kernel's PTX inline asm).
 
-``FASTFORMER_TRITON_TMA=1`` (read at each launch; off by default, untimed) streams K and V of the
-padded forward at d64 / d128 (fp16 / bf16) on sm_90 through tensor descriptors (TMA) where their
-layout allows (tma_eligible; HOPPER.md).
+``FASTFORMER_TRITON_TMA=1`` (read at each launch; off by default, untimed) streams the forward's K
+and V and the dK/dV kernel's Q and dO tiles (and its K / V) at d64 / d128 (fp16 / bf16) on sm_90
+through tensor descriptors (TMA), padded and packed, where the layouts allow (tma_eligible;
+HOPPER.md).
 
 The same kernels run ``fastformer.ops.attention_varlen`` (attention_varlen.py) with ``VARLEN``:
 each grid entry b is then a packed sequence whose rows and lengths come from ``cu_seqlens``
@@ -48,7 +49,7 @@ import triton.language as tl
 from . import attention_backward as kernels
 from .attention_tiles import (LN2, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
                               key_tile_scores, load_rows, masked_scores, program_sequence, rel_row, stats_row,
-                              store_rows)
+                              store_rows, tma_rows)
 from .matmul import input_precision
 from .registration import kernel, register_op
 from ..philox import attention_keep_scale, attention_threshold
@@ -73,7 +74,8 @@ def _attention_fwd_tile(acc, l_i, m_i, q, start_m, start_n, offs_m, offs_n, offs
     """One key tile of the online softmax (queries ``offs_m`` from ``start_m``): returns the updated
     (acc, l_i, m_i). ``Sq``, ``Sk``: this sequence's lengths; ``drop_cols``: the dropout rows' width
     (keep_tile's ``Sk``); ``rel_base``, ``R``, ``pos0``: the relative position bias (masked_scores).
-    With TMA ``k_base`` / ``v_base`` are the head's (Sk, D) tensor descriptors (block (BN, BD))."""
+    With TMA ``k_base`` / ``v_base`` are the head's (Sk, D) tensor descriptors (block (BN, BD); VARLEN: the
+    sequence's rows)."""
     if TMA:  # the descriptor zero-fills rows past Sk and columns past D, as load_rows' masks do
         k = k_base.load([start_n, 0])  # (BN, BD)
         v = v_base.load([start_n, 0])  # (BN, BD)
@@ -178,11 +180,10 @@ def _attention_fwd(
     if TMA:
         # one (Lk, D) descriptor per tensor and program, built in the kernel (128 B of the launch's
         # global scratch each, triton.set_allocator's): TMA copies each (BN, BD) tile into shared
-        # memory, cp.async.bulk.tensor where the default is cp.async (HOPPER.md)
-        k_base = tl.make_tensor_descriptor(k_base, shape=[Lk, D], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_base = tl.make_tensor_descriptor(v_base, shape=[Lk, D], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+        # memory, cp.async.bulk.tensor where the default is cp.async (HOPPER.md). VARLEN: based at
+        # the sequence's first key row, Lk rows long, so the zero fill stops at its own last key
+        k_base = tma_rows(k_base, Lk, D, stride_kn, BLOCK_N, BLOCK_D, VARLEN)
+        v_base = tma_rows(v_base, Lk, D, stride_vn, BLOCK_N, BLOCK_D, VARLEN)
     rel_base = rel_row(RelBias, b64, h64, R)
     pos0 = Lk - Lq + rel_shift
     qk_scale = scale * LOG2E
@@ -432,22 +433,28 @@ def _cuda_arch(index: int) -> int:
     return 90 if torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9 else 80
 
 
-# TMA (tensor descriptors) for the forward's K / V stream: opt-in (FASTFORMER_TRITON_TMA=1, read at
-# each launch) until a GPU times it against the cp.async stream; padded layout, fp16 / bf16, these
-# BLOCK_D buckets, sm_90 only (HOPPER.md, "TMA (tensor descriptors)")
+# TMA (tensor descriptors) for the kernels' row streams: opt-in (FASTFORMER_TRITON_TMA=1, read at
+# each launch) until a GPU times it against the cp.async stream; the forward's K / V and the dK/dV
+# kernel's Q / dO (and its K / V tile), padded and packed layouts, fp16 / bf16, these BLOCK_D
+# buckets, sm_90 only (HOPPER.md, "TMA (tensor descriptors)")
 TMA_ENV = "FASTFORMER_TRITON_TMA"
 TMA_BLOCK_D = (64, 128)
+# the dK/dV kernel's BLOCK_D buckets with TMA for the heavy classes (dropout, an additive mask, a
+# bias): at d128 their first choices (mma.sync tiles at 170-211 registers) reach 255 with the
+# descriptors and spill 216-804 B (HOPPER.md), so d128 takes TMA in the light class only
+TMA_BWD_HEAVY_BLOCK_D = (64,)
 
 
 def tma_requested() -> bool:
-    """Whether the environment asks for the TMA forward (``FASTFORMER_TRITON_TMA=1``)."""
+    """Whether the environment asks for the TMA kernels (``FASTFORMER_TRITON_TMA=1``)."""
     return os.environ.get(TMA_ENV, "0") == "1"
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
-    """Whether a (..., rows, D) tensor meets TMA's rules for the descriptors the kernel builds from
-    its heads: contiguous in D, ``D * element size >= 16``, a 16-byte aligned base and every other
-    stride a multiple of 16 bytes (a size-1 dimension's stride is never applied: not checked)."""
+    """Whether a (..., rows, D) tensor, or a packed (total, H, D) one, meets TMA's rules for the
+    descriptors the kernels build from its heads (and, packed, from each sequence's first row):
+    contiguous in D, ``D * element size >= 16``, a 16-byte aligned base and every other stride a
+    multiple of 16 bytes (a size-1 dimension's stride is never applied: not checked)."""
     elt = t.element_size()
     if t.dim() < 2 or t.shape[-1] * elt < 16 or (t.stride(-1) != 1 and t.shape[-1] > 1):
         return False
@@ -459,19 +466,22 @@ def tma_layout_ok(t: torch.Tensor) -> bool:
     return all(stride * elt % 16 == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
 
 
-def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: "Layout", arch: int) -> bool:
-    """Whether this forward streams K and V through tensor descriptors (the kernel's ``TMA``): asked
-    for (tma_requested), on sm_90 (``arch``, _arch's), the padded layout with keys, fp16 / bf16, a BLOCK_D in
-    TMA_BLOCK_D, k and v within TMA's rules (tma_layout_ok), and not under torch.compile (its
-    captured launch would run without the scratch allocator the launch installs). Otherwise the
-    cp.async kernel runs. A few attribute reads a call."""
-    if arch != 90 or not tma_requested() or layout.varlen or layout.Sk == 0:  # Sk = 0: nothing to stream
+def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: "Layout", arch: int,
+                 *streamed: torch.Tensor) -> bool:
+    """Whether this launch streams its rows through tensor descriptors (the kernels' ``TMA``):
+    asked for (tma_requested), on sm_90 (``arch``, _arch's), keys to stream (``layout.Sk`` > 0;
+    packed: the longest sequence's), fp16 / bf16, a BLOCK_D in TMA_BLOCK_D, k, v and the backward's
+    ``streamed`` tensors (q and dout, whose tiles dK/dV loads) within TMA's rules (tma_layout_ok),
+    and not under torch.compile (its captured launch would run without the scratch allocator the
+    launch installs). Otherwise the cp.async kernel runs. Either layout: packed, each program's
+    descriptors start at its sequence's first row. A few attribute reads a call."""
+    if arch != 90 or not tma_requested() or layout.Sk == 0:  # Sk = 0: nothing to stream
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or _block_d(layout.D) not in TMA_BLOCK_D:
         return False
     if torch.compiler.is_compiling():
         return False
-    return tma_layout_ok(k) and tma_layout_ok(v)
+    return all(tma_layout_ok(t) for t in (k, v, *streamed))
 
 
 @contextlib.contextmanager
@@ -900,10 +910,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                      if rel is not None else 0)
         drel_rows = (torch.zeros((B, H, rel_tiles, 2 * R + 1), dtype=torch.float32, device=q.device)
                      if rel is not None else None)
-        _launch("dkdv_dq" if fused else "dkdv", kernels._attention_bwd_dkdv,
-                lambda META: attention_grid(Sk, META["BLOCK_N"], H, B), block_d, elt,
-                (*common, dk, dv, drel_rows, *dq_args, *strides, *dks, *dq_strides, *scalars, rel_tiles, *buckets),
-                dict(meta, FUSED_DQ=fused), arch, short)
+        # TMA: the dK/dV kernel's Q / dO tiles (and its K / V) through descriptors (tma_eligible);
+        # the two-kernel path's dQ kernel stays on cp.async
+        tma = (block_d in TMA_BWD_HEAVY_BLOCK_D or not _heavy(meta)) and tma_eligible(q, k, v, layout, arch, q, dout)
+        with _tma_scratch(q.device) if tma else contextlib.nullcontext():
+            _launch("dkdv_dq" if fused else "dkdv", kernels._attention_bwd_dkdv,
+                    lambda META: attention_grid(Sk, META["BLOCK_N"], H, B), block_d, elt,
+                    (*common, dk, dv, drel_rows, *dq_args, *strides, *dks, *dq_strides, *scalars, rel_tiles,
+                     *buckets), dict(meta, FUSED_DQ=fused, TMA=tma), arch, short)
         if rel is not None:
             drel = drel_rows.sum(dim=(0, 2))
     if not fused:
@@ -1109,28 +1123,53 @@ _PADDED_CLASSES = {
 }
 
 
+# The packed op's (attention_varlen.aot_specs): no masks exist there
+_VARLEN_CLASSES = {
+    "light": (False, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
+                          VARLEN=True)),
+    "heavy": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
+                         VARLEN=True)),
+    "rel": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
+                       VARLEN=True)),
+}
+
+
 def tma_specs(dtypes=(torch.float16, torch.bfloat16), block_ds=TMA_BLOCK_D, classes=("light", "heavy", "rel"),
-              ) -> List[dict]:
-    """The TMA forward's specs (``TMA=True``): sm_90's first choice of each dtype, BLOCK_D bucket
-    and class, for sm_90 only (names ``..._sm90_tma``). Not in aot_specs() unless TMA is asked for
-    (tma_requested): an opt-in's 12 compiles stay out of the default AOT run; the tests compile two."""
+              kinds=("fwd", "bwd"), varlen: bool = False) -> List[dict]:
+    """The TMA kernels' specs (``TMA=True``): the forward ("fwd") and the dK/dV kernel ("bwd": making
+    dQ too with FUSED_DQ, "dkdvdq" names), padded or packed (``varlen``: "attention_varlen_"
+    names), sm_90's first choice of each dtype, BLOCK_D bucket and class, for sm_90 only (names
+    ``..._sm90_tma``; the backward's where it takes TMA: TMA_BWD_HEAVY_BLOCK_D). Not in aot_specs()
+    unless TMA is asked for (tma_requested): an opt-in's 20 compiles a layout stay out of the
+    default AOT run; the tests compile a few."""
     specs = []
+    prefix, feature_classes = ("attention_varlen", _VARLEN_CLASSES) if varlen else ("attention", _PADDED_CLASSES)
     for dtype in dtypes:
         ptr = _PTR[dtype]
         elt = torch.empty((), dtype=dtype).element_size()
         for block_d in block_ds:
             for cls in classes:
-                heavy, features = _PADDED_CLASSES[cls]
-                cfg = _configs("fwd", block_d, elt, heavy, False, features["HAS_REL"], 90)[0]
-                bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-                constexprs = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION="ieee", LARGE_OFFSETS=False,
-                                  KV_GROUP=1, TMA=True, **features, **_absent_pointers(features), **cfg.kwargs)
-                constexprs = {k: c for k, c in constexprs.items() if k in _attention_fwd.arg_names}
-                spec = _spec(f"attention_fwd_{ptr[1:]}_d{block_d}_{cls}_m{bm}_n{bn}_w{cfg.num_warps}"
-                             f"_s{cfg.num_stages}_sm90_tma", _attention_fwd, _types(ptr), constexprs, cfg.num_warps,
-                             cfg.num_stages)
-                spec["ccs"] = [90]
-                specs.append(spec)
+                heavy, features = feature_classes[cls]
+                for kind in kinds:
+                    if kind == "bwd" and heavy and block_d not in TMA_BWD_HEAVY_BLOCK_D:
+                        continue  # backward() launches the cp.async kernel there
+                    if kind == "fwd":
+                        fn, launch_kind, extra = _attention_fwd, "fwd", {}
+                    else:  # what backward() launches: FUSED_DQ's dK/dV + dQ, or dK/dV alone
+                        fn = kernels._attention_bwd_dkdv
+                        launch_kind = "dkdv_dq" if FUSED_DQ else "dkdv"
+                        extra = dict(FUSED_DQ=FUSED_DQ, **({} if FUSED_DQ else dict(DQ=None, DQAcc=None, DQLock=None)))
+                    cfg = _configs(launch_kind, block_d, elt, heavy, varlen, features["HAS_REL"], 90)[0]
+                    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+                    constexprs = dict(BLOCK_D=block_d, EVEN_D=True, INPUT_PRECISION="ieee", LARGE_OFFSETS=False,
+                                      KV_GROUP=1, TMA=True, **features, **_absent_pointers(features), **extra,
+                                      **cfg.kwargs)
+                    constexprs = {k: c for k, c in constexprs.items() if k in fn.arg_names}
+                    spec = _spec(f"{prefix}_{launch_kind.replace('_', '')}_{ptr[1:]}_d{block_d}_{cls}_m{bm}_n{bn}"
+                                 f"_w{cfg.num_warps}_s{cfg.num_stages}_sm90_tma", fn, _types(ptr), constexprs,
+                                 cfg.num_warps, cfg.num_stages)
+                    spec["ccs"] = [90]
+                    specs.append(spec)
     return specs
 
 

@@ -27,13 +27,17 @@ With FUSED_DQ (attention.FUSED_DQ: the default, padded and packed; FASTFORMER_TR
 turns it off; BACKWARD.md) the dK/dV kernel also makes dQ, adding each query tile's dS K to one
 fp32 accumulator in key-block order (_dq_tile_add), and the dQ kernel does not run: the dropout
 bits are made twice a training step instead of three times.
+
+With TMA (attention.tma_eligible: FASTFORMER_TRITON_TMA=1 on sm_90) the dK/dV kernel loads its K / V
+tile and each step's Q and dO tiles through device-side tensor descriptors (attention_tiles.tma_rows,
+one per tensor and program, the sequence's rows with VARLEN); the dQ kernel stays on cp.async.
 """
 import triton
 import triton.language as tl
 
 from .attention_tiles import (FLT_MAX, LOG2E, cast, causal_key_bounds, dot, head_base, keep_tile, key_bases,
                               key_tile_scores, load_rows, mask_bases, masked_scores, program_ids, program_sequence,
-                              rel_row, stats_row, store_rows)
+                              rel_row, stats_row, store_rows, tma_rows)
 from .utils import INTERPRET, load_philox
 
 _SEQUENTIAL = tl.constexpr(INTERPRET)  # programs run one at a time, in id order (_dq_tile_add)
@@ -87,13 +91,18 @@ def _attention_bwd_dkdv_tile(dk, dv, k, v, start_m, start_n, offs_m, offs_n, off
                              MASK_EDGE: tl.constexpr, EVEN_D: tl.constexpr, HAS_KPM: tl.constexpr,
                              HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              HAS_DROPOUT: tl.constexpr, HAS_REL: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, LARGE_OFFSETS: tl.constexpr, TMA: tl.constexpr = False):
     """Accumulate one query tile's contribution to this key tile's dK and dV (``Sq``, ``Sk``: this
     sequence's lengths; ``drop_cols``: the dropout rows' width); also returns the tile's dS^T
-    (BN, BM), which the relative position bias's gradient reads (unused, it folds away)."""
+    (BN, BM), which the relative position bias's gradient reads (unused, it folds away). With TMA
+    ``q_base`` / ``do_base`` are the sequence's (Sq, D) tensor descriptors (block (BM, BD))."""
     qm = start_m + offs_m
-    q = load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
-    do = load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
+    if TMA:  # the descriptors zero-fill rows past Sq and columns past D, as load_rows' masks do
+        q = q_base.load([start_m, 0])  # (BM, BD)
+        do = do_base.load([start_m, 0])  # (BM, BD)
+    else:
+        q = load_rows(q_base, qm, stride_qm, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
+        do = load_rows(do_base, qm, stride_dom, offs_d, Sq, D, EVEN_D, LARGE_OFFSETS)  # (BM, BD)
     lse2, delta = _load_row_stats(lse_row, delta_row, qm, Sq)  # (BM,)
     qk_t = dot(k, tl.trans(q), tl.zeros([k.shape[0], q.shape[0]], dtype=tl.float32), INPUT_PRECISION)  # (BN, BM)
     s_t = masked_scores(qk_t, qm[None, :], offs_n[:, None], kpm_base, stride_kpm_n, am_base,
@@ -281,6 +290,7 @@ def _attention_bwd_dkdv(
     VARLEN: tl.constexpr,  # packed sequences: entry b of the grid is sequence b of the cu_seqlens
     KV_GROUP: tl.constexpr,  # query heads per k/v head: query head h reads k/v head h // KV_GROUP
     FUSED_DQ: tl.constexpr = False,  # also make dQ (DQ, DQAcc, DQLock), ordered by key block: no dQ kernel
+    TMA: tl.constexpr = False,  # Q / dO tiles and K / V through device-side tensor descriptors (attention.tma_eligible)
 ):
     start_n, h, b64, h64, q0, k0, Lq, Lk = program_sequence(CuSeqlensQ, CuSeqlensK, H, Sq, Sk, total_q, total_k,
                                                            BLOCK_N, True, False, VARLEN)
@@ -300,12 +310,25 @@ def _attention_bwd_dkdv(
             return
 
     # not key_bases: the mask bases come after the loads here, and moving them changes the code
-    k = load_rows(head_base(K, b64, h64 // KV_GROUP, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn, offs_d,
-                  Lk, D, EVEN_D, LARGE_OFFSETS)
-    v = load_rows(head_base(V, b64, h64 // KV_GROUP, stride_vb, stride_vh, k0, stride_vn), offs_n, stride_vn, offs_d,
-                  Lk, D, EVEN_D, LARGE_OFFSETS)
-    q_base = head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm)
-    do_base = head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom)
+    if TMA:
+        # the sequence's (Lk, D) keys and values, its (Lq, D) queries and output gradients as
+        # device-side descriptors (128 B of the launch's global scratch each, as the forward's):
+        # K / V once, a Q and a dO tile each step by cp.async.bulk.tensor (HOPPER.md)
+        k = tma_rows(head_base(K, b64, h64 // KV_GROUP, stride_kb, stride_kh, k0, stride_kn), Lk, D, stride_kn,
+                     BLOCK_N, BLOCK_D, VARLEN).load([start_n, 0])
+        v = tma_rows(head_base(V, b64, h64 // KV_GROUP, stride_vb, stride_vh, k0, stride_vn), Lk, D, stride_vn,
+                     BLOCK_N, BLOCK_D, VARLEN).load([start_n, 0])
+        q_base = tma_rows(head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm), Lq, D, stride_qm, BLOCK_M,
+                          BLOCK_D, VARLEN)
+        do_base = tma_rows(head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom), Lq, D, stride_dom,
+                           BLOCK_M, BLOCK_D, VARLEN)
+    else:
+        k = load_rows(head_base(K, b64, h64 // KV_GROUP, stride_kb, stride_kh, k0, stride_kn), offs_n, stride_kn,
+                      offs_d, Lk, D, EVEN_D, LARGE_OFFSETS)
+        v = load_rows(head_base(V, b64, h64 // KV_GROUP, stride_vb, stride_vh, k0, stride_vn), offs_n, stride_vn,
+                      offs_d, Lk, D, EVEN_D, LARGE_OFFSETS)
+        q_base = head_base(Q, b64, h64, stride_qb, stride_qh, q0, stride_qm)
+        do_base = head_base(DO, b64, h64, stride_dob, stride_doh, q0, stride_dom)
     lse_row = stats_row(Lse, b64, h, H, Sq, q0, total_q, VARLEN)
     delta_row = stats_row(Delta, b64, h, H, Sq, q0, total_q, VARLEN)
     seed, rng_offset = load_philox(Philox, seed, rng_offset)
@@ -358,7 +381,7 @@ def _attention_bwd_dkdv(
                 dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
                 lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
                 qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, True, EVEN_D, HAS_KPM,
-                HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+                HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS, TMA)
             if FUSED_DQ:
                 _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
                              stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,
@@ -375,7 +398,7 @@ def _attention_bwd_dkdv(
             dk, dv, k, v, start_m, start_n, offs_m, offs_n, offs_d, q_base, stride_qm, do_base, stride_dom,
             lse_row, delta_row, kpm_base, stride_kpm_n, am_base, stride_am_m, stride_am_n, Lq, Lk, D,
             qk_scale, seed, rng_base, Sk, drop_threshold, drop_scale, rel_base, R, pos0, False, EVEN_D, HAS_KPM,
-            HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS)
+            HAS_MASK, IS_CAUSAL, HAS_DROPOUT, HAS_REL, INPUT_PRECISION, LARGE_OFFSETS, TMA)
         if FUSED_DQ:
             _dq_tile_add(ds_t, k, start_m, key_block, start_m < dq_last, offs_m, offs_n, offs_d, dq_base,
                          stride_dqm, dq_acc, dq_lock + start_m // 16, Lq, Lk, D, scale, EVEN_D, INPUT_PRECISION,

@@ -294,6 +294,18 @@ def head_base(X, b64, h64, stride_b, stride_h, row0, stride_row):
 
 
 @triton.jit
+def tma_rows(base, n_rows, D, stride_row, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr):
+    """A device-side tensor descriptor (sm_90's TMA, the kernels' ``TMA``) of the (n_rows, D) matrix
+    at ``base`` (head_base's pointer: with VARLEN the sequence's first row), rows ``stride_row``
+    apart, loaded in (BLOCK_R, BLOCK_D) tiles: ``.load([row, 0])`` is load_rows' tile, zero past
+    n_rows and D. A packed sequence may have no rows: its descriptor gets one (a tensor map with a
+    0-long dimension is not a valid one), and the kernels load no tile of it."""
+    if VARLEN:
+        n_rows = tl.maximum(n_rows, 1)
+    return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[stride_row, 1], block_shape=[BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def stats_row(X, b64, h, H, Sq, q0, total_q, VARLEN: tl.constexpr):
     """Pointer to the first entry of head h of batch entry b in a contiguous per-row statistic
     (lse, delta): (B, H, Sq), or with VARLEN the schema's (H, total_q) from packed row q0."""

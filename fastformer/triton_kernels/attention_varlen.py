@@ -115,12 +115,8 @@ def aot_specs() -> List[dict]:
     """The padded op's forward, dK/dV and dQ kernels with VARLEN, one spec per specialisation the
     host launches (attention.kernel_specs): "light" = causal, "heavy" = causal + dropout (no masks
     exist here), "rel" = those + a relative position bias. The delta preprocess is attention.py's
-    own spec."""
-    return attention.kernel_specs("attention_varlen", {
-        "light": (False, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
-                              VARLEN=True)),
-        "heavy": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
-                             VARLEN=True)),
-        "rel": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
-                           VARLEN=True))},
-        varlen=True)
+    own spec. With FASTFORMER_TRITON_TMA=1 also the packed TMA kernels' (attention.tma_specs)."""
+    specs = attention.kernel_specs("attention_varlen", attention._VARLEN_CLASSES, varlen=True)
+    if attention.tma_requested():  # FASTFORMER_TRITON_TMA=1 ... aot --cc 90 --module attention_varlen --match _tma
+        specs += attention.tma_specs(varlen=True)
+    return specs
