@@ -161,3 +161,23 @@ def test_device_guard_enters_the_first_tensors_cuda_device(monkeypatch):
     assert host(types.SimpleNamespace(device=torch.device("cuda", 0)), 4) == ([], 4)
     assert host(torch.zeros(1), 3) == ([], 3)
     assert entered == []
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv_dq", "dq"])
+def test_the_autotuner_times_each_mask_combination_apart(monkeypatch, kind):
+    """On a GPU a causal (or padding-masked, grouped-query) launch gets its own timed tile, never
+    the one an unmasked launch of the same lengths won: Triton's autotuner keys on the launch's
+    keywords that _tuned names. Its benchmark and the kernel are stubbed: only its cache is read."""
+    fn = {"fwd": A._attention_fwd, "dkdv_dq": A.kernels._attention_bwd_dkdv, "dq": A.kernels._attention_bwd_dq}[kind]
+    monkeypatch.setattr(A, "_TUNERS", {})
+    tuner = A._tuned(kind, fn, 64, 2, False, arch=90)
+    assert len(tuner.configs) > 1  # else nothing is timed and the test proves nothing
+    monkeypatch.setattr(tuner, "_bench", lambda *a, config, **kw: [float(config.kwargs["BLOCK_N"])])
+    monkeypatch.setattr(tuner, "fn", types.SimpleNamespace(run=lambda *a, **kw: None))
+    base = dict(TUNE_SQ=512, TUNE_SK=512, D=64, IS_CAUSAL=False, HAS_KPM=False, HAS_MASK=False,
+                HAS_DROPOUT=False, KV_GROUP=1, **{name: torch.zeros(1) for name in tuner.reset_to_zero})
+    variants = [base, dict(base, IS_CAUSAL=True), dict(base, HAS_KPM=True), dict(base, KV_GROUP=2),
+                dict(base, TUNE_SQ=1024), base]
+    for launch in variants:
+        tuner.run(**launch)
+    assert len(tuner.cache) == 5  # the last launch repeats the first: served from the cache

@@ -153,8 +153,8 @@ class _Recorder:
 
 
 def test_tma_launches_are_tuned_apart(monkeypatch):
-    """On a GPU the TMA forward has its own autotuner (Triton's keys on the lengths and D, not on
-    constexprs such as TMA): the cp.async kernel's best tile is not reused untimed."""
+    """On a GPU the TMA forward has its own autotuner (a tuner keys only on the keywords _tuned
+    names, TMA not among them): the cp.async kernel's best tile is not reused untimed."""
     monkeypatch.setattr(A, "_TUNERS", {})
     assert A._tuned("fwd", A._attention_fwd, 64, 2, False, arch=90, tma=True) is not A._tuned(
         "fwd", A._attention_fwd, 64, 2, False, arch=90)

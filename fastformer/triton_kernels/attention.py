@@ -592,14 +592,18 @@ def _configs(kind: str, block_d: int, elt: int, heavy: bool, varlen: bool = Fals
 
 
 _TUNERS = {}
+# constexprs within one feature class that change how much of each tile is work (masked tiles,
+# skipped causal tiles, a key padding mask's loads, k/v rows shared by a group): Triton's
+# autotuner keys on the launch's keyword arguments named here, so each combination is timed apart
+_TUNE_FEATURES = ("IS_CAUSAL", "HAS_KPM", "HAS_MASK", "HAS_DROPOUT", "KV_GROUP")
 
 
 def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = False, rel: bool = False,
            arch: int = 80, short: bool = False, tf32: bool = False, tma: bool = False):
     """The autotuned launcher of ``fn`` for one (BLOCK_D bucket, element size, feature class,
     layout, bias or not, config family, short lengths or not, tf32 dots or not, TMA or not), keyed on
-    the sequence-length buckets and the head dim (Triton's autotuner does not key on constexprs: the
-    TMA and cp.async forwards are tuned apart only by having a tuner each)."""
+    the sequence-length buckets, the head dim and the masks the launch applies (_TUNE_FEATURES: a
+    causal launch's best tile is timed, not inherited from an unmasked launch's)."""
     key = (kind, block_d, elt, heavy, varlen, rel, arch, short, tf32, tma)
     if key not in _TUNERS:
         # dK/dV's rel_bias gradient scratch is summed whole and must start at zero: each
@@ -609,7 +613,9 @@ def _tuned(kind: str, fn, block_d: int, elt: int, heavy: bool, varlen: bool = Fa
         reset = reset or None
         _TUNERS[key] = triton.autotune(configs=list(_configs(kind, block_d, elt, heavy, varlen, rel, arch, short,
                                                              tf32)),
-                                       key=["TUNE_SQ", "TUNE_SK", "D"], reset_to_zero=reset)(fn)
+                                       key=["TUNE_SQ", "TUNE_SK", "D",
+                                            *(f for f in _TUNE_FEATURES if f in fn.arg_names)],
+                                       reset_to_zero=reset)(fn)
     return _TUNERS[key]
 
 
