@@ -1118,26 +1118,18 @@ def _types(ptr: str) -> dict:
     return types
 
 
-# The padded op's feature classes, each with all its features on: {name: (heavy, constexprs)}
-_PADDED_CLASSES = {
-    "light": (False, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
-                          VARLEN=False)),
-    "heavy": (True, dict(HAS_KPM=True, HAS_MASK=True, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
-                         VARLEN=False)),
-    "rel": (True, dict(HAS_KPM=True, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
-                       VARLEN=False)),
-}
+def _feature_classes(varlen: bool) -> dict:
+    """A layout's feature classes, each with all its features on: {name: (heavy, constexprs)}. The
+    packed op (attention_varlen.aot_specs) has no masks."""
+    masks = not varlen
+    features = dict(HAS_KPM=masks, IS_CAUSAL=True, VARLEN=varlen)
+    return {"light": (False, dict(features, HAS_MASK=False, HAS_DROPOUT=False, HAS_REL=False)),
+            "heavy": (True, dict(features, HAS_MASK=masks, HAS_DROPOUT=True, HAS_REL=False)),
+            "rel": (True, dict(features, HAS_MASK=False, HAS_DROPOUT=True, HAS_REL=True))}
 
 
-# The packed op's (attention_varlen.aot_specs): no masks exist there
-_VARLEN_CLASSES = {
-    "light": (False, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=False, HAS_REL=False,
-                          VARLEN=True)),
-    "heavy": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=False,
-                         VARLEN=True)),
-    "rel": (True, dict(HAS_KPM=False, HAS_MASK=False, IS_CAUSAL=True, HAS_DROPOUT=True, HAS_REL=True,
-                       VARLEN=True)),
-}
+_PADDED_CLASSES = _feature_classes(varlen=False)
+_VARLEN_CLASSES = _feature_classes(varlen=True)
 
 
 def tma_specs(dtypes=(torch.float16, torch.bfloat16), block_ds=TMA_BLOCK_D, classes=("light", "heavy", "rel"),
