@@ -269,7 +269,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   // kSplit 2: the exchange slots (C::kXchgSlot floats a warp); kFused: dS^T, BN x kDsPitch (kSplit
   // 2: 16-key group kg's rows C::kDsGroup elements apart, in warp 2 kg + 1's slot)
   float* const xs = reinterpret_cast<float*>(keep_s + 2 * BM * kKG);
-  uint16_t* const ds_s = reinterpret_cast<uint16_t*>(xs + C::kXchgSlot);
+  uint16_t* const ds_s = C::kSplit == 2 ? reinterpret_cast<uint16_t*>(xs + C::kXchgSlot)
+                                        : reinterpret_cast<uint16_t*>(keep_s + 2 * BM * kKG);
   constexpr int kQW = BM / 16;            // kFused: 16-query groups of a tile's dQ
   constexpr int kDq = kWarps / kQW;       // and head-dim parts (1 at kD 64, 2 at 128 and 256)
   constexpr int kDTq = kD / kDq / 8;      // n8 tiles of a warp's dQ partial
@@ -387,6 +388,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
       }
     }
     // kSplit 2: this warp's half of the head dim only (k16 steps kk0 ..), the partner's half below
+    // (kk0 + k2 rather than a pointer offset for the half: with the offset ptxas spilled 8 B in
+    // the sm_80 plain-load one kernel)
     const int kk0 = dpart * (kQK / C::kSplit);
 #pragma unroll
     for (int k2 = 0; k2 < kQK / C::kSplit; ++k2) {
@@ -489,7 +492,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
       if (kFused && dpart == 0) {
         // dS^T (keys x queries) to shared memory for dQ: these words, keys 16 kg + g (+ 8),
         // queries 16 kk + 2 t (+ 8) (kSplit 2: both warps of the key group hold the same; one writes)
-        uint16_t* const d0 = ds_s + kg * C::kDsGroup + g * C::kDsPitch + 16 * kk + 2 * t;
+        uint16_t* d0;
+        if constexpr (C::kSplit == 2) {
+          d0 = ds_s + kg * C::kDsGroup + g * C::kDsPitch + 16 * kk + 2 * t;
+        } else {
+          d0 = ds_s + (16 * kg + g) * C::kDsPitch + 16 * kk + 2 * t;
+        }
         *reinterpret_cast<uint32_t*>(d0) = da[0];
         *reinterpret_cast<uint32_t*>(d0 + 8 * C::kDsPitch) = da[1];
         *reinterpret_cast<uint32_t*>(d0 + 8) = da[2];
@@ -540,8 +548,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
           uint32_t a[4];
-          ff_ldmatrix_x4_trans(a, ds_s + kk * C::kDsGroup + (8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 +
-                                      8 * (i8 % 2));
+          if constexpr (C::kSplit == 2) {
+            ff_ldmatrix_x4_trans(a, ds_s + kk * C::kDsGroup + (8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 +
+                                        8 * (i8 % 2));
+          } else {
+            ff_ldmatrix_x4_trans(a, ds_s + (16 * kk + 8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 + 8 * (i8 % 2));
+          }
 #pragma unroll
           for (int dd = 0; dd < kDH / 2; ++dd) {
             uint32_t bf[4];
