@@ -31,7 +31,10 @@ Skipped, with the reason, where nvcc or cuobjdump is missing.
 Mutations tried by hand: the lse / Dsum copy back to a plain load-and-store fails
 test_lse_and_dsum_come_by_cp_async; the K / V fragments indexed by a run-time tile number fails
 test_no_local_memory; the one kernel's dQ product left out (dS^T still stored) fails
-test_products_per_tile; its __threadfence left out fails test_ordered_dq_adds."""
+test_products_per_tile; its __threadfence left out fails test_ordered_dq_adds. The D 256 code
+from before the key group's split of S^T / dP^T (one kernel 224 HMMA = 7 products, 4 barriers;
+dK dV 192 HMMA = 6, 2 barriers: flash_bwd_mma.md) fails test_products_per_tile[256] and
+test_barriers_a_tile at 256 (fused, dkdv)."""
 import os
 
 import pytest

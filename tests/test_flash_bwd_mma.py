@@ -27,7 +27,12 @@ queries 16 kk + 2 t and 16 kk + 8 + 2 t swapped fails 61 (every D <= 128 case, b
 here); its dQ phase at D 256 over 2 of its 4 head-dim chunks fails 7 (test_head_dims d200 / d256,
 test_dq_from_many_key_blocks at D 200 / 256); the counter released as n instead of n + 1 (the
 next key block would wait forever) stops the launch in test_dq_from_many_key_blocks and
-test_the_backward_is_deterministic. (The dQ kernel's mutations above date from when it ran at
+test_the_backward_is_deterministic. The D 256 split of S^T / dP^T over a key group's two warps
+(its partial sums exchanged through shared memory): the warp's own slot read instead of its
+partner's fails 20 of the D 200 / 256 tests here and in the varlen file (the two-kernel ones
+too), the exchange barrier left out 23, the __syncwarp before dS^T overwrites the slot 20; dS^T
+put in the slot its partner reads fails only test_other_thread_schedules[warp_ahead] (both
+files). (The dQ kernel's mutations above date from when it ran at
 D 256 too; it now runs only for the plain-load variant at D 64.) A missing __threadfence or
 a wait on the wrong key block is not visible here (blocks run one at a time, in order): the GPU
 run of test_the_backward_is_deterministic (device cuda) and tests/test_cuda_sass_bwd.py cover
