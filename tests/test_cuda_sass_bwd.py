@@ -6,16 +6,19 @@ tests/test_cuda_compile.py; no GPU needed), bf16 at head dims 64, 128 and 256:
   tile's), in units of one product (owned rows x one streamed tile x the head dim) shared by the
   block's 4 warps: (own x stream x kD) / (16 x 8 x 16) / 4 mma.sync m16n8k16 a warp (32 at every
   bucket). The one-kernel backward (the dK dV kernel with kFused, what aligned 16-bit backwards
-  run) does 5 products a tile at D 64 / 128, as FlashAttention-2: S^T, dP^T, dV, dK and dQ (dS K
-  over the block's keys, 16 queries x half the head dim a warp at D 128); 7 at D 256, where the
-  two warps of a key group each do S^T and dP^T over the full head dim (2 + 2 + 1 + 1 + 1); the
-  two-kernel backward (the plain-load variant at D 64, and where the glue gives no workspace)
-  4 + 3 = 7, at D 256 6 + 5 = 11;
+  run) does 5 products a tile at every head dim, as FlashAttention-2: S^T, dP^T, dV, dK and dQ
+  (dS K over the block's keys, 16 queries x half the head dim a warp at D 128 and 256); at D 256
+  the two warps of a key group each do S^T and dP^T over their half of the head dim (split-K,
+  the partial sums exchanged through shared memory), so still 1 + 1 + 1 + 1 + 1; the two-kernel
+  backward (the plain-load variant at D 64, and where the glue gives no workspace) 4 + 3 = 7, at
+  D 256 4 + 5 = 9 (its dK dV kernel splits S^T and dP^T as the one kernel; its dQ kernel's two
+  warps of a 16-query group each do S and dP over the full head dim: 2 + 2 + 1);
 * lse and Dsum come by cp.async with the tile (4-byte LDGSTS, beside the 16-byte ones of the Q /
   dO tiles), not through a load the block waits on each tile;
 * barriers a tile: two in the two kernels (after the cp.async wait, before a stage is refilled),
   four in the one kernel (also after dS^T is in shared memory, and after the wait for the
-  previous key block's dQ adds), none elsewhere;
+  previous key block's dQ adds), none elsewhere; plus one at D 256 in the dK dV kernel and the
+  one kernel (the key group's partial S^T and dP^T exchanged);
 * the ordered dQ adds: an acquire load of the counter (LDG.STRONG.GPU, then CCTL.IVALL), a
   fence after the adds (MEMBAR.SC.GPU), a release store of the counter (MEMBAR.ALL.GPU +
   STG.STRONG.GPU), the accumulator read and written past L1 (LDG / STG .64.STRONG.GPU: .cg);
@@ -28,7 +31,10 @@ Skipped, with the reason, where nvcc or cuobjdump is missing.
 Mutations tried by hand: the lse / Dsum copy back to a plain load-and-store fails
 test_lse_and_dsum_come_by_cp_async; the K / V fragments indexed by a run-time tile number fails
 test_no_local_memory; the one kernel's dQ product left out (dS^T still stored) fails
-test_products_per_tile; its __threadfence left out fails test_ordered_dq_adds."""
+test_products_per_tile; its __threadfence left out fails test_ordered_dq_adds. The D 256 code
+from before the key group's split of S^T / dP^T (one kernel 224 HMMA = 7 products, 4 barriers;
+dK dV 192 HMMA = 6, 2 barriers: flash_bwd_mma.md) fails test_products_per_tile[256] and
+test_barriers_a_tile at 256 (fused, dkdv)."""
 import os
 
 import pytest
@@ -45,7 +51,9 @@ CU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "
 STREAM = {64: 64, 128: 32, 256: 32}
 OWN = {64: 64, 128: 64, 256: 32}
 # head dim -> products a tile: the one kernel, the two kernels' dK dV and dQ
-PRODUCTS = {64: (5, 4, 3), 128: (5, 4, 3), 256: (7, 6, 5)}
+PRODUCTS = {64: (5, 4, 3), 128: (5, 4, 3), 256: (5, 4, 5)}
+# head dim -> warps sharing a block's 16 owned rows (Cfg::kSplit): 2 exchange partial S^T, dP^T
+SPLIT = {64: 1, 128: 1, 256: 2}
 
 
 def _kernel(kind, D):
@@ -88,10 +96,12 @@ def test_lse_and_dsum_come_by_cp_async(kind, D):
 @pytest.mark.parametrize("kind", ["fused", "dkdv", "dq"])
 @pytest.mark.parametrize("D", sorted(STREAM))
 def test_barriers_a_tile(kind, D):
-    want = 4 if kind == "fused" else 2
+    exchange = kind != "dq" and SPLIT[D] == 2
+    want = (4 if kind == "fused" else 2) + exchange
     counts = opcode_counts(_kernel(kind, D))
     assert counts["BAR"] == want, (f"{counts['BAR']} barriers ({want} a tile expected: after the wait, "
-                                   + ("dS^T in, the previous key block's dQ adds seen, " if want == 4 else "")
+                                   + ("the partial S^T / dP^T exchanged, " if exchange else "")
+                                   + ("dS^T in, the previous key block's dQ adds seen, " if kind == "fused" else "")
                                    + "before a refill)")
 
 

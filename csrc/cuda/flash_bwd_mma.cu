@@ -15,10 +15,11 @@
 // zeroes them).
 //
 // Two backwards, both deterministic. Every head dim (cp.async variant at D 64): the one-kernel
-// backward, FlashAttention-2's 5 products a tile at D <= 128, 7 at D 256 (S^T and dP^T done by
-// both warps of a key group, as below) (the dK dV kernel below with kFused: dQ_tile = dS K after
-// dK, dV; the dQ partial sums of a query tile added in key-block order to an fp32 accumulator, a
-// counter a query tile, the last key block writing dQ; flash_bwd_mma.md's last section). Else
+// backward, FlashAttention-2's 5 products a tile (at D 256 too: the two warps of a key group
+// split S^T and dP^T over the head dim, as below) (the dK dV kernel below with kFused: dQ_tile =
+// dS K after dK, dV; the dQ partial sums of a query tile added in key-block order to an fp32
+// accumulator, a counter a query tile, the last key block writing dQ; flash_bwd_mma.md's last
+// section). Else
 // (the plain-load variant at D 64, Sk = 0, no workspace given) the two-kernel backward: three
 // launches, no atomics, every gradient element written by one lane:
 //   delta   Dsum = rowsum(dO * O) in fp32 (lse's layout), a warp a row (the FMA backward computes
@@ -37,9 +38,12 @@
 //
 // Head dims: buckets kD = 64, 128, 256 (columns past D zero-filled, never stored). The dK / dV
 // accumulators of 16 rows take kD / 4 + kD / 4 floats a lane (dQ: kD / 4): at kD = 256 two warps
-// share 16 owned rows (kSplit = 2), each accumulating one half of the head dim and both computing
-// the full S and dP tiles (the mma work of those two products is then done twice; the price of
-// staying under 255 registers without staging P / dS through shared memory).
+// share 16 owned rows (kSplit = 2), each accumulating one half of the head dim. The dK dV kernel
+// (and so the one-kernel backward) splits S^T and dP^T the same way, each warp multiplying its
+// half of the head dim, the pair adding its partial sums through shared memory (one barrier a
+// tile); the dQ kernel has both warps compute the full S and dP tiles (the mma work of those two
+// products done twice; the price of staying under 255 registers without staging through shared
+// memory).
 //
 // Masks exactly as the forward: causal bottom-right, key tiles (dQ) / query tiles (dK dV) no pair
 // of which is visible are not visited, masks are evaluated per element only in tiles that need
@@ -93,19 +97,31 @@ struct Cfg {
   // streamed tiles: 2 x kD / 16 x 4 registers a lane, room for them only at kD = 64 (32)
   static constexpr bool kKeepA = kD == 64;
   // dK dV: K, V; Q, dO (2 stages); lse, Dsum (2 x kStream fp32); keep (2 x kStream x kOwn / 8)
-  static constexpr size_t kDkdvSmem =
+  static constexpr size_t kDkdvBase =
       (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * 2 * kStream * 4 + 2 * kStream * (kOwn / 8);
+  // kSplit 2: the two warps of a key group each multiply half of the head dim for S^T and dP^T
+  // (split-K) and exchange the partial sums: a slot a warp, its s and dp accumulators (2 x
+  // kStream / 8 x 4 fp32 a lane), lane-major (16 KB at kD 256)
+  static constexpr int kXchgSlot = kSplit == 2 ? 2 * (kStream / 8) * 4 * kFfWarpSize : 0;  // floats
+  static constexpr size_t kDkdvSmem = kDkdvBase + size_t{kWarps} * kXchgSlot * 4;
   // dQ: Q, dO; K, V (2 stages); hidden-key words (2 x kStream / 32) (its dropout bits are the
   // lanes' own, in registers)
   static constexpr size_t kDqSmem = (2 * kOwnElems + 4 * kStreamElems) * 2 + 2 * (kStream / 32) * 4;
   // the one-kernel backward (every bucket): the dK dV kernel's plus dS^T (kOwn keys x kStream
-  // queries, 16-bit; rows padded by 8 elements: 16-byte aligned for ldmatrix, 4 banks apart)
+  // queries, 16-bit; rows padded by 8 elements: 16-byte aligned for ldmatrix, 4 banks apart).
+  // kSplit 2: each 16-key group's rows lie in the exchange slot of its dpart-1 warp (warp 2 kg + 1),
+  // which only the rows' writer (warp 2 kg) reads: no extra memory (2 blocks an SM on H100 need
+  // <= 115,712 B), no extra barrier. kDsGroup: elements from one 16-key group's rows to the next
   static constexpr bool kFusable = true;
   static constexpr int kDsPitch = kStream + 8;
-  static constexpr size_t kFusedSmem = kDkdvSmem + size_t{kOwn} * kDsPitch * 2;
-  static_assert(kDkdvSmem % 16 == 0, "dS^T's rows start 16-byte aligned");
+  static constexpr int kDsGroup = kSplit == 2 ? 2 * kXchgSlot * 2 : 16 * kDsPitch;
+  static constexpr size_t kFusedSmem = kSplit == 2 ? kDkdvSmem : kDkdvSmem + size_t{kOwn} * kDsPitch * 2;
+  static_assert(kSplit == 1 || 16 * kDsPitch * 2 <= kXchgSlot * 4, "a group's dS^T rows fit in a slot");
+  static_assert(kDkdvBase % 16 == 0, "dS^T's rows and the exchange slots start 16-byte aligned");
   static_assert(kDkdvSmem <= 166912 && kDqSmem <= 166912 && kFusedSmem <= 166912,
                 "fits sm_80's opt-in maximum");
+  static_assert(kDkdvSmem <= 233472 / 2 - 1024 && kFusedSmem <= 233472 / 2 - 1024,
+                "2 blocks an SM on H100 (228 KB an SM, 1 KB reserved a block), as the registers allow");
   static_assert(kStream % 32 == 0 && kOwn % 16 == 0, "whole warps flag keys; 16-row mma tiles");
 };
 
@@ -229,7 +245,8 @@ flash_bwd_delta_kernel(Params p, const void* out, int64_t o_sb, int64_t o_sh, in
 // key-block order (the tile's counter) and, by the last key block that sees the tile, written
 // x scale in the dtype. Query tiles then
 // start at multiples of BM (the accumulator's tiles). 5 products a tile: S^T, dP^T, dV, dK, dQ
-// (7 at kD 256: each warp of a key group does S^T and dP^T over the full head dim).
+// (at kD 256 too: each warp of a key group does S^T and dP^T over its half of the head dim, the
+// pair exchanging the partial sums).
 template <typename T, int kD, bool kAligned, bool kFused>
 __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   using C = Cfg<kD>;
@@ -249,7 +266,11 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
   float* const lse_s = reinterpret_cast<float*>(dos + 2 * C::kStreamElems);  // 2 x BM, natural log
   float* const dl_s = lse_s + 2 * BM;                                        // 2 x BM
   uint8_t* const keep_s = reinterpret_cast<uint8_t*>(dl_s + 2 * BM);         // 2 x BM x kKG
-  uint16_t* const ds_s = reinterpret_cast<uint16_t*>(keep_s + 2 * BM * kKG);   // kFused: BN x kDsPitch
+  // kSplit 2: the exchange slots (C::kXchgSlot floats a warp); kFused: dS^T, BN x kDsPitch (kSplit
+  // 2: 16-key group kg's rows C::kDsGroup elements apart, in warp 2 kg + 1's slot)
+  float* const xs = reinterpret_cast<float*>(keep_s + 2 * BM * kKG);
+  uint16_t* const ds_s = C::kSplit == 2 ? reinterpret_cast<uint16_t*>(xs + C::kXchgSlot)
+                                        : reinterpret_cast<uint16_t*>(keep_s + 2 * BM * kKG);
   constexpr int kQW = BM / 16;            // kFused: 16-query groups of a tile's dQ
   constexpr int kDq = kWarps / kQW;       // and head-dim parts (1 at kD 64, 2 at 128 and 256)
   constexpr int kDTq = kD / kDq / 8;      // n8 tiles of a warp's dQ partial
@@ -366,8 +387,13 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
         ff_ldmatrix_x4(vf[kk], vs + a_at(kk, 16 * kg));
       }
     }
+    // kSplit 2: this warp's half of the head dim only (k16 steps kk0 ..), the partner's half below
+    // (kk0 + k2 rather than a pointer offset for the half: with the offset ptxas spilled 8 B in
+    // the sm_80 plain-load one kernel)
+    const int kk0 = dpart * (kQK / C::kSplit);
 #pragma unroll
-    for (int kk = 0; kk < kQK; ++kk) {
+    for (int k2 = 0; k2 < kQK / C::kSplit; ++k2) {
+      const int kk = kk0 + k2;
       uint32_t ak[4], av[4];
       if (kKeepA) {
 #pragma unroll
@@ -388,6 +414,34 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
         ff_mma_m16n8k16<T>(dp[2 * jp], av, d0);
         ff_mma_m16n8k16<T>(dp[2 * jp + 1], av, d1);
       }
+    }
+    if constexpr (C::kSplit == 2) {
+      // the pair's exchange: each warp's partial sums to its slot (float2 a lane, lane-major: a
+      // store or load instruction covers 256 consecutive bytes, no bank conflict; with float4
+      // ptxas spilled 8 B in the sm_80 plain-load one kernel), then its partner's (warp ^ 1)
+      // added. own + partner here, partner + own there: fp32 addition commutes, so both warps
+      // hold the same S^T and dP^T, bit for bit. The slots are rewritten next tile only after
+      // this tile's last barrier, when the partner has read them
+      float2* const mine = reinterpret_cast<float2*>(xs + warp * C::kXchgSlot) + lane;
+      const float2* const theirs = reinterpret_cast<const float2*>(xs + (warp ^ 1) * C::kXchgSlot) + lane;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        mine[(2 * j) * kFfWarpSize] = make_float2(s[j][0], s[j][1]);
+        mine[(2 * j + 1) * kFfWarpSize] = make_float2(s[j][2], s[j][3]);
+        mine[(2 * kNT + 2 * j) * kFfWarpSize] = make_float2(dp[j][0], dp[j][1]);
+        mine[(2 * kNT + 2 * j + 1) * kFfWarpSize] = make_float2(dp[j][2], dp[j][3]);
+      }
+      __syncthreads();  // the partners' partial sums are in
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        const float2 o = theirs[(2 * j) * kFfWarpSize], o2 = theirs[(2 * j + 1) * kFfWarpSize];
+        const float2 od = theirs[(2 * kNT + 2 * j) * kFfWarpSize];
+        const float2 od2 = theirs[(2 * kNT + 2 * j + 1) * kFfWarpSize];
+        s[j][0] += o.x, s[j][1] += o.y, s[j][2] += o2.x, s[j][3] += o2.y;
+        dp[j][0] += od.x, dp[j][1] += od.y, dp[j][2] += od2.x, dp[j][3] += od2.y;
+      }
+      // kFused: warp 2 kg's dS^T rows overwrite the slot it has just read; its other lanes first
+      if constexpr (kFused) __syncwarp();
     }
 
     // ---- masks, P z (into s) and dS (into dp)
@@ -438,7 +492,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
       if (kFused && dpart == 0) {
         // dS^T (keys x queries) to shared memory for dQ: these words, keys 16 kg + g (+ 8),
         // queries 16 kk + 2 t (+ 8) (kSplit 2: both warps of the key group hold the same; one writes)
-        uint16_t* const d0 = ds_s + (16 * kg + g) * C::kDsPitch + 16 * kk + 2 * t;
+        uint16_t* d0;
+        if constexpr (C::kSplit == 2) {
+          d0 = ds_s + kg * C::kDsGroup + g * C::kDsPitch + 16 * kk + 2 * t;
+        } else {
+          d0 = ds_s + (16 * kg + g) * C::kDsPitch + 16 * kk + 2 * t;
+        }
         *reinterpret_cast<uint32_t*>(d0) = da[0];
         *reinterpret_cast<uint32_t*>(d0 + 8 * C::kDsPitch) = da[1];
         *reinterpret_cast<uint32_t*>(d0 + 8) = da[2];
@@ -489,7 +548,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkdv_kernel(Params p) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
           uint32_t a[4];
-          ff_ldmatrix_x4_trans(a, ds_s + (16 * kk + 8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 + 8 * (i8 % 2));
+          if constexpr (C::kSplit == 2) {
+            ff_ldmatrix_x4_trans(a, ds_s + kk * C::kDsGroup + (8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 +
+                                        8 * (i8 % 2));
+          } else {
+            ff_ldmatrix_x4_trans(a, ds_s + (16 * kk + 8 * (i8 / 2) + lane % 8) * C::kDsPitch + row0 + 8 * (i8 % 2));
+          }
 #pragma unroll
           for (int dd = 0; dd < kDH / 2; ++dd) {
             uint32_t bf[4];

@@ -335,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& attn_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
+    bool is_causal, double scale, double dropout_p, int64_t seed, int64_t offset, bool two_kernels) {
   const char* op = "flash_bwd_mma";
   const int dtype = ff_dtype_code(q, "q", op);
   const auto dims = flash_dims(op, q, k, v, {&dout, &out});
@@ -356,7 +356,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_mma(
                            ff_heads_rows(out), lse.const_data_ptr<float>(), delta.data_ptr<float>(),
                            {H * Sq, 1, Sq}, dq.data_ptr(), ff_heads_rows(dq), dk.data_ptr(),
                            ff_heads_rows(dk), dv.data_ptr(), ff_heads_rows(dv)};
-  FF_CHECK_LAUNCH(ff_launch_flash_bwd_mma(flash_args(call), g, q, nullptr));
+  if (two_kernels) {  // no dQ workspace: the two-kernel backward (dK dV kernel, dQ kernel) at any D
+    FF_CHECK_LAUNCH(launch_flash_bwd_mma(ff_flash_bwd_args(flash_args(call), g), nullptr));
+  } else {
+    FF_CHECK_LAUNCH(ff_launch_flash_bwd_mma(flash_args(call), g, q, nullptr));
+  }
   return {dq, dk, dv};
 }
 
@@ -407,7 +411,7 @@ TORCH_LIBRARY(fastformer_simt_selftest, m) {
         "bool is_causal, float scale, float dropout_p, int seed, int offset) -> (Tensor, Tensor)");
   m.def("flash_bwd_mma(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? key_padding_mask, Tensor? attn_mask, bool is_causal, float scale, float dropout_p, "
-        "int seed, int offset) -> (Tensor, Tensor, Tensor)");
+        "int seed, int offset, bool two_kernels=False) -> (Tensor, Tensor, Tensor)");
   m.def("flash_bwd_mma_workspace(Tensor dout, Tensor q, Tensor k, Tensor v, bool is_causal) -> int[]");
 }
 
