@@ -291,6 +291,20 @@ def test_tma_packed_matches_cp_async_and_reference(monkeypatch):
         assert_close_lowp(name, gr.float(), w32, wlp.float(), factor=LOWP_FACTOR)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(A.INTERPRET, reason="the interpreter runs these cases in the tests above")
+def test_tma_on_a_gpu():
+    """`make gpu-check` runs only `pytest -m gpu`: this brings the two proofs above to its GPU,
+    where TMA's bulk copies really run (skipped, with the reason, on a GPU that is not sm_90):
+    padded at fp16 d64 heavy (the forward and the dK/dV(+dQ) kernel with TMA, masks, dropout,
+    grouped-query) and packed; one padded case, as each case compiles four kernels on the GPU
+    within gpu-tests' time limit (the interpreter runs all three above)."""
+    with pytest.MonkeyPatch.context() as mp:
+        test_tma_forward_and_backward_match_cp_async_and_reference(mp, torch.float16, 64, True)
+    with pytest.MonkeyPatch.context() as mp:
+        test_tma_packed_matches_cp_async_and_reference(mp)
+
+
 def test_tma_falls_back_where_the_rules_fail(monkeypatch):
     """With the variable set on "sm_90", a k whose rows are 72 bytes apart (D = 36 in a 36-wide
     buffer, BLOCK_D 64) runs the cp.async kernel, and so does every launch on sm_80."""
