@@ -95,15 +95,17 @@ const Tensor& or_undefined(const OptTensor& t) {
 // and (unless h_returned) h in one allocation where no one sees that: the tensors are only saved, and
 // no saved-tensor hook is set, which would be handed them (add_layer_norm_fwd_glue_cpu). A caller
 // that receives h (the registered op's, the entry's with prenorm) gets it in a storage of its own.
+// *in_block: whether mean, rstd (and h unless h_returned) are such views, seen by no one but the node.
 Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
                 double eps, double dropout_p, const Tensor& philox, const OptTensor& x_bias,
-                bool rms_norm, bool h_returned, bool* fused) {
+                bool rms_norm, bool h_returned, bool* fused, bool* in_block) {
   const bool has_x_bias = x_bias.has_value() && x_bias->defined();
+  *in_block = false;
   if (dispatches_to_cpu({&x, &or_undefined(residual), &weight, &bias, &philox, &or_undefined(x_bias)})) {
     *fused = has_x_bias;  // (the CPU library has the .x_bias kernels)
-    const bool unseen = at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
+    *in_block = at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
     return add_layer_norm_fwd_glue_cpu(x, residual, weight, bias, eps, dropout_p, philox,
-                                       has_x_bias ? &*x_bias : nullptr, rms_norm, /*one_block=*/unseen,
+                                       has_x_bias ? &*x_bias : nullptr, rms_norm, /*one_block=*/*in_block,
                                        /*h_in_block=*/!h_returned);
   }
   *fused = has_x_bias && has_x_bias_kernels(x);
@@ -133,6 +135,10 @@ constexpr int64_t kResidual = 1, kXBias = 2, kFused = 4, kPrenorm = 8, kRms = 16
 // the backward), the rest plain members. philox is kept as a plain tensor: it is the caller's fresh
 // draw, never differentiable and never an activation (16 bytes; no kernel reads it at p = 0).
 // Edges: x, residual, weight, bias, x_bias (an absent one an empty edge).
+// The forward's views of its one block (run_forward's in_block: mean, rstd, and h unless it is
+// returned) are plain members: no one else holds them, so there is no version to check, and no
+// hook was set to hand them to (the block is made only then); a SavedVariable costs ~0.1-0.2k
+// instructions to make, unpack and free. weight (the caller's) and a returned h stay SavedVariables.
 struct AddLayerNormBackward final : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override;
   std::string name() const override { return "AddLayerNormBackward"; }
@@ -142,8 +148,11 @@ struct AddLayerNormBackward final : public torch::autograd::Node {
     weight_.reset_data();
     mean_.reset_data();
     rstd_.reset_data();
+    h_own = mean_own = rstd_own = Tensor();
   }
   SavedVariable h_, weight_, mean_, rstd_;  // h in x's shape (an output when prenorm)
+  Tensor h_own, mean_own, rstd_own;         // the block's views (own_stats; h_own: h not returned)
+  bool own_stats = false;                   // mean and rstd are mean_own and rstd_own
   Tensor philox;
   double dropout_p = 0.0;
   int64_t flags = 0;  // kResidual | kXBias | kFused | kPrenorm | kRms
@@ -153,10 +162,18 @@ variable_list AddLayerNormBackward::apply(variable_list&& grads) {
   std::lock_guard<std::mutex> lock(mutex_);
   // the saved tensors first: under activation checkpointing, unpacking them recomputes the
   // checkpointed forward, which must record its graph (and save its tensors) as the first time
-  const Tensor h = h_.unpack(getptr());
-  const Tensor weight = weight_.unpack();
-  const Tensor mean = mean_.unpack();
-  const Tensor rstd = rstd_.unpack();
+  Tensor h, weight, mean, rstd;
+  if (own_stats) {  // weight_ first: after release_variables its unpack raises torch's "second time" error
+    weight = weight_.unpack();
+    h = h_own.defined() ? h_own : h_.unpack(getptr());
+    mean = mean_own;
+    rstd = rstd_own;
+  } else {
+    h = h_.unpack(getptr());
+    weight = weight_.unpack();
+    mean = mean_.unpack();
+    rstd = rstd_.unpack();
+  }
   // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
   // records the graph, where the kernels' calls go through it as the Python Function's do
   std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
@@ -218,13 +235,13 @@ std::tuple<Tensor, Tensor> add_layer_norm_impl(const Tensor& x, const OptTensor&
   // no graph to record (no_grad, inference_mode, or no input requiring grad): the kernel alone
   const bool record = torch::autograd::compute_requires_grad(x, residual, weight, bias, x_bias);
   if (record) ff_check_functorch();
-  bool fused;
+  bool fused, in_block;
   Fwd out;
   Tensor y, h;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
-                      rms_norm, h_returned, &fused);
+                      rms_norm, h_returned, &fused, &in_block);
     y = in_shape_of(std::get<0>(out), x);  // (below autograd: a plain tensor, not a tracked view)
     h = in_shape_of(std::get<1>(out), x);
   }
@@ -233,10 +250,21 @@ std::tuple<Tensor, Tensor> add_layer_norm_impl(const Tensor& x, const OptTensor&
   node->set_next_edges(next_edges({&x, &or_undefined(residual), &weight, &bias, &or_undefined(x_bias)}));
   torch::autograd::set_history(y, node);
   if (prenorm) torch::autograd::set_history(h, node);  // else h is returned non-differentiable
-  node->h_ = SavedVariable(h, /*is_output=*/prenorm);
   node->weight_ = SavedVariable(weight, false);
-  node->mean_ = SavedVariable(std::get<2>(out), false);
-  node->rstd_ = SavedVariable(std::get<3>(out), false);
+  if (in_block) {
+    if (h_returned) {
+      node->h_ = SavedVariable(h, /*is_output=*/prenorm);
+    } else {
+      node->h_own = h;
+    }
+    node->mean_own = std::move(std::get<2>(out));
+    node->rstd_own = std::move(std::get<3>(out));
+    node->own_stats = true;
+  } else {
+    node->h_ = SavedVariable(h, /*is_output=*/prenorm);
+    node->mean_ = SavedVariable(std::get<2>(out), false);
+    node->rstd_ = SavedVariable(std::get<3>(out), false);
+  }
   node->philox = philox;
   node->dropout_p = dropout_p;
   node->flags = (residual.has_value() && residual->defined() ? kResidual : 0) |
