@@ -247,6 +247,14 @@ _CACHES.append(_CACHE)
 _CACHE_SIZE = 4096  # distinct calls kept; past it the cache starts over (shapes as facts can vary without end)
 
 
+def memo() -> dict:
+    """A dict of an op's own that :func:`invalidate` (and so :func:`clear_cache`) clears with the
+    decisions: an op's fast path may keep what it derived from a decision there."""
+    kept: dict = {}
+    _CACHES.append(kept)
+    return kept
+
+
 def clear_cache() -> None:
     """Forget every decision :func:`select` kept (after changing what it reads from the process:
     see the module's docstring)."""
