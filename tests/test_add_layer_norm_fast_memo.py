@@ -66,6 +66,23 @@ def test_the_environment_variable_after_a_call_is_followed(entry_calls, monkeypa
     assert len(entry_calls) == 2
 
 
+def test_the_first_request_of_any_thread_is_read(entry_calls, monkeypatch):
+    # as in a process where no thread has requested a backend yet (conftest's set_backend("auto") has)
+    monkeypatch.setattr(backends, "ASKED", [False])
+    monkeypatch.setattr(aln, "_ASKED", backends.ASKED)
+    monkeypatch.delattr(backends._state, "name")
+    x, r, w, b = _args()
+    ops.add_layer_norm(x, r, w, b)
+    assert len(entry_calls) == 1
+    with backends.use_backend("reference"):
+        torch.testing.assert_close(ops.add_layer_norm(x, r, w, b), _expected(x, r, w, b))
+    assert len(entry_calls) == 1
+    backends.ASKED[0] = False
+    backends.set_backend("reference")
+    torch.testing.assert_close(ops.add_layer_norm(x, r, w, b), _expected(x, r, w, b))
+    assert len(entry_calls) == 1
+
+
 def test_another_threads_request_leaves_this_threads_calls_alone(entry_calls):
     x, r, w, b = _args()
     ran = []

@@ -16,12 +16,13 @@ _GPU_FACTS = ("hidden_size", "rows", "dropout")
 _CPU = torch.device("cpu")
 # The CPU fast path's backend question, memoised: (the thread's request, FASTFORMER_BACKEND's raw
 # value, dtype, C) -> the Kernels select_eager answered (None where none or an error: the checked
-# path asks again). The key is what select_eager reads of such a call, read as it reads it, so a
-# tuple's dict lookup stands for its call (its 7-field key, the request decoded); cleared with its
-# cache by the declarations' invalidate() (backends.memo).
+# path asks again). The key is what select_eager reads of such a call, read as it reads it (the
+# thread's request only once any thread made one: backends.ASKED), so a tuple's dict lookup stands
+# for its call (its 7-field key, the request decoded); cleared with its cache by the declarations'
+# invalidate() (backends.memo).
 _CPU_KERNELS = backends.memo()
 _MISS = object()
-_state, _env_raw, _ENV_KEY = backends._state, backends._env_raw, backends._ENV_KEY
+_ASKED, _state, _env_raw, _ENV_KEY = backends.ASKED, backends._state, backends._env_raw, backends._ENV_KEY
 
 
 def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
@@ -58,7 +59,7 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
         shape = x.shape
         C = shape[-1] if shape else 0
         if x.is_cpu:
-            key = (_state.__dict__.get("name"), _env_raw(_ENV_KEY), x.dtype, C)
+            key = (_state.__dict__.get("name") if _ASKED[0] else None, _env_raw(_ENV_KEY), x.dtype, C)
             kernels = _CPU_KERNELS.get(key, _MISS)
             if kernels is _MISS:
                 kernels = _cpu_kernels(key, x.dtype, C)
