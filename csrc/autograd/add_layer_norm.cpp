@@ -120,6 +120,7 @@ AddLayerNormFwdGlue run_forward(const Tensor& x, const OptTensor& residual, cons
 // autograd: no node), a copy where the layout needs one. x's checks are the kernels' (a 0-d x or
 // C = 0 is refused there, as the 2-D rows they are given would be).
 Tensor as_rows(const Tensor& t) {
+  if (t.dim() == 2 && t.is_contiguous()) return t;  // (the rows already: no second copy of the handle)
   TORCH_CHECK(t.dim() >= 1, "fastformer::add_layer_norm: x must have at least 1 dimension, got a 0-d tensor");
   return ff_rows(t).contiguous();
 }
@@ -182,7 +183,7 @@ variable_list AddLayerNormBackward::apply(variable_list&& grads) {
   Tensor dy = std::move(grads[0]);
   if (!dy.defined()) dy = h.defined() ? at::zeros_like(h) : input_metadata(0).zeros_like();  // (only h used)
   const c10::DimVector shape(dy.sizes());  // x's (and h's)
-  dy = ff_rows(dy).contiguous();
+  if (dy.dim() != 2 || !dy.is_contiguous()) dy = ff_rows(dy).contiguous();
   OptTensor dh;
   if ((flags & kPrenorm) && grads.size() > 1 && grads[1].defined()) dh = ff_rows(grads[1]).contiguous();
   Tensor h_rows = h.defined() ? ff_rows(h) : Tensor();  // (N, C): the kernels' rows (h is in x's shape)
@@ -257,7 +258,7 @@ std::tuple<Tensor, Tensor> add_layer_norm_impl(const Tensor& x, const OptTensor&
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
                       rms_norm, h_returned, &fused);
-    y = in_shape_of(out.y, x);  // (below autograd: a plain tensor, not a tracked view)
+    y = x.dim() == 2 ? std::move(out.y) : in_shape_of(out.y, x);  // (below autograd: a plain tensor, not a tracked view)
     if (out.h.defined()) h = in_shape_of(out.h, x);  // (undefined: in the block, not returned)
   }
   if (!record) return {std::move(y), std::move(h)};

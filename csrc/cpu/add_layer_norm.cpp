@@ -113,7 +113,7 @@ Bwd5 bwd_run(const at::Tensor& dy, const at::Tensor& dh, const void* h, const at
   FF_ISA(add_layer_norm_bwd_kernel)(dy, dh, h, weight, mean, rstd, dx, dres, dweight, dbias, dx_bias,
                                     dropout_p, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
                                     rms_norm);
-  return {dx, dres, dweight, dbias, dx_bias};
+  return {std::move(dx), std::move(dres), std::move(dweight), std::move(dbias), std::move(dx_bias)};
 }
 
 Bwd5 bwd(
