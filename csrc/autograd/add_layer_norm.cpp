@@ -92,12 +92,13 @@ const Tensor& or_undefined(const OptTensor& t) {
 // The forward kernel: add_layer_norm_fwd.x_bias when x_bias is given and x's device has it, else
 // add_layer_norm_fwd of x + x_bias (or x). *fused: whether the .x_bias overload ran. On the CPU,
 // where the dispatcher would only pass the call on, the kernel is called directly, with mean, rstd
-// and (unless h_returned) h in one allocation where no one sees that: the tensors are only saved, and
-// no saved-tensor hook is set, which would be handed them (add_layer_norm_fwd_glue_cpu). A caller
-// that receives h (the registered op's, the entry's with prenorm) gets it in a storage of its own.
-Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
-                double eps, double dropout_p, const Tensor& philox, const OptTensor& x_bias,
-                bool rms_norm, bool h_returned, bool* fused) {
+// and (unless h_returned) h in one allocation, no tensors made for them (block), where no one sees
+// that: they are only kept for the backward, and no saved-tensor hook is set, which would be handed
+// them (add_layer_norm_fwd_glue_cpu). A caller that receives h (the registered op's, the entry's
+// with prenorm) gets it in a storage of its own.
+AddLayerNormFwdGlue run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                const Tensor& bias, double eps, double dropout_p, const Tensor& philox,
+                                const OptTensor& x_bias, bool rms_norm, bool h_returned, bool* fused) {
   const bool has_x_bias = x_bias.has_value() && x_bias->defined();
   if (dispatches_to_cpu({&x, &or_undefined(residual), &weight, &bias, &philox, &or_undefined(x_bias)})) {
     *fused = has_x_bias;  // (the CPU library has the .x_bias kernels)
@@ -107,17 +108,19 @@ Fwd run_forward(const Tensor& x, const OptTensor& residual, const Tensor& weight
                                        /*h_in_block=*/!h_returned);
   }
   *fused = has_x_bias && has_x_bias_kernels(x);
-  if (*fused) {
-    return fwd_x_bias_op().call(x, residual, weight, bias, eps, dropout_p, philox, *x_bias, rms_norm);
-  }
-  return fwd_op().call(has_x_bias ? at::add(x, *x_bias) : x, residual, weight, bias, eps, dropout_p,
-                       philox, rms_norm);
+  Fwd out = *fused ? fwd_x_bias_op().call(x, residual, weight, bias, eps, dropout_p, philox, *x_bias, rms_norm)
+                   : fwd_op().call(has_x_bias ? at::add(x, *x_bias) : x, residual, weight, bias, eps, dropout_p,
+                                   philox, rms_norm);
+  AddLayerNormFwdGlue glue;
+  std::tie(glue.y, glue.h, glue.mean, glue.rstd) = std::move(out);
+  return glue;
 }
 
 // x or residual (..., C) as the kernels' contiguous (N, C) rows: a view where it can be (below
 // autograd: no node), a copy where the layout needs one. x's checks are the kernels' (a 0-d x or
 // C = 0 is refused there, as the 2-D rows they are given would be).
 Tensor as_rows(const Tensor& t) {
+  if (t.dim() == 2 && t.is_contiguous()) return t;  // (the rows already: no second copy of the handle)
   TORCH_CHECK(t.dim() >= 1, "fastformer::add_layer_norm: x must have at least 1 dimension, got a 0-d tensor");
   return ff_rows(t).contiguous();
 }
@@ -133,6 +136,11 @@ constexpr int64_t kResidual = 1, kXBias = 2, kFused = 4, kPrenorm = 8, kRms = 16
 // the backward), the rest plain members. philox is kept as a plain tensor: it is the caller's fresh
 // draw, never differentiable and never an activation (16 bytes; no kernel reads it at p = 0).
 // Edges: x, residual, weight, bias, x_bias (an absent one an empty edge).
+// The forward's block (run_forward's: mean, rstd, and h unless it is returned) is a plain member:
+// no one else holds it, so there is no version to check, and no hook was set to hand it to (the
+// block is made only then); the kernels read it at its offsets, no tensors are made for them (a
+// SavedVariable and a view cost ~0.2k and ~0.4k instructions each to make, unpack and free).
+// weight (the caller's) and a returned h stay SavedVariables.
 struct AddLayerNormBackward final : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override;
   std::string name() const override { return "AddLayerNormBackward"; }
@@ -142,8 +150,12 @@ struct AddLayerNormBackward final : public torch::autograd::Node {
     weight_.reset_data();
     mean_.reset_data();
     rstd_.reset_data();
+    block = Tensor();
   }
   SavedVariable h_, weight_, mean_, rstd_;  // h in x's shape (an output when prenorm)
+  Tensor block;                             // in_block: mean, rstd at mean_at, rstd_at (bytes), h at 0 if h_in_block
+  int64_t mean_at = 0, rstd_at = 0;
+  bool in_block = false, h_in_block = false;
   Tensor philox;
   double dropout_p = 0.0;
   int64_t flags = 0;  // kResidual | kXBias | kFused | kPrenorm | kRms
@@ -153,41 +165,62 @@ variable_list AddLayerNormBackward::apply(variable_list&& grads) {
   std::lock_guard<std::mutex> lock(mutex_);
   // the saved tensors first: under activation checkpointing, unpacking them recomputes the
   // checkpointed forward, which must record its graph (and save its tensors) as the first time
-  const Tensor h = h_.unpack(getptr());
-  const Tensor weight = weight_.unpack();
-  const Tensor mean = mean_.unpack();
-  const Tensor rstd = rstd_.unpack();
+  Tensor h, weight, mean, rstd;
+  if (in_block) {  // weight_ first: after release_variables its unpack raises torch's "second time" error
+    weight = weight_.unpack();
+    if (!h_in_block) h = h_.unpack(getptr());
+  } else {
+    h = h_.unpack(getptr());
+    weight = weight_.unpack();
+    mean = mean_.unpack();
+    rstd = rstd_.unpack();
+  }
   // the kernels have no autograd of their own: skip it, unless a double backward (create_graph)
   // records the graph, where the kernels' calls go through it as the Python Function's do
   std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
   if (!at::GradMode::is_enabled()) below_autograd.emplace();
   const bool has_residual = flags & kResidual, has_x_bias = flags & kXBias, rms_norm = flags & kRms;
-  const Tensor h_rows = ff_rows(h);  // (N, C): the kernels' rows (h is in x's shape)
   Tensor dy = std::move(grads[0]);
-  if (!dy.defined()) dy = at::zeros_like(h);  // prenorm with only h used
-  dy = ff_rows(dy).contiguous();
+  if (!dy.defined()) dy = h.defined() ? at::zeros_like(h) : input_metadata(0).zeros_like();  // (only h used)
+  const c10::DimVector shape(dy.sizes());  // x's (and h's)
+  if (dy.dim() != 2 || !dy.is_contiguous()) dy = ff_rows(dy).contiguous();
   OptTensor dh;
   if ((flags & kPrenorm) && grads.size() > 1 && grads[1].defined()) dh = ff_rows(grads[1]).contiguous();
+  Tensor h_rows = h.defined() ? ff_rows(h) : Tensor();  // (N, C): the kernels' rows (h is in x's shape)
   Tensor dx, dres, dweight, dbias, dx_bias;
-  if (dispatches_to_cpu({&dy, &or_undefined(dh), &h_rows, &weight, &mean, &rstd, &philox})) {
-    // (as the forward's: dresidual, where it is dx, not allocated; fused on the CPU)
+  if (in_block && dispatches_to_cpu({&dy, &or_undefined(dh), &weight, &block, &philox})) {
+    // the kernels read the block where the forward wrote it (no tensors made for h, mean, rstd)
+    const char* base = static_cast<const char*>(block.const_data_ptr());
     std::tie(dx, dres, dweight, dbias, dx_bias) = add_layer_norm_bwd_glue_cpu(
-        dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, flags & kFused, rms_norm);
-  } else if (flags & kFused) {
-    std::tie(dx, dres, dweight, dbias, dx_bias) =
-        bwd_x_bias_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
+        dy, dh, h_in_block ? base : h_rows.const_data_ptr(), weight, base + mean_at, base + rstd_at, dropout_p,
+        philox, has_residual, flags & kFused, rms_norm);
   } else {
-    std::tie(dx, dres, dweight, dbias) =
-        bwd_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
-    if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
+    if (in_block) {  // (a profiled or traced backward) the block's tensors, for the calls that take tensors
+      Tensor h_block;
+      std::tie(h_block, mean, rstd) = add_layer_norm_block_views(block, dy.size(0), dy.size(1), dy.scalar_type(),
+                                                                 h_in_block, mean_at, rstd_at);
+      if (h_in_block) h_rows = std::move(h_block);
+    }
+    if (dispatches_to_cpu({&dy, &or_undefined(dh), &h_rows, &weight, &mean, &rstd, &philox})) {
+      // (as the forward's: dresidual, where it is dx, not allocated; fused on the CPU)
+      std::tie(dx, dres, dweight, dbias, dx_bias) = add_layer_norm_bwd_glue_cpu(
+          dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, flags & kFused, rms_norm);
+    } else if (flags & kFused) {
+      std::tie(dx, dres, dweight, dbias, dx_bias) =
+          bwd_x_bias_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
+    } else {
+      std::tie(dx, dres, dweight, dbias) =
+          bwd_op().call(dy, dh, h_rows, weight, mean, rstd, dropout_p, philox, has_residual, rms_norm);
+      if (has_x_bias) dx_bias = at::sum(dx, at::IntArrayRef{0});  // Python's dx.sum(0)
+    }
   }
-  if (h.dim() != 2) dx = dx.view(h.sizes());  // back to x's shape
+  if (shape.size() != 2) dx = dx.view(shape);  // back to x's shape
   if (!has_residual) {
     dres = Tensor();
   } else if (dropout_p == 0.0) {  // the kernels return dres empty then
     dres = dx;
-  } else if (h.dim() != 2) {
-    dres = dres.view(h.sizes());
+  } else if (shape.size() != 2) {
+    dres = dres.view(shape);
   }
   // the edges: x, residual, weight, bias, x_bias
   return {std::move(dx), std::move(dres), std::move(dweight), std::move(dbias), std::move(dx_bias)};
@@ -219,24 +252,33 @@ std::tuple<Tensor, Tensor> add_layer_norm_impl(const Tensor& x, const OptTensor&
   const bool record = torch::autograd::compute_requires_grad(x, residual, weight, bias, x_bias);
   if (record) ff_check_functorch();
   bool fused;
-  Fwd out;
+  AddLayerNormFwdGlue out;
   Tensor y, h;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels: no autograd of their own
     out = run_forward(as_rows(x), as_rows(residual), weight, bias, eps, dropout_p, philox, x_bias,
                       rms_norm, h_returned, &fused);
-    y = in_shape_of(std::get<0>(out), x);  // (below autograd: a plain tensor, not a tracked view)
-    h = in_shape_of(std::get<1>(out), x);
+    y = x.dim() == 2 ? std::move(out.y) : in_shape_of(out.y, x);  // (below autograd: a plain tensor, not a tracked view)
+    if (out.h.defined()) h = in_shape_of(out.h, x);  // (undefined: in the block, not returned)
   }
   if (!record) return {std::move(y), std::move(h)};
   auto node = c10::make_intrusive<AddLayerNormBackward>();
   node->set_next_edges(next_edges({&x, &or_undefined(residual), &weight, &bias, &or_undefined(x_bias)}));
   torch::autograd::set_history(y, node);
   if (prenorm) torch::autograd::set_history(h, node);  // else h is returned non-differentiable
-  node->h_ = SavedVariable(h, /*is_output=*/prenorm);
   node->weight_ = SavedVariable(weight, false);
-  node->mean_ = SavedVariable(std::get<2>(out), false);
-  node->rstd_ = SavedVariable(std::get<3>(out), false);
+  if (out.block.defined()) {
+    node->in_block = true;
+    node->h_in_block = !h.defined();
+    if (h.defined()) node->h_ = SavedVariable(h, /*is_output=*/prenorm);
+    node->block = std::move(out.block);
+    node->mean_at = out.mean_at;
+    node->rstd_at = out.rstd_at;
+  } else {
+    node->h_ = SavedVariable(h, /*is_output=*/prenorm);
+    node->mean_ = SavedVariable(out.mean, false);
+    node->rstd_ = SavedVariable(out.rstd, false);
+  }
   node->philox = philox;
   node->dropout_p = dropout_p;
   node->flags = (residual.has_value() && residual->defined() ? kResidual : 0) |

@@ -211,31 +211,31 @@ void add_layer_norm_bwd_rows(const T* dy, const T* dh, const T* h, const T* weig
 
 void add_layer_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual,
                                const at::Tensor& weight, const at::Tensor& bias,
-                               const at::Tensor& x_bias, at::Tensor& y, at::Tensor& h,
-                               at::Tensor& mean, at::Tensor& rstd, double eps, double dropout_p,
-                               uint64_t seed, uint64_t offset, bool rms_norm) {
+                               const at::Tensor& x_bias, at::Tensor& y, void* h, void* mean,
+                               void* rstd, double eps, double dropout_p, uint64_t seed,
+                               uint64_t offset, bool rms_norm) {
   const int64_t N = x.size(0), C = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_layer_norm_fwd", [&] {
     add_layer_norm_fwd_rows<scalar_t>(
         x.data_ptr<scalar_t>(), residual.defined() ? residual.data_ptr<scalar_t>() : nullptr,
         weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
         x_bias.defined() ? x_bias.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(),
-        h.data_ptr<scalar_t>(), mean.data_ptr<acc_t<scalar_t>>(), rstd.data_ptr<acc_t<scalar_t>>(), N, C, eps,
+        static_cast<scalar_t*>(h), static_cast<acc_t<scalar_t>*>(mean), static_cast<acc_t<scalar_t>*>(rstd), N, C, eps,
         dropout_p, seed, offset, rms_norm);
   });
 }
 
-void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h,
-                               const at::Tensor& weight, const at::Tensor& mean,
-                               const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dres,
+void add_layer_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& dh, const void* h,
+                               const at::Tensor& weight, const void* mean,
+                               const void* rstd, at::Tensor& dx, at::Tensor& dres,
                                at::Tensor& dweight, at::Tensor& dbias, at::Tensor& dx_bias,
                                double dropout_p, uint64_t seed, uint64_t offset, bool rms_norm) {
-  const int64_t N = h.size(0), C = h.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_layer_norm_bwd", [&] {
+  const int64_t N = dy.size(0), C = dy.size(1);  // (h's: checked)
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dy.scalar_type(), "add_layer_norm_bwd", [&] {
     add_layer_norm_bwd_rows<scalar_t>(
         dy.data_ptr<scalar_t>(), dh.defined() ? dh.data_ptr<scalar_t>() : nullptr,
-        h.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t<scalar_t>>(),
-        rstd.data_ptr<acc_t<scalar_t>>(), dx.data_ptr<scalar_t>(),
+        static_cast<const scalar_t*>(h), weight.data_ptr<scalar_t>(), static_cast<const acc_t<scalar_t>*>(mean),
+        static_cast<const acc_t<scalar_t>*>(rstd), dx.data_ptr<scalar_t>(),
         dres.numel() > 0 ? dres.data_ptr<scalar_t>() : nullptr, dweight.data_ptr<scalar_t>(),
         dbias.data_ptr<scalar_t>(), dx_bias.defined() ? dx_bias.data_ptr<scalar_t>() : nullptr, N,
         C, dropout_p, seed, offset, rms_norm);

@@ -2,6 +2,9 @@
 #include "large_buffers.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/Context.h>
+#include <c10/core/CPUAllocator.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/ops/empty_native.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
@@ -184,19 +187,41 @@ Pool& Pool::instance() {
 
 }  // namespace
 
+// A small contiguous CPU tensor of nbytes (computed by the caller): at::empty's CPU kernel
+// (at::native::empty_cpu -> at::detail::empty_generic) step by step -- the CPU allocator (its
+// profiler reporting included), the StorageImpl, the TensorImpl, the sizes, torch's deterministic
+// fill of empty memory -- without what a contiguous tensor of known size does not need there (the
+// optional arguments' unpacking, the size computed again, the strides set a second time by
+// empty_tensor_restride): ~0.1k instructions of ~0.9k an allocation, a tiny op's host cost.
+static at::Tensor empty_small(at::IntArrayRef sizes, at::ScalarType dtype, size_t nbytes) {
+  at::detail::check_size_nonnegative(sizes);
+  c10::Allocator* allocator = c10::GetCPUAllocator();
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                       allocator->allocate(nbytes), allocator, /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                          c10::scalarTypeToTypeMeta(dtype));
+  if (sizes.size() != 1 || sizes[0] != 0) t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);  // (made as [0])
+  if (C10_UNLIKELY(at::globalContext().deterministicAlgorithms() &&
+                   at::globalContext().deterministicFillUninitializedMemory())) {
+    at::native::fill_empty_deterministic_(t);
+  }
+  return t;
+}
+
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
   TORCH_CHECK(options.device().is_cpu(), "empty_large: CPU tensors only, got device ",
               options.device());
-  const size_t nbytes = at::detail::computeStorageNbytesContiguous(
-      sizes, c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
+  const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
+  const size_t nbytes = at::detail::computeStorageNbytesContiguous(sizes, c10::elementSize(dtype));
   if (nbytes < kPoolMinBytes) {
-    // at::empty's CPU kernel without its two dispatcher hops (BackendSelect, CPU): a small output
-    // is the per-call host cost of a tiny op (torch's deterministic fill of empty memory included)
-    return at::native::empty_cpu(sizes, c10::typeMetaToScalarType(options.dtype()), options.layout(),
-                                 options.device(), options.pinned_memory(), c10::nullopt);
+    // at::empty's CPU kernel without its two dispatcher hops (BackendSelect, CPU), its steps
+    // written out where the tensor is a plain one (empty_small)
+    if (options.layout() == at::kStrided && !options.pinned_memory()) return empty_small(sizes, dtype, nbytes);
+    return at::native::empty_cpu(sizes, dtype, options.layout(), options.device(), options.pinned_memory(),
+                                 c10::nullopt);
   }
-  return at::detail::empty_generic(sizes, &Pool::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                   c10::typeMetaToScalarType(options.dtype()), c10::nullopt);
+  return at::detail::empty_generic(sizes, &Pool::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
+                                   c10::nullopt);
 }
 
 at::Tensor empty_large_like(const at::Tensor& t) { return empty_large(t.sizes(), t.options()); }

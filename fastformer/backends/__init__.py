@@ -93,6 +93,9 @@ class Availability:
 
 
 _state = threading.local()
+# Whether any thread ever requested a backend (set_backend, use_backend: _state.name's writers):
+# until one did, no thread's request needs reading (an op's fast path skips it: ops/add_layer_norm.py)
+ASKED = [False]
 
 
 def _validate_name(name: str) -> str:
@@ -137,6 +140,7 @@ def get_backend() -> str:
 def set_backend(name: str) -> None:
     """Choose the backend for every following op call in this thread (``"auto"`` restores)."""
     _state.name = _validate_name(name)
+    ASKED[0] = True
 
 
 @contextlib.contextmanager
@@ -144,6 +148,7 @@ def use_backend(name: str) -> Iterator[None]:
     """Context manager: run the enclosed op calls on backend ``name``."""
     previous = getattr(_state, "name", None)
     _state.name = _validate_name(name)
+    ASKED[0] = True
     try:
         yield
     finally:
@@ -245,6 +250,14 @@ _choose._dynamo_marked_constant = True
 _CACHE: Dict[tuple, object] = {}
 _CACHES.append(_CACHE)
 _CACHE_SIZE = 4096  # distinct calls kept; past it the cache starts over (shapes as facts can vary without end)
+
+
+def memo() -> dict:
+    """A dict of an op's own that :func:`invalidate` (and so :func:`clear_cache`) clears with the
+    decisions: an op's fast path may keep what it derived from a decision there."""
+    kept: dict = {}
+    _CACHES.append(kept)
+    return kept
 
 
 def clear_cache() -> None:

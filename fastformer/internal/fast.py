@@ -32,8 +32,12 @@ from .eager import eager
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 _any_autocast = torch._C._is_any_autocast_enabled
 _function_mode = torch._C._is_torch_function_mode_enabled
-# ready()'s half a direct entry cannot answer: while dynamo traces Python, it answers True
-compiling = torch.compiler.is_compiling
+# ready()'s half a direct entry cannot answer: while dynamo traces Python, it answers True (dynamo
+# folds it to True as it folds is_compiling). One Python call where is_compiling() makes two
+# (torch.jit.is_scripting, then the flag); what it does not see, is_compiling's flag set while
+# export or a compile session runs Python eagerly, comes with a dispatch mode or fake tensors,
+# which the entry declines (ff_eager_tls, FFArgs): the checked path runs there as before.
+compiling = torch.compiler.is_dynamo_compiling
 
 
 def plain(*tensors) -> bool:

@@ -14,6 +14,15 @@ from . import reference
 _FACTS = ("hidden_size",)
 _GPU_FACTS = ("hidden_size", "rows", "dropout")
 _CPU = torch.device("cpu")
+# The CPU fast path's backend question, memoised: (the thread's request, FASTFORMER_BACKEND's raw
+# value, dtype, C) -> the Kernels select_eager answered (None where none or an error: the checked
+# path asks again). The key is what select_eager reads of such a call, read as it reads it (the
+# thread's request only once any thread made one: backends.ASKED), so a tuple's dict lookup stands
+# for its call (its 7-field key, the request decoded); cleared with its cache by the declarations'
+# invalidate() (backends.memo).
+_CPU_KERNELS = backends.memo()
+_MISS = object()
+_ASKED, _state, _env_raw, _ENV_KEY = backends.ASKED, backends._state, backends._env_raw, backends._ENV_KEY
 
 
 def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
@@ -49,12 +58,16 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
         # than device, and the CPU's key holds one device object, compared by identity)
         shape = x.shape
         C = shape[-1] if shape else 0
-        try:
-            kernels = (backends.select_eager("add_layer_norm", _CPU, x.dtype, _FACTS, (C,)) if x.is_cpu
-                       else _kernels(x, x.device, x.dtype, C, dropout_p) if C and fast.number(dropout_p)
-                       else None)
-        except RuntimeError:
-            kernels = None  # (the checked path raises it again)
+        if x.is_cpu:
+            key = (_state.__dict__.get("name") if _ASKED[0] else None, _env_raw(_ENV_KEY), x.dtype, C)
+            kernels = _CPU_KERNELS.get(key, _MISS)
+            if kernels is _MISS:
+                kernels = _cpu_kernels(key, x.dtype, C)
+        else:
+            try:
+                kernels = _kernels(x, x.device, x.dtype, C, dropout_p) if C and fast.number(dropout_p) else None
+            except RuntimeError:
+                kernels = None  # (the checked path raises it again)
         op = kernels.add_layer_norm if kernels is not None else None
         entry = fast.DIRECT.get(op)
         if entry is not None:
@@ -68,6 +81,21 @@ def add_layer_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Op
         if out is not None:
             return out
     return _checked(x, residual, weight, bias, eps, dropout_p, prenorm, x_bias, rms_norm)
+
+
+def _cpu_kernels(key, dtype, C):
+    """select_eager's answer for a CPU call (None for an error: the checked path raises it again),
+    kept under ``key`` unless the declarations changed meanwhile (as select keeps its own)."""
+    generation = backends.GENERATION[0]
+    try:
+        kernels = backends.select_eager("add_layer_norm", _CPU, dtype, _FACTS, (C,))
+    except RuntimeError:
+        kernels = None
+    if backends.GENERATION[0] == generation:
+        if len(_CPU_KERNELS) >= 64:  # (C and dtype as a model uses them: a few)
+            _CPU_KERNELS.clear()
+        _CPU_KERNELS[key] = kernels
+    return kernels
 
 
 def _kernels(x, device, dtype, C, dropout_p):
