@@ -119,7 +119,7 @@ def test_an_entry_is_the_registered_op_with_philox_drawn(op, p):
     assert torch.equal(got_state, want_state)
 
 
-@pytest.mark.parametrize("op", ["feed_forward", "embedding"])
+@pytest.mark.parametrize("op", ENTRIES)
 def test_the_profiler_sees_an_entrys_input_shapes_as_the_registered_ops(op):
     # record_shapes: the entry's event lists what the registered op's does, less its philox pair
     def shapes(call):

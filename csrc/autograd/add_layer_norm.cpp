@@ -326,7 +326,9 @@ PyObject* add_layer_norm_eager(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (x_bias) x_bias = x_bias->contiguous();  // (an autograd copy where it is not, as the checked path's)
   std::tuple<Tensor, Tensor> out;
   {
-    RECORD_FUNCTION("fastformer::add_layer_norm", std::vector<c10::IValue>());
+    // the inputs built only while a profiler listens (record_shapes), as for the registered op
+    RECORD_FUNCTION("fastformer::add_layer_norm", std::vector<c10::IValue>({*x, residual, *weight, *bias, eps,
+                                                                             dropout_p, prenorm, x_bias, rms_norm}));
     // the GIL released as the registered op's call from Python does (torch's bindings release it
     // for every call), so that other Python threads run meanwhile; not for a small x, whose call
     // takes a few microseconds, about what releasing and taking it back costs. Holding it is safe:
